@@ -1,0 +1,196 @@
+"""Small heads over the encoder's output, and `BertWithHead`, the encoder plus one head.
+
+Each built-in head matches a standard checkpoint head (masked-LM, next-sentence, pretraining,
+sequence / token classification, span) so that loading.py can map its weights by name.
+Losses and task logic live with the tasks, not here.
+
+Shape legend: B batch, T tokens, H hidden size, V vocab, L labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .config import BertConfig
+from .model import ACT2FN, BertModel, EncoderOutput, init_weights
+
+
+@dataclass
+class MaskedLMOutput:
+    logits: Tensor  # (B, T, V)
+    encoder: EncoderOutput | None = None
+
+
+@dataclass
+class PretrainingOutput:
+    mlm_logits: Tensor  # (B, T, V)
+    nsp_logits: Tensor  # (B, 2): index 0 "B follows A", 1 "B is random"
+    encoder: EncoderOutput | None = None
+
+
+@dataclass
+class ClassifierOutput:
+    logits: Tensor  # (B, L) per sequence, or (B, T, L) per token
+    encoder: EncoderOutput | None = None
+
+
+@dataclass
+class SpanOutput:
+    start_logits: Tensor  # (B, T)
+    end_logits: Tensor  # (B, T)
+    encoder: EncoderOutput | None = None
+
+
+def _dropout(config: BertConfig) -> nn.Dropout:
+    p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+    return nn.Dropout(p)
+
+
+class MaskedLMHead(nn.Module):
+    """transform (dense + act + LayerNorm) then a decoder tied to the word embeddings, plus a bias."""
+
+    needs_pooler = False
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.transform = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.transform_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def tie_to(self, word_embeddings: nn.Embedding) -> None:
+        """Share the decoder matrix with the input embeddings, as BERT was trained."""
+        self.decoder.weight = word_embeddings.weight
+
+    def logits(self, hidden_states: Tensor) -> Tensor:
+        """(…, H) -> (…, V); pass only the masked positions to save the V-wide matmul elsewhere."""
+        h = self.transform_norm(self.act(self.transform(hidden_states)))
+        return self.decoder(h) + self.bias
+
+    def forward(self, encoded: EncoderOutput) -> MaskedLMOutput:
+        return MaskedLMOutput(self.logits(encoded.last_hidden_state))  # (B, T, V)
+
+
+class NextSentenceHead(nn.Module):
+    """Linear over the pooled [CLS] vector: does segment B follow segment A?"""
+
+    needs_pooler = True
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, encoded: EncoderOutput) -> ClassifierOutput:
+        return ClassifierOutput(self.classifier(encoded.pooled))  # (B, 2)
+
+
+class PretrainingHead(nn.Module):
+    """Masked-LM and next-sentence heads together, as in BERT's pretraining."""
+
+    needs_pooler = True
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.mlm = MaskedLMHead(config)
+        self.nsp = NextSentenceHead(config)
+
+    def tie_to(self, word_embeddings: nn.Embedding) -> None:
+        self.mlm.tie_to(word_embeddings)
+
+    def forward(self, encoded: EncoderOutput) -> PretrainingOutput:
+        return PretrainingOutput(self.mlm(encoded).logits, self.nsp(encoded).logits)
+
+
+class SequenceClassificationHead(nn.Module):
+    """Dropout + linear over the pooled [CLS] vector: one label distribution per sequence."""
+
+    needs_pooler = True
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        if config.num_labels < 1:
+            raise ValueError("a sequence classification head needs labels: config.id2label is empty")
+        self.dropout = _dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, encoded: EncoderOutput) -> ClassifierOutput:
+        return ClassifierOutput(self.classifier(self.dropout(encoded.pooled)))  # (B, L)
+
+
+class TokenClassificationHead(nn.Module):
+    """Dropout + linear over every token's hidden state: one label distribution per token."""
+
+    needs_pooler = False
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        if config.num_labels < 1:
+            raise ValueError("a token classification head needs labels: config.id2label is empty")
+        self.dropout = _dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, encoded: EncoderOutput) -> ClassifierOutput:
+        return ClassifierOutput(self.classifier(self.dropout(encoded.last_hidden_state)))  # (B, T, L)
+
+
+class SpanHead(nn.Module):
+    """Linear H -> 2 over every token: start and end logits of an answer span (extractive QA)."""
+
+    needs_pooler = False
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, encoded: EncoderOutput) -> SpanOutput:
+        logits = self.qa_outputs(encoded.last_hidden_state)  # (B, T, 2)
+        return SpanOutput(logits[..., 0], logits[..., 1])
+
+
+HEADS: dict[str, type[nn.Module]] = {
+    "mlm": MaskedLMHead,
+    "nsp": NextSentenceHead,
+    "pretraining": PretrainingHead,
+    "sequence": SequenceClassificationHead,
+    "token": TokenClassificationHead,
+    "span": SpanHead,
+}
+
+
+class BertWithHead(nn.Module):
+    """The encoder and one head; `forward` takes the encoder's arguments and returns the head's output.
+
+    Args:
+        config: encoder hyper-parameters (and labels, for classification heads).
+        head: a name from HEADS, or any module whose forward takes an EncoderOutput (third-party heads).
+            A head with `tie_to` gets the word embeddings; `needs_pooler` (default True) decides the pooler.
+    """
+
+    def __init__(self, config: BertConfig, head: str | nn.Module) -> None:
+        super().__init__()
+        if isinstance(head, str):
+            if head not in HEADS:
+                raise ValueError(f"unknown head {head!r}; choose one of {sorted(HEADS)}")
+            self.head_name = head
+            head = HEADS[head](config)
+            head.apply(lambda module: init_weights(module, config.initializer_range))
+        else:
+            self.head_name = type(head).__name__
+        self.config = config
+        self.encoder = BertModel(config, add_pooler=getattr(head, "needs_pooler", True))
+        self.head = head
+        if hasattr(head, "tie_to"):
+            head.tie_to(self.encoder.embeddings.word_embeddings)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None, position_ids: Tensor | None = None,
+                output_attentions: bool = False):
+        encoded = self.encoder(input_ids, attention_mask, token_type_ids, position_ids, output_attentions)
+        output = self.head(encoded)
+        if hasattr(output, "encoder"):
+            output.encoder = encoded
+        return output

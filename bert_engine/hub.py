@@ -1,0 +1,146 @@
+"""The only module that touches the network: resolve a checkpoint name to a local folder.
+
+A name is a local folder or a Hub id ("owner/name", with an optional revision). Downloads go
+through `huggingface_hub`, which keeps its cache consistent (a file lands under its final name
+only once complete). Offline mode (`HF_HUB_OFFLINE=1` or `local_files_only`) uses the cache only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import huggingface_hub
+from huggingface_hub import errors as hub_errors
+
+logger = logging.getLogger(__name__)
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
+# In order of preference: safetensors first, .bin only when a repository has nothing else.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
+OPTIONAL_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+class HubError(RuntimeError):
+    """A checkpoint could not be resolved or downloaded; the message names the id and what to do."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A checkpoint available on disk. `commit` is the Hub commit hash (None for a local folder)."""
+
+    folder: Path
+    name: str
+    revision: str | None = None
+    commit: str | None = None
+
+
+def is_offline() -> bool:
+    """HF_HUB_OFFLINE read at call time (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, local_files_only: bool = False,
+            cache_dir: str | Path | None = None, endpoint: str | None = None, token: str | bool | None = None,
+            etag_timeout: float = 10) -> Resolved:
+    """Return a local folder holding config.json, one weights file and the tokenizer files.
+
+    Args:
+        name_or_path: a folder, or a Hub id like "sentence-transformers/all-MiniLM-L6-v2".
+        revision: branch, tag or commit of a Hub id (default "main").
+        local_files_only: never use the network (also implied by HF_HUB_OFFLINE=1).
+        endpoint: Hub URL (default: huggingface_hub's, which honours HF_ENDPOINT).
+    Raises:
+        HubError: naming the id and saying what to do, for a bad id, a missing repository, revision or
+            file, an unreachable Hub, or offline mode without a cached copy.
+    """
+    name = os.fspath(name_or_path)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return Resolved(path, name)
+    if path.exists():
+        raise HubError(f"{name!r} is a file; give the checkpoint's folder (config.json + weights) or a Hub id")
+    if not REPO_ID.match(name) or name.startswith((".", "/", "~")):
+        raise HubError(f"{name!r} is neither an existing folder nor a Hub id like 'owner/name'")
+    offline = local_files_only or is_offline()
+    fetch = _Fetcher(name, revision, offline, cache_dir, endpoint, token, etag_timeout)
+    config = fetch("config.json", required=True)
+    weights = fetch.first_of(WEIGHT_FILES, "weights")
+    if weights.name.endswith(".index.json"):
+        import json
+        for shard in sorted(set(json.loads(weights.read_text(encoding="utf-8"))["weight_map"].values())):
+            fetch(shard, required=True)
+    fetch.first_of(TOKENIZER_FILES, "tokenizer")
+    for optional in OPTIONAL_FILES:
+        fetch(optional, required=False)
+    folder = config.parent
+    commit = folder.name if folder.parent.name == "snapshots" else None
+    return Resolved(folder, name, revision, commit)
+
+
+class _Fetcher:
+    """hf_hub_download for one repository and revision, with errors turned into HubError."""
+
+    def __init__(self, repo_id, revision, offline, cache_dir, endpoint, token, etag_timeout) -> None:
+        self.repo_id, self.revision, self.offline = repo_id, revision, offline
+        self.last_error: BaseException | None = None
+        self.kwargs = dict(revision=revision, cache_dir=cache_dir, local_files_only=offline, endpoint=endpoint,
+                           token=token, etag_timeout=etag_timeout, library_name="bert-engine")
+
+    def __call__(self, filename: str, required: bool) -> Path | None:
+        try:
+            return Path(huggingface_hub.hf_hub_download(self.repo_id, filename, **self.kwargs))
+        except hub_errors.RepositoryNotFoundError:
+            raise HubError(f"Hub repository {self.repo_id!r} not found (or private/gated without a token); "
+                           "check the spelling of the id or log in with `hf auth login`") from None
+        except hub_errors.RevisionNotFoundError:
+            raise HubError(f"revision {self.revision!r} not found in {self.repo_id!r}; "
+                           "use a branch, tag or commit that exists") from None
+        except hub_errors.RemoteEntryNotFoundError:
+            if required:
+                raise HubError(f"{self.where} has no {filename!r}; is it a BERT checkpoint in the "
+                               "Hugging Face layout?") from None
+            return None
+        except hub_errors.LocalEntryNotFoundError as err:
+            # Offline and not cached, or the Hub unreachable and not cached.
+            self.last_error = err
+            if required:
+                raise HubError(self._unavailable(filename, err)) from None
+            return None
+        except (hub_errors.HfHubHTTPError, hub_errors.OfflineModeIsEnabled, OSError, ValueError) as err:
+            raise HubError(f"could not download {filename!r} of {self.where}: {_short(err)}. Check the network, "
+                           "or pass a local folder; a cached copy is used with HF_HUB_OFFLINE=1") from None
+        except Exception as err:  # connection errors of the HTTP client huggingface_hub uses
+            if type(err).__module__.split(".")[0] in {"httpx", "httpx2", "httpcore", "requests", "urllib3"}:
+                raise HubError(self._unavailable(filename, err)) from None
+            raise
+
+    @property
+    def where(self) -> str:
+        return f"{self.repo_id!r}" + (f" at revision {self.revision!r}" if self.revision else "")
+
+    def _unavailable(self, filename: str, err: BaseException) -> str:
+        if self.offline:
+            return (f"{filename!r} of {self.where} is not in the local cache and offline mode is on "
+                    "(HF_HUB_OFFLINE / local_files_only); download it once online or pass a local folder")
+        return (f"could not reach the Hub for {filename!r} of {self.where} and there is no cached copy "
+                f"({_short(err)}); check the network, or pass a local folder")
+
+    def first_of(self, filenames: tuple[str, ...], what: str) -> Path:
+        self.last_error = None
+        for filename in filenames:
+            path = self(filename, required=False)
+            if path is not None:
+                return path
+        if self.last_error is not None:
+            raise HubError(self._unavailable(" / ".join(filenames), self.last_error))
+        raise HubError(f"{self.where} has no {what} file; looked for {', '.join(filenames)}")
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__

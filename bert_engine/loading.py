@@ -1,0 +1,386 @@
+"""Checkpoints in the Hugging Face layout: read weights safely, map their names to ours, save.
+
+One explicit table (`ENCODER_TABLE`, `HEAD_TABLES`) documents the checkpoint format: every
+parameter of ours and the checkpoint key(s) it comes from. Every checkpoint key is consumed or
+reported as unexpected, missing keys are reported by name, and shapes must match exactly.
+Network access lives in hub.py; this module reads only local files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from .config import BertConfig
+from .heads import BertWithHead
+from .model import BertModel
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable, unsafe, or does not fit the model; names the file."""
+
+
+# -- the mapping table ------------------------------------------------------------------------------
+# (our parameter, checkpoint key(s)). Several checkpoint keys are concatenated along dim 0, in order:
+# we fuse query/key/value into one projection. "{i}" is the layer index. Checkpoint keys are written
+# after normalisation (see `normalise_key`): no "bert." prefix, LayerNorm.weight/bias.
+_L = "encoder.layer.{i}."
+ENCODER_TABLE: list[tuple[str, tuple[str, ...]]] = [
+    ("embeddings.word_embeddings.weight", ("embeddings.word_embeddings.weight",)),
+    ("embeddings.position_embeddings.weight", ("embeddings.position_embeddings.weight",)),
+    ("embeddings.token_type_embeddings.weight", ("embeddings.token_type_embeddings.weight",)),
+    ("embeddings.layer_norm.weight", ("embeddings.LayerNorm.weight",)),
+    ("embeddings.layer_norm.bias", ("embeddings.LayerNorm.bias",)),
+    ("layers.{i}.attention.qkv.weight", tuple(_L + f"attention.self.{p}.weight" for p in ("query", "key", "value"))),
+    ("layers.{i}.attention.qkv.bias", tuple(_L + f"attention.self.{p}.bias" for p in ("query", "key", "value"))),
+    ("layers.{i}.attention.out.weight", (_L + "attention.output.dense.weight",)),
+    ("layers.{i}.attention.out.bias", (_L + "attention.output.dense.bias",)),
+    ("layers.{i}.attention_norm.weight", (_L + "attention.output.LayerNorm.weight",)),
+    ("layers.{i}.attention_norm.bias", (_L + "attention.output.LayerNorm.bias",)),
+    ("layers.{i}.ffn.up.weight", (_L + "intermediate.dense.weight",)),
+    ("layers.{i}.ffn.up.bias", (_L + "intermediate.dense.bias",)),
+    ("layers.{i}.ffn.down.weight", (_L + "output.dense.weight",)),
+    ("layers.{i}.ffn.down.bias", (_L + "output.dense.bias",)),
+    ("layers.{i}.ffn_norm.weight", (_L + "output.LayerNorm.weight",)),
+    ("layers.{i}.ffn_norm.bias", (_L + "output.LayerNorm.bias",)),
+    ("pooler.dense.weight", ("pooler.dense.weight",)),
+    ("pooler.dense.bias", ("pooler.dense.bias",)),
+]
+_MLM = [
+    ("transform.weight", ("cls.predictions.transform.dense.weight",)),
+    ("transform.bias", ("cls.predictions.transform.dense.bias",)),
+    ("transform_norm.weight", ("cls.predictions.transform.LayerNorm.weight",)),
+    ("transform_norm.bias", ("cls.predictions.transform.LayerNorm.bias",)),
+    ("bias", ("cls.predictions.bias",)),
+    # decoder.weight is tied to the word embeddings: not a parameter of its own (see _TIED_KEYS).
+]
+_NSP = [("classifier.weight", ("cls.seq_relationship.weight",)), ("classifier.bias", ("cls.seq_relationship.bias",))]
+_CLASSIFIER = [("classifier.weight", ("classifier.weight",)), ("classifier.bias", ("classifier.bias",))]
+HEAD_TABLES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "mlm": _MLM,
+    "nsp": _NSP,
+    "pretraining": [("mlm." + ours, keys) for ours, keys in _MLM] + [("nsp." + ours, keys) for ours, keys in _NSP],
+    "sequence": _CLASSIFIER,
+    "token": _CLASSIFIER,
+    "span": [("qa_outputs.weight", ("qa_outputs.weight",)), ("qa_outputs.bias", ("qa_outputs.bias",))],
+}
+# The transformers class whose checkpoint each head matches (written as `architectures` on save).
+ARCHITECTURES = {
+    None: "BertModel", "mlm": "BertForMaskedLM", "nsp": "BertForNextSentencePrediction",
+    "pretraining": "BertForPreTraining", "sequence": "BertForSequenceClassification",
+    "token": "BertForTokenClassification", "span": "BertForQuestionAnswering",
+}
+# Checkpoint keys that are consumed without a parameter: buffers older transformers saved, and the
+# MLM decoder matrix, which is the word-embedding matrix again (tied) in every BERT checkpoint.
+_BUFFER_KEYS = ("embeddings.position_ids",)
+_TIED_KEYS = ("cls.predictions.decoder.weight",)
+# Aliases: newer transformers versions also save the MLM bias under the decoder's name.
+_ALIASES = {"cls.predictions.decoder.bias": "cls.predictions.bias"}
+
+
+def normalise_key(key: str) -> str:
+    """Checkpoint key -> the table's spelling: drop the "bert." prefix, legacy gamma/beta names."""
+    if key.startswith("bert."):
+        key = key[len("bert."):]
+    key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", key)
+    key = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key)
+    return _ALIASES.get(key, key)
+
+
+def expand_table(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
+    """The table rows for this model: one row per parameter of ours, layer indices filled in."""
+    encoder, prefix, head_name = _parts(model)
+    rows = []
+    for ours, keys in ENCODER_TABLE:
+        if ours.startswith("pooler.") and encoder.pooler is None:
+            continue
+        layers = range(encoder.config.num_hidden_layers) if "{i}" in ours else [None]
+        for i in layers:
+            rows.append((prefix + ours.format(i=i), tuple(k.format(i=i) for k in keys)))
+    if head_name in HEAD_TABLES:
+        rows += [("head." + ours, keys) for ours, keys in HEAD_TABLES[head_name]]
+    elif isinstance(model, BertWithHead):
+        # A third-party head: its parameters are stored under their own names, "head.*".
+        rows += [(name, (name,)) for name, _ in model.named_parameters() if name.startswith("head.")]
+    return rows
+
+
+def _parts(model: nn.Module) -> tuple[BertModel, str, str | None]:
+    if isinstance(model, BertWithHead):
+        return model.encoder, "encoder.", model.head_name
+    if isinstance(model, BertModel):
+        return model, "", None
+    raise TypeError(f"expected a BertModel or BertWithHead, got {type(model).__name__}")
+
+
+# -- reading weight files ----------------------------------------------------------------------------
+
+def find_weights(folder: Path) -> Path:
+    """The weights file of a checkpoint folder, safetensors preferred; raises CheckpointError if none."""
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise CheckpointError(f"{folder}: no weights file found (looked for {', '.join(WEIGHT_FILES)})")
+
+
+def read_weights(path: str | Path) -> dict[str, Tensor]:
+    """Read a safetensors / .bin file, or a sharded checkpoint through its index .json.
+
+    `.bin` files are unpickled with `weights_only=True`: a pickle that would run code is refused.
+
+    Raises:
+        CheckpointError: naming the file, if it is truncated, corrupt, unsafe or not a state dict.
+    """
+    path = Path(path)
+    if path.name.endswith(".index.json"):
+        try:
+            shards = sorted(set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{path}: not a valid checkpoint index ({err})") from None
+        state: dict[str, Tensor] = {}
+        for shard in shards:
+            state.update(read_weights(path.parent / shard))
+        return state
+    if not path.is_file():
+        raise CheckpointError(f"{path}: weights file does not exist")
+    if path.suffix == ".safetensors":
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{path}: unreadable safetensors file, truncated or corrupt ({err})") from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        first_line = str(err).strip().splitlines()[0]
+        raise CheckpointError(
+            f"{path}: refused to load; the pickle holds objects other than tensors, which could run code "
+            f"({first_line}). Convert the checkpoint to safetensors from a trusted source."
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: unreadable .bin file, truncated or corrupt ({err})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}: expected a dict of tensors (a state dict), got {type(state).__name__}")
+    return state
+
+
+# -- mapping checkpoint names to ours ------------------------------------------------------------------
+
+@dataclass
+class LoadReport:
+    """What happened to every key: `missing` are ours with no source, `unexpected` the checkpoint's unused."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+    def encoder_missing(self) -> list[str]:
+        return [k for k in self.missing if not k.startswith("head.")]
+
+
+def convert_state_dict(checkpoint: dict[str, Tensor], model: nn.Module,
+                       source: str = "checkpoint") -> tuple[dict[str, Tensor], LoadReport]:
+    """Map checkpoint tensors onto `model`'s parameter names, checking every shape.
+
+    Returns:
+        (our state dict, a LoadReport). Tensors keep their dtype; the caller casts.
+    Raises:
+        CheckpointError: if a tensor's shape differs from ours, naming the key and both shapes.
+    """
+    # Normalised name -> the checkpoint's spellings of it (both spellings of the MLM bias may occur).
+    spellings: dict[str, list[str]] = {}
+    for key in checkpoint:
+        spellings.setdefault(normalise_key(key), []).append(key)
+    by_norm = {norm: keys[0] for norm, keys in spellings.items()}
+    expected = dict(model.state_dict())
+    consumed: set[str] = set()
+    ours_state: dict[str, Tensor] = {}
+    report = LoadReport()
+    for ours, keys in expand_table(model):
+        present = [k for k in keys if k in by_norm]
+        if len(present) < len(keys):
+            report.missing.append(ours)
+            continue
+        parts = [checkpoint[by_norm[k]] for k in keys]
+        want = expected[ours].shape
+        part_shape = torch.Size([want[0] // len(keys), *want[1:]]) if len(keys) > 1 else want
+        for key, tensor in zip(keys, parts):
+            if tensor.shape != part_shape:
+                raise CheckpointError(
+                    f"{source}: tensor {by_norm[key]!r} has shape {tuple(tensor.shape)} in the checkpoint, "
+                    f"but the model expects {tuple(part_shape)} (for {ours!r})"
+                )
+        ours_state[ours] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        consumed.update(spelling for k in keys for spelling in spellings[k])
+    for key in _BUFFER_KEYS + _TIED_KEYS:
+        consumed.update(spellings.get(key, ()))
+    report.unexpected = sorted(set(checkpoint) - consumed)
+    _check_tied_decoder(checkpoint, by_norm, ours_state, model, source)
+    return ours_state, report
+
+
+def _check_tied_decoder(checkpoint, by_norm, ours_state, model, source) -> None:
+    key = by_norm.get(_TIED_KEYS[0])
+    embeddings = next((v for k, v in ours_state.items() if k.endswith("embeddings.word_embeddings.weight")), None)
+    if key is None or embeddings is None or not isinstance(model, BertWithHead) or not hasattr(model.head, "tie_to"):
+        return
+    decoder = checkpoint[key]
+    if decoder.shape != embeddings.shape or not torch.equal(decoder, embeddings):
+        logger.warning("%s: %s differs from the word embeddings; the decoder is tied to the embeddings, "
+                       "so the checkpoint's separate copy is not used", source, key)
+
+
+def load_state(model: nn.Module, checkpoint: dict[str, Tensor], *, source: str = "checkpoint",
+               strict: bool = False) -> LoadReport:
+    """Copy a checkpoint's tensors into `model` (cast to its dtype) and report what did not fit.
+
+    Missing encoder weights always raise (the encoder would be random); a missing head is left at
+    its fresh initialisation with a warning unless `strict`; unexpected keys are logged by name.
+
+    Raises:
+        CheckpointError: on a shape mismatch, missing encoder weights, or (strict) any missing/unexpected key.
+    """
+    state, report = convert_state_dict(checkpoint, model, source)
+    if report.encoder_missing() or (strict and (report.missing or report.unexpected)):
+        problems = []
+        if report.missing:
+            problems.append(f"missing {_names(report.missing)}")
+        if report.unexpected:
+            problems.append(f"unexpected {_names(report.unexpected)}")
+        raise CheckpointError(f"{source}: checkpoint does not fit the model: {'; '.join(problems)}")
+    if report.missing:
+        logger.warning("%s: no weights for %s; they keep their fresh initialisation (train the head first)",
+                       source, _names(report.missing))
+    if report.unexpected:
+        logger.warning("%s: unused checkpoint keys %s", source, _names(report.unexpected))
+    params = dict(model.state_dict())
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor.to(params[name].dtype))
+    return report
+
+
+def _names(keys: list[str], limit: int = 12) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+# -- saving in the Hugging Face layout -------------------------------------------------------------------
+
+def to_checkpoint_state(model: nn.Module) -> dict[str, Tensor]:
+    """Our parameters under the checkpoint names transformers expects (query/key/value split again)."""
+    encoder, prefix, head_name = _parts(model)
+    own = model.state_dict()
+    bert = "bert." if isinstance(model, BertWithHead) else ""
+    out: dict[str, Tensor] = {}
+    for ours, keys in expand_table(model):
+        pieces = own[ours].chunk(len(keys), dim=0) if len(keys) > 1 else (own[ours],)
+        for key, piece in zip(keys, pieces):
+            is_head_key = key.startswith(("cls.", "classifier.", "qa_outputs.", "head."))
+            out[key if is_head_key else bert + key] = piece.detach().contiguous().cpu()
+    return out
+
+
+def save_pretrained(model: nn.Module, folder: str | Path, tokenizer=None) -> Path:
+    """Write config.json + model.safetensors (+ the tokenizer) so transformers and we can load them."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    encoder, _, head_name = _parts(model)
+    architecture = ARCHITECTURES.get(head_name, "BertModel")
+    encoder.config.to_json_file(folder / "config.json", architectures=[architecture])
+    save_file(to_checkpoint_state(model), folder / "model.safetensors", metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(folder)
+    return folder
+
+
+# -- the one call users make ---------------------------------------------------------------------------
+
+def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = None, *, labels: list[str] | None = None,
+                    revision: str | None = None, local_files_only: bool = False, attn_backend: str = "sdpa",
+                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", strict: bool = False,
+                    **hub_kwargs) -> nn.Module:
+    """Load a checkpoint (folder or Hub id) as a BertModel, or a BertWithHead when `head` is given.
+
+    Args:
+        head: None for the bare encoder, a name from heads.HEADS, "auto" (from the checkpoint's
+            `architectures`), or a head module of a third-party task.
+        labels: label names for a new classification head (overrides the checkpoint's id2label).
+        strict: also raise on unexpected keys and a missing (untrained) head.
+    Returns:
+        The model in eval mode on `device`, with `.checkpoint` (a hub.Resolved) for provenance.
+    Raises:
+        hub.HubError: the checkpoint cannot be found or downloaded.
+        CheckpointError: a file is unsafe, corrupt, or does not fit (names the file and the tensor).
+        ValueError: config.json holds impossible values.
+    """
+    from .hub import resolve
+
+    resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
+    config_file = resolved.folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{resolved.folder}: no config.json; not a checkpoint in the Hugging Face layout")
+    config = BertConfig.from_json_file(config_file, attn_backend=attn_backend)
+    if labels is not None:
+        config = config.with_labels(list(labels))
+    weights = find_weights(resolved.folder)
+    checkpoint = read_weights(weights)
+    if head == "auto":
+        head = _head_from_architectures(config_file)
+    if head is None:
+        has_pooler = any(normalise_key(k).startswith("pooler.") for k in checkpoint)
+        model: nn.Module = BertModel(config, add_pooler=has_pooler)
+    else:
+        model = BertWithHead(config, head)
+    load_state(model, checkpoint, source=str(weights), strict=strict)
+    model.to(device=device, dtype=dtype).eval()
+    model.checkpoint = resolved
+    return model
+
+
+def _head_from_architectures(config_file: Path) -> str | None:
+    names = json.loads(config_file.read_text(encoding="utf-8")).get("architectures") or ["BertModel"]
+    by_class = {cls: head for head, cls in ARCHITECTURES.items()}
+    if names[0] not in by_class:
+        raise CheckpointError(f"{config_file}: architecture {names[0]!r} is not one of {sorted(by_class)}")
+    return by_class[names[0]]
+
+
+def load_tokenizer(name_or_path: str | Path, *, revision: str | None = None, local_files_only: bool = False,
+                   **hub_kwargs):
+    """The checkpoint's tokenizer (tokenizer.json, else vocab.txt) as a tokenizer.Tokenizer."""
+    from .hub import resolve
+    from .tokenizer import Tokenizer
+
+    resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
+    return Tokenizer.from_pretrained(resolved.folder)
+
+
+def load(name_or_path: str | Path, head: str | nn.Module | None = None, **kwargs):
+    """Model and tokenizer together, checked to agree: every token id must have an embedding row.
+
+    Raises:
+        CheckpointError: if the tokenizer's vocabulary is larger than the embedding table.
+    """
+
+    model = load_pretrained(name_or_path, head, **kwargs)
+    tokenizer = load_tokenizer(model.checkpoint.folder)
+    vocab_size = model.config.vocab_size
+    if tokenizer.vocab_size > vocab_size:
+        raise CheckpointError(
+            f"{model.checkpoint.folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+            f"embedding table has only {vocab_size} rows (vocab_size in config.json); they do not belong together"
+        )
+
+    return model, tokenizer

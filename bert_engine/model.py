@@ -1,0 +1,260 @@
+"""The BERT encoder: embeddings -> N post-LayerNorm transformer layers -> tanh pooler.
+
+Holds the attention backends (an eager reference that can return weights, and SDPA) and
+nothing task-specific: heads live in heads.py, checkpoint names in loading.py.
+
+Shape legend: B batch, T tokens, H hidden size, N heads, D head size (H = N·D), I intermediate size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import BertConfig
+
+
+@dataclass
+class EncoderOutput:
+    """What the encoder returns.
+
+    last_hidden_state: (B, T, H) float. pooled: (B, H) tanh(dense(h_[CLS])), or None without a pooler.
+    attentions: one (B, N, T, T) tensor per layer when asked for, else None.
+    """
+
+    last_hidden_state: Tensor
+    pooled: Tensor | None = None
+    attentions: tuple[Tensor, ...] | None = None
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACT2FN: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,  # exact erf form, as in the original BERT
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "tanh": torch.tanh,
+}
+
+
+def additive_padding_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Turn a (B, T) 1/0 padding mask into a (B, 1, 1, T) mask added to attention scores.
+
+    Padded keys get the dtype's most negative finite value rather than -inf: a row whose keys
+    are all padding then softmaxes to a uniform (finite) distribution instead of NaN, so a
+    fully padded sequence in a batch cannot poison the gradients or the other rows.
+    """
+    mask = attention_mask[:, None, None, :].to(dtype)  # (B, 1, 1, T)
+    return (1.0 - mask) * torch.finfo(dtype).min
+
+
+# -- attention backends: (q, k, v, mask, dropout_p, need_weights) -> (context, weights | None) -------
+
+def eager_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
+                    need_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """Reference attention, softmax(q·kᵀ/√D + mask)·v; q, k, v are (B, N, T, D)."""
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, N, T, T)
+    if mask is not None:
+        scores = scores + mask
+    # Softmax in float32: half-precision softmax over long rows loses the small probabilities.
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)  # (B, N, T, T)
+    context = F.dropout(weights, p=dropout_p) @ v  # (B, N, T, D)
+    return context, weights if need_weights else None
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
+                   need_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """Fused attention through torch's scaled_dot_product_attention; cannot return weights."""
+    if need_weights:
+        raise ValueError("the 'sdpa' attention backend cannot return attention weights; use 'eager'")
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
+
+
+ATTENTION_BACKENDS = {"eager": eager_attention, "sdpa": sdpa_attention}
+
+
+# -- modules in forward order --------------------------------------------------------------------
+
+class BertEmbeddings(nn.Module):
+    """Token + learned absolute position + segment embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.register_buffer("position_ids", torch.arange(config.max_position_embeddings), persistent=False)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = self.position_ids[:T]  # (T,) broadcast over the batch
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)  # (B, T, H)
+        x = x + self.position_embeddings(position_ids)  # (B, T, H)
+        return self.dropout(self.layer_norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with one fused q/k/v projection and an output projection.
+
+    The checkpoint's separate query/key/value matrices are concatenated on load (loading.py),
+    so one (3H, H) matmul replaces three (H, H) ones.
+    """
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.out = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout_p = config.attention_probs_dropout_prob
+        self.attend = ATTENTION_BACKENDS[config.attn_backend]
+
+    def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        B, T, H = x.shape
+        N = self.num_heads
+        qkv = self.qkv(x).view(B, T, 3, N, H // N).permute(2, 0, 3, 1, 4)  # (3, B, N, T, D)
+        attend = eager_attention if need_weights else self.attend
+        context, weights = attend(qkv[0], qkv[1], qkv[2], mask, self.dropout_p if self.training else 0.0,
+                                  need_weights)  # (B, N, T, D)
+        context = context.transpose(1, 2).reshape(B, T, H)  # (B, T, H)
+        return self.out(context), weights
+
+
+class FeedForward(nn.Module):
+    """Position-wise H -> I -> H with the configured activation (GELU for BERT)."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(self.act(self.up(x)))  # (B, T, H)
+
+
+class BertLayer(nn.Module):
+    """One post-LN transformer layer: x = LN(x + attn(x)); x = LN(x + ffn(x))."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.attention = SelfAttention(config)
+        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.ffn = FeedForward(config)
+        self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        attended, weights = self.attention(x, mask, need_weights)
+        x = self.attention_norm(x + self.dropout(attended))  # (B, T, H)
+        x = self.ffn_norm(x + self.dropout(self.ffn(x)))  # (B, T, H)
+        return x, weights
+
+
+class Pooler(nn.Module):
+    """tanh(dense(hidden state of the first token, [CLS])): the sentence vector NSP was trained on."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return torch.tanh(self.dense(hidden_states[:, 0]))  # (B, H)
+
+
+class BertModel(nn.Module):
+    """The BERT encoder.
+
+    Args:
+        config: the hyper-parameters; `config.attn_backend` picks the attention backend.
+        add_pooler: build the tanh pooler (checkpoints of masked-LM models have none).
+    """
+
+    def __init__(self, config: BertConfig, add_pooler: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.pooler = Pooler(config) if add_pooler else None
+        self.apply(lambda module: init_weights(module, config.initializer_range))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None, position_ids: Tensor | None = None,
+                output_attentions: bool = False) -> EncoderOutput:
+        """Encode a batch.
+
+        Args:
+            input_ids: (B, T) int64 token ids.
+            attention_mask: (B, T) 1 for real tokens, 0 for padding; None means no padding.
+            token_type_ids: (B, T) segment ids (0 for sentence A, 1 for B); None means all 0.
+            position_ids: (B, T) or (T,) positions; None means 0..T-1.
+            output_attentions: also return every layer's (B, N, T, T) weights; this runs the
+                eager backend, the only one that materialises them.
+        Raises:
+            ValueError: if the batch is longer than the position table, or an id is out of range.
+        """
+        self._check_inputs(input_ids, token_type_ids)
+        B, T = input_ids.shape
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)  # (B, T)
+        x = self.embeddings(input_ids, token_type_ids, position_ids)  # (B, T, H)
+        # An all-ones mask changes nothing; dropping it lets SDPA pick its fastest kernel.
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            mask = additive_padding_mask(attention_mask, x.dtype)  # (B, 1, 1, T)
+        attentions = []
+        for layer in self.layers:
+            x, weights = layer(x, mask, output_attentions)
+            if output_attentions:
+                attentions.append(weights)
+        pooled = self.pooler(x) if self.pooler is not None else None
+        return EncoderOutput(x, pooled, tuple(attentions) if output_attentions else None)
+
+    def _check_inputs(self, input_ids: Tensor, token_type_ids: Tensor | None) -> None:
+        config = self.config
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
+        T = input_ids.shape[1]
+        if T > config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {T} exceeds max_position_embeddings {config.max_position_embeddings}; "
+                "truncate or split the input into windows"
+            )
+        if input_ids.numel():
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= config.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(f"token id {bad} is outside the vocabulary of size {config.vocab_size}")
+        if token_type_ids is not None and token_type_ids.numel():
+            high = int(token_type_ids.max())
+            if high >= config.type_vocab_size or int(token_type_ids.min()) < 0:
+                raise ValueError(f"token_type_ids must lie in [0, {config.type_vocab_size}), got {high}")
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """BERT's initialisation: N(0, std) for matrices and embeddings, zero biases, unit LayerNorm."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=std)
+        if module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)

@@ -1,0 +1,277 @@
+"""A thin layer over the `tokenizers` library's WordPiece: texts and pairs -> padded model tensors.
+
+Keeps what tasks need after the model has run: character offsets, which sequence each token
+belongs to, word ids, and for long inputs the overflowing windows with their source text.
+It writes no tokenisation rules of its own; those come from tokenizer.json or a vocab.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+Truncation = Literal["longest_first", "only_first", "only_second"]
+SPECIAL_TOKENS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                  "mask_token": "[MASK]"}
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+@dataclass
+class Batch:
+    """Tokenised inputs, padded to one length, plus the bookkeeping postprocessing needs.
+
+    Row r may be a window of input `sample_index[r]` (long inputs with `return_overflowing`).
+    `offsets[r][t]` is the (start, end) character span of token t in its own text (the first or
+    the second of a pair, per `sequence_ids[r][t]`); specials and padding have (0, 0) and None.
+    """
+
+    input_ids: Tensor  # (B, T) int64
+    attention_mask: Tensor  # (B, T) int64, 1 = real token
+    token_type_ids: Tensor  # (B, T) int64, segment 0 / 1
+    offsets: list[list[tuple[int, int]]]
+    sequence_ids: list[list[int | None]]
+    word_ids: list[list[int | None]]
+    sample_index: list[int]
+    truncated: list[bool]  # per input: some of its tokens are in no row (cut, not windowed)
+
+    def model_inputs(self) -> dict[str, Tensor]:
+        """The keyword arguments of BertModel.forward."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+                "token_type_ids": self.token_type_ids}
+
+    def to(self, device: torch.device | str) -> Batch:
+        self.input_ids = self.input_ids.to(device)
+        self.attention_mask = self.attention_mask.to(device)
+        self.token_type_ids = self.token_type_ids.to(device)
+        return self
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class Tokenizer:
+    """WordPiece tokenizer with BERT's special tokens, from tokenizer.json or vocab.txt.
+
+    Args:
+        backend: a configured `tokenizers.Tokenizer` (normaliser, pre-tokeniser, post-processor).
+        model_max_length: default `max_length` (the model's position table).
+        special_tokens: names -> strings, as in tokenizer_config.json.
+    """
+
+    def __init__(self, backend: Backend, *, model_max_length: int = 512,
+                 special_tokens: dict[str, str] | None = None, do_lower_case: bool | None = None) -> None:
+        self.backend = backend
+        self.model_max_length = model_max_length
+        self.special_tokens = {**SPECIAL_TOKENS, **(special_tokens or {})}
+        self.do_lower_case = do_lower_case
+        self.backend.no_padding()
+        self._lock = threading.Lock()  # truncation settings live on the backend; calls must not interleave
+        for name, token in self.special_tokens.items():
+            if backend.token_to_id(token) is None:
+                raise ValueError(f"special token {name}={token!r} is not in the vocabulary")
+
+    # -- construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_vocab(cls, vocab_file: str | Path, *, lowercase: bool = True, strip_accents: bool | None = None,
+                   tokenize_chinese_chars: bool = True, model_max_length: int = 512) -> Tokenizer:
+        """BERT's WordPiece pipeline assembled from the `tokenizers` library's parts over a vocab.txt."""
+        path = Path(vocab_file)
+        try:
+            tokens = path.read_text(encoding="utf-8").split("\n")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: cannot read vocabulary ({err})") from None
+        if tokens and tokens[-1] == "":
+            tokens.pop()
+        vocab: dict[str, int] = {}
+        for index, token in enumerate(tokens):
+            vocab.setdefault(token.rstrip("\r"), index)
+        missing = [t for t in SPECIAL_TOKENS.values() if t not in vocab]
+        if missing:
+            raise ValueError(f"{path}: vocabulary lacks the special tokens {missing}")
+        backend = Backend(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+        backend.normalizer = normalizers.BertNormalizer(
+            clean_text=True, handle_chinese_chars=tokenize_chinese_chars, strip_accents=strip_accents,
+            lowercase=lowercase)
+        backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        backend.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+        backend.decoder = decoders.WordPiece(prefix="##")
+        # Registered as special tokens, a literal "[MASK]" in user text stays one token.
+        backend.add_special_tokens(list(SPECIAL_TOKENS.values()))
+        return cls(backend, model_max_length=model_max_length, do_lower_case=lowercase)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> Tokenizer:
+        """Load from a checkpoint folder: tokenizer.json if present, else vocab.txt + tokenizer_config.json.
+
+        Raises:
+            ValueError: naming the folder, if neither file exists or a file cannot be parsed.
+        """
+        folder = Path(folder)
+        config = {}
+        if (folder / "tokenizer_config.json").is_file():
+            try:
+                config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+            except ValueError as err:
+                raise ValueError(f"{folder / 'tokenizer_config.json'}: not valid JSON ({err})") from None
+        max_length = config.get("model_max_length", 512)
+        # Checkpoints without a limit store a huge sentinel (1e30); BERT's position table caps it anyway.
+        max_length = max_length if isinstance(max_length, int) and 0 < max_length <= 1_000_000 else 512
+        specials = {k: v for k, v in config.items() if k in SPECIAL_TOKENS and isinstance(v, str)}
+        lowercase = config.get("do_lower_case")
+        if (folder / "tokenizer.json").is_file():
+            try:
+                backend = Backend.from_file(str(folder / "tokenizer.json"))
+            except Exception as err:  # the Rust library raises a bare Exception on parse errors
+                raise ValueError(f"{folder / 'tokenizer.json'}: cannot be parsed ({err})") from None
+            return cls(backend, model_max_length=max_length, special_tokens=specials, do_lower_case=lowercase)
+        if (folder / "vocab.txt").is_file():
+            return cls.from_vocab(folder / "vocab.txt", lowercase=lowercase if lowercase is not None else True,
+                                  strip_accents=config.get("strip_accents"),
+                                  tokenize_chinese_chars=config.get("tokenize_chinese_chars", True),
+                                  model_max_length=max_length)
+        raise ValueError(f"{folder}: no tokenizer found (looked for tokenizer.json and vocab.txt)")
+
+    def save(self, folder: str | Path) -> None:
+        """Write tokenizer.json, vocab.txt and tokenizer_config.json (readable by transformers too)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(folder / "tokenizer.json"))
+        vocab = sorted(self.backend.get_vocab(with_added_tokens=False).items(), key=lambda item: item[1])
+        (folder / "vocab.txt").write_text("".join(token + "\n" for token, _ in vocab), encoding="utf-8")
+        config = {"tokenizer_class": "BertTokenizer", "model_max_length": self.model_max_length, **self.special_tokens}
+        if self.do_lower_case is not None:
+            config["do_lower_case"] = self.do_lower_case
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+    # -- vocabulary ---------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, name: str) -> int:
+        """Id of a special token by its role: "cls_token", "sep_token", "pad_token", "mask_token", "unk_token"."""
+        return self.backend.token_to_id(self.special_tokens[name])
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.token_id("pad_token")
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.token_id("mask_token")
+
+    @property
+    def mask_token(self) -> str:
+        return self.special_tokens["mask_token"]
+
+    def tokenize(self, text: str) -> list[str]:
+        """Word pieces of `text`, without special tokens."""
+        return self.backend.encode(_clean(text), add_special_tokens=False).tokens
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [self.backend.id_to_token(int(i)) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: Sequence[str]) -> list[int]:
+        unk = self.token_id("unk_token")
+        return [i if (i := self.backend.token_to_id(t)) is not None else unk for t in tokens]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    # -- encoding -----------------------------------------------------------------------------------
+
+    def __call__(self, text: str | Sequence[str], text_pair: str | Sequence[str] | None = None, *,
+                 max_length: int | None = None, truncation: Truncation | None = "longest_first",
+                 stride: int = 0, return_overflowing: bool = False, padding: Literal["longest", "max_length"] = "longest",
+                 pad_to_multiple_of: int | None = None) -> Batch:
+        """Encode one text or a batch (optionally paired with second texts) into a padded Batch.
+
+        Args:
+            text, text_pair: a string or a list of strings; pairs get segment ids 0 / 1.
+            max_length: tokens per row including specials; default `model_max_length`.
+            truncation: which sequence to cut ("only_second" keeps a QA question whole); None: no cut.
+            stride: tokens shared by consecutive windows when `return_overflowing`.
+            return_overflowing: keep what truncation cut as extra rows (windows) instead of dropping it.
+            padding: to the longest row, or to `max_length`.
+        Raises:
+            TypeError: if a text is not a string. ValueError: on an empty batch or impossible lengths.
+        """
+        texts, pairs = _as_batch(text, "text"), None
+        if text_pair is not None:
+            pairs = _as_batch(text_pair, "text_pair")
+            if len(pairs) != len(texts):
+                raise ValueError(f"got {len(texts)} texts but {len(pairs)} text pairs")
+        max_length = max_length or self.model_max_length
+        num_specials = 3 if pairs is not None else 2
+        if truncation is not None and max_length <= num_specials:
+            raise ValueError(f"max_length {max_length} leaves no room for text after {num_specials} special tokens")
+        if return_overflowing and not 0 <= stride < max_length - num_specials:
+            raise ValueError(f"stride {stride} must lie in [0, {max_length - num_specials})")
+        inputs = list(zip(texts, pairs)) if pairs is not None else texts
+        with self._lock:
+            if truncation is None:
+                self.backend.no_truncation()
+            else:
+                self.backend.enable_truncation(max_length, stride=stride if return_overflowing else 0,
+                                               strategy=truncation)
+            try:
+                encodings = self.backend.encode_batch(inputs)
+            except Exception as err:  # the Rust library raises a bare Exception, e.g. a pair that cannot fit
+                raise ValueError(f"cannot tokenise with max_length={max_length}, truncation={truncation!r}: {err}") from None
+        rows, sample_index, truncated = [], [], []
+        for index, encoding in enumerate(encodings):
+            rows.append(encoding)
+            sample_index.append(index)
+            truncated.append(bool(encoding.overflowing) and not return_overflowing)
+            if return_overflowing:
+                rows.extend(encoding.overflowing)
+                sample_index.extend([index] * len(encoding.overflowing))
+        width = max_length if padding == "max_length" else max(len(e.ids) for e in rows)
+        if pad_to_multiple_of:
+            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+        return self._pad(rows, width, sample_index, truncated)
+
+    def _pad(self, rows, width: int, sample_index: list[int], truncated: list[bool]) -> Batch:
+        ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        types = np.zeros((len(rows), width), dtype=np.int64)
+        for r, encoding in enumerate(rows):
+            n = len(encoding.ids)
+            ids[r, :n], types[r, :n], mask[r, :n] = encoding.ids, encoding.type_ids, 1
+        return Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(types),
+                     offsets=[list(e.offsets) for e in rows], sequence_ids=[e.sequence_ids for e in rows],
+                     word_ids=[e.word_ids for e in rows], sample_index=sample_index, truncated=truncated)
+
+
+def _clean(text: str) -> str:
+    """Replace lone surrogates (valid in a Python str, not in UTF-8) by U+FFFD; same length, so offsets hold."""
+    return _SURROGATES.sub("\ufffd", text)
+
+
+def _as_batch(value: str | Sequence[str], name: str) -> list[str]:
+    values = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if values is None:
+        raise TypeError(f"{name} must be a string or a list of strings, got {type(value).__name__}")
+    if not values:
+        raise ValueError(f"{name} is an empty list; nothing to tokenise")
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise TypeError(f"{name}[{i}] must be a string, got {type(v).__name__}: {v!r:.60}")
+    return [_clean(v) for v in values]

