@@ -298,7 +298,11 @@ def save_pretrained(model: nn.Module, folder: str | Path, tokenizer=None) -> Pat
     folder.mkdir(parents=True, exist_ok=True)
     encoder, _, head_name = _parts(model)
     architecture = ARCHITECTURES.get(head_name, "BertModel")
-    encoder.config.to_json_file(folder / "config.json", architectures=[architecture])
+    config = encoder.config
+    if head_name == "span" and config.num_labels != 2:
+        # transformers sizes qa_outputs from num_labels; a span head always has two (start, end).
+        config = config.with_labels(["start", "end"])
+    config.to_json_file(folder / "config.json", architectures=[architecture])
     save_file(to_checkpoint_state(model), folder / "model.safetensors", metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(folder)

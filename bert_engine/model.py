@@ -8,7 +8,6 @@ Shape legend: B batch, T tokens, H hidden size, N heads, D head size (H = N·D),
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,7 +63,7 @@ def additive_padding_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
 def eager_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
                     need_weights: bool) -> tuple[Tensor, Tensor | None]:
     """Reference attention, softmax(q·kᵀ/√D + mask)·v; q, k, v are (B, N, T, D)."""
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, N, T, T)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, N, T, T)
     if mask is not None:
         scores = scores + mask
     # Softmax in float32: half-precision softmax over long rows loses the small probabilities.
