@@ -1,0 +1,164 @@
+"""Our tokenizer against the reference fast tokenizer, plus windows, padding and bad input."""
+
+import pytest
+import torch
+import transformers
+
+from bert_engine import Tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "Café déjà vu — naïve résumé façade.",
+    "北京大学 is in 中国; 東京 too.",
+    "Emoji 🤗🚀 and ZWJ 👩‍👩‍👧 families.",
+    "Supercalifragilisticexpialidocious antidisestablishmentarianism " + "x" * 150,
+    "tabs\tand\nnewlines  and   spaces",
+    "Punctuation!!! (nested [brackets] {braces}) 'quotes' \"double\" ... ?!",
+    "U.S.A. e-mail 3.14159 $100 50% #hashtag @user",
+    "",
+    "   ",
+    "a literal [MASK] and [SEP] inside text",
+    "combining: e\u0301 and zero\u200bwidth and RTL שלום عربي",
+]
+PAIRS = [("What is BERT?", "BERT is a bidirectional encoder from 2018."),
+         ("¿Dónde está?", "Está en 北京 🤗."), ("", "second only"), ("first only", "")]
+
+
+@pytest.fixture(scope="module")
+def ours(minilm_dir):
+    return Tokenizer.from_pretrained(minilm_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(minilm_dir):
+    return transformers.AutoTokenizer.from_pretrained(str(minilm_dir))
+
+
+def _assert_rows_equal(batch, expected, rows):
+    for r in range(rows):
+        n = int(batch.attention_mask[r].sum())
+        assert batch.input_ids[r, :n].tolist() == expected["input_ids"][r]
+        assert batch.token_type_ids[r, :n].tolist() == expected["token_type_ids"][r]
+        assert [tuple(o) for o in batch.offsets[r]] == [tuple(o) for o in expected["offset_mapping"][r]]
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_single_texts_match_reference(ours, reference, text):
+    _assert_rows_equal(ours(text), reference([text], return_offsets_mapping=True), 1)
+
+
+def test_pairs_match_reference(ours, reference):
+    firsts, seconds = [p[0] for p in PAIRS], [p[1] for p in PAIRS]
+    batch = ours(firsts, seconds)
+    _assert_rows_equal(batch, reference(firsts, seconds, return_offsets_mapping=True), len(PAIRS))
+    assert batch.sequence_ids[0][0] is None and 1 in batch.sequence_ids[0]
+
+
+def test_vocab_txt_build_matches_reference_tokenizer_json(minilm_dir, reference):
+    from_vocab = Tokenizer.from_vocab(minilm_dir / "vocab.txt", lowercase=True)
+    expected = reference(TEXTS, return_offsets_mapping=True)
+    _assert_rows_equal(from_vocab(TEXTS), expected, len(TEXTS))
+
+
+@pytest.mark.parametrize("strategy", ["longest_first", "only_first", "only_second"])
+def test_truncation_matches_reference(ours, reference, strategy):
+    first, second = "a fairly long question about many things " * 3, "the context " * 40
+    if strategy == "only_first":
+        first, second = second, first
+    batch = ours(first, second, max_length=40, truncation=strategy)
+    expected = reference(first, second, max_length=40, truncation=strategy, return_offsets_mapping=True)
+    _assert_rows_equal(batch, {k: [v] for k, v in expected.items()}, 1)
+    assert batch.truncated == [True]
+
+
+def test_overflowing_windows_with_stride_match_reference(ours, reference):
+    question = "Where did the fox jump?"
+    context = " ".join(f"The fox number {i} jumped over fence {i}." for i in range(30))
+    batch = ours([question, "short?"], [context, "tiny context"], max_length=48, truncation="only_second",
+                 stride=12, return_overflowing=True)
+    expected = reference([question, "short?"], [context, "tiny context"], max_length=48, truncation="only_second",
+                         stride=12, return_overflowing_tokens=True, return_offsets_mapping=True)
+    assert batch.sample_index == expected["overflow_to_sample_mapping"]
+    assert len(batch) > 3
+    _assert_rows_equal(batch, expected, len(batch))
+    assert batch.truncated == [False, False]  # nothing was dropped: it went into windows
+    # consecutive windows of the context share `stride` tokens
+    first = [t for t, s in zip(batch.input_ids[0].tolist(), batch.sequence_ids[0]) if s == 1]
+    second = [t for t, s in zip(batch.input_ids[1].tolist(), batch.sequence_ids[1]) if s == 1]
+    assert first[-12:] == second[:12]
+
+
+def test_offsets_point_into_the_original_text(ours):
+    text = "Ünïcödé CAFÉ 北京 🤗 don't"
+    batch = ours(text)
+    pieces = [text[s:e] for (s, e), seq in zip(batch.offsets[0], batch.sequence_ids[0]) if seq == 0]
+    assert pieces == ["Ünïcödé", "CAFÉ", "北", "京", "🤗", "don", "'", "t"]
+
+
+def test_padding_and_masks(tiny_tokenizer):
+    batch = tiny_tokenizer(["the cat sat", "the"], pad_to_multiple_of=8)
+    assert batch.input_ids.shape == (2, 8) and batch.input_ids.dtype == torch.int64
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]
+    assert (batch.input_ids[batch.attention_mask == 0] == tiny_tokenizer.pad_token_id).all()
+    fixed = tiny_tokenizer("the", padding="max_length", max_length=16)
+    assert fixed.input_ids.shape == (1, 16)
+
+
+def test_special_tokens_and_decode(tiny_tokenizer):
+    assert tiny_tokenizer.tokenize("the cat played [MASK]") == ["the", "cat", "[UNK]", "[MASK]"]
+    assert tiny_tokenizer.tokenize("The dog sat, unable!") == ["the", "dog", "sat", ",", "un", "##able", "!"]
+    ids = tiny_tokenizer("hello world").input_ids[0].tolist()
+    assert ids[0] == tiny_tokenizer.token_id("cls_token") and ids[-1] == tiny_tokenizer.token_id("sep_token")
+    assert tiny_tokenizer.decode(ids) == "hello world"
+    assert tiny_tokenizer.convert_tokens_to_ids(["cat", "zebra"]) == [
+        tiny_tokenizer.backend.token_to_id("cat"), tiny_tokenizer.token_id("unk_token")]
+
+
+def test_lone_surrogates_are_replaced_without_moving_offsets(ours):
+    text = "bad \ud800 surrogate"
+    batch = ours(text)
+    offsets = [o for o, seq in zip(batch.offsets[0], batch.sequence_ids[0]) if seq == 0]
+    assert text[slice(*offsets[0])] == "bad"
+    assert text[offsets[1][0]:offsets[-1][1]] == "surrogate"
+
+
+def test_huge_text_is_truncated_and_says_so(ours):
+    batch = ours("word " * 200_000)
+    assert batch.input_ids.shape == (1, 512) and batch.truncated == [True]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda t: t(123), TypeError, "text must be a string or a list of strings, got int"),
+        (lambda t: t(["ok", None]), TypeError, r"text\[1\] must be a string, got NoneType"),
+        (lambda t: t([]), ValueError, "text is an empty list"),
+        (lambda t: t(["a", "b"], ["c"]), ValueError, "got 2 texts but 1 text pairs"),
+        (lambda t: t("a", max_length=2), ValueError, "max_length 2 leaves no room"),
+        (lambda t: t("a", stride=100, max_length=20, return_overflowing=True), ValueError, "stride 100 must lie"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(tiny_tokenizer, call, error, message):
+    with pytest.raises(error, match=message):
+        call(tiny_tokenizer)
+
+
+def test_question_too_long_for_only_second(ours):
+    with pytest.raises(ValueError, match="cannot tokenise with max_length=16"):
+        ours("a very long question " * 10, "context", max_length=16, truncation="only_second")
+
+
+def test_save_round_trip_and_reference_reads_it(ours, tmp_path):
+    ours.save(tmp_path)
+    again = Tokenizer.from_pretrained(tmp_path)
+    assert again("Café 北京 🤗").input_ids.tolist() == ours("Café 北京 🤗").input_ids.tolist()
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert reference("Café 北京 🤗")["input_ids"] == ours("Café 北京 🤗").input_ids[0].tolist()
+
+
+def test_missing_tokenizer_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="no tokenizer found"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "vocab.txt").write_text("hello\nworld\n")
+    with pytest.raises(ValueError, match="vocabulary lacks the special tokens"):
+        Tokenizer.from_pretrained(tmp_path)
