@@ -1,0 +1,129 @@
+"""Resolving Hub ids through huggingface_hub against a loopback server that imitates the Hub."""
+
+import socket
+
+import pytest
+import torch
+
+from bert_engine import BertWithHead, HubError, PRESETS, load, resolve, save_pretrained
+
+
+@pytest.fixture
+def hub_repo(fake_hub, tmp_path, tiny_tokenizer):
+    """owner/tiny at revisions "main" and "v2" (different weights), served by the fake Hub."""
+    config = PRESETS["tiny"].with_labels(["neg", "pos"])
+    for revision in ("main", "v2"):
+        torch.manual_seed(0 if revision == "main" else 1)
+        model = BertWithHead(config, "sequence").eval()
+        fake_hub.repos[("owner/tiny", revision)] = save_pretrained(model, tmp_path / "repo" / revision, tiny_tokenizer)
+    return fake_hub
+
+
+def _load(hub, tmp_path, **kwargs):
+    kwargs.setdefault("endpoint", hub.endpoint)
+    return load("owner/tiny", "sequence", cache_dir=tmp_path / "cache", **kwargs)
+
+
+def _logits(model, tokenizer):
+    return model(**tokenizer(["the cat sat", "hello"]).model_inputs()).logits
+
+
+def test_download_matches_the_local_folder(hub_repo, tmp_path):
+    model, tokenizer = _load(hub_repo, tmp_path)
+    local, _ = load(tmp_path / "repo" / "main", "sequence")
+    torch.testing.assert_close(_logits(model, tokenizer), _logits(local, tokenizer))
+    assert model.checkpoint.name == "owner/tiny" and len(model.checkpoint.commit) == 40
+    assert not any("pytorch_model.bin" in r for r in hub_repo.requests)  # safetensors found first
+
+
+def test_revision_selects_other_weights(hub_repo, tmp_path):
+    main, tokenizer = _load(hub_repo, tmp_path)
+    v2, _ = _load(hub_repo, tmp_path, revision="v2")
+    assert v2.checkpoint.commit != main.checkpoint.commit
+    assert not torch.allclose(_logits(main, tokenizer), _logits(v2, tokenizer))
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "message"),
+    [
+        ("owner/missing", {}, "Hub repository 'owner/missing' not found"),
+        ("owner/tiny", {"revision": "v9"}, "revision 'v9' not found in 'owner/tiny'"),
+    ],
+)
+def test_unknown_repository_or_revision(hub_repo, tmp_path, name, kwargs, message):
+    with pytest.raises(HubError, match=message):
+        resolve(name, endpoint=hub_repo.endpoint, cache_dir=tmp_path / "cache", **kwargs)
+
+
+def test_missing_file_is_named(hub_repo, tmp_path):
+    (tmp_path / "repo" / "main" / "tokenizer.json").unlink()
+    (tmp_path / "repo" / "main" / "vocab.txt").unlink()
+    with pytest.raises(HubError, match="'owner/tiny' has no tokenizer file; looked for tokenizer.json, vocab.txt"):
+        _load(hub_repo, tmp_path)
+
+
+def test_server_error_gives_clear_message(hub_repo, tmp_path):
+    hub_repo.faults["config.json"] = "500"
+    with pytest.raises(HubError, match="could not .*'config.json' of 'owner/tiny'"):
+        _load(hub_repo, tmp_path)
+
+
+@pytest.mark.parametrize("fault", ["drop", "truncate"])
+def test_interrupted_download_leaves_no_corrupt_file(hub_repo, tmp_path, fault):
+    hub_repo.faults["model.safetensors"] = fault
+    with pytest.raises(HubError, match="model.safetensors"):
+        _load(hub_repo, tmp_path)
+    # nothing half-written is visible under the final name...
+    assert not list((tmp_path / "cache").rglob("snapshots/*/model.safetensors"))
+    # ...so once the network is healthy the next load downloads and works
+    del hub_repo.faults["model.safetensors"]
+    model, tokenizer = _load(hub_repo, tmp_path)
+    assert torch.isfinite(_logits(model, tokenizer)).all()
+
+
+def test_offline_uses_the_cache_without_network(hub_repo, tmp_path, monkeypatch):
+    online, tokenizer = _load(hub_repo, tmp_path)
+    hub_repo.requests.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline, _ = _load(hub_repo, tmp_path)
+    assert hub_repo.requests == []
+    torch.testing.assert_close(_logits(offline, tokenizer), _logits(online, tokenizer))
+
+
+def test_offline_without_cache_says_what_to_do(hub_repo, tmp_path):
+    with pytest.raises(HubError, match="not in the local cache and offline mode is on"):
+        _load(hub_repo, tmp_path, local_files_only=True)
+    assert hub_repo.requests == []
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_unreachable_hub_without_cache(tmp_path):
+    with pytest.raises(HubError, match="could not reach the Hub .*'owner/tiny'.*no cached copy"):
+        resolve("owner/tiny", endpoint=_closed_port(), cache_dir=tmp_path / "cache", etag_timeout=2)
+
+
+def test_unreachable_hub_with_cache_uses_the_cache(hub_repo, tmp_path):
+    _load(hub_repo, tmp_path)
+    model, tokenizer = _load(hub_repo, tmp_path, endpoint=_closed_port(), etag_timeout=2)
+    assert torch.isfinite(_logits(model, tokenizer)).all()
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("not a valid id!", "neither an existing folder nor a Hub id"), ("./missing/folder", "neither an existing folder")],
+)
+def test_bad_names(name, message):
+    with pytest.raises(HubError, match=message):
+        resolve(name)
+
+
+def test_a_file_instead_of_a_folder(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"x")
+    with pytest.raises(HubError, match="is a file; give the checkpoint's folder"):
+        resolve(path)
