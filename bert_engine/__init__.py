@@ -7,7 +7,7 @@
 
 from .config import PRESETS, BertConfig
 from .heads import HEADS, BertWithHead
-from .hub import HubError, resolve
+from .hub import HubError, default_backbone, resolve
 from .loading import CheckpointError, load, load_pretrained, load_tokenizer, save_pretrained
 from .model import BertModel, EncoderOutput
 from .tokenizer import Batch, Tokenizer
@@ -15,6 +15,6 @@ from .tokenizer import Batch, Tokenizer
 __version__ = "0.1.0"
 
 __all__ = [
-    "PRESETS", "BertConfig", "HEADS", "BertWithHead", "HubError", "resolve", "CheckpointError", "load",
+    "PRESETS", "BertConfig", "HEADS", "BertWithHead", "HubError", "default_backbone", "resolve", "CheckpointError", "load",
     "load_pretrained", "load_tokenizer", "save_pretrained", "BertModel", "EncoderOutput", "Batch", "Tokenizer",
 ]

