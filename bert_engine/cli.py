@@ -39,6 +39,21 @@ def _encode(args: argparse.Namespace) -> dict:
     ]}
 
 
+def _plugins(args: argparse.Namespace) -> dict:
+    from .registry import load_registry
+
+    return load_registry().to_json()
+
+
+def _plugin_check(args: argparse.Namespace) -> dict:
+    from .conformance import check_plugin
+
+    report = check_plugin(args.name)
+    if not report["ok"]:
+        args.exit_code = 1
+    return report
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bert-engine", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -52,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     encode = sub.add_parser("encode", parents=[common], help="tokenise and encode texts; mean-pooled vectors")
     encode.add_argument("text", nargs="+")
     encode.set_defaults(run=_encode)
+    plugins = sub.add_parser("plugins", help="loaded task plugins (name, version, tasks) and failures, as JSON")
+    plugins.set_defaults(run=_plugins)
+    plugin = sub.add_parser("plugin", help="plugin tools")
+    plugin_sub = plugin.add_subparsers(dest="plugin_command", required=True)
+    check = plugin_sub.add_parser("check", help="load one plugin alone and run the conformance kit on its tasks")
+    check.add_argument("name", help="plugin name (a built-in module or an entry-point name)")
+    check.set_defaults(run=_plugin_check)
     return parser
 
 
@@ -71,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `bert-engine ... | head`: the reader left; that is not an error
         sys.stdout = open(os.devnull, "w")
-    return 0
+    return getattr(args, "exit_code", 0)
 
 
 if __name__ == "__main__":

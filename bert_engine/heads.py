@@ -52,6 +52,7 @@ def _dropout(config: BertConfig) -> nn.Dropout:
 class MaskedLMHead(nn.Module):
     """transform (dense + act + LayerNorm) then a decoder tied to the word embeddings, plus a bias."""
 
+    kind = "mlm"  # the checkpoint head it matches (loading.HEAD_TABLES)
     needs_pooler = False
 
     def __init__(self, config: BertConfig) -> None:
@@ -78,6 +79,7 @@ class MaskedLMHead(nn.Module):
 class NextSentenceHead(nn.Module):
     """Linear over the pooled [CLS] vector: does segment B follow segment A?"""
 
+    kind = "nsp"  # the checkpoint head it matches (loading.HEAD_TABLES)
     needs_pooler = True
 
     def __init__(self, config: BertConfig) -> None:
@@ -91,6 +93,7 @@ class NextSentenceHead(nn.Module):
 class PretrainingHead(nn.Module):
     """Masked-LM and next-sentence heads together, as in BERT's pretraining."""
 
+    kind = "pretraining"  # the checkpoint head it matches (loading.HEAD_TABLES)
     needs_pooler = True
 
     def __init__(self, config: BertConfig) -> None:
@@ -108,6 +111,7 @@ class PretrainingHead(nn.Module):
 class SequenceClassificationHead(nn.Module):
     """Dropout + linear over the pooled [CLS] vector: one label distribution per sequence."""
 
+    kind = "sequence"  # the checkpoint head it matches (loading.HEAD_TABLES)
     needs_pooler = True
 
     def __init__(self, config: BertConfig) -> None:
@@ -124,6 +128,7 @@ class SequenceClassificationHead(nn.Module):
 class TokenClassificationHead(nn.Module):
     """Dropout + linear over every token's hidden state: one label distribution per token."""
 
+    kind = "token"  # the checkpoint head it matches (loading.HEAD_TABLES)
     needs_pooler = False
 
     def __init__(self, config: BertConfig) -> None:
@@ -140,6 +145,7 @@ class TokenClassificationHead(nn.Module):
 class SpanHead(nn.Module):
     """Linear H -> 2 over every token: start and end logits of an answer span (extractive QA)."""
 
+    kind = "span"  # the checkpoint head it matches (loading.HEAD_TABLES)
     needs_pooler = False
 
     def __init__(self, config: BertConfig) -> None:
@@ -166,8 +172,9 @@ class BertWithHead(nn.Module):
 
     Args:
         config: encoder hyper-parameters (and labels, for classification heads).
-        head: a name from HEADS, or any module whose forward takes an EncoderOutput (third-party heads).
-            A head with `tie_to` gets the word embeddings; `needs_pooler` (default True) decides the pooler.
+        head: a name from HEADS, or any module whose forward takes an EncoderOutput (task heads).
+            A head with `tie_to` gets the word embeddings; `needs_pooler` (default True) decides the
+            pooler; `kind` (a HEADS name) says which checkpoint head its weights are stored as.
     """
 
     def __init__(self, config: BertConfig, head: str | nn.Module) -> None:
@@ -179,7 +186,8 @@ class BertWithHead(nn.Module):
             head = HEADS[head](config)
             head.apply(lambda module: init_weights(module, config.initializer_range))
         else:
-            self.head_name = type(head).__name__
+            # A task's own head: `kind` names the standard checkpoint head its weights follow, if any.
+            self.head_name = getattr(head, "kind", None) or type(head).__name__
         self.config = config
         self.encoder = BertModel(config, add_pooler=getattr(head, "needs_pooler", True))
         self.head = head

@@ -68,6 +68,11 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
         raise HubError(f"{name!r} is neither an existing folder nor a Hub id like 'owner/name'")
     offline = local_files_only or is_offline()
     fetch = _Fetcher(name, revision, offline, cache_dir, endpoint, token, etag_timeout)
+    if not offline and not fetch.hub_reachable():
+        # One failed probe, then cache only: otherwise every uncached optional file would wait
+        # through huggingface_hub's retry back-off (tens of seconds each) before falling back.
+        logger.warning("the Hub is unreachable; using the cached copy of %r if there is one", name)
+        fetch.go_offline(unreachable=True)
     config = fetch("config.json", required=True)
     weights = fetch.first_of(WEIGHT_FILES, "weights")
     if weights.name.endswith(".index.json"):
@@ -87,9 +92,30 @@ class _Fetcher:
 
     def __init__(self, repo_id, revision, offline, cache_dir, endpoint, token, etag_timeout) -> None:
         self.repo_id, self.revision, self.offline = repo_id, revision, offline
+        self.unreachable = False
         self.last_error: BaseException | None = None
         self.kwargs = dict(revision=revision, cache_dir=cache_dir, local_files_only=offline, endpoint=endpoint,
                            token=token, etag_timeout=etag_timeout, library_name="bert-engine")
+
+    def hub_reachable(self) -> bool:
+        """One HEAD of config.json without retries: False only on a connection-level failure."""
+        url = huggingface_hub.hf_hub_url(self.repo_id, "config.json", revision=self.revision,
+                                         endpoint=self.kwargs["endpoint"])
+        try:
+            huggingface_hub.get_hf_file_metadata(url, token=self.kwargs["token"], timeout=self.kwargs["etag_timeout"],
+                                                 endpoint=self.kwargs["endpoint"], retry_on_errors=False)
+        except hub_errors.HfHubHTTPError:
+            return True  # the Hub answered (404, 401, 500...): the regular path reports it
+        except Exception as err:
+            if _is_connection_error(err):
+                self.last_error = err
+                return False
+            raise
+        return True
+
+    def go_offline(self, unreachable: bool) -> None:
+        self.offline, self.unreachable = True, unreachable
+        self.kwargs["local_files_only"] = True
 
     def __call__(self, filename: str, required: bool) -> Path | None:
         try:
@@ -115,7 +141,7 @@ class _Fetcher:
             raise HubError(f"could not download {filename!r} of {self.where}: {_short(err)}. Check the network, "
                            "or pass a local folder; a cached copy is used with HF_HUB_OFFLINE=1") from None
         except Exception as err:  # connection errors of the HTTP client huggingface_hub uses
-            if type(err).__module__.split(".")[0] in {"httpx", "httpx2", "httpcore", "requests", "urllib3"}:
+            if _is_connection_error(err):
                 raise HubError(self._unavailable(filename, err)) from None
             raise
 
@@ -123,7 +149,10 @@ class _Fetcher:
     def where(self) -> str:
         return f"{self.repo_id!r}" + (f" at revision {self.revision!r}" if self.revision else "")
 
-    def _unavailable(self, filename: str, err: BaseException) -> str:
+    def _unavailable(self, filename: str, err: BaseException | None) -> str:
+        if self.unreachable:
+            return (f"could not reach the Hub for {filename!r} of {self.where} and there is no cached copy "
+                    f"({_short(self.last_error or err)}); check the network, or pass a local folder")
         if self.offline:
             return (f"{filename!r} of {self.where} is not in the local cache and offline mode is on "
                     "(HF_HUB_OFFLINE / local_files_only); download it once online or pass a local folder")
@@ -139,6 +168,13 @@ class _Fetcher:
         if self.last_error is not None:
             raise HubError(self._unavailable(" / ".join(filenames), self.last_error))
         raise HubError(f"{self.where} has no {what} file; looked for {', '.join(filenames)}")
+
+
+def _is_connection_error(err: BaseException) -> bool:
+    """A failure to talk to the server at all (refused, reset, DNS, timeout), not an HTTP answer."""
+    if isinstance(err, (ConnectionError, TimeoutError)) and not isinstance(err, hub_errors.OfflineModeIsEnabled):
+        return True
+    return type(err).__module__.split(".")[0] in {"httpx", "httpx2", "httpcore", "requests", "urllib3"}
 
 
 def _short(err: BaseException) -> str:

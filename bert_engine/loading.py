@@ -110,11 +110,14 @@ def expand_table(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
         layers = range(encoder.config.num_hidden_layers) if "{i}" in ours else [None]
         for i in layers:
             rows.append((prefix + ours.format(i=i), tuple(k.format(i=i) for k in keys)))
-    if head_name in HEAD_TABLES:
-        rows += [("head." + ours, keys) for ours, keys in HEAD_TABLES[head_name]]
-    elif isinstance(model, BertWithHead):
-        # A third-party head: its parameters are stored under their own names, "head.*".
-        rows += [(name, (name,)) for name, _ in model.named_parameters() if name.startswith("head.")]
+    if isinstance(model, BertWithHead):
+        rows += [("head." + ours, keys) for ours, keys in HEAD_TABLES.get(head_name, [])]
+        # Parameters the table does not cover (a task head's own, e.g. CRF transitions) keep their
+        # names, "head.*", in the checkpoint too. The tied MLM decoder is not a parameter of its own.
+        covered = {ours for ours, _ in rows}
+        tied = model.encoder.embeddings.word_embeddings.weight
+        rows += [(name, (name,)) for name, param in model.named_parameters(remove_duplicate=False)
+                 if name.startswith("head.") and name not in covered and param is not tied]
     return rows
 
 
@@ -319,11 +322,12 @@ def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = Non
 
     Args:
         head: None for the bare encoder, a name from heads.HEADS, "auto" (from the checkpoint's
-            `architectures`), or a head module of a third-party task.
+            `architectures`), a head module, or a factory `config -> head module` (task plugins).
         labels: label names for a new classification head (overrides the checkpoint's id2label).
         strict: also raise on unexpected keys and a missing (untrained) head.
     Returns:
-        The model in eval mode on `device`, with `.checkpoint` (a hub.Resolved) for provenance.
+        The model in eval mode on `device`, with `.checkpoint` (a hub.Resolved) for provenance and
+        `.load_report` (missing / unexpected keys).
     Raises:
         hub.HubError: the checkpoint cannot be found or downloaded.
         CheckpointError: a file is unsafe, corrupt, or does not fit (names the file and the tensor).
@@ -346,8 +350,9 @@ def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = Non
         has_pooler = any(normalise_key(k).startswith("pooler.") for k in checkpoint)
         model: nn.Module = BertModel(config, add_pooler=has_pooler)
     else:
-        model = BertWithHead(config, head)
-    load_state(model, checkpoint, source=str(weights), strict=strict)
+        # A task passes a head factory: it needs the checkpoint's config (sizes, labels) first.
+        model = BertWithHead(config, head(config) if callable(head) and not isinstance(head, nn.Module) else head)
+    model.load_report = load_state(model, checkpoint, source=str(weights), strict=strict)
     model.to(device=device, dtype=dtype).eval()
     model.checkpoint = resolved
     return model

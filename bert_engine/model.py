@@ -24,11 +24,13 @@ class EncoderOutput:
 
     last_hidden_state: (B, T, H) float. pooled: (B, H) tanh(dense(h_[CLS])), or None without a pooler.
     attentions: one (B, N, T, T) tensor per layer when asked for, else None.
+    attention_mask: the (B, T) padding mask the encoder was given (None: no padding).
     """
 
     last_hidden_state: Tensor
     pooled: Tensor | None = None
     attentions: tuple[Tensor, ...] | None = None
+    attention_mask: Tensor | None = None  # (B, T) the input mask, for heads that pool or decode over tokens
 
 
 def _gelu_tanh(x: Tensor) -> Tensor:
@@ -220,7 +222,7 @@ class BertModel(nn.Module):
             if output_attentions:
                 attentions.append(weights)
         pooled = self.pooler(x) if self.pooler is not None else None
-        return EncoderOutput(x, pooled, tuple(attentions) if output_attentions else None)
+        return EncoderOutput(x, pooled, tuple(attentions) if output_attentions else None, attention_mask)
 
     def _check_inputs(self, input_ids: Tensor, token_type_ids: Tensor | None) -> None:
         config = self.config

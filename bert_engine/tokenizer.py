@@ -11,9 +11,9 @@ import json
 import logging
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ class Batch:
     word_ids: list[list[int | None]]
     sample_index: list[int]
     truncated: list[bool]  # per input: some of its tokens are in no row (cut, not windowed)
+    meta: dict[str, Any] = field(default_factory=dict)  # what a task's postprocess needs (its texts, ...)
 
     def model_inputs(self) -> dict[str, Tensor]:
         """The keyword arguments of BertModel.forward."""

@@ -1,0 +1,86 @@
+"""The whole plugin contract: the pluggy markers, the hook specs, and the TaskSpec a plugin registers.
+
+A task plugin is a module or object with `@hookimpl def register_tasks(register)`; it calls
+`register(TaskSpec(...))` once per task. pluggy checks argument names, not types, so the typed
+part of the contract is the TaskSpec, validated by the host when it is registered (registry.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import pluggy
+
+PROJECT = "bert_engine"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class InputError(ValueError):
+    """The documented error for bad user input (empty text, no [MASK], a value out of range).
+
+    Tasks raise it from `preprocess`; the playground shows its message, never a stack trace.
+    """
+
+
+class PluginError(RuntimeError):
+    """A plugin broke the contract (import failure, hook raised, invalid or duplicate TaskSpec)."""
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One downstream task. Inputs are dicts keyed by `input_fields`; results must be JSON-friendly.
+
+    Required:
+        name: slug, unique across plugins: the tab id, the API name and the CLI name ("sentiment").
+        title: label shown on the tab.
+        build_head: BertConfig -> head module; the head's forward takes an EncoderOutput.
+        preprocess: (inputs, tokenizer, **options) -> tokenizer.Batch; raises InputError on bad input.
+            Keep what postprocessing needs (offsets, windows, texts) in the Batch (`batch.meta`).
+        postprocess: (head output, batch, **options) -> JSON-friendly result.
+    Optional:
+        build_tab: (predictor) -> None; adds Gradio components inside the open Blocks/Tab.
+        input_fields: names of the text inputs, e.g. ("text",) or ("question", "context").
+        options: option name -> default value, passed to preprocess/postprocess as keywords.
+        examples: example inputs (dicts keyed by `input_fields`).
+        default_checkpoint: folder or Hub id of the model used when none is configured;
+            None means the engine's default backbone with a freshly initialised head.
+        read_data: (path, split) -> iterable of (inputs, target) pairs, for training and evaluation.
+        loss: (head output, targets: list) -> scalar tensor.
+        metric: (predictions: list, targets: list) -> {name: float}.
+        output_ranges: spans/probabilities the conformance kit checks (see conformance.py).
+    """
+
+    name: str
+    title: str
+    build_head: Callable[..., Any]
+    preprocess: Callable[..., Any]
+    postprocess: Callable[..., Any]
+    build_tab: Callable[..., None] | None = None
+    input_fields: tuple[str, ...] = ("text",)
+    options: Mapping[str, Any] = field(default_factory=dict)
+    examples: tuple[Mapping[str, Any], ...] = ()
+    description: str = ""
+    default_checkpoint: str | None = None
+    read_data: Callable[..., Any] | None = None
+    loss: Callable[..., Any] | None = None
+    metric: Callable[..., Any] | None = None
+
+
+class TaskHooks:
+    """Hook specifications; see docs/plugins.md for a worked example of each."""
+
+    @hookspec
+    def register_tasks(self, register: Callable[[TaskSpec], None]) -> None:
+        """Called once per plugin when the registry loads it; register each of the plugin's tasks.
+
+        Args:
+            register: call it with one TaskSpec per task; it raises PluginError for an invalid
+                spec or a name another plugin already registered.
+
+        Example:
+            @hookimpl
+            def register_tasks(register):
+                register(TaskSpec(name="similarity", title="Similarity", build_head=..., preprocess=..., postprocess=...))
+        """

@@ -1,0 +1,141 @@
+"""Predictor: one task's model and tokenizer on a device, run in inference mode, results with provenance.
+
+Chooses the device (CUDA, then MPS, then CPU) and dtype (bf16/fp16 on GPU, fp32 on CPU), checks
+the inputs against the task's declared fields and options, and keeps the last input so the
+playground can show its attention. Batching across requests is the caller's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .hookspecs import InputError
+from .registry import RegisteredTask
+from .tokenizer import Batch, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+MAX_INPUT_CHARS = 1_000_000  # per field; longer input is refused before tokenising
+
+
+def pick_device(preference: str | None = None) -> torch.device:
+    """The given device, else CUDA, then Apple MPS, then CPU."""
+    if preference:
+        return torch.device(preference)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU (exact parity with the reference)."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.float32
+
+
+@dataclass
+class LastInput:
+    """The most recent batch, kept on the CPU for the attention view."""
+
+    tokens: list[str]
+    batch: Batch
+
+
+class Predictor:
+    """Runs one registered task. `predict` returns {"task", "result", "provenance"}."""
+
+    def __init__(self, task: RegisteredTask, model: nn.Module, tokenizer: Tokenizer, *,
+                 model_id: str, revision: str | None = None, untrained_head: bool = False) -> None:
+        self.task = task
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.revision = revision
+        self.untrained_head = untrained_head
+        self.device = next(model.parameters()).device
+        self.last: LastInput | None = None
+        self._lock = threading.Lock()  # one forward pass at a time per model; callers queue
+
+    @classmethod
+    def load(cls, task: RegisteredTask, checkpoint: str | None = None, *, device: str | None = None,
+             dtype: torch.dtype | None = None, **load_kwargs) -> Predictor:
+        """Load the task's model: `checkpoint`, else the task's default, else the default backbone."""
+        from .hub import default_backbone
+        from .loading import load
+
+        name = checkpoint or task.spec.default_checkpoint or default_backbone()
+        target = pick_device(device)
+        model, tokenizer = load(name, task.spec.build_head, device=target, dtype=dtype or pick_dtype(target),
+                                **load_kwargs)
+        report = getattr(model, "load_report", None)
+        return cls(task, model, tokenizer, model_id=str(name), revision=model.checkpoint.commit or model.checkpoint.revision,
+                   untrained_head=bool(report and report.missing))
+
+    def check_inputs(self, inputs: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Raise InputError naming the problem; return the options merged with the task's defaults."""
+        spec = self.task.spec
+        if not isinstance(inputs, Mapping):
+            raise InputError(f"{spec.name}: inputs must be a mapping with {spec.input_fields}, got {type(inputs).__name__}")
+        for field in spec.input_fields:
+            value = inputs.get(field)
+            if not isinstance(value, str):
+                raise InputError(f"{spec.name}: input {field!r} must be text, got {type(value).__name__}")
+            if len(value) > MAX_INPUT_CHARS:
+                raise InputError(f"{spec.name}: input {field!r} has {len(value):,} characters; "
+                                 f"the limit is {MAX_INPUT_CHARS:,}")
+        unknown = sorted(set(options) - set(spec.options))
+        if unknown:
+            raise InputError(f"{spec.name}: unknown option(s) {', '.join(unknown)}; known: {', '.join(spec.options) or 'none'}")
+        return {**spec.options, **options}
+
+    def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        """Preprocess -> model -> postprocess for one input.
+
+        Raises:
+            InputError: bad input or options (the message names the value).
+        """
+        spec = self.task.spec
+        options = self.check_inputs(inputs, options)
+        start = time.perf_counter()
+        batch = spec.preprocess(inputs, self.tokenizer, **options)
+        with self._lock, torch.inference_mode():
+            output = self.model(**batch.to(self.device).model_inputs())
+        result = spec.postprocess(output, batch.to("cpu"), **options)
+        latency_ms = (time.perf_counter() - start) * 1000
+        first = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
+        self.last = LastInput(self.tokenizer.convert_ids_to_tokens(first), batch)
+        return {"task": spec.name, "result": result, "provenance": self.provenance(latency_ms)}
+
+    def provenance(self, latency_ms: float | None = None) -> dict[str, Any]:
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        info = {"plugin": self.task.plugin, "plugin_version": self.task.plugin_version, "task": self.task.spec.name,
+                "model": self.model_id, "revision": self.revision, "device": str(self.device), "dtype": dtype,
+                "untrained_head": self.untrained_head}
+        if latency_ms is not None:
+            info["latency_ms"] = round(latency_ms, 2)
+        return info
+
+    def attention(self) -> tuple[list[str], list[torch.Tensor]]:
+        """Tokens of the last input's first row and every layer's (N, T, T) attention over them."""
+        if self.last is None:
+            raise InputError("no input yet: run a prediction in any tab first")
+        batch = self.last.batch
+        n = len(self.last.tokens)
+        encoder = getattr(self.model, "encoder", self.model)
+        with self._lock, torch.inference_mode():
+            out = encoder(batch.input_ids[:1, :n].to(self.device), None,
+                          batch.token_type_ids[:1, :n].to(self.device), output_attentions=True)
+        return self.last.tokens, [a[0].float().cpu() for a in out.attentions]

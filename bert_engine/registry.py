@@ -1,0 +1,189 @@
+"""The task registry: built-in and entry-point plugins loaded one at a time, failures recorded.
+
+Built-in task modules and third-party packages (entry-point group `bert_engine`) go through the
+same path: import -> register with pluggy -> call `register_tasks` -> validate each TaskSpec.
+Any failure becomes a PluginFailure and one warning line; the other plugins keep loading.
+Environment: BERT_ENGINE_PLUGINS=a,b loads only those third-party plugins (empty: built-ins only);
+BERT_ENGINE_STRICT_PLUGINS=1 re-raises the first failure, for plugin authors and CI.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import pluggy
+
+from .hookspecs import PROJECT, PluginError, TaskHooks, TaskSpec
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "bert_engine"
+# Built-in task modules, in tab order; they load exactly like third-party plugins.
+BUILTIN_PLUGINS: tuple[str, ...] = ()
+SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    version: str
+    source: str  # "builtin" or "entry point"
+    tasks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PluginFailure:
+    plugin: str
+    version: str
+    stage: str  # "import", "register", "hook", "validate", "duplicate"
+    message: str
+
+
+@dataclass(frozen=True)
+class RegisteredTask:
+    """A validated TaskSpec and the plugin that provided it (for provenance)."""
+
+    spec: TaskSpec
+    plugin: str
+    plugin_version: str
+
+
+class _Violation(PluginError):
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+class Registry:
+    """Loaded plugins, their tasks in a stable order, and the plugins that failed."""
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+        self.manager = pluggy.PluginManager(PROJECT)
+        self.manager.add_hookspecs(TaskHooks)
+        self.tasks: dict[str, RegisteredTask] = {}
+        self.plugins: list[PluginInfo] = []
+        self.failures: list[PluginFailure] = []
+
+    def task(self, name: str) -> RegisteredTask:
+        if name not in self.tasks:
+            raise KeyError(f"no task named {name!r}; registered: {', '.join(self.tasks) or 'none'}")
+        return self.tasks[name]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"plugins": [asdict(p) for p in self.plugins], "failures": [asdict(f) for f in self.failures]}
+
+    def load_plugin(self, name: str, version: str, source: str, load: Callable[[], object]) -> bool:
+        """Import one plugin and take its tasks, all or none; a failure is recorded, never raised
+        (unless strict). Returns whether the plugin loaded."""
+        stage, plugin = "import", None
+        try:
+            plugin = load()
+            stage = "register"
+            if self.manager.is_registered(plugin) or self.manager.has_plugin(name):
+                raise _Violation("duplicate", f"a plugin named {name!r} is already loaded")
+            self.manager.register(plugin, name=name)
+            if not self.manager.hook.register_tasks.get_hookimpls() or all(
+                    impl.plugin is not plugin for impl in self.manager.hook.register_tasks.get_hookimpls()):
+                raise _Violation("register", "implements no bert_engine hook (expected register_tasks)")
+            stage = "hook"
+            specs: list[TaskSpec] = []
+            others = [p for p in self.manager.get_plugins() if p is not plugin]
+            call = self.manager.subset_hook_caller("register_tasks", remove_plugins=others)
+            call(register=lambda spec: specs.append(self._validate(spec, specs)))
+            if not specs:
+                raise _Violation("validate", "register_tasks registered no task")
+        except Exception as err:  # any failure of a stranger's code is recorded, not propagated
+            if plugin is not None and self.manager.is_registered(plugin):
+                self.manager.unregister(plugin)
+            failure = PluginFailure(name, version, getattr(err, "stage", stage), _message(err))
+            self.failures.append(failure)
+            logger.warning("plugin %s %s failed at %s: %s", name, version, failure.stage, failure.message)
+            if self.strict:
+                raise PluginError(f"plugin {name} {version} failed at {failure.stage}: {failure.message}") from err
+            return False
+        for spec in specs:
+            self.tasks[spec.name] = RegisteredTask(spec, name, version)
+        self.plugins.append(PluginInfo(name, version, source, tuple(s.name for s in specs)))
+        return True
+
+    def _validate(self, spec: object, pending: list[TaskSpec]) -> TaskSpec:
+        if not isinstance(spec, TaskSpec):
+            raise _Violation("validate", f"register() expects a TaskSpec, got {type(spec).__name__}")
+        problems = []
+        if not isinstance(spec.name, str) or not SLUG.match(spec.name):
+            problems.append(f"name {spec.name!r} is not a lowercase slug (a-z, 0-9, '_', '-'; max 40)")
+        if not isinstance(spec.title, str) or not spec.title.strip():
+            problems.append(f"title {spec.title!r} must be a non-empty string")
+        for field in ("build_head", "preprocess", "postprocess"):
+            if not callable(getattr(spec, field)):
+                problems.append(f"{field} must be callable, got {type(getattr(spec, field)).__name__}")
+        for field in ("build_tab", "read_data", "loss", "metric"):
+            value = getattr(spec, field)
+            if value is not None and not callable(value):
+                problems.append(f"{field} must be callable or None, got {type(value).__name__}")
+        fields = spec.input_fields
+        if not isinstance(fields, tuple) or not fields or not all(isinstance(f, str) and f.isidentifier() for f in fields):
+            problems.append(f"input_fields must be a non-empty tuple of identifiers, got {fields!r}")
+        if not isinstance(spec.options, Mapping) or not all(isinstance(k, str) for k in spec.options):
+            problems.append(f"options must be a mapping from names to defaults, got {spec.options!r:.80}")
+        for i, example in enumerate(spec.examples if isinstance(spec.examples, tuple) else ()):
+            if not isinstance(example, Mapping) or not set(fields) <= set(example):
+                problems.append(f"examples[{i}] must be a mapping with the keys {fields}")
+        if not isinstance(spec.examples, tuple):
+            problems.append(f"examples must be a tuple, got {type(spec.examples).__name__}")
+        if spec.default_checkpoint is not None and not isinstance(spec.default_checkpoint, str):
+            problems.append(f"default_checkpoint must be a string or None, got {spec.default_checkpoint!r}")
+        if problems:
+            raise _Violation("validate", f"task {spec.name!r}: " + "; ".join(problems))
+        owner = self.tasks.get(spec.name)
+        if owner is not None or any(s.name == spec.name for s in pending):
+            by = f"plugin {owner.plugin!r}" if owner else "the same plugin"
+            raise _Violation("duplicate", f"task name {spec.name!r} is already registered by {by}")
+        return spec
+
+
+def _message(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:500]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool = True,
+                  selected: set[str] | None = None, strict: bool | None = None) -> Registry:
+    """Load built-in task modules, then third-party entry points (sorted by name), each in isolation.
+
+    Args:
+        builtins: module names (default BUILTIN_PLUGINS).
+        entry_points: also load the `bert_engine` entry-point group.
+        selected: third-party plugin names to load (default: BERT_ENGINE_PLUGINS if set, else all).
+        strict: re-raise the first failure (default: BERT_ENGINE_STRICT_PLUGINS).
+    """
+    from . import __version__
+
+    registry = Registry(strict=_env_flag("BERT_ENGINE_STRICT_PLUGINS") if strict is None else strict)
+    for module in BUILTIN_PLUGINS if builtins is None else builtins:
+        short = module.rsplit(".", 1)[-1]
+        registry.load_plugin(short, __version__, "builtin", lambda module=module: importlib.import_module(module))
+    if not entry_points:
+        return registry
+    if selected is None and "BERT_ENGINE_PLUGINS" in os.environ:
+        selected = {n.strip() for n in os.environ["BERT_ENGINE_PLUGINS"].split(",") if n.strip()}
+    seen = set()
+    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name):
+        if ep.name in seen or (selected is not None and ep.name not in selected):
+            continue
+        seen.add(ep.name)
+        version = ep.dist.version if ep.dist is not None else "unknown"
+        registry.load_plugin(ep.name, version, "entry point", ep.load)
+    return registry

@@ -1,0 +1,132 @@
+"""Semantic similarity of two texts: a bi-encoder (mean-pooled token vectors) scored by cosine.
+
+A complete third-party task for bert_engine, written as the tutorial in docs/plugins.md
+describes. With a sentence-embedding checkpoint such as all-MiniLM-L6-v2 (the engine's
+offline default) it gives meaningful scores without any training.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+
+
+class MeanPoolingHead(nn.Module):
+    """Average of the real tokens' hidden states: one vector per text. No parameters to train."""
+
+    needs_pooler = False
+
+    def __init__(self, config) -> None:
+        super().__init__()
+
+    def forward(self, encoded) -> Tensor:
+        hidden = encoded.last_hidden_state  # (B, T, H)
+        if encoded.attention_mask is None:
+            return hidden.mean(dim=1)
+        mask = encoded.attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+        return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)  # (B, H)
+
+
+def preprocess(inputs, tokenizer, max_length: int = 256):
+    texts = [inputs["text_a"], inputs["text_b"]]
+    for field, text in zip(("text_a", "text_b"), texts):
+        if not text.strip():
+            raise InputError(f"similarity: {field} is empty; type some text")
+    if not 8 <= int(max_length) <= tokenizer.model_max_length:
+        raise InputError(f"similarity: max_length {max_length} must lie in [8, {tokenizer.model_max_length}]")
+    batch = tokenizer(texts, max_length=int(max_length), truncation="longest_first")
+    batch.meta["texts"] = texts
+    return batch
+
+
+def postprocess(embeddings: Tensor, batch, max_length: int = 256):
+    a, b = embeddings.float()
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).clamp(-1.0, 1.0).item()
+    truncated = [name for name, cut in zip(("text_a", "text_b"), batch.truncated) if cut]
+    return {
+        "cosine": round(cosine, 6),
+        "score": round((cosine + 1.0) / 2.0, 6),  # mapped to [0, 1]
+        "truncated": truncated,  # inputs cut to max_length tokens; empty when nothing was cut
+    }
+
+
+def read_data(path, split: str = "train"):
+    """TSV with a header `text_a<TAB>text_b<TAB>score`, score in [0, 1]; yields (inputs, score)."""
+    with Path(path).open(encoding="utf-8", newline="") as handle:
+        for row in csv.DictReader(handle, delimiter="\t"):
+            yield {"text_a": row["text_a"], "text_b": row["text_b"]}, float(row["score"])
+
+
+def loss(embeddings: Tensor, targets: list[float]) -> Tensor:
+    """Pairs are consecutive rows: mean squared error between (cosine+1)/2 and the gold score."""
+    a, b = embeddings[0::2], embeddings[1::2]
+    predicted = (torch.nn.functional.cosine_similarity(a, b, dim=-1) + 1.0) / 2.0
+    return torch.nn.functional.mse_loss(predicted, torch.tensor(targets, dtype=predicted.dtype))
+
+
+def metric(predictions: list[float], targets: list[float]) -> dict[str, float]:
+    """Spearman rank correlation (the STS benchmark's metric) and Pearson correlation."""
+    x, y = torch.tensor(predictions, dtype=torch.float64), torch.tensor(targets, dtype=torch.float64)
+    if len(x) < 2:
+        raise ValueError(f"need at least 2 predictions for a correlation, got {len(x)}")
+
+    def pearson(u, v):
+        u, v = u - u.mean(), v - v.mean()
+        return float((u * v).sum() / (u.norm() * v.norm()).clamp(min=1e-12))
+
+    def ranks(u):
+        return u.argsort().argsort().to(torch.float64)
+
+    return {"spearman": pearson(ranks(x), ranks(y)), "pearson": pearson(x, y)}
+
+
+def build_tab(predictor) -> None:
+    import gradio as gr
+
+    with gr.Row():
+        text_a = gr.Textbox(label="Text A", lines=3)
+        text_b = gr.Textbox(label="Text B", lines=3)
+    button = gr.Button("Compare", variant="primary")
+    score = gr.Label(label="Similarity")
+    details = gr.JSON(label="Result")
+
+    def run(a: str, b: str):
+        try:
+            output = predictor.predict({"text_a": a, "text_b": b})
+        except InputError as err:
+            raise gr.Error(str(err)) from None
+        result = output["result"]
+        return {"similar": result["score"], "different": 1.0 - result["score"]}, output
+
+    button.click(run, [text_a, text_b], [score, details], api_name="similarity")
+    gr.Examples([[e["text_a"], e["text_b"]] for e in EXAMPLES], [text_a, text_b])
+
+
+EXAMPLES = (
+    {"text_a": "A man is playing a guitar.", "text_b": "Someone plays an instrument."},
+    {"text_a": "The stock market fell sharply today.", "text_b": "A cat is sleeping on the sofa."},
+)
+
+
+@hookimpl
+def register_tasks(register):
+    register(TaskSpec(
+        name="similarity",
+        title="Similarity",
+        description="How close in meaning are two texts? Cosine of mean-pooled BERT vectors.",
+        build_head=MeanPoolingHead,
+        preprocess=preprocess,
+        postprocess=postprocess,
+        build_tab=build_tab,
+        input_fields=("text_a", "text_b"),
+        options={"max_length": 256},
+        examples=EXAMPLES,
+        read_data=read_data,
+        loss=loss,
+        metric=metric,
+    ))
