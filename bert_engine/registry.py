@@ -151,8 +151,8 @@ class Registry:
 
 
 def _message(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:500]
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {'; '.join(lines)}"[:500]  # one warning line, whole reason
 
 
 def _env_flag(name: str) -> bool:

@@ -1,0 +1,316 @@
+"""The registry: plugins from modules and installed entry points, each failure kind recorded."""
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from bert_engine import hookspecs
+from bert_engine.cli import main as cli_main
+from bert_engine.conformance import check_task, tiny_predictor
+from bert_engine.hookspecs import InputError, PluginError, TaskSpec, hookimpl
+from bert_engine.registry import Registry, load_registry
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "bert-engine-similarity"
+
+
+class LengthHead(torch.nn.Module):
+    """A real (tiny) head: one score per sequence from the [CLS] vector."""
+
+    needs_pooler = False
+
+    def __init__(self, config):
+        super().__init__()
+        self.score = torch.nn.Linear(config.hidden_size, 1)
+
+    def forward(self, encoded):
+        return torch.sigmoid(self.score(encoded.last_hidden_state[:, 0])).squeeze(-1)
+
+
+def _preprocess(inputs, tokenizer, **options):
+    if not inputs["text"].strip():
+        raise InputError("text is empty")
+    batch = tokenizer(inputs["text"])
+    batch.meta["text"] = inputs["text"]
+    return batch
+
+
+def _spec(name="toy", **changes):
+    values = dict(name=name, title="Toy", build_head=LengthHead, preprocess=_preprocess,
+                  postprocess=lambda out, batch, **o: {"score": float(out[0])})
+    values.update(changes)
+    return TaskSpec(**values)
+
+
+class ToyPlugin:
+    def __init__(self, *specs):
+        self.specs = specs or (_spec(),)
+
+    @hookimpl
+    def register_tasks(self, register):
+        for spec in self.specs:
+            register(spec)
+
+
+def _load(registry, name, plugin):
+    return registry.load_plugin(name, "1.0", "test", lambda: plugin)
+
+
+def test_in_test_plugin_registers_a_task():
+    registry = Registry()
+    assert _load(registry, "toy", ToyPlugin())
+    assert list(registry.tasks) == ["toy"]
+    assert registry.plugins[0].tasks == ("toy",) and registry.failures == []
+
+
+def _raise(error):
+    raise error
+
+
+@pytest.mark.parametrize(
+    ("plugin", "stage", "message"),
+    [
+        (lambda: _raise(ImportError("No module named 'missing_dependency'")), "import", "missing_dependency"),
+        (lambda: object(), "register", "implements no bert_engine hook"),
+        (lambda: ToyPlugin(_spec(name="Bad Name!")), "validate", "name 'Bad Name!' is not a lowercase slug"),
+        (lambda: ToyPlugin(_spec(preprocess="not callable")), "validate", "preprocess must be callable, got str"),
+        (lambda: ToyPlugin(_spec(examples=({"wrong": "key"},))), "validate", "examples[0] must be a mapping"),
+        (lambda: ToyPlugin(_spec(), _spec()), "duplicate", "task name 'toy' is already registered by the same plugin"),
+        (lambda: ToyPlugin(_spec(name="")), "validate", "name '' is not a lowercase slug"),
+    ],
+    ids=["import", "no-hook", "bad-slug", "not-callable", "bad-example", "dup-in-plugin", "empty-name"],
+)
+def test_each_failure_kind_is_recorded_and_the_rest_keep_loading(plugin, stage, message, caplog):
+    registry = Registry()
+    with caplog.at_level(logging.WARNING):
+        assert not registry.load_plugin("broken", "0.1", "test", lambda: plugin() if callable(plugin) else plugin)
+    assert _load(registry, "good", ToyPlugin(_spec(name="good")))
+    failure = registry.failures[0]
+    assert (failure.plugin, failure.version, failure.stage) == ("broken", "0.1", stage)
+    assert message in failure.message
+    assert list(registry.tasks) == ["good"]
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+class RaisingPlugin:
+    @hookimpl
+    def register_tasks(self, register):
+        raise RuntimeError("plugin exploded")
+
+
+class NotASpecPlugin:
+    @hookimpl
+    def register_tasks(self, register):
+        register({"name": "dict-instead"})
+
+
+class WrongArgumentPlugin:
+    @hookimpl
+    def register_tasks(self, registry_typo):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("plugin", "stage", "message"),
+    [
+        (RaisingPlugin(), "hook", "RuntimeError: plugin exploded"),
+        (NotASpecPlugin(), "validate", "register() expects a TaskSpec, got dict"),
+        (WrongArgumentPlugin(), "register", "registry_typo"),
+    ],
+)
+def test_hook_failures(plugin, stage, message):
+    registry = Registry()
+    assert not _load(registry, "broken", plugin)
+    assert registry.failures[0].stage == stage and message in registry.failures[0].message
+    assert not registry.manager.get_plugins()  # a failed plugin is unregistered, nothing half-loaded
+
+
+def test_duplicate_task_name_across_plugins_fails_the_second():
+    registry = Registry()
+    assert _load(registry, "first", ToyPlugin())
+    assert not _load(registry, "second", ToyPlugin())
+    assert registry.failures[0].stage == "duplicate"
+    assert "already registered by plugin 'first'" in registry.failures[0].message
+    assert registry.tasks["toy"].plugin == "first"
+
+
+def test_strict_mode_reraises(monkeypatch):
+    monkeypatch.setenv("BERT_ENGINE_STRICT_PLUGINS", "1")
+    registry = load_registry(builtins=(), entry_points=False)
+    with pytest.raises(PluginError, match="plugin broken 1.0 failed at hook: RuntimeError: plugin exploded"):
+        _load(registry, "broken", RaisingPlugin())
+
+
+def test_hooks_are_called_with_keywords_so_new_arguments_stay_optional():
+    # pluggy passes only the arguments an implementation names: a plugin written against an
+    # older, smaller signature keeps working when the host adds an argument.
+    registry = Registry()
+    _load(registry, "toy", ToyPlugin())
+    impl = registry.manager.hook.register_tasks.get_hookimpls()[0]
+    assert impl.argnames == ("register",)
+
+
+def test_provenance_and_conformance_of_an_in_test_task():
+    registry = Registry()
+    _load(registry, "toy", ToyPlugin())
+    predictor = tiny_predictor(registry.task("toy"))
+    output = predictor.predict({"text": "hello there"})
+    assert set(output["provenance"]) >= {"plugin", "plugin_version", "task", "model", "revision", "device", "latency_ms"}
+    assert output["provenance"]["plugin"] == "toy" and output["provenance"]["device"] == "cpu"
+    assert check_task(registry.task("toy"), predictor, build_tab=False) == []
+    with pytest.raises(InputError, match="unknown option"):
+        predictor.predict({"text": "x"}, top_k=3)
+    with pytest.raises(InputError, match="input 'text' must be text, got NoneType"):
+        predictor.predict({})
+
+
+def test_conformance_kit_names_an_out_of_range_span():
+    bad = _spec(name="badspan", postprocess=lambda out, batch, **o: {
+        "entities": [{"start": 0, "end": len(batch.meta["text"]) + 5, "word": batch.meta["text"]}]})
+    registry = Registry()
+    _load(registry, "badspan", ToyPlugin(bad))
+    violations = check_task(registry.task("badspan"), build_tab=False)
+    assert violations and {v.rule for v in violations} == {"span"}
+    assert "is outside 0 <= start < end <=" in violations[0].message
+
+
+def test_conformance_kit_names_probabilities_labels_and_crashes():
+    bad = _spec(name="badprob", postprocess=lambda out, batch, **o: {
+        "labels": [{"label": "yes", "score": 0.7}, {"label": "no", "score": 0.7}], "probability": 1.5})
+    crash = _spec(name="crash", preprocess=lambda inputs, tokenizer, **o: inputs["text"][1000000])
+    registry = Registry()
+    _load(registry, "bad", ToyPlugin(bad, crash))
+    rules = {v.rule for v in check_task(registry.task("badprob"), build_tab=False)}
+    assert rules == {"probability", "distribution"}
+    crashes = check_task(registry.task("crash"), build_tab=False)
+    assert crashes and all(v.rule == "input-error" and "IndexError" in v.message for v in crashes)
+
+
+# -- third-party packages through entry points ---------------------------------------------------------
+
+def _install_dist(site: Path, name: str, module_source: str, entry_point: str = None) -> None:
+    """An installed distribution as pip lays it out: a module plus its dist-info with entry points."""
+    module = name.replace("-", "_")
+    (site / f"{module}.py").write_text(textwrap.dedent(module_source))
+    info = site / f"{module}-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text(f"[bert_engine]\n{entry_point or name} = {module}\n")
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    folder = tmp_path / "site"
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    return folder
+
+
+GOOD_PLUGIN = """
+    import torch
+    from bert_engine.hookspecs import TaskSpec, hookimpl
+
+    @hookimpl
+    def register_tasks(register):
+        register(TaskSpec(name="{task}", title="Good", build_head=lambda c: torch.nn.Identity(),
+                          preprocess=lambda i, t, **o: t(i["text"]), postprocess=lambda o, b, **k: {{}}))
+"""
+
+
+def test_entry_points_load_in_isolation_and_env_selects(site, monkeypatch):
+    _install_dist(site, "good-one", GOOD_PLUGIN.format(task="good_one"))
+    _install_dist(site, "good-two", GOOD_PLUGIN.format(task="good_two"))
+    _install_dist(site, "broken-import", "import this_module_does_not_exist\n")
+    _install_dist(site, "broken-hook", """
+        from bert_engine.hookspecs import hookimpl
+        @hookimpl
+        def register_tasks(register):
+            raise ValueError("boom")
+    """)
+    registry = load_registry(builtins=())
+    names = {p.name: p for p in registry.plugins}
+    assert {"good-one", "good-two"} <= set(names) and names["good-one"].version == "0.3"
+    assert names["good-one"].source == "entry point"
+    failures = {f.plugin: f for f in registry.failures}
+    assert failures["broken-import"].stage == "import" and "this_module_does_not_exist" in failures["broken-import"].message
+    assert failures["broken-hook"].stage == "hook" and failures["broken-hook"].version == "0.3"
+
+    monkeypatch.setenv("BERT_ENGINE_PLUGINS", "good-two")
+    assert [p.name for p in load_registry(builtins=()).plugins] == ["good-two"]
+    monkeypatch.setenv("BERT_ENGINE_PLUGINS", "")
+    assert load_registry(builtins=()).plugins == []
+
+
+def test_cli_plugins_prints_json(site, capsys):
+    _install_dist(site, "good-one", GOOD_PLUGIN.format(task="good_one"))
+    _install_dist(site, "broken-import", "import this_module_does_not_exist\n")
+    assert cli_main(["plugins"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"name": "good-one", "version": "0.3", "source": "entry point", "tasks": ["good_one"]} in report["plugins"]
+    assert any(f["plugin"] == "broken-import" and f["stage"] == "import" for f in report["failures"])
+
+
+def test_cli_plugin_check_fails_naming_the_rule(site, capsys):
+    _install_dist(site, "outofrange", """
+        import torch
+        from bert_engine.hookspecs import TaskSpec, hookimpl
+
+        @hookimpl
+        def register_tasks(register):
+            register(TaskSpec(name="outofrange", title="Bad spans", build_head=lambda c: torch.nn.Identity(),
+                              preprocess=lambda i, t, **o: t(i["text"]),
+                              postprocess=lambda o, b, **k: {"spans": [{"start": 3, "end": 2, "word": ""}]}))
+    """)
+    assert cli_main(["plugin", "check", "outofrange"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"]
+    assert any("span: result.spans[0]: start=3, end=2" in v for v in report["tasks"]["outofrange"]["violations"])
+
+
+@pytest.fixture(scope="module")
+def installed_example(tmp_path_factory):
+    """The tutorial's example package, installed by a real `pip install` into a throwaway target."""
+    target = tmp_path_factory.mktemp("example-site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "--target", str(target), str(EXAMPLE)], check=True)
+    return target
+
+
+def test_installed_example_plugin_appears_with_its_tab(installed_example, monkeypatch):
+    monkeypatch.syspath_prepend(str(installed_example))
+    registry = load_registry(builtins=())
+    assert "similarity" in registry.tasks
+    info = next(p for p in registry.plugins if p.name == "similarity")
+    assert info.version == "0.1.0" and info.tasks == ("similarity",)
+    task = registry.task("similarity")
+    assert check_task(task) == []  # includes building its tab
+
+
+def test_installed_example_plugin_gives_real_similarities(installed_example, monkeypatch):
+    monkeypatch.syspath_prepend(str(installed_example))
+    from bert_engine.inference import Predictor
+
+    predictor = Predictor.load(load_registry(builtins=()).task("similarity"))
+    close = predictor.predict({"text_a": "A man is playing a guitar.", "text_b": "Someone plays an instrument."})
+    far = predictor.predict({"text_a": "A man is playing a guitar.", "text_b": "The stock market fell sharply."})
+    assert close["result"]["cosine"] > far["result"]["cosine"] + 0.2
+    assert close["provenance"]["plugin_version"] == "0.1.0"
+
+
+def test_every_hook_is_documented_and_exercised():
+    docs = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")
+    tests = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "tests").rglob("*.py"))
+    hooks = [name for name in vars(hookspecs.TaskHooks) if not name.startswith("_")]
+    assert hooks == ["register_tasks"]
+    for name in hooks:
+        import inspect
+
+        params = [p for p in inspect.signature(getattr(hookspecs.TaskHooks, name)).parameters if p != "self"]
+        assert f"## `{name}({', '.join(params)})`" in docs, f"docs/plugins.md lacks a section for {name}"
+        assert f"def {name}(" in tests, f"no test implements the hook {name}"
