@@ -139,3 +139,46 @@ class Predictor:
             out = encoder(batch.input_ids[:1, :n].to(self.device), None,
                           batch.token_type_ids[:1, :n].to(self.device), output_attentions=True)
         return self.last.tokens, [a[0].float().cpu() for a in out.attentions]
+
+
+class LazyPredictor:
+    """A Predictor that loads its model on first use (thread-safe), so an app starts without loading any.
+
+    Has Predictor's interface (`predict`, `attention`, `provenance`, `last`); `loaded` says whether
+    the model is in memory. A load failure (HubError, CheckpointError) propagates to the caller to
+    show, and the load is tried again on the next call.
+    """
+
+    def __init__(self, task: RegisteredTask, checkpoint: str | None = None, **load_kwargs: Any) -> None:
+        self.task = task
+        self.checkpoint = checkpoint
+        self.load_kwargs = load_kwargs
+        self._predictor: Predictor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._predictor is not None
+
+    def get(self) -> Predictor:
+        if self._predictor is None:
+            with self._lock:
+                if self._predictor is None:
+                    logger.info("loading the model of task %s", self.task.spec.name)
+                    self._predictor = Predictor.load(self.task, self.checkpoint, **self.load_kwargs)
+        return self._predictor
+
+    def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        return self.get().predict(inputs, **options)
+
+    def attention(self) -> tuple[list[str], list[torch.Tensor]]:
+        if self._predictor is None:
+            raise InputError(f"no input yet in the {self.task.spec.title} tab: run a prediction there first")
+        return self._predictor.attention()
+
+    @property
+    def last(self) -> LastInput | None:
+        return self._predictor.last if self._predictor is not None else None
+
+    def provenance(self) -> dict[str, Any]:
+        return self.get().provenance()

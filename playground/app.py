@@ -1,0 +1,134 @@
+"""build_app(registry) -> gr.Blocks: one tab per registered task, then Plugins and Attention.
+
+Built once at start-up from the task registry. Models load lazily per task on first use and
+stay cached. A task whose tab fails to build gets an error panel in its place, never a blank app.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+from typing import Any
+
+from bert_engine.hookspecs import InputError
+from bert_engine.inference import LazyPredictor
+from bert_engine.registry import Registry, load_registry
+
+logger = logging.getLogger(__name__)
+
+MAX_HEATMAP_TOKENS = 96  # larger attention maps are cut to the first tokens, with a notice
+
+
+def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] | None = None,
+              device: str | None = None):
+    """The playground as a Gradio Blocks app.
+
+    Args:
+        registry: the task registry (default: load built-ins and installed plugins).
+        checkpoints: task name -> folder or Hub id, overriding each task's default model.
+        device: force a device ("cpu", "cuda"); default: CUDA, then MPS, then CPU.
+    """
+    import gradio as gr
+
+    registry = registry or load_registry()
+    checkpoints = checkpoints or {}
+    predictors = {name: LazyPredictor(task, checkpoints.get(name), device=device)
+                  for name, task in registry.tasks.items()}
+    with gr.Blocks(title="bert_engine playground") as app:
+        gr.Markdown("# bert_engine playground\nBERT from scratch in PyTorch. "
+                    f"{len(registry.tasks)} task(s) from {len(registry.plugins)} plugin(s).")
+        for name, task in registry.tasks.items():
+            with gr.Tab(task.spec.title, id=name):
+                if task.spec.description:
+                    gr.Markdown(task.spec.description)
+                _build_task_tab(gr, task, predictors[name])
+        with gr.Tab("Plugins", id="plugins"):
+            _build_plugins_tab(gr, registry)
+        with gr.Tab("Attention", id="attention"):
+            _build_attention_tab(gr, registry, predictors)
+    app.predictors = predictors
+    return app
+
+
+def _build_task_tab(gr, task, predictor: LazyPredictor) -> None:
+    if task.spec.build_tab is None:
+        gr.Markdown(f"Task `{task.spec.name}` has no tab; use it through the Python API.")
+        return
+    try:
+        task.spec.build_tab(predictor)
+    except Exception as err:  # a stranger's tab must not take the app down
+        logger.warning("tab of task %s failed to build: %s", task.spec.name, err)
+        gr.Markdown(f"**The tab of `{task.spec.name}` (plugin {task.plugin} {task.plugin_version}) "
+                    f"failed to build:** `{html.escape(str(err))}`")
+
+
+def plugin_rows(registry: Registry) -> list[list[str]]:
+    """The Plugins table: loaded plugins first, then failures with their stage and reason."""
+    rows = [[p.name, p.version, p.source, ", ".join(p.tasks), "loaded", ""] for p in registry.plugins]
+    rows += [[f.plugin, f.version, "", "", f"failed at {f.stage}", f.message] for f in registry.failures]
+    return rows
+
+
+def _build_plugins_tab(gr, registry: Registry) -> None:
+    gr.Markdown("Task plugins: the built-ins and installed packages (entry-point group `bert_engine`). "
+                "A plugin that failed to load is listed with its reason; the others work.")
+    gr.Dataframe(value=plugin_rows(registry), headers=["plugin", "version", "source", "tasks", "status", "reason"],
+                 interactive=False, wrap=True)
+
+
+def attention_html(tokens: list[str], weights, layer: int, head: int | None) -> str:
+    """An HTML heatmap of one layer's attention: rows attend (queries) to columns (keys).
+
+    weights: list over layers of (N, T, T) tensors; head None averages the heads.
+    """
+    matrix = weights[layer].mean(0) if head is None else weights[layer][head]  # (T, T)
+    notice = ""
+    if len(tokens) > MAX_HEATMAP_TOKENS:
+        notice = f"<p>Showing the first {MAX_HEATMAP_TOKENS} of {len(tokens)} tokens.</p>"
+        tokens, matrix = tokens[:MAX_HEATMAP_TOKENS], matrix[:MAX_HEATMAP_TOKENS, :MAX_HEATMAP_TOKENS]
+    peak = float(matrix.max()) or 1.0
+    cells = []
+    header = "".join(f'<th class="col">{html.escape(t)}</th>' for t in tokens)
+    for i, token in enumerate(tokens):
+        row = "".join(
+            f'<td title="{html.escape(token)} → {html.escape(tokens[j])}: {float(w):.3f}" '
+            f'style="background: rgba(37, 99, 235, {float(w) / peak:.3f})"></td>'
+            for j, w in enumerate(matrix[i]))
+        cells.append(f"<tr><th>{html.escape(token)}</th>{row}</tr>")
+    which = "mean of all heads" if head is None else f"head {head}"
+    return (f"<p>Layer {layer}, {which}. Each row is a token attending to the columns; hover a cell for its weight.</p>"
+            f"{notice}<div style='overflow:auto'><table class='attention'><tr><th></th>{header}</tr>"
+            f"{''.join(cells)}</table></div>"
+            "<style>.attention td{width:14px;height:14px;padding:0;border:1px solid #eee}"
+            ".attention th{font-size:11px;font-weight:normal;white-space:nowrap;padding:0 4px}"
+            ".attention th.col{writing-mode:vertical-rl;transform:rotate(180deg)}</style>")
+
+
+def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredictor]) -> None:
+    gr.Markdown("The attention of the last input of a task tab: pick the tab, a layer and a head.")
+    names = list(registry.tasks)
+    with gr.Row():
+        task = gr.Dropdown(choices=[(registry.tasks[n].spec.title, n) for n in names],
+                           value=names[0] if names else None, label="Last input of")
+        layer = gr.Number(value=0, precision=0, minimum=0, label="Layer")
+        head = gr.Number(value=0, precision=0, minimum=0, label="Head")
+        average = gr.Checkbox(value=False, label="Average heads")
+    show = gr.Button("Show attention", variant="primary")
+    heatmap = gr.HTML()
+
+    def render(task_name: str | None, layer_index: Any, head_index: Any, mean: bool) -> str:
+        if not task_name or task_name not in predictors:
+            raise gr.Error("pick a task tab first")
+        try:
+            tokens, weights = predictors[task_name].attention()
+        except InputError as err:
+            raise gr.Error(str(err)) from None
+        num_layers, num_heads = len(weights), weights[0].shape[0]
+        layer_index, head_index = int(layer_index or 0), int(head_index or 0)
+        if not 0 <= layer_index < num_layers:
+            raise gr.Error(f"layer {layer_index} does not exist; the model has layers 0..{num_layers - 1}")
+        if not mean and not 0 <= head_index < num_heads:
+            raise gr.Error(f"head {head_index} does not exist; each layer has heads 0..{num_heads - 1}")
+        return attention_html(tokens, weights, layer_index, None if mean else head_index)
+
+    show.click(render, [task, layer, head, average], heatmap, api_name="attention")
