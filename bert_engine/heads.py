@@ -108,38 +108,40 @@ class PretrainingHead(nn.Module):
         return PretrainingOutput(self.mlm(encoded).logits, self.nsp(encoded).logits)
 
 
-class SequenceClassificationHead(nn.Module):
-    """Dropout + linear over the pooled [CLS] vector: one label distribution per sequence."""
+class _LinearClassifierHead(nn.Module):
+    """Dropout + linear from H to the config's labels, over the features `_features` picks."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        if config.num_labels < 1:
+            raise ValueError(f"a {self.kind} classification head needs labels: config.id2label is empty")
+        self.dropout = _dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, encoded: EncoderOutput) -> ClassifierOutput:
+        return ClassifierOutput(self.classifier(self.dropout(self._features(encoded))))
+
+
+class SequenceClassificationHead(_LinearClassifierHead):
+    """One label distribution per sequence, from the pooled [CLS] vector: logits (B, L)."""
 
     kind = "sequence"  # the checkpoint head it matches (loading.HEAD_TABLES)
     needs_pooler = True
 
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        if config.num_labels < 1:
-            raise ValueError("a sequence classification head needs labels: config.id2label is empty")
-        self.dropout = _dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-
-    def forward(self, encoded: EncoderOutput) -> ClassifierOutput:
-        return ClassifierOutput(self.classifier(self.dropout(encoded.pooled)))  # (B, L)
+    @staticmethod
+    def _features(encoded: EncoderOutput) -> Tensor:
+        return encoded.pooled  # (B, H)
 
 
-class TokenClassificationHead(nn.Module):
-    """Dropout + linear over every token's hidden state: one label distribution per token."""
+class TokenClassificationHead(_LinearClassifierHead):
+    """One label distribution per token, from every hidden state: logits (B, T, L)."""
 
     kind = "token"  # the checkpoint head it matches (loading.HEAD_TABLES)
     needs_pooler = False
 
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        if config.num_labels < 1:
-            raise ValueError("a token classification head needs labels: config.id2label is empty")
-        self.dropout = _dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-
-    def forward(self, encoded: EncoderOutput) -> ClassifierOutput:
-        return ClassifierOutput(self.classifier(self.dropout(encoded.last_hidden_state)))  # (B, T, L)
+    @staticmethod
+    def _features(encoded: EncoderOutput) -> Tensor:
+        return encoded.last_hidden_state  # (B, T, H)
 
 
 class SpanHead(nn.Module):

@@ -84,7 +84,7 @@ class FakeHub:
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
-                pass
+                return None  # keep the test output quiet
 
             def do_HEAD(self) -> None:
                 self._serve(body=False)

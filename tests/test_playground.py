@@ -24,10 +24,6 @@ class BrokenTabPlugin:
                           build_tab=build_tab))
 
 
-class ImportFails:
-    pass
-
-
 @pytest.fixture
 def registry(installed_example, monkeypatch):
     monkeypatch.syspath_prepend(str(installed_example))
