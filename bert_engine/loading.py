@@ -265,8 +265,13 @@ def load_state(model: nn.Module, checkpoint: dict[str, Tensor], *, source: str =
     if report.missing:
         logger.warning("%s: no weights for %s; they keep their fresh initialisation (train the head first)",
                        source, _names(report.missing))
-    if report.unexpected:
-        logger.warning("%s: unused checkpoint keys %s", source, _names(report.unexpected))
+    # A pooler in the checkpoint is expected to go unused by heads that do not need one (QA, NER, MLM).
+    unused_pooler = [k for k in report.unexpected if normalise_key(k).startswith("pooler.")]
+    others = [k for k in report.unexpected if k not in unused_pooler]
+    if unused_pooler:
+        logger.info("%s: this head uses no pooler; not loading %s", source, _names(unused_pooler))
+    if others:
+        logger.warning("%s: unused checkpoint keys %s", source, _names(others))
     params = dict(model.state_dict())
     with torch.no_grad():
         for name, tensor in state.items():
