@@ -54,6 +54,46 @@ def _plugin_check(args: argparse.Namespace) -> dict:
     return report
 
 
+def _predict(args: argparse.Namespace) -> dict:
+    from .hookspecs import InputError
+    from .inference import Predictor
+    from .registry import load_registry
+
+    registry = load_registry()
+    try:
+        task = registry.task(args.task)
+    except KeyError as err:
+        raise ValueError(str(err.args[0])) from None
+    fields = task.spec.input_fields + task.spec.optional_fields
+    inputs = {}
+    for item in args.input:
+        field, sep, value = item.partition("=")
+        if not sep or field not in fields:
+            raise ValueError(f"--input {item!r}: expected FIELD=TEXT with FIELD one of {', '.join(fields)}")
+        inputs[field] = value
+    options = {}
+    for item in args.option:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--option {item!r}: expected NAME=VALUE")
+        try:
+            options[name] = json.loads(value)
+        except ValueError:
+            options[name] = value  # a bare word, e.g. long_input=windows
+    predictor = Predictor.load(task, args.model, revision=args.revision)
+    texts = [line.rstrip("\n") for line in open(args.file, encoding="utf-8")] if args.file else [None]
+    results = []
+    for text in texts:
+        row = dict(inputs, **({task.spec.input_fields[0]: text} if text is not None else {}))
+        try:
+            results.append(predictor.predict(row, **options))
+        except InputError as err:
+            if args.file is None:
+                raise
+            results.append({"task": task.spec.name, "error": str(err)})
+    return results[0] if args.file is None else {"results": results}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bert-engine", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -67,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     encode = sub.add_parser("encode", parents=[common], help="tokenise and encode texts; mean-pooled vectors")
     encode.add_argument("text", nargs="+")
     encode.set_defaults(run=_encode)
+    predict = sub.add_parser("predict", help="run a task and print its result with provenance as JSON")
+    predict.add_argument("task", help="task name, e.g. sentiment")
+    predict.add_argument("--input", "-i", action="append", default=[], metavar="FIELD=TEXT",
+                         help="an input field, e.g. -i text='great movie' (repeat for several fields)")
+    predict.add_argument("--file", help="one input per line for the task's first field (batch)")
+    predict.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE",
+                         help="a task option, JSON-parsed when possible, e.g. -o top_k=2")
+    predict.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the task's)")
+    predict.add_argument("--revision", default=None)
+    predict.set_defaults(run=_predict)
     plugins = sub.add_parser("plugins", help="loaded task plugins (name, version, tasks) and failures, as JSON")
     plugins.set_defaults(run=_plugins)
     plugin = sub.add_parser("plugin", help="plugin tools")
@@ -80,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if getattr(args, "model", "unset") is None:
+    if getattr(args, "model", "unset") is None and args.command in ("info", "encode"):
         args.model = default_backbone()
     try:
         result = args.run(args)

@@ -100,9 +100,18 @@ class BertConfig:
             raise ValueError(f"attn_backend {self.attn_backend!r} is not one of 'eager', 'sdpa'")
         if self.model_type != "bert":
             raise ValueError(f"model_type {self.model_type!r} is not 'bert'")
-        # JSON keys are strings; checkpoints store id2label as {"0": "NEGATIVE", ...}.
-        id2label = {int(k): str(v) for k, v in self.id2label.items()}
-        label2id = {str(k): int(v) for k, v in self.label2id.items()} or {v: k for k, v in id2label.items()}
+        # JSON keys are strings; checkpoints store id2label as {"0": "NEGATIVE", ...}, and some
+        # writers store null for an absent mapping.
+        for name in ("id2label", "label2id"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, {})
+            elif not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a mapping, got {type(getattr(self, name)).__name__}")
+        try:
+            id2label = {int(k): str(v) for k, v in self.id2label.items()}
+            label2id = {str(k): int(v) for k, v in self.label2id.items()} or {v: k for k, v in id2label.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"id2label must map integer ids to names, got {self.id2label!r:.100}") from None
         if id2label and sorted(id2label) != list(range(len(id2label))):
             raise ValueError(f"id2label keys must be 0..{len(id2label) - 1}, got {sorted(id2label)}")
         object.__setattr__(self, "id2label", id2label)

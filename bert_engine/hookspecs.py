@@ -42,6 +42,7 @@ class TaskSpec:
     Optional:
         build_tab: (predictor) -> None; adds Gradio components inside the open Blocks/Tab.
         input_fields: names of the text inputs, e.g. ("text",) or ("question", "context").
+        optional_fields: text inputs that may be absent or None (e.g. a second text, "text_pair").
         options: option name -> default value, passed to preprocess/postprocess as keywords.
         examples: example inputs (dicts keyed by `input_fields`).
         default_checkpoint: folder or Hub id of the model used when none is configured;
@@ -59,6 +60,7 @@ class TaskSpec:
     postprocess: Callable[..., Any]
     build_tab: Callable[..., None] | None = None
     input_fields: tuple[str, ...] = ("text",)
+    optional_fields: tuple[str, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
     examples: tuple[Mapping[str, Any], ...] = ()
     description: str = ""

@@ -89,8 +89,10 @@ class Predictor:
         spec = self.task.spec
         if not isinstance(inputs, Mapping):
             raise InputError(f"{spec.name}: inputs must be a mapping with {spec.input_fields}, got {type(inputs).__name__}")
-        for field in spec.input_fields:
+        for field in spec.input_fields + spec.optional_fields:
             value = inputs.get(field)
+            if value is None and field in spec.optional_fields:
+                continue
             if not isinstance(value, str):
                 raise InputError(f"{spec.name}: input {field!r} must be text, got {type(value).__name__}")
             if len(value) > MAX_INPUT_CHARS:

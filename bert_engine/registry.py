@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "bert_engine"
 # Built-in task modules, in tab order; they load exactly like third-party plugins.
-BUILTIN_PLUGINS: tuple[str, ...] = ()
+BUILTIN_PLUGINS: tuple[str, ...] = ("plugins.sentiment",)
 SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 
 
@@ -132,6 +132,9 @@ class Registry:
         fields = spec.input_fields
         if not isinstance(fields, tuple) or not fields or not all(isinstance(f, str) and f.isidentifier() for f in fields):
             problems.append(f"input_fields must be a non-empty tuple of identifiers, got {fields!r}")
+        optional = spec.optional_fields
+        if not isinstance(optional, tuple) or not all(isinstance(f, str) and f.isidentifier() for f in optional):
+            problems.append(f"optional_fields must be a tuple of identifiers, got {optional!r}")
         if not isinstance(spec.options, Mapping) or not all(isinstance(k, str) for k in spec.options):
             problems.append(f"options must be a mapping from names to defaults, got {spec.options!r:.80}")
         for i, example in enumerate(spec.examples if isinstance(spec.examples, tuple) else ()):

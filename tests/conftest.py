@@ -162,3 +162,27 @@ def installed_example(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--disable-pip-version-check", "--target", str(target), str(EXAMPLE_PLUGIN)], check=True)
     return target
+
+
+def reference_checkpoint(folder: Path, model_class: str, **config) -> Path:
+    """A small random checkpoint saved by transformers itself, with the real MiniLM tokenizer files.
+
+    The encoder is tiny (hidden 32, 2 layers) but uses MiniLM's 30,522-token vocabulary, so real
+    text tokenises as it would for a real checkpoint.
+    """
+    import shutil
+
+    import transformers
+
+    sizes = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=37, max_position_embeddings=512)
+    sizes.update(config)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(transformers.BertConfig(**sizes)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(MINILM_DIR / name, folder / name)
+    return folder

@@ -1,0 +1,229 @@
+"""Sentiment (sequence classification): labels from the checkpoint, probabilities, long-input policy.
+
+Loads any BertForSequenceClassification checkpoint (2, 3, 5 classes...; single- or multi-label).
+Long input is never cut silently: "truncate" says so in the result, "windows" splits the text
+into overlapping windows and averages their probabilities. `classify_many` batches many texts
+with length-sorted, dynamically padded batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bert_engine.heads import SequenceClassificationHead
+from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LABELS = ("NEGATIVE", "POSITIVE")
+FUNCTIONS = ("auto", "softmax", "sigmoid", "none")
+POLICIES = ("truncate", "windows")
+
+
+@dataclass
+class SentimentOutput:
+    """Logits plus what turning them into labelled scores needs, carried by the output itself."""
+
+    logits: Tensor  # (B, L)
+    labels: tuple[str, ...]
+    problem_type: str | None
+    encoder: Any = None
+
+
+class SentimentHead(SequenceClassificationHead):
+    """The standard sequence-classification head, returning its label names with the logits."""
+
+    def __init__(self, config) -> None:
+        if config.num_labels == 0:  # an encoder-only checkpoint: start a fresh binary head
+            config = config.with_labels(list(DEFAULT_LABELS))
+        super().__init__(config)
+        self.labels = tuple(config.id2label[i] for i in range(config.num_labels))
+        self.problem_type = config.problem_type
+
+    def forward(self, encoded) -> SentimentOutput:
+        return SentimentOutput(super().forward(encoded).logits, self.labels, self.problem_type)
+
+
+def _check_options(top_k, function, long_input, max_length, stride, tokenizer) -> None:
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise InputError(f"sentiment: top_k must be a positive integer or None, got {top_k!r}")
+    if function not in FUNCTIONS:
+        raise InputError(f"sentiment: function {function!r} is not one of {FUNCTIONS}")
+    if long_input not in POLICIES:
+        raise InputError(f"sentiment: long_input {long_input!r} is not one of {POLICIES}")
+    if not isinstance(max_length, int) or not 8 <= max_length <= tokenizer.model_max_length:
+        raise InputError(f"sentiment: max_length {max_length!r} must lie in [8, {tokenizer.model_max_length}]")
+    if not isinstance(stride, int) or not 0 <= stride <= max_length // 2:
+        raise InputError(f"sentiment: stride {stride!r} must lie in [0, {max_length // 2}]")
+
+
+def preprocess(inputs, tokenizer, *, top_k=None, function="auto", long_input="truncate", max_length=512,
+               stride=64):
+    """One text (or a list of texts, for batches), optionally with a second text (`text_pair`)."""
+    _check_options(top_k, function, long_input, max_length, stride, tokenizer)
+    texts = inputs["text"] if isinstance(inputs["text"], list) else [inputs["text"]]
+    pairs = inputs.get("text_pair")
+    if pairs is not None and not isinstance(pairs, list):
+        pairs = [pairs]
+    for text in texts:
+        if not text.strip():
+            raise InputError("sentiment: the text is empty; type a sentence to classify")
+    windows = long_input == "windows"
+    batch = tokenizer(texts, pairs, max_length=max_length,
+                      truncation="only_second" if windows and pairs is not None else "longest_first",
+                      stride=stride if windows else 0, return_overflowing=windows)
+    batch.meta.update(num_inputs=len(texts), policy=long_input)
+    return batch
+
+
+def probabilities(logits: Tensor, function: str, problem_type: str | None) -> tuple[Tensor, str]:
+    """Scores from logits (…, L) with the pipeline's rule for "auto": sigmoid for one label or
+    multi-label heads, none for regression, softmax otherwise."""
+    if function == "auto":
+        if problem_type == "multi_label_classification" or logits.shape[-1] == 1:
+            function = "sigmoid"
+        elif problem_type == "regression":
+            function = "none"
+        else:
+            function = "softmax"
+    logits = logits.float()
+    if function == "softmax":
+        return logits.softmax(-1), function
+    if function == "sigmoid":
+        return logits.sigmoid(), function
+    return logits, function
+
+
+def postprocess(output: SentimentOutput, batch, *, top_k=None, function="auto", long_input="truncate",
+                max_length=512, stride=64):
+    """Per input: the top label and score, all labels ranked (or `top_k`), and the long-input policy."""
+    scores, used = probabilities(output.logits, function, output.problem_type)  # (rows, L)
+    sample = torch.tensor(batch.sample_index)
+    weights = batch.attention_mask.sum(-1).float()  # a window counts by its number of tokens
+    results = []
+    for i in range(batch.meta["num_inputs"]):
+        rows = (sample == i).nonzero().squeeze(-1)
+        averaged = (scores[rows] * weights[rows, None]).sum(0) / weights[rows].sum()  # (L,)
+        ranked = sorted(zip(output.labels, averaged.tolist()), key=lambda item: -item[1])
+        ranked = ranked[:top_k] if top_k else ranked
+        results.append({
+            "label": ranked[0][0], "score": _round(ranked[0][1]),
+            "labels": [{"label": label, "score": _round(score)} for label, score in ranked],
+            "function": used, "normalised": used == "softmax" and top_k is None,
+            "long_input": {"policy": long_input, "windows": len(rows), "truncated": bool(batch.truncated[i])},
+        })
+    return results[0] if len(results) == 1 else results
+
+
+def _round(value: float) -> float:
+    return round(float(value), 6)
+
+
+def classify_many(predictor, texts: list[str], *, batch_size: int = 32, progress: bool = False,
+                  **options) -> list[dict[str, Any]]:
+    """Classify many texts: sorted by length so each batch pads only to its own longest text.
+
+    Results come back in input order. Empty texts are refused up front, naming their position.
+    """
+    from tqdm.auto import tqdm
+
+    predictor = getattr(predictor, "get", lambda: predictor)()  # a LazyPredictor loads here
+    empty = [i for i, text in enumerate(texts) if not isinstance(text, str) or not text.strip()]
+    if empty:
+        raise InputError(f"sentiment: texts at positions {empty[:10]} are empty or not text")
+    options = predictor.check_inputs({"text": texts[0]} if texts else {"text": "x"}, options)
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    results: list[dict[str, Any]] = [{}] * len(texts)
+    for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc="sentiment", unit="batch"):
+        chunk = order[start:start + batch_size]
+        batch = preprocess({"text": [texts[i] for i in chunk]}, predictor.tokenizer, **options)
+        with torch.inference_mode():
+            output = predictor.model(**batch.to(predictor.device).model_inputs())
+        chunk_results = postprocess(output, batch.to("cpu"), **options)
+        for i, result in zip(chunk, chunk_results if len(chunk) > 1 else [chunk_results]):
+            results[i] = result
+    return results
+
+
+def build_tab(predictor) -> None:
+    import gradio as gr
+
+    text = gr.Textbox(label="Text", lines=3, placeholder="Type a sentence or a review")
+    with gr.Accordion("Options", open=False):
+        pair = gr.Textbox(label="Second text (optional, for sentence-pair models)")
+        long_input = gr.Radio(list(POLICIES), value="truncate", label="Long input")
+    button = gr.Button("Classify", variant="primary")
+    bars = gr.Label(label="Labels")
+    details = gr.JSON(label="Result and provenance")
+
+    def run(text_value: str, pair_value: str, policy: str):
+        try:
+            output = predictor.predict({"text": text_value, "text_pair": pair_value or None}, long_input=policy)
+        except InputError as err:
+            raise gr.Error(str(err)) from None
+        return {item["label"]: item["score"] for item in output["result"]["labels"]}, output
+
+    button.click(run, [text, pair, long_input], [bars, details], api_name="sentiment")
+    gr.Examples([[e["text"]] for e in EXAMPLES], [text])
+
+
+EXAMPLES = (
+    {"text": "A gorgeous, witty, seductive movie."},
+    {"text": "The plot is predictable and the acting is wooden."},
+    {"text": "It's not bad, but I wouldn't watch it again."},
+)
+
+
+def read_data(path, split: str = "train"):
+    """GLUE SST-2 style TSV (`sentence<TAB>label`, header line); yields ({"text": ...}, label id)."""
+    import csv
+
+    with open(path, encoding="utf-8", newline="") as handle:
+        for row in csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE):
+            yield {"text": row["sentence"].strip()}, int(row["label"])
+
+
+def loss(output: SentimentOutput, targets: list[int]) -> Tensor:
+    """Cross-entropy for single-label heads, binary cross-entropy for multi-label ones."""
+    if output.problem_type == "multi_label_classification":
+        return torch.nn.functional.binary_cross_entropy_with_logits(output.logits, torch.tensor(targets).float())
+    return torch.nn.functional.cross_entropy(output.logits, torch.tensor(targets, device=output.logits.device))
+
+
+def metric(predictions: list[int], targets: list[int]) -> dict[str, float]:
+    """Accuracy (SST-2's metric) and macro-F1 over the labels seen."""
+    if not targets:
+        raise ValueError("no targets to score")
+    accuracy = sum(p == t for p, t in zip(predictions, targets)) / len(targets)
+    f1s = []
+    for label in sorted(set(targets) | set(predictions)):
+        tp = sum(p == t == label for p, t in zip(predictions, targets))
+        fp = sum(p == label != t for p, t in zip(predictions, targets))
+        fn = sum(t == label != p for p, t in zip(predictions, targets))
+        f1s.append(2 * tp / (2 * tp + fp + fn) if tp else 0.0)
+    return {"accuracy": accuracy, "macro_f1": sum(f1s) / len(f1s)}
+
+
+@hookimpl
+def register_tasks(register):
+    register(TaskSpec(
+        name="sentiment",
+        title="Sentiment",
+        description="Classify a text with a sequence-classification BERT: label probabilities for every class.",
+        build_head=SentimentHead,
+        preprocess=preprocess,
+        postprocess=postprocess,
+        build_tab=build_tab,
+        input_fields=("text",),
+        optional_fields=("text_pair",),
+        options={"top_k": None, "function": "auto", "long_input": "truncate", "max_length": 512, "stride": 64},
+        examples=EXAMPLES,
+        read_data=read_data,
+        loss=loss,
+        metric=metric,
+    ))

@@ -1,0 +1,127 @@
+"""Sentiment: parity with the transformers text-classification pipeline, long input, batches, Hub."""
+
+import pytest
+import torch
+import transformers
+
+from bert_engine.conformance import check_task
+from bert_engine.hookspecs import InputError
+from bert_engine.inference import Predictor
+from bert_engine.registry import load_registry
+from plugins.sentiment import classify_many
+
+from conftest import SENTENCES, reference_checkpoint
+
+REVIEWS = [
+    "a gorgeous , witty , seductive movie .",
+    "the plot is predictable and the acting is wooden .",
+    "it 's not bad , but i would n't watch it again .",
+    "Ünïcödé and emoji 🤗 in a review: 北京 too!",
+] + SENTENCES
+
+
+def _ranked(output):
+    """The pipeline's ranked list for one input (some versions wrap it in an outer list)."""
+    return output[0] if output and isinstance(output[0], list) else output
+
+
+@pytest.fixture(scope="module")
+def task():
+    return load_registry(entry_points=False).task("sentiment")
+
+
+@pytest.fixture(scope="module", params=[
+    {"id2label": {0: "NEGATIVE", 1: "POSITIVE"}},
+    {"id2label": {i: f"{i + 1} stars" for i in range(5)}},
+    {"id2label": {0: "joy", 1: "anger", 2: "fear"}, "problem_type": "multi_label_classification"},
+], ids=["binary", "five-stars", "multi-label"])
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sentiment")
+    return reference_checkpoint(folder, "BertForSequenceClassification", **request.param)
+
+
+def test_matches_the_reference_pipeline(task, checkpoint):
+    predictor = Predictor.load(task, str(checkpoint))
+    pipeline = transformers.pipeline("text-classification", model=str(checkpoint), top_k=None)
+    for text in REVIEWS:
+        ours = predictor.predict({"text": text})["result"]
+        theirs = _ranked(pipeline(text))
+        assert [item["label"] for item in ours["labels"]] == [item["label"] for item in theirs]
+        for mine, ref in zip(ours["labels"], theirs):
+            assert mine["score"] == pytest.approx(ref["score"], abs=1e-5)
+        assert ours["label"] == theirs[0]["label"]
+
+
+def test_pairs_match_the_reference_pipeline(task, tmp_path):
+    folder = reference_checkpoint(tmp_path, "BertForSequenceClassification",
+                                  id2label={0: "entailment", 1: "neutral", 2: "contradiction"})
+    predictor = Predictor.load(task, str(folder))
+    pipeline = transformers.pipeline("text-classification", model=str(folder), top_k=None)
+    premise, hypothesis = "A man is playing a guitar on stage.", "Someone is making music."
+    ours = predictor.predict({"text": premise, "text_pair": hypothesis})["result"]
+    theirs = _ranked(pipeline({"text": premise, "text_pair": hypothesis}))
+    for mine, ref in zip(ours["labels"], theirs):
+        assert (mine["label"], mine["score"]) == (ref["label"], pytest.approx(ref["score"], abs=1e-5))
+
+
+def test_top_k_and_function(task, checkpoint):
+    predictor = Predictor.load(task, str(checkpoint))
+    result = predictor.predict({"text": REVIEWS[0]}, top_k=1)["result"]
+    assert len(result["labels"]) == 1 and not result["normalised"]
+    raw = predictor.predict({"text": REVIEWS[0]}, function="none")["result"]
+    assert raw["function"] == "none"
+    with pytest.raises(InputError, match="top_k must be a positive integer or None, got 0"):
+        predictor.predict({"text": "x"}, top_k=0)
+    with pytest.raises(InputError, match="function 'tanh' is not one of"):
+        predictor.predict({"text": "x"}, function="tanh")
+
+
+def test_long_input_is_never_cut_silently(task, checkpoint):
+    predictor = Predictor.load(task, str(checkpoint))
+    long_text = " ".join(REVIEWS * 120)
+    cut = predictor.predict({"text": long_text})["result"]["long_input"]
+    assert cut == {"policy": "truncate", "windows": 1, "truncated": True}
+    windows = predictor.predict({"text": long_text}, long_input="windows", max_length=128, stride=32)["result"]
+    assert windows["long_input"]["windows"] > 10 and not windows["long_input"]["truncated"]
+    short = predictor.predict({"text": REVIEWS[0]}, long_input="windows")["result"]["long_input"]
+    assert short == {"policy": "windows", "windows": 1, "truncated": False}
+
+
+def test_classify_many_keeps_order_and_equals_single_predictions(task, checkpoint):
+    predictor = Predictor.load(task, str(checkpoint))
+    texts = REVIEWS * 3
+    many = classify_many(predictor, texts, batch_size=4)
+    singles = [predictor.predict({"text": t})["result"] for t in texts]
+    for a, b in zip(many, singles):
+        assert a["label"] == b["label"] and a["score"] == pytest.approx(b["score"], abs=1e-5)
+    with pytest.raises(InputError, match=r"positions \[1\]"):
+        classify_many(predictor, ["fine", "  "])
+
+
+def test_loads_from_a_hub_id_served_locally(task, checkpoint, fake_hub, tmp_path):
+    fake_hub.repos[("owner/sentiment", "main")] = checkpoint
+    hub = Predictor.load(task, "owner/sentiment", endpoint=fake_hub.endpoint, cache_dir=tmp_path / "cache")
+    local = Predictor.load(task, str(checkpoint))
+    a, b = hub.predict({"text": REVIEWS[1]}), local.predict({"text": REVIEWS[1]})
+    assert a["result"] == b["result"]
+    assert a["provenance"]["model"] == "owner/sentiment" and len(a["provenance"]["revision"]) == 40
+
+
+def test_minilm_encoder_with_a_fresh_head(task):
+    predictor = Predictor.load(task)  # the default backbone: no trained head, said in the provenance
+    output = predictor.predict({"text": "A fine film."})
+    assert output["provenance"]["untrained_head"] is True
+    assert [item["label"] for item in output["result"]["labels"]] in (["NEGATIVE", "POSITIVE"], ["POSITIVE", "NEGATIVE"])
+    assert sum(item["score"] for item in output["result"]["labels"]) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_conforms(task):
+    assert check_task(task) == []
+
+
+def test_metric_and_reader(task, tmp_path):
+    path = tmp_path / "dev.tsv"
+    path.write_text("sentence\tlabel\ngood film \t1\nbad film \t0\n")
+    rows = list(task.spec.read_data(path))
+    assert rows == [({"text": "good film"}, 1), ({"text": "bad film"}, 0)]
+    assert task.spec.metric([1, 1], [1, 0]) == {"accuracy": 0.5, "macro_f1": pytest.approx((0 + 2 / 3) / 2)}
