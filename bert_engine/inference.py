@@ -115,7 +115,8 @@ class Predictor:
         batch = spec.preprocess(inputs, self.tokenizer, **options)
         with self._lock, torch.inference_mode():
             output = self.model(**batch.to(self.device).model_inputs())
-        result = spec.postprocess(output, batch.to("cpu"), **options)
+            # Postprocessing may use the model too (logits at chosen positions, beam search).
+            result = spec.postprocess(output, batch.to("cpu"), **options)
         latency_ms = (time.perf_counter() - start) * 1000
         first = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
         self.last = LastInput(self.tokenizer.convert_ids_to_tokens(first), batch)

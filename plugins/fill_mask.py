@@ -1,0 +1,291 @@
+"""Fill-mask: the masked-LM head tied to the word embeddings; top-k candidates per [MASK].
+
+Two modes for several masks: "independent" (each mask's top-k from one forward pass, as the
+reference pipeline does) and "joint" (beam search over the masks, left to right, re-encoding the
+sentence with each partial filling, so later masks see earlier choices; a filling is scored by
+the product of its conditional probabilities). `targets` scores given words only; a word that
+splits into several word pieces is scored by the chain rule over as many masks, and says so.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bert_engine.heads import MaskedLMHead
+from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+
+MODES = ("independent", "joint")
+
+
+@dataclass
+class FillMaskOutput:
+    """Hidden states, and the head to finish the job: logits are computed only where needed."""
+
+    hidden_states: Tensor  # (B, T, H)
+    head: "FillMaskHead"
+    encoder: Any = None
+
+
+class FillMaskHead(MaskedLMHead):
+    """The standard masked-LM head (checkpoint `cls.predictions.*`), computing the V-wide decoder
+    only at [MASK] positions instead of at every token."""
+
+    def bind(self, model) -> None:
+        self._model = weakref.ref(model)
+
+    def forward(self, encoded) -> FillMaskOutput:
+        return FillMaskOutput(encoded.last_hidden_state, self)
+
+    def log_probs_at(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor,
+                     positions: Tensor) -> Tensor:
+        """Re-encode (B, T) inputs and return log-probabilities (B, V) at one position per row."""
+        model = self._model()
+        device = self.bias.device
+        encoded = model.encoder(input_ids.to(device), attention_mask.to(device), token_type_ids.to(device))
+        rows = torch.arange(input_ids.shape[0], device=device)
+        return self.logits(encoded.last_hidden_state[rows, positions.to(device)]).float().log_softmax(-1).cpu()
+
+
+def preprocess(inputs, tokenizer, *, top_k=5, mode="independent", targets=None, beam_width=8, max_masks=5,
+               max_length=512):
+    text = inputs["text"]
+    mask = tokenizer.mask_token
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 100:
+        raise InputError(f"fill_mask: top_k must be an integer in [1, 100], got {top_k!r}")
+    if mode not in MODES:
+        raise InputError(f"fill_mask: mode {mode!r} is not one of {MODES}")
+    if not isinstance(beam_width, int) or not 1 <= beam_width <= 64:
+        raise InputError(f"fill_mask: beam_width must be an integer in [1, 64], got {beam_width!r}")
+    if not isinstance(max_length, int) or not 8 <= max_length <= tokenizer.model_max_length:
+        raise InputError(f"fill_mask: max_length {max_length!r} must lie in [8, {tokenizer.model_max_length}]")
+    if targets is not None:
+        targets = [targets] if isinstance(targets, str) else targets
+        if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t.strip() for t in targets):
+            raise InputError(f"fill_mask: targets must be a non-empty list of words, got {targets!r:.80}")
+    count = text.count(mask)
+    if count == 0:
+        raise InputError(f"fill_mask: the text has no {mask} token; write {mask} where a word is missing")
+    if count > max_masks:
+        raise InputError(f"fill_mask: the text has {count} {mask} tokens; at most {max_masks} are allowed")
+    if targets is not None and count > 1:
+        raise InputError(f"fill_mask: targets work with exactly one {mask}; the text has {count}")
+    # Windows of half overlap; pick the one holding every mask with the most context around them.
+    batch = tokenizer(text, max_length=max_length, stride=max_length // 2 - 1, return_overflowing=True)
+    mask_id = tokenizer.mask_token_id
+    best, best_margin = None, -1
+    for row in range(len(batch)):
+        positions = (batch.input_ids[row] == mask_id).nonzero().squeeze(-1).tolist()
+        if len(positions) == count:
+            length = int(batch.attention_mask[row].sum())
+            margin = min(positions[0], length - 1 - positions[-1])
+            if margin > best_margin:
+                best, best_margin = row, margin
+    if best is None:
+        raise InputError(f"fill_mask: the {count} {mask} tokens lie further apart than {max_length} tokens; "
+                         "shorten the text around them")
+    batch = _select_row(batch, best)
+    batch.meta.update(text=text, tokenizer=tokenizer, targets=targets, windowed=len(batch.sample_index) > 1)
+    return batch
+
+
+def _select_row(batch, row: int):
+    n = int(batch.attention_mask[row].sum())
+    batch.input_ids = batch.input_ids[row:row + 1, :n]
+    batch.attention_mask = batch.attention_mask[row:row + 1, :n]
+    batch.token_type_ids = batch.token_type_ids[row:row + 1, :n]
+    for name in ("offsets", "sequence_ids", "word_ids"):
+        setattr(batch, name, [getattr(batch, name)[row][:n]])
+    batch.meta["window"] = row
+    return batch
+
+
+def _fill(text: str, spans: list[tuple[int, int]], pieces: list[str]) -> str:
+    """The original text with each masked span replaced by its piece; "##x" pieces join the word before."""
+    out, cursor = [], 0
+    for (start, end), piece in zip(spans, pieces):
+        before = text[cursor:start]
+        if piece.startswith("##"):
+            before, piece = before.rstrip(), piece[2:]
+        out += [before, piece]
+        cursor = end
+    return "".join(out) + text[cursor:]
+
+
+def postprocess(output: FillMaskOutput, batch, *, top_k=5, mode="independent", targets=None, beam_width=8,
+                max_masks=5, max_length=512):
+    tokenizer, text = batch.meta["tokenizer"], batch.meta["text"]
+    ids = batch.input_ids[0]
+    positions = (ids == tokenizer.mask_token_id).nonzero().squeeze(-1)
+    spans = [tuple(batch.offsets[0][p]) for p in positions.tolist()]
+    head = output.head
+    specials = [tokenizer.token_id(n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")]
+    if batch.meta["targets"] is not None:
+        return {"mode": "targets", "masks": len(spans),
+                "candidates": _score_targets(head, batch, positions[0], batch.meta["targets"], tokenizer, text, spans[0])}
+    if mode == "joint" and len(spans) > 1:
+        return {"mode": "joint", "masks": len(spans),
+                "candidates": _beam(head, batch, positions, spans, tokenizer, text, top_k, beam_width, specials)}
+    hidden = output.hidden_states[0, positions.to(output.hidden_states.device)]  # (M, H)
+    log_probs = head.logits(hidden).float().log_softmax(-1).cpu()  # (M, V)
+    log_probs[:, specials] = -math.inf  # special tokens are never a word
+    per_mask = []
+    for m, span in enumerate(spans):
+        scores, token_ids = log_probs[m].topk(top_k)
+        per_mask.append({"mask": m, "start": span[0], "end": span[1], "field": "text", "text": text[span[0]:span[1]],
+                         "candidates": [_candidate(tokenizer, t, s.exp(), text, spans, m) for t, s in zip(token_ids.tolist(), scores)]})
+    return {"mode": "independent", "masks": len(spans), "windowed": batch.meta["windowed"],
+            "predictions": per_mask}
+
+
+def _candidate(tokenizer, token_id: int, score: Tensor, text: str, spans, mask_index: int) -> dict[str, Any]:
+    token = tokenizer.convert_ids_to_tokens([token_id])[0]
+    pieces = [tokenizer.mask_token] * len(spans)
+    pieces[mask_index] = token
+    return {"token_id": token_id, "token": token, "score": _sig(float(score)), "sequence": _fill(text, spans, pieces)}
+
+
+def _sig(value: float) -> float:
+    """Six significant digits: products of many probabilities are tiny, not zero."""
+    return float(f"{value:.6g}")
+
+
+def _score_targets(head, batch, position: Tensor, targets, tokenizer, text, span) -> list[dict[str, Any]]:
+    """Each target word's probability at the mask; several pieces are scored left to right by the chain rule."""
+    results = []
+    for word in targets:
+        pieces = tokenizer.tokenize(word)
+        piece_ids = tokenizer.convert_tokens_to_ids(pieces)
+        # Widen the single mask into one mask per piece, then fill them in order.
+        ids = batch.input_ids[0].tolist()
+        p = int(position)
+        ids = ids[:p] + [tokenizer.mask_token_id] * len(pieces) + ids[p + 1:]
+        input_ids = torch.tensor([ids], device=batch.input_ids.device)
+        mask, types = torch.ones_like(input_ids), torch.zeros_like(input_ids)
+        log_p = 0.0
+        for k, piece_id in enumerate(piece_ids):
+            log_p += float(head.log_probs_at(input_ids, mask, types, torch.tensor([p + k]))[0, piece_id])
+            input_ids[0, p + k] = piece_id
+        entry = {"word": word, "token": " ".join(pieces), "score": _sig(math.exp(log_p)), "log_score": round(log_p, 6),
+                 "sequence": text[:span[0]] + word + text[span[1]:]}
+        if len(pieces) > 1:
+            entry["note"] = f"{word!r} is {len(pieces)} word pieces {pieces}; scored by the chain rule over {len(pieces)} masks"
+        results.append(entry)
+    return sorted(results, key=lambda r: -r["score"])
+
+
+def _beam(head, batch, positions: Tensor, spans, tokenizer, text, top_k: int, beam_width: int, specials):
+    """Beam search over the masks left to right, re-encoding each partial filling."""
+    beams = [(batch.input_ids[0].clone(), 0.0, [])]  # (ids, log-prob, chosen token ids)
+    mask, types = batch.attention_mask[:1], batch.token_type_ids[:1]
+    width = max(beam_width, top_k)
+    for position in positions.tolist():
+        stacked = torch.stack([ids for ids, _, _ in beams])  # (beams, T)
+        log_probs = head.log_probs_at(stacked, mask.expand_as(stacked), types.expand_as(stacked),
+                                      torch.full((len(beams),), position))  # (beams, V)
+        log_probs[:, specials] = -math.inf
+        scores, token_ids = log_probs.topk(width, dim=-1)
+        expanded = []
+        for b, (ids, total, chosen) in enumerate(beams):
+            for score, token_id in zip(scores[b].tolist(), token_ids[b].tolist()):
+                new_ids = ids.clone()
+                new_ids[position] = token_id
+                expanded.append((new_ids, total + score, chosen + [token_id]))
+        beams = sorted(expanded, key=lambda beam: -beam[1])[:width]
+    results = []
+    for _, total, chosen in beams[:top_k]:
+        tokens = tokenizer.convert_ids_to_tokens(chosen)
+        results.append({"tokens": tokens, "token_ids": chosen, "score": _sig(math.exp(total)), "log_score": round(total, 6),
+                        "sequence": _fill(text, spans, tokens)})
+    return results
+
+
+def build_tab(predictor) -> None:
+    import gradio as gr
+
+    text = gr.Textbox(label="Text with [MASK]", lines=2, value=EXAMPLES[0]["text"])
+    with gr.Row():
+        top_k = gr.Slider(1, 20, value=5, step=1, label="Candidates (top-k)")
+        mode = gr.Radio(list(MODES), value="independent", label="Several masks")
+        targets = gr.Textbox(label="Only score these words (comma-separated, optional)")
+    button = gr.Button("Fill", variant="primary")
+    table = gr.Dataframe(headers=["mask", "rank", "candidate", "score", "sentence"], interactive=False, wrap=True)
+    details = gr.JSON(label="Result and provenance")
+
+    def run(text_value: str, k: float, mode_value: str, target_text: str):
+        words = [w.strip() for w in target_text.split(",") if w.strip()] or None
+        try:
+            output = predictor.predict({"text": text_value}, top_k=int(k), mode=mode_value, targets=words)
+        except InputError as err:
+            raise gr.Error(str(err)) from None
+        return rows(output["result"]), output
+
+    button.click(run, [text, top_k, mode, targets], [table, details], api_name="fill_mask")
+    gr.Examples([[e["text"]] for e in EXAMPLES], [text])
+
+
+def rows(result: dict[str, Any]) -> list[list[Any]]:
+    """The result as table rows: mask, rank, candidate, score, completed sentence."""
+    if result["mode"] == "independent":
+        return [[p["mask"], r + 1, c["token"], c["score"], c["sequence"]]
+                for p in result["predictions"] for r, c in enumerate(p["candidates"])]
+    if result["mode"] == "joint":
+        return [["all", r + 1, " + ".join(c["tokens"]), c["score"], c["sequence"]] for r, c in enumerate(result["candidates"])]
+    return [[0, r + 1, c["word"], c["score"], c["sequence"]] for r, c in enumerate(result["candidates"])]
+
+
+EXAMPLES = (
+    {"text": "The capital of France is [MASK]."},
+    {"text": "I [MASK] to the [MASK] to buy some bread."},
+    {"text": "She plays the [MASK] in an orchestra."},
+)
+
+
+def read_data(path, split: str = "train"):
+    """Plain text, one passage per line; yields ({"text": line}, None) for masked-LM training."""
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                yield {"text": line.strip()}, None
+
+
+def loss(output: FillMaskOutput, targets) -> Tensor:
+    """Cross-entropy at labelled positions; `targets` is a (B, T) tensor with -100 where unlabelled."""
+    labels = torch.as_tensor(targets, device=output.hidden_states.device)
+    chosen = labels != -100
+    logits = output.head.logits(output.hidden_states[chosen])  # (masked tokens, V)
+    return torch.nn.functional.cross_entropy(logits.float(), labels[chosen])
+
+
+def metric(predictions: list[list[int]], targets: list[int]) -> dict[str, float]:
+    """Top-1 and top-5 accuracy: `predictions` are ranked candidate ids per masked token."""
+    if not targets:
+        raise ValueError("no masked tokens to score")
+    top1 = sum(p[:1] == [t] for p, t in zip(predictions, targets)) / len(targets)
+    top5 = sum(t in p[:5] for p, t in zip(predictions, targets)) / len(targets)
+    return {"top1": top1, "top5": top5}
+
+
+@hookimpl
+def register_tasks(register):
+    register(TaskSpec(
+        name="fill_mask",
+        title="Fill-mask",
+        description="Ask the masked-LM head what fits each [MASK]: ranked candidates with probabilities.",
+        build_head=FillMaskHead,
+        preprocess=preprocess,
+        postprocess=postprocess,
+        build_tab=build_tab,
+        input_fields=("text",),
+        options={"top_k": 5, "mode": "independent", "targets": None, "beam_width": 8, "max_masks": 5,
+                 "max_length": 512},
+        examples=EXAMPLES,
+        read_data=read_data,
+        loss=loss,
+        metric=metric,
+    ))

@@ -1,0 +1,156 @@
+"""Fill-mask: parity with the transformers pipeline, targets, joint beam decoding, bad input."""
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from bert_engine.conformance import check_task
+from bert_engine.hookspecs import InputError
+from bert_engine.inference import Predictor
+from bert_engine.registry import load_registry
+from plugins.fill_mask import rows
+
+from conftest import reference_checkpoint
+
+TEXTS = [
+    "The capital of France is [MASK].",
+    "She plays the [MASK] in an orchestra, and Ünïcödé 🤗 too.",
+    "[MASK] is the first word here.",
+]
+
+
+@pytest.fixture(scope="module")
+def task():
+    return load_registry(entry_points=False).task("fill_mask")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return reference_checkpoint(tmp_path_factory.mktemp("mlm"), "BertForMaskedLM")
+
+
+@pytest.fixture(scope="module")
+def predictor(task, checkpoint):
+    return Predictor.load(task, str(checkpoint), strict=True)
+
+
+@pytest.fixture(scope="module")
+def pipeline(checkpoint):
+    return transformers.pipeline("fill-mask", model=str(checkpoint))
+
+
+def _reference_top(pipeline, text, k, specials):
+    """The pipeline's top-k without special tokens (we never propose [CLS], [SEP], [PAD], [MASK])."""
+    ranked = pipeline(text, top_k=k + len(specials))
+    return [r for r in ranked if r["token"] not in specials][:k]
+
+
+def test_single_mask_matches_the_reference_pipeline(predictor, pipeline):
+    tokenizer = predictor.tokenizer
+    specials = {tokenizer.token_id(n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")}
+    for text in TEXTS:
+        ours = predictor.predict({"text": text}, top_k=5)["result"]["predictions"][0]["candidates"]
+        theirs = _reference_top(pipeline, text, 5, specials)
+        assert [c["token_id"] for c in ours] == [r["token"] for r in theirs]
+        for mine, ref in zip(ours, theirs):
+            assert mine["score"] == pytest.approx(ref["score"], abs=1e-5)
+
+
+def test_candidates_complete_the_original_text(predictor):
+    result = predictor.predict({"text": TEXTS[1]}, top_k=3)["result"]
+    mask = result["predictions"][0]
+    assert TEXTS[1][mask["start"]:mask["end"]] == "[MASK]"
+    for candidate in mask["candidates"]:
+        token = candidate["token"]
+        expected = TEXTS[1].replace(" [MASK]", token[2:]) if token.startswith("##") else TEXTS[1].replace("[MASK]", token)
+        assert candidate["sequence"] == expected
+
+
+def test_several_masks_independent_match_the_pipeline_per_mask(predictor, pipeline):
+    text = "I [MASK] to the [MASK] to buy some bread."
+    tokenizer = predictor.tokenizer
+    specials = {tokenizer.token_id(n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")}
+    ours = predictor.predict({"text": text}, top_k=3)["result"]["predictions"]
+    theirs = pipeline(text, top_k=3 + len(specials))
+    assert len(ours) == len(theirs) == 2
+    for mine, ref in zip(ours, theirs):
+        ref = [r for r in ref if r["token"] not in specials][:3]
+        assert [c["token_id"] for c in mine["candidates"]] == [r["token"] for r in ref]
+
+
+def test_targets_match_the_pipeline_and_split_words_are_said(predictor, pipeline):
+    tokenizer = predictor.tokenizer
+    words = ["paris", "london", "the"]
+    ours = {c["word"]: c for c in predictor.predict({"text": TEXTS[0]}, targets=words)["result"]["candidates"]}
+    theirs = {r["token_str"]: r for r in pipeline(TEXTS[0], targets=words)}
+    for word in words:
+        assert ours[word]["score"] == pytest.approx(theirs[word]["score"], abs=1e-5)
+    long_word = "antidisestablishmentarianism"
+    pieces = tokenizer.tokenize(long_word)
+    assert len(pieces) > 1
+    split = predictor.predict({"text": TEXTS[0]}, targets=[long_word])["result"]["candidates"][0]
+    assert f"{len(pieces)} word pieces" in split["note"] and 0 < split["score"] < 1
+    assert split["sequence"] == TEXTS[0].replace("[MASK]", long_word)
+
+
+def test_joint_beam_with_width_one_is_greedy_left_to_right(predictor):
+    text = "I [MASK] to the [MASK] to buy some bread."
+    joint = predictor.predict({"text": text}, mode="joint", top_k=1, beam_width=1)["result"]["candidates"][0]
+    # greedy: fill the first mask with its best token, re-encode, fill the second
+    model, tokenizer = predictor.model, predictor.tokenizer
+    batch = tokenizer(text)
+    ids = batch.input_ids.clone()
+    positions = (ids[0] == tokenizer.mask_token_id).nonzero().squeeze(-1).tolist()
+    specials = [tokenizer.token_id(n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")]
+    total = 0.0
+    chosen = []
+    with torch.inference_mode():
+        for position in positions:
+            log_probs = model.head.log_probs_at(ids, torch.ones_like(ids), torch.zeros_like(ids), torch.tensor([position]))[0]
+            log_probs[specials] = -math.inf
+            best = int(log_probs.argmax())
+            total += float(log_probs[best])
+            ids[0, position] = best
+            chosen.append(best)
+    assert joint["token_ids"] == chosen
+    assert joint["score"] == pytest.approx(math.exp(total), rel=1e-4)
+
+
+def test_joint_beam_ranks_by_joint_probability(predictor):
+    text = "I [MASK] to the [MASK] to buy some bread."
+    candidates = predictor.predict({"text": text}, mode="joint", top_k=4, beam_width=6)["result"]["candidates"]
+    scores = [c["score"] for c in candidates]
+    assert scores == sorted(scores, reverse=True) and len(candidates) == 4
+    assert all("[MASK]" not in c["sequence"] for c in candidates)
+    assert rows({"mode": "joint", "candidates": candidates})[0][1] == 1
+
+
+def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):
+    text = "filler words here . " * 400 + "The capital of France is [MASK]. " + "more filler . " * 50
+    result = predictor.predict({"text": text})["result"]
+    assert result["windowed"] is True
+    mask = result["predictions"][0]
+    assert text[mask["start"]:mask["end"]] == "[MASK]"
+
+
+@pytest.mark.parametrize(
+    ("text", "options", "message"),
+    [
+        ("no mask here", {}, "has no \\[MASK\\] token"),
+        ("", {}, "has no \\[MASK\\] token"),
+        ("[MASK] " * 6, {}, "has 6 \\[MASK\\] tokens; at most 5"),
+        ("a [MASK] b [MASK]", {"targets": ["x"]}, "targets work with exactly one"),
+        ("a [MASK]", {"top_k": 0}, "top_k must be an integer in \\[1, 100\\]"),
+        ("a [MASK]", {"mode": "greedy"}, "mode 'greedy' is not one of"),
+        ("[MASK] " + "word " * 800 + "[MASK]", {}, "further apart than 512 tokens"),
+    ],
+)
+def test_bad_input_is_a_clear_input_error(predictor, text, options, message):
+    with pytest.raises(InputError, match=message):
+        predictor.predict({"text": text}, **options)
+
+
+def test_conforms(task):
+    assert check_task(task) == []
