@@ -7,6 +7,7 @@ playground can show its attention. Batching across requests is the caller's busi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -67,6 +68,7 @@ class Predictor:
         self.untrained_head = untrained_head
         self.device = next(model.parameters()).device
         self.last: LastInput | None = None
+        self.max_rows = 32  # rows (windows) per forward pass
         self._lock = threading.Lock()  # one forward pass at a time per model; callers queue
 
     @classmethod
@@ -114,13 +116,23 @@ class Predictor:
         start = time.perf_counter()
         batch = spec.preprocess(inputs, self.tokenizer, **options)
         with self._lock, torch.inference_mode():
-            output = self.model(**batch.to(self.device).model_inputs())
+            output = self._forward(batch.to(self.device))
             # Postprocessing may use the model too (logits at chosen positions, beam search).
             result = spec.postprocess(output, batch.to("cpu"), **options)
         latency_ms = (time.perf_counter() - start) * 1000
         first = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
         self.last = LastInput(self.tokenizer.convert_ids_to_tokens(first), batch)
         return {"task": spec.name, "result": result, "provenance": self.provenance(latency_ms)}
+
+    def _forward(self, batch: Batch):
+        """The model over the batch in chunks of `max_rows` rows, so many windows cannot exhaust memory."""
+        inputs = batch.model_inputs()
+        rows = inputs["input_ids"].shape[0]
+        if rows <= self.max_rows:
+            return self.model(**inputs)
+        parts = [self.model(**{k: v[i:i + self.max_rows] for k, v in inputs.items()})
+                 for i in range(0, rows, self.max_rows)]
+        return _concat(parts)
 
     def provenance(self, latency_ms: float | None = None) -> dict[str, Any]:
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
@@ -142,6 +154,21 @@ class Predictor:
             out = encoder(batch.input_ids[:1, :n].to(self.device), None,
                           batch.token_type_ids[:1, :n].to(self.device), output_attentions=True)
         return self.last.tokens, [a[0].float().cpu() for a in out.attentions]
+
+
+def _concat(parts: list[Any]) -> Any:
+    """Concatenate chunked outputs along the batch: tensors, or the tensor fields of a dataclass
+    (other fields, such as a head reference, are taken from the first chunk)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if dataclasses.is_dataclass(first):
+        values = {}
+        for f in dataclasses.fields(first):
+            value = getattr(first, f.name)
+            values[f.name] = torch.cat([getattr(p, f.name) for p in parts]) if isinstance(value, torch.Tensor) else value
+        return dataclasses.replace(first, **values)
+    raise TypeError(f"cannot concatenate chunked model outputs of type {type(first).__name__}")
 
 
 class LazyPredictor:

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "bert_engine"
 # Built-in task modules, in tab order; they load exactly like third-party plugins.
-BUILTIN_PLUGINS: tuple[str, ...] = ("plugins.sentiment", "plugins.fill_mask")
+BUILTIN_PLUGINS: tuple[str, ...] = ("plugins.sentiment", "plugins.qa", "plugins.fill_mask")
 SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 
 

@@ -154,3 +154,19 @@ def test_bad_input_is_a_clear_input_error(predictor, text, options, message):
 
 def test_conforms(task):
     assert check_task(task) == []
+
+
+def test_loads_from_a_hub_id_served_locally(task, checkpoint, fake_hub, tmp_path):
+    fake_hub.repos[("owner/mlm", "main")] = checkpoint
+    hub = Predictor.load(task, "owner/mlm", endpoint=fake_hub.endpoint, cache_dir=tmp_path / "cache")
+    local = Predictor.load(task, str(checkpoint))
+    assert hub.predict({"text": TEXTS[0]})["result"] == local.predict({"text": TEXTS[0]})["result"]
+
+
+def test_minilm_encoder_with_a_fresh_head_gives_valid_offsets(task):
+    predictor = Predictor.load(task)  # MiniLM ships no MLM head: a fresh one, said in the provenance
+    text = "Ünïcödé 🤗 and a [MASK] in 北京."
+    output = predictor.predict({"text": text}, top_k=3)
+    mask = output["result"]["predictions"][0]
+    assert text[mask["start"]:mask["end"]] == "[MASK]" and len(mask["candidates"]) == 3
+    assert output["provenance"]["untrained_head"] is True

@@ -1,0 +1,264 @@
+"""Extractive QA: the answer span in a context, across overlapping windows, with a "no answer" score.
+
+Long contexts are split into windows (`max_seq_len`, `doc_stride` tokens of overlap); the
+question (cut to `max_question_len` tokens) and special tokens can never be an answer. Spans are
+ranked across windows by start + end logits (a per-window softmax would make scores of different
+windows incomparable), a start token counts only in the window where it has most context (BERT's
+rule), and duplicate spans are merged. The null score comes from [CLS] (SQuAD 2.0 style).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import string
+from typing import Any
+
+import torch
+
+from bert_engine.heads import SpanHead
+from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+
+N_BEST_PER_WINDOW = 20  # best spans kept per window before merging across windows
+MAX_WINDOWS = 256
+
+
+def preprocess(inputs, tokenizer, *, top_k=1, max_seq_len=384, doc_stride=128, max_question_len=64,
+               max_answer_len=30, null_threshold=None):
+    question, context = inputs["question"], inputs["context"]
+    if not question.strip():
+        raise InputError("qa: the question is empty; ask something about the context")
+    if not context.strip():
+        raise InputError("qa: the context is empty; paste the text that holds the answer")
+    for name, value, low, high in (("top_k", top_k, 1, 50), ("max_seq_len", max_seq_len, 32, tokenizer.model_max_length),
+                                   ("max_question_len", max_question_len, 4, 256), ("max_answer_len", max_answer_len, 1, 512)):
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise InputError(f"qa: {name} must be an integer in [{low}, {high}], got {value!r}")
+    if null_threshold is not None and not isinstance(null_threshold, (int, float)):
+        raise InputError(f"qa: null_threshold must be a number or None, got {null_threshold!r}")
+    # Cut the question to max_question_len word pieces, at a character boundary of the original.
+    question_batch = tokenizer(question, truncation=None)
+    pieces = [o for o, s in zip(question_batch.offsets[0], question_batch.sequence_ids[0]) if s == 0]
+    question_cut = len(pieces) > max_question_len
+    if question_cut:
+        question = question[:pieces[max_question_len - 1][1]]
+    room = max_seq_len - min(len(pieces), max_question_len) - 3
+    if not isinstance(doc_stride, int) or not 0 <= doc_stride < room:
+        raise InputError(f"qa: doc_stride must be an integer in [0, {room}) for max_seq_len {max_seq_len} "
+                         f"and this question, got {doc_stride!r}")
+    batch = tokenizer(question, context, max_length=max_seq_len, truncation="only_second", stride=doc_stride,
+                      return_overflowing=True)
+    if not any(s == 1 for s in batch.sequence_ids[0]):
+        raise InputError("qa: the context has no readable text (only control or invisible characters)")
+    if len(batch) > MAX_WINDOWS:
+        raise InputError(f"qa: the context needs {len(batch)} windows of {max_seq_len} tokens; "
+                         f"the limit is {MAX_WINDOWS} (about {MAX_WINDOWS * (room - doc_stride):,} tokens)")
+    batch.meta.update(context=context, question_truncated=question_cut)
+    return batch
+
+
+def max_context_windows(batch) -> dict[tuple[int, int], int]:
+    """For every context token (by its character span), the window where it has most context:
+    the largest min(tokens to its left, tokens to its right) in that window, ties to the longer window."""
+    best: dict[tuple[int, int], tuple[float, int]] = {}
+    for row, sequence_ids in enumerate(batch.sequence_ids):
+        positions = [t for t, s in enumerate(sequence_ids) if s == 1]
+        if not positions:
+            continue
+        first, last = positions[0], positions[-1]
+        for t in positions:
+            score = min(t - first, last - t) + 0.01 * len(positions)
+            span = tuple(batch.offsets[row][t])
+            if span not in best or score > best[span][0]:
+                best[span] = (score, row)
+    return {span: row for span, (_, row) in best.items()}
+
+
+def postprocess(output, batch, *, top_k=1, max_seq_len=384, doc_stride=128, max_question_len=64,
+                max_answer_len=30, null_threshold=None):
+    context = batch.meta["context"]
+    starts, ends = output.start_logits.float().cpu(), output.end_logits.float().cpu()  # (W, T)
+    W, T = starts.shape
+    home = max_context_windows(batch)
+    # Which (start, end) pairs may be an answer: both in the context, start <= end < start + max_answer_len.
+    offsets = torch.arange(T)
+    length_ok = (offsets[None, :] >= offsets[:, None]) & (offsets[None, :] < offsets[:, None] + max_answer_len)  # (T, T)
+    spans: dict[tuple[int, int], float] = {}
+    null_score = None
+    for row, sequence_ids in enumerate(batch.sequence_ids):
+        null = float(starts[row, 0] + ends[row, 0])
+        null_score = null if null_score is None else min(null_score, null)  # SQuAD 2.0: the minimum over windows
+        in_context = torch.tensor([s == 1 for s in sequence_ids] + [False] * (T - len(sequence_ids)))
+        # A start token counts only in the window where it has most context.
+        is_home = torch.tensor([s == 1 and home.get(tuple(batch.offsets[row][t])) == row
+                                for t, s in enumerate(sequence_ids)] + [False] * (T - len(sequence_ids)))
+        allowed = length_ok & is_home[:, None] & in_context[None, :]  # (T, T)
+        scores = (starts[row][:, None] + ends[row][None, :]).masked_fill(~allowed, float("-inf"))  # (T, T)
+        k = min(N_BEST_PER_WINDOW, int(allowed.sum()))
+        if k == 0:
+            continue
+        best_scores, flat = scores.flatten().topk(k)
+        for score, index in zip(best_scores.tolist(), flat.tolist()):
+            s, e = divmod(index, T)
+            char_span = (batch.offsets[row][s][0], batch.offsets[row][e][1])
+            if score > spans.get(char_span, float("-inf")):
+                spans[char_span] = score  # duplicates (same characters) merged, best score kept
+    ranked = sorted(spans.items(), key=lambda item: -item[1])
+    # Probabilities over every span considered and "no answer", so they do not depend on top_k.
+    probs = torch.tensor([score for _, score in ranked] + [null_score]).softmax(0).tolist()
+    answers = [{"answer": context[s:e], "start": s, "end": e, "field": "context", "score": round(p, 6),
+                "logit": round(score, 4)} for ((s, e), score), p in zip(ranked[:top_k], probs)]
+    best = ranked[0][1] if ranked else None
+    gap = None if best is None else round(null_score - best, 4)
+    no_answer = best is None or (null_threshold is not None and gap > null_threshold)
+    return {
+        "answer": None if no_answer else answers[0]["answer"],
+        "answers": answers,
+        "no_answer": {"logit": round(null_score, 4), "score": round(probs[-1], 6), "null_gap": gap,
+                      "threshold": null_threshold, "predicted": no_answer},
+        "windows": len(batch), "question_truncated": batch.meta["question_truncated"],
+    }
+
+
+# -- SQuAD evaluation with the official EM / F1 semantics -------------------------------------------------
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, drop punctuation and the articles a/an/the, and fold whitespace (SQuAD v1.1's script)."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def f1_score(prediction: str, truth: str) -> float:
+    predicted, gold = normalize_answer(prediction).split(), normalize_answer(truth).split()
+    common = collections.Counter(predicted) & collections.Counter(gold)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(predicted), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def metric(predictions: list[str], targets: list[list[str]]) -> dict[str, float]:
+    """Exact match and F1 in percent, each the maximum over the gold answers (official semantics)."""
+    if not targets:
+        raise ValueError("no questions to score")
+    em = sum(max(normalize_answer(p) == normalize_answer(t) for t in golds) for p, golds in zip(predictions, targets))
+    f1 = sum(max(f1_score(p, t) for t in golds) for p, golds in zip(predictions, targets))
+    return {"exact_match": 100.0 * em / len(targets), "f1": 100.0 * f1 / len(targets)}
+
+
+def read_data(path, split: str = "dev"):
+    """A SQuAD-format JSON file; yields ({"question", "context"}, [gold answers]) per question."""
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)["data"]
+    for article in data:
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                golds = [a["text"] for a in qa["answers"]] or [""]
+                yield {"question": qa["question"], "context": paragraph["context"]}, golds
+
+
+def evaluate_squad(predictor, path, *, limit: int | None = None, progress: bool = True, **options) -> dict[str, Any]:
+    """Predict every question of a SQuAD file and score it with the official EM / F1."""
+    from tqdm.auto import tqdm
+
+    predictions, targets = [], []
+    examples = list(read_data(path))[:limit]
+    for inputs, golds in tqdm(examples, disable=not progress, desc="squad", unit="question"):
+        result = predictor.predict(inputs, **options)["result"]
+        predictions.append(result["answer"] or "")
+        targets.append(golds)
+    return {**metric(predictions, targets), "questions": len(examples)}
+
+
+def loss(output, targets: list[tuple[int, int]]):
+    """Mean cross-entropy of the start and end token positions (targets: (start, end) per row)."""
+    positions = torch.tensor(targets, device=output.start_logits.device)
+    ce = torch.nn.functional.cross_entropy
+    return (ce(output.start_logits.float(), positions[:, 0]) + ce(output.end_logits.float(), positions[:, 1])) / 2
+
+
+def build_tab(predictor) -> None:
+    import gradio as gr
+
+    with gr.Row():
+        question = gr.Textbox(label="Question", value=EXAMPLES[0]["question"])
+        top_k = gr.Slider(1, 10, value=3, step=1, label="Answers (top-k)")
+    context = gr.Textbox(label="Context", lines=8, value=EXAMPLES[0]["context"])
+    button = gr.Button("Answer", variant="primary")
+    highlighted = gr.HighlightedText(label="Answer in its context", combine_adjacent=False)
+    table = gr.Dataframe(headers=["rank", "answer", "score", "start", "end"], interactive=False, wrap=True)
+    details = gr.JSON(label="Result (null score and gap) and provenance")
+
+    def run(question_value: str, context_value: str, k: float):
+        try:
+            output = predictor.predict({"question": question_value, "context": context_value}, top_k=int(k))
+        except InputError as err:
+            raise gr.Error(str(err)) from None
+        result = output["result"]
+        marks = []
+        if result["answers"]:
+            best = result["answers"][0]
+            marks = [(context_value[:best["start"]], None), (best["answer"], "answer"), (context_value[best["end"]:], None)]
+        rows = [[i + 1, a["answer"], a["score"], a["start"], a["end"]] for i, a in enumerate(result["answers"])]
+        return marks, rows, output
+
+    button.click(run, [question, context, top_k], [highlighted, table, details], api_name="qa")
+    gr.Examples([[e["question"], e["context"]] for e in EXAMPLES], [question, context])
+
+
+EXAMPLES = (
+    {"question": "Where do water droplets collide with ice crystals to form precipitation?",
+     "context": "In meteorology, precipitation is any product of the condensation of atmospheric water vapor "
+                "that falls under gravity. Precipitation forms as smaller droplets coalesce via collision with "
+                "other rain drops or ice crystals within a cloud."},
+    {"question": "Who wrote the book?",
+     "context": "The book, published in 1851, was written by Herman Melville and follows the voyage of a whaler."},
+)
+
+
+@hookimpl
+def register_tasks(register):
+    register(TaskSpec(
+        name="qa",
+        title="Question answering",
+        description="Find the answer to a question inside a context; long contexts are read in overlapping windows.",
+        build_head=SpanHead,
+        preprocess=preprocess,
+        postprocess=postprocess,
+        build_tab=build_tab,
+        input_fields=("question", "context"),
+        options={"top_k": 1, "max_seq_len": 384, "doc_stride": 128, "max_question_len": 64, "max_answer_len": 30,
+                 "null_threshold": None},
+        examples=EXAMPLES,
+        read_data=read_data,
+        loss=loss,
+        metric=metric,
+    ))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m plugins.qa FILE [--model M] [--limit N]`: official EM / F1 of a checkpoint on a SQuAD file."""
+    import argparse
+    import sys
+
+    from bert_engine.inference import Predictor
+    from bert_engine.registry import load_registry
+
+    parser = argparse.ArgumentParser(prog="python -m plugins.qa", description=main.__doc__)
+    parser.add_argument("data", help="SQuAD-format JSON, e.g. ../shared/data/squad/dev-v1.1.json")
+    parser.add_argument("--model", default=None, help="QA checkpoint folder or Hub id (default: the task's)")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
+    args = parser.parse_args(argv)
+    predictor = Predictor.load(load_registry(entry_points=False).task("qa"), args.model)
+    report = evaluate_squad(predictor, args.data, limit=args.limit)
+    report["model"] = predictor.provenance()
+    json.dump(report, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

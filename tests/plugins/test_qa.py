@@ -1,0 +1,169 @@
+"""QA: parity with the transformers pipeline on one window, windows and max context, null answers, SQuAD."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from bert_engine.conformance import check_task
+from bert_engine.hookspecs import InputError
+from bert_engine.inference import Predictor
+from bert_engine.registry import load_registry
+from plugins.qa import evaluate_squad, max_context_windows, metric, normalize_answer, read_data
+
+from conftest import reference_checkpoint
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "squad_tiny.json"
+LONG_CONTEXT = " ".join(
+    f"Section {i}: the river number {i} flows {i * 3} kilometres through the valley of town {i} before it "
+    f"joins the sea near the harbour built in {1800 + i}." for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def task():
+    return load_registry(entry_points=False).task("qa")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return reference_checkpoint(tmp_path_factory.mktemp("qa"), "BertForQuestionAnswering")
+
+
+@pytest.fixture(scope="module")
+def predictor(task, checkpoint):
+    return Predictor.load(task, str(checkpoint), strict=True)
+
+
+def _reference_answers(checkpoint, question, context, top_k, max_answer_len):
+    """The reference model's logits and tokenizer, decoded by a brute-force search over every
+    (start, end) pair of context tokens (transformers 5 no longer ships a QA pipeline)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    model = transformers.BertForQuestionAnswering.from_pretrained(str(checkpoint)).eval()
+    encoded = tokenizer(question, context, return_offsets_mapping=True, return_tensors="pt")
+    sequence_ids = encoded.sequence_ids(0)
+    offsets = encoded.pop("offset_mapping")[0].tolist()
+    with torch.no_grad():
+        out = model(**encoded)
+    start, end = out.start_logits[0].tolist(), out.end_logits[0].tolist()
+    spans = {}
+    for s in range(len(start)):
+        for e in range(s, min(s + max_answer_len, len(end))):
+            if sequence_ids[s] == 1 and sequence_ids[e] == 1:
+                key = (offsets[s][0], offsets[e][1])
+                spans[key] = max(spans.get(key, -1e9), start[s] + end[e])
+    ranked = sorted(spans.items(), key=lambda item: -item[1])[:top_k]
+    return [(s, e, context[s:e]) for (s, e), _ in ranked]
+
+
+def test_single_window_answers_match_the_reference(predictor, checkpoint):
+    for inputs, _ in read_data(FIXTURE):
+        ours = predictor.predict(inputs, top_k=3, max_answer_len=15)["result"]
+        assert ours["windows"] == 1
+        assert [(a["start"], a["end"], a["answer"]) for a in ours["answers"]] == \
+            _reference_answers(checkpoint, inputs["question"], inputs["context"], 3, 15)
+
+
+def test_long_context_spans_index_the_original_text(predictor):
+    question = "Which harbour was built in 1830?"
+    result = predictor.predict({"question": question, "context": LONG_CONTEXT}, top_k=10,
+                               max_seq_len=128, doc_stride=48)["result"]
+    assert result["windows"] > 5
+    spans = [(a["start"], a["end"]) for a in result["answers"]]
+    assert len(spans) == len(set(spans)) == 10  # duplicates across windows are merged
+    for answer in result["answers"]:
+        assert LONG_CONTEXT[answer["start"]:answer["end"]] == answer["answer"]
+        assert 0 <= answer["start"] < answer["end"] <= len(LONG_CONTEXT)
+    scores = [a["score"] for a in result["answers"]]
+    assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 for s in scores)
+
+
+def test_each_token_has_one_home_window_with_most_context(predictor):
+    from plugins.qa import preprocess
+
+    batch = preprocess({"question": "Where?", "context": LONG_CONTEXT}, predictor.tokenizer, max_seq_len=64,
+                       doc_stride=24)
+    home = max_context_windows(batch)
+    for span, row in home.items():
+        rows = [r for r in range(len(batch)) if span in [tuple(o) for o, s in zip(batch.offsets[r], batch.sequence_ids[r]) if s == 1]]
+        assert row in rows
+
+        def context_around(r):
+            positions = [t for t, s in enumerate(batch.sequence_ids[r]) if s == 1]
+            t = [tuple(batch.offsets[r][p]) for p in positions].index(span)
+            return min(t, len(positions) - 1 - t)
+
+        assert context_around(row) == max(context_around(r) for r in rows)
+
+
+def test_null_threshold_and_gap(predictor):
+    inputs = {"question": "When was Moby-Dick published?", "context": "Moby-Dick was published in 1851."}
+    base = predictor.predict(inputs)["result"]
+    gap = base["no_answer"]["null_gap"]
+    assert gap == pytest.approx(base["no_answer"]["logit"] - base["answers"][0]["logit"], abs=1e-3)
+    refuse = predictor.predict(inputs, null_threshold=gap - 1.0)["result"]
+    accept = predictor.predict(inputs, null_threshold=gap + 1.0)["result"]
+    assert refuse["answer"] is None and refuse["no_answer"]["predicted"]
+    assert accept["answer"] == base["answers"][0]["answer"]
+
+
+def test_scores_do_not_depend_on_top_k(predictor):
+    inputs = next(read_data(FIXTURE))[0]
+    one = predictor.predict(inputs, top_k=1)["result"]["answers"][0]
+    five = predictor.predict(inputs, top_k=5)["result"]["answers"][0]
+    assert one == five
+
+
+def test_long_question_is_cut_and_never_answered_from(predictor):
+    question = "what " * 100 + "is it?"
+    result = predictor.predict({"question": question, "context": "It is a small red box."}, top_k=5)["result"]
+    assert result["question_truncated"] is True
+    assert all(0 <= a["start"] < a["end"] <= len("It is a small red box.") for a in result["answers"])
+
+
+@pytest.mark.parametrize(
+    ("inputs", "options", "message"),
+    [
+        ({"question": " ", "context": "text"}, {}, "the question is empty"),
+        ({"question": "why?", "context": ""}, {}, "the context is empty"),
+        ({"question": "why?", "context": "\u200b\u0000"}, {}, "no readable text"),
+        ({"question": "why?", "context": "text"}, {"doc_stride": 500}, "doc_stride must be an integer in"),
+        ({"question": "why?", "context": "text"}, {"max_seq_len": 4096}, "max_seq_len must be an integer in"),
+        ({"question": "why?", "context": "word " * 200_000}, {}, "windows of 384 tokens; the limit is 256"),
+    ],
+)
+def test_bad_input_is_a_clear_input_error(predictor, inputs, options, message):
+    with pytest.raises(InputError, match=message):
+        predictor.predict(inputs, **options)
+
+
+def test_official_squad_normalisation_and_metric():
+    assert normalize_answer("The  Cat, sat!") == "cat sat"
+    assert metric(["the South America"], [["South America", "S. America"]]) == {"exact_match": 100.0, "f1": 100.0}
+    partial = metric(["seven million"], [["seven million square kilometres"]])
+    assert partial["exact_match"] == 0.0 and partial["f1"] == pytest.approx(100 * 2 * (1 * 0.5) / 1.5)
+
+
+def test_evaluate_squad_file(predictor):
+    report = evaluate_squad(predictor, FIXTURE, progress=False)
+    assert report["questions"] == 3 and 0.0 <= report["exact_match"] <= report["f1"] <= 100.0
+
+
+def test_loads_from_a_hub_id_served_locally(task, checkpoint, fake_hub, tmp_path):
+    fake_hub.repos[("owner/qa", "main")] = checkpoint
+    hub = Predictor.load(task, "owner/qa", endpoint=fake_hub.endpoint, cache_dir=tmp_path / "cache")
+    local = Predictor.load(task, str(checkpoint))
+    inputs = next(read_data(FIXTURE))[0]
+    assert hub.predict(inputs)["result"] == local.predict(inputs)["result"]
+
+
+def test_minilm_encoder_with_a_fresh_head_gives_valid_offsets(task):
+    predictor = Predictor.load(task)
+    inputs = {"question": "Who wrote it?", "context": "Ünïcödé text 🤗 written by Herman Melville in 北京."}
+    result = predictor.predict(inputs, top_k=5)["result"]
+    for answer in result["answers"]:
+        assert inputs["context"][answer["start"]:answer["end"]] == answer["answer"]
+
+
+def test_conforms(task):
+    assert check_task(task) == []
