@@ -82,6 +82,9 @@ def _predict(args: argparse.Namespace) -> dict:
             options[name] = value  # a bare word, e.g. long_input=windows
     predictor = Predictor.load(task, args.model, revision=args.revision)
     texts = [line.rstrip("\n") for line in open(args.file, encoding="utf-8")] if args.file else [None]
+    if args.file and task.spec.predict_many is not None and not inputs:
+        results = task.spec.predict_many(predictor, texts, progress=True, **options)
+        return {"results": results, "provenance": predictor.provenance()}
     results = []
     for text in texts:
         row = dict(inputs, **({task.spec.input_fields[0]: text} if text is not None else {}))

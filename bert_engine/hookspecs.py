@@ -50,6 +50,8 @@ class TaskSpec:
         read_data: (path, split) -> iterable of (inputs, target) pairs, for training and evaluation.
         loss: (head output, targets: list) -> scalar tensor.
         metric: (predictions: list, targets: list) -> {name: float}.
+        predict_many: (predictor, texts: list[str], **options) -> results in order; a batched path
+            (length-sorted, dynamically padded) for files and lists. Without it, inputs run one by one.
         output_ranges: spans/probabilities the conformance kit checks (see conformance.py).
     """
 
@@ -68,6 +70,7 @@ class TaskSpec:
     read_data: Callable[..., Any] | None = None
     loss: Callable[..., Any] | None = None
     metric: Callable[..., Any] | None = None
+    predict_many: Callable[..., Any] | None = None
 
 
 class TaskHooks:

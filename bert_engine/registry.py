@@ -125,7 +125,7 @@ class Registry:
         for field in ("build_head", "preprocess", "postprocess"):
             if not callable(getattr(spec, field)):
                 problems.append(f"{field} must be callable, got {type(getattr(spec, field)).__name__}")
-        for field in ("build_tab", "read_data", "loss", "metric"):
+        for field in ("build_tab", "read_data", "loss", "metric", "predict_many"):
             value = getattr(spec, field)
             if value is not None and not callable(value):
                 problems.append(f"{field} must be callable or None, got {type(value).__name__}")

@@ -226,4 +226,5 @@ def register_tasks(register):
         read_data=read_data,
         loss=loss,
         metric=metric,
+        predict_many=classify_many,
     ))

@@ -167,3 +167,52 @@ def test_minilm_encoder_with_a_fresh_head_gives_valid_offsets(task):
 
 def test_conforms(task):
     assert check_task(task) == []
+
+
+def _reference_long_context_best(checkpoint, question, context, max_seq_len, doc_stride, max_answer_len):
+    """The classic BERT/SQuAD n-best decoding, written independently over the reference tokenizer's
+    own windows and the reference model's logits: spans ranked by start + end logit across windows,
+    a start token taken only from the window where it has most context."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    model = transformers.BertForQuestionAnswering.from_pretrained(str(checkpoint)).eval()
+    encoded = tokenizer(question, context, truncation="only_second", max_length=max_seq_len, stride=doc_stride,
+                        return_overflowing_tokens=True, return_offsets_mapping=True, padding="longest",
+                        return_tensors="pt")
+    offsets = encoded.pop("offset_mapping").tolist()
+    encoded.pop("overflow_to_sample_mapping")
+    with torch.no_grad():
+        out = model(**encoded)
+    windows = []
+    for w in range(len(offsets)):
+        ids = encoded.sequence_ids(w)
+        context_positions = [t for t, s in enumerate(ids) if s == 1]
+        windows.append((ids, context_positions))
+    # where each context token (by character span) has the most context
+    best_home = {}
+    for w, (ids, positions) in enumerate(windows):
+        for rank, t in enumerate(positions):
+            score = min(rank, len(positions) - 1 - rank) + 0.01 * len(positions)
+            key = tuple(offsets[w][t])
+            if key not in best_home or score > best_home[key][0]:
+                best_home[key] = (score, w)
+    best = (None, -1e18)
+    for w, (ids, positions) in enumerate(windows):
+        start, end = out.start_logits[w].tolist(), out.end_logits[w].tolist()
+        for s in positions:
+            if best_home[tuple(offsets[w][s])][1] != w:
+                continue
+            for e in positions:
+                if s <= e < s + max_answer_len and start[s] + end[e] > best[1]:
+                    best = ((offsets[w][s][0], offsets[w][e][1]), start[s] + end[e])
+    return best[0]
+
+
+def test_long_context_best_answer_matches_the_reference_decoding(predictor, checkpoint):
+    prefix, suffix = LONG_CONTEXT[:2500], LONG_CONTEXT[2500:6000]
+    for inputs, _ in read_data(FIXTURE):
+        context = prefix + " " + inputs["context"] + " " + suffix
+        ours = predictor.predict({"question": inputs["question"], "context": context}, max_seq_len=128,
+                                 doc_stride=48, max_answer_len=15)["result"]
+        assert ours["windows"] > 5
+        expected = _reference_long_context_best(checkpoint, inputs["question"], context, 128, 48, 15)
+        assert (ours["answers"][0]["start"], ours["answers"][0]["end"]) == expected

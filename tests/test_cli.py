@@ -1,0 +1,59 @@
+"""`bert-engine` subcommands: JSON on stdout, clear errors with exit code 2."""
+
+import json
+
+import pytest
+
+from bert_engine.cli import main
+
+from conftest import reference_checkpoint
+
+
+@pytest.fixture(scope="module")
+def sentiment_checkpoint(tmp_path_factory):
+    return reference_checkpoint(tmp_path_factory.mktemp("cli"), "BertForSequenceClassification",
+                                id2label={0: "NEGATIVE", 1: "POSITIVE"})
+
+
+def test_predict_prints_result_with_provenance(sentiment_checkpoint, capsys):
+    assert main(["predict", "sentiment", "-i", "text=a gorgeous movie", "-o", "top_k=1",
+                 "--model", str(sentiment_checkpoint)]) == 0
+    output = json.loads(capsys.readouterr().out)
+    assert output["task"] == "sentiment" and len(output["result"]["labels"]) == 1
+    assert output["provenance"]["model"] == str(sentiment_checkpoint)
+
+
+def test_predict_file_uses_the_batched_path(sentiment_checkpoint, tmp_path, capsys):
+    lines = tmp_path / "texts.txt"
+    lines.write_text("a gorgeous movie\nterrible and dull\nfine\n")
+    assert main(["predict", "sentiment", "--file", str(lines), "--model", str(sentiment_checkpoint)]) == 0
+    output = json.loads(capsys.readouterr().out)
+    assert len(output["results"]) == 3 and output["provenance"]["task"] == "sentiment"
+
+
+def test_predict_qa_with_two_fields(capsys):
+    assert main(["predict", "qa", "-i", "question=Who wrote it?", "-i",
+                 "context=Moby-Dick was written by Herman Melville.", "-o", "top_k=2"]) == 0
+    result = json.loads(capsys.readouterr().out)["result"]
+    assert len(result["answers"]) == 2 and "null_gap" in result["no_answer"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["predict", "nope", "-i", "text=x"], "no task named 'nope'"),
+        (["predict", "sentiment", "-i", "txt=x"], "expected FIELD=TEXT with FIELD one of text, text_pair"),
+        (["predict", "fill_mask", "-i", "text=no mask"], "has no [MASK] token"),
+        (["info", "--model", "/does/not/exist"], "neither an existing folder nor a Hub id"),
+    ],
+)
+def test_errors_are_one_clear_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_builtins_are_listed(capsys):
+    assert main(["plugins"]) == 0
+    names = [p["name"] for p in json.loads(capsys.readouterr().out)["plugins"]]
+    assert names[:3] == ["sentiment", "qa", "fill_mask"]
