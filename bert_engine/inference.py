@@ -190,6 +190,13 @@ class LazyPredictor:
     def loaded(self) -> bool:
         return self._predictor is not None
 
+    def switch(self, checkpoint: str | None) -> Predictor:
+        """Load another checkpoint (None: the task's default); on failure the current model stays."""
+        with self._lock:
+            predictor = Predictor.load(self.task, checkpoint or None, **self.load_kwargs)
+            self.checkpoint, self._predictor = checkpoint or None, predictor
+        return predictor
+
     def get(self) -> Predictor:
         if self._predictor is None:
             with self._lock:

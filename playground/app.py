@@ -34,6 +34,8 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     checkpoints = checkpoints or {}
     predictors = {name: LazyPredictor(task, checkpoints.get(name), device=device)
                   for name, task in registry.tasks.items()}
+    for predictor in predictors.values():
+        predictor.predict = on_gpu(predictor.predict)
     with gr.Blocks(title="bert_engine playground") as app:
         gr.Markdown("# bert_engine playground\nBERT from scratch in PyTorch. "
                     f"{len(registry.tasks)} task(s) from {len(registry.plugins)} plugin(s).")
@@ -41,6 +43,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
             with gr.Tab(task.spec.title, id=name):
                 if task.spec.description:
                     gr.Markdown(task.spec.description)
+                _build_model_picker(gr, name, predictors[name])
                 _build_task_tab(gr, task, predictors[name])
         with gr.Tab("Plugins", id="plugins"):
             _build_plugins_tab(gr, registry)
@@ -48,6 +51,47 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
             _build_attention_tab(gr, registry, predictors)
     app.predictors = predictors
     return app
+
+
+def on_gpu(function):
+    """On a ZeroGPU Space (the `spaces` package is installed) GPU work runs inside `spaces.GPU`;
+    elsewhere the function is returned unchanged."""
+    try:
+        import spaces
+    except ImportError:
+        return function
+    return spaces.GPU(function)
+
+
+def describe(predictor: LazyPredictor) -> str:
+    """One discreet line: which model the tab uses, and where it runs once loaded."""
+    name = predictor.checkpoint or predictor.task.spec.default_checkpoint or "the default backbone (MiniLM)"
+    if not predictor.loaded:
+        return f"Model: `{name}` (loads on first use)"
+    info = predictor.get().provenance()
+    head = " · **head not trained**" if info["untrained_head"] else ""
+    return f"Model: `{info['model']}` · {info['device']} · {info['dtype']}{head}"
+
+
+def _build_model_picker(gr, name: str, predictor: LazyPredictor) -> None:
+    from bert_engine.hub import HubError
+    from bert_engine.loading import CheckpointError
+
+    with gr.Accordion("Model", open=False):
+        with gr.Row():
+            choice = gr.Textbox(value=predictor.checkpoint or "", show_label=False, scale=4,
+                                placeholder="empty: the default · a local folder · a Hub id such as owner/name")
+            load = gr.Button("Load", scale=1)
+        status = gr.Markdown(describe(predictor))
+
+    def switch(value: str) -> str:
+        try:
+            predictor.switch(value.strip() or None)
+        except (HubError, CheckpointError, ValueError, OSError) as err:
+            raise gr.Error(f"could not load {value.strip() or 'the default'}: {err}") from None
+        return describe(predictor)
+
+    load.click(switch, choice, status, api_name=f"{name}_model")
 
 
 def _build_task_tab(gr, task, predictor: LazyPredictor) -> None:

@@ -27,7 +27,7 @@ class BrokenTabPlugin:
 @pytest.fixture
 def registry(installed_example, monkeypatch):
     monkeypatch.syspath_prepend(str(installed_example))
-    registry = load_registry(builtins=())
+    registry = load_registry()
     registry.load_plugin("broken-tab", "0.0.1", "test", BrokenTabPlugin)
     registry.load_plugin("broken-import", "0.0.2", "test", lambda: __import__("no_such_module_here"))
     return registry
@@ -40,7 +40,7 @@ def _tab_labels(app):
 def test_one_tab_per_task_then_plugins_and_attention(registry):
     app = build_app(registry)
     labels = _tab_labels(app)
-    assert labels[:2] == ["Similarity", "Broken tab"]
+    assert labels[:5] == ["Sentiment", "Question answering", "Fill-mask", "Similarity", "Broken tab"]
     assert labels[-2:] == ["Plugins", "Attention"]
     assert not any(p.loaded for p in app.predictors.values())  # models load lazily
 
@@ -71,22 +71,59 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_served_app_answers_gradio_client(registry):
+@pytest.fixture
+def served(registry):
     app = build_app(registry)
     app.queue(default_concurrency_limit=2)
     port = _free_port()
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
-        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-        label, output = client.predict("A man is playing a guitar.", "Someone plays an instrument.",
-                                       api_name="/similarity")
-        assert output["task"] == "similarity" and 0.0 <= output["result"]["score"] <= 1.0
-        assert output["provenance"]["plugin"] == "similarity" and output["provenance"]["latency_ms"] > 0
-        heatmap = client.predict("similarity", 0, 0, True, api_name="/attention")
-        assert "[CLS]" in heatmap and "mean of all heads" in heatmap
-        with pytest.raises(Exception, match="text_a is empty"):
-            client.predict("   ", "text", api_name="/similarity")
-        with pytest.raises(Exception, match="layer 9 does not exist"):
-            client.predict("similarity", 9, 0, False, api_name="/attention")
+        yield app, f"http://127.0.0.1:{port}/"
     finally:
         app.close()
+
+
+def test_every_task_endpoint_answers_through_gradio_client(served):
+    app, url = served
+    client = Client(url, verbose=False)
+    label, output = client.predict("A man is playing a guitar.", "Someone plays an instrument.", api_name="/similarity")
+    assert output["task"] == "similarity" and 0.0 <= output["result"]["score"] <= 1.0
+    assert output["provenance"]["plugin"] == "similarity" and output["provenance"]["latency_ms"] > 0
+    bars, output = client.predict("A gorgeous, witty movie.", "", "truncate", api_name="/sentiment")
+    assert output["task"] == "sentiment" and {c["label"] for c in bars["confidences"]} == {"NEGATIVE", "POSITIVE"}
+    marks, table, output = client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", 2,
+                                          api_name="/qa")
+    assert output["task"] == "qa" and len(table["data"]) == 2
+    table, output = client.predict("The capital of France is [MASK].", 3, "independent", "", api_name="/fill_mask")
+    assert output["task"] == "fill_mask" and len(table["data"]) == 3
+    heatmap = client.predict("similarity", 0, 0, True, api_name="/attention")
+    assert "[CLS]" in heatmap and "mean of all heads" in heatmap
+
+
+def test_bad_input_is_a_message_not_a_stack_trace(served):
+    app, url = served
+    client = Client(url, verbose=False)
+    with pytest.raises(Exception, match="text_a is empty"):
+        client.predict("   ", "text", api_name="/similarity")
+    with pytest.raises(Exception, match="has no \\[MASK\\] token"):
+        client.predict("no mask here", 3, "independent", "", api_name="/fill_mask")
+    with pytest.raises(Exception, match="the context is empty"):
+        client.predict("Who?", "", 1, api_name="/qa")
+    with pytest.raises(Exception, match="no input yet"):  # the failed QA call left no input to show
+        client.predict("qa", 0, 0, False, api_name="/attention")
+
+
+def test_model_picker_switches_and_reports_errors(served, tmp_path):
+    from conftest import reference_checkpoint
+
+    app, url = served
+    client = Client(url, verbose=False)
+    with pytest.raises(Exception, match="could not load /no/such/folder: .*neither an existing folder"):
+        client.predict("/no/such/folder", api_name="/sentiment_model")
+    folder = reference_checkpoint(tmp_path / "stars", "BertForSequenceClassification",
+                                  id2label={i: f"{i + 1} stars" for i in range(5)})
+    status = client.predict(str(folder), api_name="/sentiment_model")
+    assert str(folder) in status and "head not trained" not in status
+    bars, output = client.predict("Great value.", "", "truncate", api_name="/sentiment")
+    assert {c["label"] for c in bars["confidences"]} == {f"{i + 1} stars" for i in range(5)}
+    assert output["provenance"]["model"] == str(folder)
