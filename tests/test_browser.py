@@ -1,0 +1,133 @@
+"""The real page in headless Chromium (Debian's package) driven by Playwright: every tab, a screenshot each.
+
+Screenshots land in test-artifacts/screenshots/ (or $BERT_ENGINE_ARTIFACTS). Skips, saying why,
+only when no Chromium executable exists.
+"""
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from bert_engine.registry import load_registry
+from playground import build_app
+
+CHROMIUM = os.environ.get("BERT_ENGINE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = Path(os.environ.get("BERT_ENGINE_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium executable (apt-get install chromium, "
+                                                          "or set BERT_ENGINE_CHROMIUM)")
+
+
+class BrokenImport:
+    """Stands for a third-party plugin whose import fails."""
+
+
+@pytest.fixture(scope="module")
+def page_url(installed_example, tmp_path_factory):
+    import sys
+
+    sys.path.insert(0, str(installed_example))
+    try:
+        registry = load_registry()
+        registry.load_plugin("broken-import", "0.0.2", "test", lambda: __import__("no_such_module_here"))
+        app = build_app(registry)
+        app.queue(default_concurrency_limit=2)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        yield f"http://127.0.0.1:{port}/"
+        app.close()
+    finally:
+        sys.path.remove(str(installed_example))
+
+
+@pytest.fixture(scope="module")
+def browser_page(page_url):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1280, "height": 1100})
+        page.goto(page_url, wait_until="networkidle")
+        yield page
+        browser.close()
+
+
+def _open(page, title: str):
+    page.get_by_role("tab", name=title, exact=True).click()
+    panel = page.locator("[role=tabpanel]:visible").first
+    panel.wait_for()
+    return panel
+
+
+def _shot(page, name: str) -> None:
+    folder = ARTIFACTS / "screenshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(folder / f"{name}.png"), full_page=True)
+
+
+def test_sentiment_tab(browser_page):
+    panel = _open(browser_page, "Sentiment")
+    panel.locator("textarea").first.fill("A gorgeous, witty, seductive movie.")
+    panel.get_by_role("button", name="Classify").click()
+    panel.get_by_text("POSITIVE").first.wait_for(timeout=60_000)
+    assert panel.get_by_text("NEGATIVE").count() >= 1
+    _shot(browser_page, "sentiment")
+
+
+def test_qa_tab(browser_page):
+    panel = _open(browser_page, "Question answering")
+    panel.get_by_role("button", name="Answer", exact=True).click()
+    panel.get_by_text("null_gap").first.wait_for(timeout=60_000)
+    assert panel.locator("table").count() >= 1
+    _shot(browser_page, "qa")
+
+
+def test_fill_mask_tab(browser_page):
+    panel = _open(browser_page, "Fill-mask")
+    panel.get_by_role("button", name="Fill", exact=True).click()
+    panel.get_by_text("predictions").first.wait_for(timeout=60_000)  # a key of the result JSON
+    assert panel.locator("table").first.get_by_text("The capital of France is").count() >= 1
+    _shot(browser_page, "fill_mask")
+
+
+def test_similarity_tab(browser_page):
+    panel = _open(browser_page, "Similarity")
+    boxes = panel.locator("textarea")
+    boxes.nth(0).fill("A man is playing a guitar.")
+    boxes.nth(1).fill("Someone plays an instrument.")
+    panel.get_by_role("button", name="Compare").click()
+    panel.get_by_text("different", exact=True).first.wait_for(timeout=60_000)  # only the output label has it
+    assert panel.get_by_text("similar", exact=True).count() >= 1
+    _shot(browser_page, "similarity")
+
+
+def test_empty_input_shows_a_message(browser_page):
+    panel = _open(browser_page, "Sentiment")
+    panel.locator("textarea").first.fill("   ")
+    panel.get_by_role("button", name="Classify").click()
+    browser_page.get_by_text("the text is empty").first.wait_for(timeout=30_000)
+    _shot(browser_page, "sentiment_empty_input")
+
+
+def test_plugins_tab_lists_the_broken_plugin(browser_page):
+    panel = _open(browser_page, "Plugins")
+    _shot(browser_page, "plugins")
+    panel.get_by_text("failed at import").filter(visible=True).first.wait_for(timeout=30_000)
+    assert panel.get_by_text("no_such_module_here").filter(visible=True).count() >= 1
+    assert panel.get_by_text("sentiment").filter(visible=True).count() >= 1
+
+
+def test_attention_tab_shows_the_last_input(browser_page):
+    panel = _open(browser_page, "Attention")
+    panel.get_by_role("button", name="Show attention").click()
+    panel.locator("table.attention").wait_for(timeout=30_000)
+    assert panel.locator("table.attention td").count() > 16
+    _shot(browser_page, "attention")
