@@ -4,11 +4,13 @@ import logging
 import os
 
 from playground import build_app
+from playground.app import warm_up
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 if __name__ == "__main__":
     app = build_app()
+    warm_up(app.predictors)  # models load in the background while the server starts
     app.queue(default_concurrency_limit=int(os.environ.get("BERT_ENGINE_CONCURRENCY", "4")))
     app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))

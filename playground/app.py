@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import logging
+import threading
 from typing import Any
 
 from bert_engine.hookspecs import InputError
@@ -51,6 +52,21 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
             _build_attention_tab(gr, registry, predictors)
     app.predictors = predictors
     return app
+
+
+def warm_up(predictors: dict[str, LazyPredictor]) -> threading.Thread:
+    """Load every task's model in a background thread after start-up, so the first request does not
+    wait for (or time out on) a download or a load. A failure is logged; the tab reports it on use."""
+    def load_all() -> None:
+        for name, predictor in predictors.items():
+            try:
+                predictor.get()
+            except Exception as err:  # shown to the user when the tab is used; here only logged
+                logger.warning("warm-up of task %s failed: %s", name, err)
+
+    thread = threading.Thread(target=load_all, name="bert-engine-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def on_gpu(function):

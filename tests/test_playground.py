@@ -127,3 +127,45 @@ def test_model_picker_switches_and_reports_errors(served, tmp_path):
     bars, output = client.predict("Great value.", "", "truncate", api_name="/sentiment")
     assert {c["label"] for c in bars["confidences"]} == {f"{i + 1} stars" for i in range(5)}
     assert output["provenance"]["model"] == str(folder)
+
+
+def _event(app, api_name):
+    """The function behind an API endpoint, to call a tab directly."""
+    return next(f.fn for f in app.fns.values() if f.api_name == api_name)
+
+
+@pytest.fixture(scope="module")
+def tiny_app(tmp_path_factory):
+    from conftest import reference_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-app")
+    checkpoints = {
+        "sentiment": reference_checkpoint(root / "sentiment", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}),
+        "qa": reference_checkpoint(root / "qa", "BertForQuestionAnswering"),
+        "fill_mask": reference_checkpoint(root / "mlm", "BertForMaskedLM"),
+    }
+    return build_app(load_registry(entry_points=False), checkpoints={k: str(v) for k, v in checkpoints.items()})
+
+
+def test_tab_functions_called_directly_with_tiny_models(tiny_app):
+    bars, output = _event(tiny_app, "sentiment")("Great film.", "", "truncate")
+    assert set(bars) == {"NEG", "POS"} and output["provenance"]["untrained_head"] is False
+    marks, rows, output = _event(tiny_app, "qa")("Who wrote it?", "It was written by Herman Melville.", 2)
+    answer = output["result"]["answers"][0]
+    assert [m for m in marks if m[1] == "answer"][0][0] == answer["answer"] and len(rows) == 2
+    rows, output = _event(tiny_app, "fill_mask")("I [MASK] to the [MASK].", 2, "joint", "")
+    assert output["result"]["mode"] == "joint" and len(rows) == 2 and rows[0][0] == "all"
+    with pytest.raises(gr.Error, match="the text is empty"):
+        _event(tiny_app, "sentiment")("", "", "truncate")
+    with pytest.raises(gr.Error, match="has 1,000,001 characters; the limit is 1,000,000"):
+        _event(tiny_app, "sentiment")("x" * 1_000_001, "", "truncate")
+
+
+def test_warm_up_loads_every_model_in_the_background(tiny_app):
+    from bert_engine.inference import LazyPredictor
+    from playground.app import warm_up
+
+    fresh = {name: LazyPredictor(p.task, p.checkpoint) for name, p in tiny_app.predictors.items()}
+    assert not any(p.loaded for p in fresh.values())
+    warm_up(fresh).join(timeout=120)
+    assert all(p.loaded for p in fresh.values())
