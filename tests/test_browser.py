@@ -21,12 +21,8 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium executable
                                                           "or set BERT_ENGINE_CHROMIUM)")
 
 
-class BrokenImport:
-    """Stands for a third-party plugin whose import fails."""
-
-
 @pytest.fixture(scope="module")
-def page_url(installed_example, tmp_path_factory):
+def page_url(installed_example):
     import sys
 
     sys.path.insert(0, str(installed_example))
