@@ -82,9 +82,8 @@ class Predictor:
         target = pick_device(device)
         model, tokenizer = load(name, task.spec.build_head, device=target, dtype=dtype or pick_dtype(target),
                                 **load_kwargs)
-        report = getattr(model, "load_report", None)
         return cls(task, model, tokenizer, model_id=str(name), revision=model.checkpoint.commit or model.checkpoint.revision,
-                   untrained_head=bool(report and report.missing))
+                   untrained_head=bool(model.load_report.missing))
 
     def check_inputs(self, inputs: Any, options: Mapping[str, Any]) -> dict[str, Any]:
         """Raise InputError naming the problem; return the options merged with the task's defaults."""
@@ -100,10 +99,26 @@ class Predictor:
             if len(value) > MAX_INPUT_CHARS:
                 raise InputError(f"{spec.name}: input {field!r} has {len(value):,} characters; "
                                  f"the limit is {MAX_INPUT_CHARS:,}")
+        return self.check_options(options)
+
+    def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Raise InputError on an option the task does not declare; return them merged with its defaults."""
+        spec = self.task.spec
         unknown = sorted(set(options) - set(spec.options))
         if unknown:
             raise InputError(f"{spec.name}: unknown option(s) {', '.join(unknown)}; known: {', '.join(spec.options) or 'none'}")
         return {**spec.options, **options}
+
+    def get(self) -> Predictor:
+        """Itself: the same call as LazyPredictor.get, so callers need not know which they hold."""
+        return self
+
+    def run(self, batch: Batch, options: Mapping[str, Any]) -> Any:
+        """Model and postprocess over a preprocessed batch, under this model's lock and inference mode."""
+        with self._lock, torch.inference_mode():
+            output = self._forward(batch.to(self.device))
+            # Postprocessing may use the model too (logits at chosen positions, beam search).
+            return self.task.spec.postprocess(output, batch.to("cpu"), **options)
 
     def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         """Preprocess -> model -> postprocess for one input.
@@ -115,10 +130,7 @@ class Predictor:
         options = self.check_inputs(inputs, options)
         start = time.perf_counter()
         batch = spec.preprocess(inputs, self.tokenizer, **options)
-        with self._lock, torch.inference_mode():
-            output = self._forward(batch.to(self.device))
-            # Postprocessing may use the model too (logits at chosen positions, beam search).
-            result = spec.postprocess(output, batch.to("cpu"), **options)
+        result = self.run(batch, options)
         latency_ms = (time.perf_counter() - start) * 1000
         first = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
         self.last = LastInput(self.tokenizer.convert_ids_to_tokens(first), batch)

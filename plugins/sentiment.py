@@ -132,19 +132,17 @@ def classify_many(predictor, texts: list[str], *, batch_size: int = 32, progress
     """
     from tqdm.auto import tqdm
 
-    predictor = getattr(predictor, "get", lambda: predictor)()  # a LazyPredictor loads here
+    predictor = predictor.get()  # a LazyPredictor loads here
     empty = [i for i, text in enumerate(texts) if not isinstance(text, str) or not text.strip()]
     if empty:
         raise InputError(f"sentiment: texts at positions {empty[:10]} are empty or not text")
-    options = predictor.check_inputs({"text": texts[0]} if texts else {"text": "x"}, options)
+    options = predictor.check_options(options)
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     results: list[dict[str, Any]] = [{}] * len(texts)
     for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc="sentiment", unit="batch"):
         chunk = order[start:start + batch_size]
         batch = preprocess({"text": [texts[i] for i in chunk]}, predictor.tokenizer, **options)
-        with torch.inference_mode():
-            output = predictor.model(**batch.to(predictor.device).model_inputs())
-        chunk_results = postprocess(output, batch.to("cpu"), **options)
+        chunk_results = predictor.run(batch, options)
         for i, result in zip(chunk, chunk_results if len(chunk) > 1 else [chunk_results]):
             results[i] = result
     return results
