@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -81,7 +82,7 @@ def _predict(args: argparse.Namespace) -> dict:
         except ValueError:
             options[name] = value  # a bare word, e.g. long_input=windows
     predictor = Predictor.load(task, args.model, revision=args.revision)
-    texts = [line.rstrip("\n") for line in open(args.file, encoding="utf-8")] if args.file else [None]
+    texts = Path(args.file).read_text(encoding="utf-8").splitlines() if args.file else [None]
     if args.file and task.spec.predict_many is not None and not inputs:
         results = task.spec.predict_many(predictor, texts, progress=True, **options)
         return {"results": results, "provenance": predictor.provenance()}

@@ -58,18 +58,13 @@ class Violation:
 def tiny_predictor(task: RegisteredTask, tokenizer: Tokenizer | None = None) -> Predictor:
     """The task's head on a tiny random encoder (hidden 32, 2 layers) with the real MiniLM tokenizer."""
     from .hub import default_backbone
+    from .loading import load_tokenizer
 
-    tokenizer = tokenizer or Tokenizer.from_pretrained(_tokenizer_folder(default_backbone()))
+    tokenizer = tokenizer or load_tokenizer(default_backbone())
     config = dataclasses.replace(PRESETS["tiny"], vocab_size=tokenizer.vocab_size, max_position_embeddings=512)
     torch.manual_seed(0)
     model = BertWithHead(config, task.spec.build_head(config)).eval()
     return Predictor(task, model, tokenizer, model_id="tiny-random", untrained_head=True)
-
-
-def _tokenizer_folder(name: str):
-    from .hub import resolve
-
-    return resolve(name).folder
 
 
 def golden_cases(task: RegisteredTask) -> list[tuple[str, dict[str, str]]]:

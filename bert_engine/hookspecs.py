@@ -52,7 +52,6 @@ class TaskSpec:
         metric: (predictions: list, targets: list) -> {name: float}.
         predict_many: (predictor, texts: list[str], **options) -> results in order; a batched path
             (length-sorted, dynamically padded) for files and lists. Without it, inputs run one by one.
-        output_ranges: spans/probabilities the conformance kit checks (see conformance.py).
     """
 
     name: str

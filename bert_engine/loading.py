@@ -387,7 +387,6 @@ def load(name_or_path: str | Path, head: str | nn.Module | None = None, **kwargs
     Raises:
         CheckpointError: if the tokenizer's vocabulary is larger than the embedding table.
     """
-
     model = load_pretrained(name_or_path, head, **kwargs)
     tokenizer = load_tokenizer(model.checkpoint.folder)
     vocab_size = model.config.vocab_size
@@ -396,5 +395,4 @@ def load(name_or_path: str | Path, head: str | nn.Module | None = None, **kwargs
             f"{model.checkpoint.folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
             f"embedding table has only {vocab_size} rows (vocab_size in config.json); they do not belong together"
         )
-
     return model, tokenizer

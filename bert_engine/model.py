@@ -235,7 +235,8 @@ class BertModel(nn.Module):
                 "truncate or split the input into windows"
             )
         if input_ids.numel():
-            low, high = int(input_ids.min()), int(input_ids.max())
+            low, high = torch.aminmax(input_ids)  # one kernel and one device sync per forward, not two
+            low, high = int(low), int(high)
             if low < 0 or high >= config.vocab_size:
                 bad = low if low < 0 else high
                 raise ValueError(f"token id {bad} is outside the vocabulary of size {config.vocab_size}")

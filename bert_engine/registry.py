@@ -90,8 +90,7 @@ class Registry:
             if self.manager.is_registered(plugin) or self.manager.has_plugin(name):
                 raise _Violation("duplicate", f"a plugin named {name!r} is already loaded")
             self.manager.register(plugin, name=name)
-            if not self.manager.hook.register_tasks.get_hookimpls() or all(
-                    impl.plugin is not plugin for impl in self.manager.hook.register_tasks.get_hookimpls()):
+            if not any(impl.plugin is plugin for impl in self.manager.hook.register_tasks.get_hookimpls()):
                 raise _Violation("register", "implements no bert_engine hook (expected register_tasks)")
             stage = "hook"
             specs: list[TaskSpec] = []
