@@ -1,0 +1,251 @@
+"""A linear-chain CRF over per-token emission scores, and the tag-scheme constraints it can enforce.
+
+Log-likelihood (forward algorithm in log space), Viterbi and n-best decoding, and per-position
+marginals (forward-backward). A mask selects the positions that carry a tag and may skip any of
+them (only a word's first wordpiece is tagged; [CLS], [SEP] and padding are not): the selected
+positions of a row form one chain. Task logic (labels, entities, windows) lives with the NER task.
+
+Shape legend: B batch, T tokens, S selected positions per row (≤ T), L tags, K paths.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+# Forbidden transitions score FORBIDDEN instead of -inf: log-sum-exp over a row of -inf has a NaN
+# gradient, and a finite penalty this large still gives such paths a probability of exactly 0.0.
+FORBIDDEN = -1e4
+SCHEMES = ("BIO", "IOB1", "BIOES")
+IGNORE_INDEX = -100
+
+
+def parse_tag(tag: str) -> tuple[str, str | None]:
+    """"B-PER" -> ("B", "PER"); "O" -> ("O", None). Raises ValueError for a tag without a prefix."""
+    if tag == "O":
+        return "O", None
+    prefix, sep, kind = tag.partition("-")
+    if not sep or prefix not in ("B", "I", "E", "S") or not kind:
+        raise ValueError(f"tag {tag!r} is not 'O' or PREFIX-TYPE with a prefix in B, I, E, S")
+    return prefix, kind
+
+
+def detect_scheme(tags: list[str] | tuple[str, ...]) -> str:
+    """BIOES when any tag uses E- or S-, otherwise BIO (IOB1 is never guessed: it must be asked for)."""
+    return "BIOES" if any(parse_tag(t)[0] in ("E", "S") for t in tags) else "BIO"
+
+
+def allowed_transitions(tags: list[str] | tuple[str, ...], scheme: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Which transitions a tag scheme allows.
+
+    Returns:
+        (allowed (L, L) bool indexed [from, to], allowed_start (L,) bool, allowed_end (L,) bool).
+    Raises:
+        ValueError: an unknown scheme, or a tag whose prefix the scheme does not use.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"tag scheme {scheme!r} is not one of {SCHEMES}")
+    parsed = [parse_tag(t) for t in tags]
+    used = {"BIO": "BIO", "IOB1": "BIO", "BIOES": "BIOES"}[scheme]
+    bad = [t for t, (prefix, _) in zip(tags, parsed) if prefix not in used]
+    if bad:
+        raise ValueError(f"tags {bad} do not belong to the {scheme} scheme")
+    L = len(tags)
+    allowed = torch.ones(L, L, dtype=torch.bool)
+    start = torch.ones(L, dtype=torch.bool)
+    end = torch.ones(L, dtype=torch.bool)
+    for j, (to_prefix, to_kind) in enumerate(parsed):
+        for i, (from_prefix, from_kind) in enumerate(parsed):
+            same = from_kind == to_kind
+            if scheme == "BIO" and to_prefix == "I":
+                allowed[i, j] = same and from_prefix in "BI"  # I-X continues a B-X or I-X
+            elif scheme == "IOB1" and to_prefix == "B":
+                allowed[i, j] = same and from_prefix in "BI"  # B-X only splits two adjacent X entities
+            elif scheme == "BIOES":
+                if to_prefix in "IE":
+                    allowed[i, j] = same and from_prefix in "BI"
+                else:  # B, S or O may only follow a finished entity or O
+                    allowed[i, j] = from_prefix in "ESO"
+        if scheme == "BIO":
+            start[j] = to_prefix != "I"
+        elif scheme == "IOB1":
+            start[j] = to_prefix != "B"
+        else:
+            start[j] = to_prefix in "BSO"
+            end[j] = to_prefix in "ESO"
+    return allowed, start, end
+
+
+class CRF(nn.Module):
+    """Linear-chain conditional random field with learnable transitions and optional constraints.
+
+    Every method takes emissions (B, T, L) and a mask (B, T) of the positions that carry tags (any
+    pattern). `begins` / `ends` (B,) bool say whether a row's first / last selected position is the
+    true start / end of the sequence; where False (a window in the middle of a document) no start /
+    end score or constraint applies. `constrained` adds FORBIDDEN to transitions the scheme forbids.
+    """
+
+    def __init__(self, num_tags: int) -> None:
+        super().__init__()
+        if num_tags < 1:
+            raise ValueError(f"a CRF needs at least one tag, got num_tags={num_tags}")
+        self.num_tags = num_tags
+        # Zero-initialised: an untrained CRF adds nothing but its constraints to the emissions.
+        self.transitions = nn.Parameter(torch.zeros(num_tags, num_tags))  # [from, to]
+        self.start_transitions = nn.Parameter(torch.zeros(num_tags))
+        self.end_transitions = nn.Parameter(torch.zeros(num_tags))
+        self.register_buffer("allowed", torch.ones(num_tags, num_tags, dtype=torch.bool), persistent=False)
+        self.register_buffer("allowed_start", torch.ones(num_tags, dtype=torch.bool), persistent=False)
+        self.register_buffer("allowed_end", torch.ones(num_tags, dtype=torch.bool), persistent=False)
+
+    def set_constraints(self, allowed: Tensor, allowed_start: Tensor, allowed_end: Tensor) -> None:
+        """Install the allowed-transition masks from `allowed_transitions`."""
+        L = self.num_tags
+        if allowed.shape != (L, L) or allowed_start.shape != (L,) or allowed_end.shape != (L,):
+            raise ValueError(f"constraint shapes {tuple(allowed.shape)}, {tuple(allowed_start.shape)}, "
+                             f"{tuple(allowed_end.shape)} do not fit {L} tags")
+        self.allowed.copy_(allowed)
+        self.allowed_start.copy_(allowed_start)
+        self.allowed_end.copy_(allowed_end)
+
+    def potentials(self, constrained: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        """Transition (L, L), start (L,) and end (L,) scores in fp32, with the constraints if asked."""
+        trans, start, end = self.transitions.float(), self.start_transitions.float(), self.end_transitions.float()
+        if constrained:
+            trans = trans + (~self.allowed) * FORBIDDEN
+            start = start + (~self.allowed_start) * FORBIDDEN
+            end = end + (~self.allowed_end) * FORBIDDEN
+        return trans, start, end
+
+    # -- the pieces every method shares ----------------------------------------------------------------
+
+    def _prepare(self, emissions: Tensor, mask: Tensor | None, constrained: bool, begins, ends):
+        B, T, L = emissions.shape
+        if L != self.num_tags:
+            raise ValueError(f"emissions have {L} tags, the CRF has {self.num_tags}")
+        mask = torch.ones(B, T, dtype=torch.bool, device=emissions.device) if mask is None else mask.bool()
+        lengths = mask.sum(1)  # (B,)
+        S = max(int(lengths.max()), 1) if B else 1
+        # Selected positions first, in their order: a stable sort on "not selected".
+        index = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :S]  # (B, S)
+        steps = torch.arange(S, device=emissions.device)
+        valid = steps[None, :] < lengths[:, None]  # (B, S)
+        compact = emissions.float().gather(1, index[..., None].expand(B, S, L))  # (B, S, L)
+        trans, start, end = self.potentials(constrained)
+        start = _per_row(start, begins, B)  # (B, L)
+        end = _per_row(end, ends, B)  # (B, L)
+        return compact, valid, index, lengths, trans, start, end
+
+    def _forward_alphas(self, compact, valid, trans, start) -> Tensor:
+        """alpha[:, s, l]: log-sum of the scores of all partial paths ending in tag l at step s."""
+        alphas = [start + compact[:, 0]]  # (B, L)
+        for s in range(1, compact.shape[1]):
+            step = torch.logsumexp(alphas[-1][:, :, None] + trans[None] + compact[:, s, None, :], dim=1)  # (B, L)
+            alphas.append(torch.where(valid[:, s, None], step, alphas[-1]))
+        return torch.stack(alphas, 1)  # (B, S, L)
+
+    # -- public API ------------------------------------------------------------------------------------
+
+    def log_partition(self, emissions: Tensor, mask: Tensor | None = None, *, constrained: bool = False,
+                      begins: Tensor | None = None, ends: Tensor | None = None) -> Tensor:
+        """log Z per row (B,); 0 for a row with no selected position."""
+        compact, valid, _, lengths, trans, start, end = self._prepare(emissions, mask, constrained, begins, ends)
+        last = self._forward_alphas(compact, valid, trans, start)[:, -1]  # (B, L)
+        return torch.where(lengths > 0, torch.logsumexp(last + end, dim=-1), torch.zeros_like(lengths, dtype=last.dtype))
+
+    def path_score(self, emissions: Tensor, tags: Tensor, mask: Tensor | None = None, *, constrained: bool = False,
+                   begins: Tensor | None = None, ends: Tensor | None = None) -> Tensor:
+        """Unnormalised score (B,) of the tag sequence `tags` (B, T) over the selected positions."""
+        compact, valid, index, lengths, trans, start, end = self._prepare(emissions, mask, constrained, begins, ends)
+        gold = tags.gather(1, index).clamp(min=0)  # (B, S)
+        emit = compact.gather(2, gold[..., None]).squeeze(-1)  # (B, S)
+        score = (emit * valid).sum(1)
+        score = score + (trans[gold[:, :-1], gold[:, 1:]] * valid[:, 1:]).sum(1)
+        last = gold.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)  # (B,)
+        edges = start.gather(1, gold[:, :1]).squeeze(1) + end.gather(1, last[:, None]).squeeze(1)
+        return torch.where(lengths > 0, score + edges, torch.zeros_like(score))
+
+    def log_likelihood(self, emissions: Tensor, tags: Tensor, mask: Tensor | None = None, *,
+                       constrained: bool = False, begins: Tensor | None = None,
+                       ends: Tensor | None = None) -> Tensor:
+        """log p(tags | emissions) per row (B,). Positions whose tag is -100 are skipped like masked ones."""
+        keep = tags != IGNORE_INDEX
+        mask = keep if mask is None else mask.bool() & keep
+        kwargs = dict(constrained=constrained, begins=begins, ends=ends)
+        return self.path_score(emissions, tags, mask, **kwargs) - self.log_partition(emissions, mask, **kwargs)
+
+    def marginals(self, emissions: Tensor, mask: Tensor | None = None, *, constrained: bool = True,
+                  begins: Tensor | None = None, ends: Tensor | None = None) -> Tensor:
+        """p(tag at position t = l | emissions) as (B, T, L); rows of unselected positions are 0."""
+        compact, valid, index, lengths, trans, start, end = self._prepare(emissions, mask, constrained, begins, ends)
+        B, S, L = compact.shape
+        alphas = self._forward_alphas(compact, valid, trans, start)  # (B, S, L)
+        betas = [end]
+        for s in range(S - 2, -1, -1):
+            step = torch.logsumexp(trans[None] + compact[:, s + 1, None, :] + betas[-1][:, None, :], dim=2)  # (B, L)
+            betas.append(torch.where(valid[:, s + 1, None], step, end))
+        betas = torch.stack(betas[::-1], 1)  # (B, S, L)
+        log_z = torch.logsumexp(alphas[:, -1] + end, dim=-1)  # (B,)
+        probs = (alphas + betas - log_z[:, None, None]).exp() * valid[..., None]  # (B, S, L)
+        # The compaction's index is a permutation, so scattering back touches each position once.
+        out = emissions.new_zeros(emissions.shape, dtype=torch.float32)
+        return out.scatter(1, index[..., None].expand(B, S, L), probs)  # (B, T, L)
+
+    def decode(self, emissions: Tensor, mask: Tensor | None = None, *, nbest: int = 1, constrained: bool = True,
+               begins: Tensor | None = None, ends: Tensor | None = None) -> list[list[tuple[list[int], float]]]:
+        """The `nbest` highest-scoring tag sequences per row (Viterbi with K-best lists).
+
+        Returns:
+            per row, up to `nbest` (tags over the selected positions, score) pairs, best first.
+            Paths that need a forbidden transition are left out; a row with no selected position
+            has one empty path with score 0.
+        """
+        if nbest < 1:
+            raise ValueError(f"nbest must be at least 1, got {nbest}")
+        compact, valid, _, lengths, trans, start, end = self._prepare(emissions, mask, constrained, begins, ends)
+        B, S, L = compact.shape
+        K = nbest
+        neg_inf = float("-inf")
+        scores = compact.new_full((B, L, K), neg_inf)
+        scores[:, :, 0] = start + compact[:, 0]  # (B, L, K): best K partial scores ending in each tag
+        pointers = []  # per step s ≥ 1: (B, L, K) flat index prev_tag * K + prev_rank
+        keep_index = (torch.arange(L, device=compact.device)[:, None] * K
+                      + torch.arange(K, device=compact.device)[None, :]).expand(B, L, K)
+        for s in range(1, S):
+            cand = scores[:, :, None, :] + trans[None, :, :, None] + compact[:, s, None, :, None]  # (B, L, L, K)
+            cand = cand.permute(0, 2, 1, 3).reshape(B, L, L * K)  # (B, L_to, L_from * K)
+            best, where = cand.topk(K, dim=-1)  # (B, L, K)
+            step_valid = valid[:, s, None, None]
+            scores = torch.where(step_valid, best, scores)
+            pointers.append(torch.where(step_valid, where, keep_index))
+        final = (scores + end[:, :, None]).reshape(B, L * K)
+        best, where = final.topk(min(K, L * K), dim=-1)  # (B, K)
+        results = []
+        for b in range(B):
+            n = int(lengths[b])
+            if n == 0:
+                results.append([([], 0.0)])
+                continue
+            paths = []
+            for score, flat in zip(best[b].tolist(), where[b].tolist()):
+                if score == neg_inf or (constrained and score < FORBIDDEN / 2):
+                    continue
+                tag, rank = divmod(flat, K)
+                path = [tag]
+                for s in range(S - 1, 0, -1):
+                    tag, rank = divmod(int(pointers[s - 1][b, tag, rank]), K)
+                    path.append(tag)
+                # Steps past the row's length point back to the same tag and rank, so the path's
+                # tail repeats its last real tag: its first n entries are the row's path.
+                paths.append((path[::-1][:n], score))
+            results.append(paths)
+        return results
+
+
+def _per_row(scores: Tensor, flags: Tensor | None, B: int) -> Tensor:
+    """(L,) start/end scores -> (B, L), zeroed for rows whose flag is False (mid-document windows)."""
+    rows = scores[None].expand(B, -1)
+    if flags is None:
+        return rows
+    return rows * flags.to(device=scores.device, dtype=torch.bool)[:, None]
+

@@ -1,0 +1,169 @@
+"""The CRF against brute-force enumeration of every tag sequence, and the tag-scheme constraints."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from bert_engine.crf import CRF, FORBIDDEN, allowed_transitions, detect_scheme, parse_tag
+
+BIO = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+
+
+def _random_crf(num_tags, seed, tags=None, scheme=None):
+    torch.manual_seed(seed)
+    crf = CRF(num_tags)
+    with torch.no_grad():
+        for p in crf.parameters():
+            p.normal_()
+    if tags is not None:
+        crf.set_constraints(*allowed_transitions(tags, scheme))
+    return crf
+
+
+def _brute(crf, emissions, mask, constrained, begins, ends):
+    """Every tag sequence over each row's selected positions: (log Z, sorted (score, path), marginals)."""
+    trans, start, end = (p.detach() for p in crf.potentials(constrained))
+    B, T, L = emissions.shape
+    out = []
+    for b in range(B):
+        positions = [t for t in range(T) if mask[b, t]]
+        scored = []
+        for path in itertools.product(range(L), repeat=len(positions)):
+            score = sum(float(emissions[b, t, tag]) for t, tag in zip(positions, path))
+            score += sum(float(trans[i, j]) for i, j in zip(path, path[1:]))
+            if path:
+                score += float(start[path[0]]) * bool(begins[b]) + float(end[path[-1]]) * bool(ends[b])
+            scored.append((score, list(path)))
+        log_z = math.log(sum(math.exp(s) for s, _ in scored))
+        marg = torch.zeros(T, L)
+        for s, path in scored:
+            for t, tag in zip(positions, path):
+                marg[t, tag] += math.exp(s - log_z)
+        out.append((log_z, sorted(scored, key=lambda item: -item[0]), marg))
+    return out
+
+
+CASES = [
+    # (tags or number of tags, scheme, mask rows)
+    (3, None, [[1, 1, 1, 1], [1, 0, 1, 0], [0, 1, 1, 0]]),
+    (4, None, [[0, 1, 0, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]]),
+    (BIO, "BIO", [[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]]),
+    (BIO, "IOB1", [[1, 1, 1, 1], [0, 0, 1, 1]]),
+    (["O", "B-X", "I-X", "E-X", "S-X"], "BIOES", [[1, 1, 1, 0, 1], [0, 1, 1, 0, 0]]),
+]
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+@pytest.mark.parametrize("flags", ["all", "mid"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_crf_matches_brute_force(case, flags, constrained):
+    tags, scheme, rows = CASES[case]
+    L = len(tags) if isinstance(tags, list) else tags
+    crf = _random_crf(L, seed=case, tags=tags if scheme else None, scheme=scheme)
+    mask = torch.tensor(rows, dtype=torch.bool)
+    B, T = mask.shape
+    emissions = torch.randn(B, T, L, generator=torch.Generator().manual_seed(10 + case)) * 2
+    begins = torch.ones(B, dtype=torch.bool) if flags == "all" else torch.tensor([b % 2 == 0 for b in range(B)])
+    ends = torch.ones(B, dtype=torch.bool) if flags == "all" else torch.tensor([b % 2 == 1 for b in range(B)])
+    kwargs = dict(constrained=constrained, begins=begins, ends=ends)
+    brute = _brute(crf, emissions, mask, constrained, begins, ends)
+
+    log_z = crf.log_partition(emissions, mask, **kwargs)
+    marginals = crf.marginals(emissions, mask, **kwargs)
+    decoded = crf.decode(emissions, mask, nbest=4, **kwargs)
+    for b, (z, ranked, marg) in enumerate(brute):
+        if not mask[b].any():
+            assert float(log_z[b]) == 0.0 and decoded[b] == [([], 0.0)]
+            assert marginals[b].abs().sum() == 0
+            continue
+        assert float(log_z[b]) == pytest.approx(z, abs=1e-3, rel=1e-5)
+        torch.testing.assert_close(marginals[b], marg, atol=1e-5, rtol=1e-4)
+        if constrained:
+            ranked = [(s, p) for s, p in ranked if s > FORBIDDEN / 2]
+        expected = ranked[:4]
+        assert [p for p, _ in decoded[b]] == [p for _, p in expected]
+        assert [s for _, s in decoded[b]] == pytest.approx([s for s, _ in expected], abs=1e-3)
+        # The log-likelihood of each path is its score minus log Z.
+        tag_rows = torch.full((T,), -100)
+        tag_rows[mask[b]] = torch.tensor(expected[0][1])
+        ll = crf.log_likelihood(emissions[b:b + 1], tag_rows[None], mask[b:b + 1], constrained=constrained,
+                                begins=begins[b:b + 1], ends=ends[b:b + 1])
+        assert float(ll) == pytest.approx(expected[0][0] - z, abs=1e-3)
+
+
+def test_labels_minus_100_are_skipped_like_masked_positions():
+    crf = _random_crf(3, seed=5)
+    emissions = torch.randn(1, 5, 3)
+    tags = torch.tensor([[-100, 2, -100, 0, 1]])
+    via_labels = crf.log_likelihood(emissions, tags)
+    via_mask = crf.log_likelihood(emissions, tags.clamp(min=0), tags != -100)
+    assert torch.allclose(via_labels, via_mask)
+    assert float(via_labels) < 0
+
+
+def test_log_likelihood_gradient_is_finite_with_constraints():
+    crf = _random_crf(len(BIO), seed=2, tags=BIO, scheme="BIO")
+    emissions = torch.randn(2, 6, len(BIO), requires_grad=True)
+    tags = torch.tensor([[0, 1, 2, 0, 3, 4], [-100, 0, 0, 1, -100, -100]])
+    loss = -crf.log_likelihood(emissions, tags, constrained=True).sum()
+    loss.backward()
+    assert torch.isfinite(emissions.grad).all() and torch.isfinite(crf.transitions.grad).all()
+
+
+def test_training_the_crf_raises_the_gold_likelihood():
+    torch.manual_seed(0)
+    crf = CRF(3)
+    emissions = torch.randn(4, 7, 3)
+    tags = torch.randint(0, 3, (4, 7))
+    optimizer = torch.optim.SGD(crf.parameters(), lr=0.5)
+    before = crf.log_likelihood(emissions, tags).sum().item()
+    for _ in range(30):
+        optimizer.zero_grad()
+        (-crf.log_likelihood(emissions, tags).sum()).backward()
+        optimizer.step()
+    assert crf.log_likelihood(emissions, tags).sum().item() > before + 1
+
+
+@pytest.mark.parametrize("scheme, bad, good", [
+    ("BIO", [("O", "I-PER"), ("B-LOC", "I-PER"), ("I-LOC", "I-PER")], [("B-PER", "I-PER"), ("I-PER", "I-PER"), ("I-PER", "B-PER"), ("O", "B-LOC")]),
+    ("IOB1", [("O", "B-PER"), ("I-LOC", "B-PER")], [("O", "I-PER"), ("I-PER", "B-PER"), ("I-LOC", "I-PER")]),
+])
+def test_bio_and_iob1_transition_rules(scheme, bad, good):
+    allowed, start, end = allowed_transitions(BIO, scheme)
+    index = {t: i for i, t in enumerate(BIO)}
+    for a, b in bad:
+        assert not allowed[index[a], index[b]], (a, b)
+    for a, b in good:
+        assert allowed[index[a], index[b]], (a, b)
+    first_forbidden = "I-" if scheme == "BIO" else "B-"
+    assert [t for t in BIO if not start[index[t]]] == [t for t in BIO if t.startswith(first_forbidden)]
+    assert end.all()
+
+
+def test_bioes_transition_rules():
+    tags = ["O", "B-X", "I-X", "E-X", "S-X", "B-Y", "E-Y"]
+    allowed, start, end = allowed_transitions(tags, "BIOES")
+    index = {t: i for i, t in enumerate(tags)}
+    assert allowed[index["B-X"], index["E-X"]] and allowed[index["I-X"], index["I-X"]]
+    assert not allowed[index["B-X"], index["O"]] and not allowed[index["B-X"], index["E-Y"]]
+    assert allowed[index["E-X"], index["B-Y"]] and allowed[index["S-X"], index["S-X"]]
+    assert not allowed[index["O"], index["E-X"]]
+    assert [t for t in tags if start[index[t]]] == ["O", "B-X", "S-X", "B-Y"]
+    assert [t for t in tags if end[index[t]]] == ["O", "E-X", "S-X", "E-Y"]
+
+
+def test_tag_errors_name_the_tag():
+    with pytest.raises(ValueError, match="'PER'"):
+        parse_tag("PER")
+    with pytest.raises(ValueError, match="E-X"):
+        allowed_transitions(["O", "B-X", "E-X"], "BIO")
+    with pytest.raises(ValueError, match="'XYZ'"):
+        allowed_transitions(BIO, "XYZ")
+    assert detect_scheme(BIO) == "BIO" and detect_scheme(["O", "S-X"]) == "BIOES"
+
+
+def test_emission_width_must_match():
+    with pytest.raises(ValueError, match="5 tags, the CRF has 3"):
+        CRF(3).decode(torch.zeros(1, 2, 5))
