@@ -177,7 +177,9 @@ class BertWithHead(nn.Module):
         head: a name from HEADS, or any module whose forward takes an EncoderOutput (task heads).
             A head with `tie_to` gets the word embeddings; `needs_pooler` (default True) decides the
             pooler; `kind` (a HEADS name) says which checkpoint head its weights are stored as;
-            `bind(model)` gives a head that decodes iteratively a way to re-run the model.
+            `bind(model)` gives a head that decodes iteratively a way to re-run the model;
+            `optional_parameters` (name prefixes) may be absent from a checkpoint and keep their
+            defaults without marking the head untrained (a CRF over a plain token head).
     """
 
     def __init__(self, config: BertConfig, head: str | nn.Module) -> None:

@@ -48,8 +48,11 @@ class TaskSpec:
         default_checkpoint: folder or Hub id of the model used when none is configured;
             None means the engine's default backbone with a freshly initialised head.
         read_data: (path, split) -> iterable of (inputs, target) pairs, for training and evaluation.
-        loss: (head output, targets: list) -> scalar tensor.
-        metric: (predictions: list, targets: list) -> {name: float}.
+        training_batch: (examples: list of (inputs, target), tokenizer) -> (Batch, targets for `loss`):
+            targets aligned to the batch's rows and tokens. Without it, inputs are preprocessed with
+            the default options and the targets passed to `loss` as read.
+        loss: (head output, targets) -> scalar tensor (the mean over the batch).
+        metric: (results: list of postprocess results, targets: list as read) -> {name: number}.
         predict_many: (predictor, texts: list[str], **options) -> results in order; a batched path
             (length-sorted, dynamically padded) for files and lists. Without it, inputs run one by one.
     """
@@ -67,6 +70,7 @@ class TaskSpec:
     description: str = ""
     default_checkpoint: str | None = None
     read_data: Callable[..., Any] | None = None
+    training_batch: Callable[..., Any] | None = None
     loss: Callable[..., Any] | None = None
     metric: Callable[..., Any] | None = None
     predict_many: Callable[..., Any] | None = None

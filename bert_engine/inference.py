@@ -168,6 +168,40 @@ class Predictor:
         return self.last.tokens, [a[0].float().cpu() for a in out.attentions]
 
 
+def predict_in_batches(predictor: Predictor | LazyPredictor, items: list[Mapping[str, Any]], *, batch_size: int = 32,
+                       progress: bool = False, **options: Any) -> list[Any]:
+    """Results for many inputs, in order, through length-sorted, dynamically padded batches.
+
+    For tasks whose `preprocess` accepts a list of texts in each input field and whose `postprocess`
+    returns one result per input (a single result for a batch of one). Inputs are checked up front;
+    an empty or non-text input raises InputError naming its position.
+    """
+    from tqdm.auto import tqdm
+
+    predictor = predictor.get()  # a LazyPredictor loads here
+    spec = predictor.task.spec
+    fields = spec.input_fields + spec.optional_fields
+    bad = [i for i, item in enumerate(items)
+           if not isinstance(item, Mapping) or any(not isinstance(item.get(f), str) or not item[f].strip()
+                                                   for f in spec.input_fields)]
+    if bad:
+        raise InputError(f"{spec.name}: inputs at positions {bad[:10]} are empty or not text")
+    for item in items:
+        predictor.check_inputs(item, {})
+    options = predictor.check_options(options)
+    order = sorted(range(len(items)), key=lambda i: sum(len(items[i].get(f) or "") for f in fields))
+    results: list[Any] = [None] * len(items)
+    for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc=spec.name, unit="batch"):
+        chunk = order[start:start + batch_size]
+        inputs = {f: [items[i].get(f) for i in chunk] for f in fields
+                  if any(items[i].get(f) is not None for i in chunk)}
+        batch = spec.preprocess(inputs, predictor.tokenizer, **options)
+        chunk_results = predictor.run(batch, options)
+        for i, result in zip(chunk, chunk_results if len(chunk) > 1 else [chunk_results]):
+            results[i] = result
+    return results
+
+
 def _concat(parts: list[Any]) -> Any:
     """Concatenate chunked outputs along the batch: tensors, or the tensor fields of a dataclass
     (other fields, such as a head reference, are taken from the first chunk)."""

@@ -183,10 +183,12 @@ def read_weights(path: str | Path) -> dict[str, Tensor]:
 
 @dataclass
 class LoadReport:
-    """What happened to every key: `missing` are ours with no source, `unexpected` the checkpoint's unused."""
+    """What happened to every key: `missing` are ours with no source, `unexpected` the checkpoint's unused,
+    `defaulted` a head's optional parameters the checkpoint lacks (e.g. a CRF over a plain token head)."""
 
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    defaulted: list[str] = field(default_factory=list)
 
     def encoder_missing(self) -> list[str]:
         return [k for k in self.missing if not k.startswith("head.")]
@@ -210,10 +212,12 @@ def convert_state_dict(checkpoint: dict[str, Tensor], model: nn.Module,
     consumed: set[str] = set()
     ours_state: dict[str, Tensor] = {}
     report = LoadReport()
+    # A head may name parameters with a meaningful default (`optional_parameters`, prefixes under head.).
+    optional = tuple("head." + p for p in getattr(getattr(model, "head", None), "optional_parameters", ()))
     for ours, keys in expand_table(model):
         present = [k for k in keys if k in by_norm]
         if len(present) < len(keys):
-            report.missing.append(ours)
+            (report.defaulted if optional and ours.startswith(optional) else report.missing).append(ours)
             continue
         parts = [checkpoint[by_norm[k]] for k in keys]
         want = expected[ours].shape
@@ -265,6 +269,8 @@ def load_state(model: nn.Module, checkpoint: dict[str, Tensor], *, source: str =
     if report.missing:
         logger.warning("%s: no weights for %s; they keep their fresh initialisation (train the head first)",
                        source, _names(report.missing))
+    if report.defaulted:
+        logger.info("%s: no weights for %s; the head's defaults apply", source, _names(report.defaulted))
     # A pooler in the checkpoint is expected to go unused by heads that do not need one (QA, NER, MLM).
     unused_pooler = [k for k in report.unexpected if normalise_key(k).startswith("pooler.")]
     others = [k for k in report.unexpected if k not in unused_pooler]

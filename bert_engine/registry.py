@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "bert_engine"
 # Built-in task modules, in tab order; they load exactly like third-party plugins.
-BUILTIN_PLUGINS: tuple[str, ...] = ("plugins.sentiment", "plugins.qa", "plugins.fill_mask")
+BUILTIN_PLUGINS: tuple[str, ...] = ("plugins.sentiment", "plugins.ner", "plugins.qa", "plugins.summary", "plugins.fill_mask")
 SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 
 
@@ -124,7 +124,7 @@ class Registry:
         for field in ("build_head", "preprocess", "postprocess"):
             if not callable(getattr(spec, field)):
                 problems.append(f"{field} must be callable, got {type(getattr(spec, field)).__name__}")
-        for field in ("build_tab", "read_data", "loss", "metric", "predict_many"):
+        for field in ("build_tab", "read_data", "training_batch", "loss", "metric", "predict_many"):
             value = getattr(spec, field)
             if value is not None and not callable(value):
                 problems.append(f"{field} must be callable or None, got {type(value).__name__}")

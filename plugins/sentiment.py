@@ -17,6 +17,7 @@ from torch import Tensor
 
 from bert_engine.heads import SequenceClassificationHead
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from bert_engine.inference import predict_in_batches
 
 logger = logging.getLogger(__name__)
 
@@ -126,26 +127,12 @@ def _round(value: float) -> float:
 
 def classify_many(predictor, texts: list[str], *, batch_size: int = 32, progress: bool = False,
                   **options) -> list[dict[str, Any]]:
-    """Classify many texts: sorted by length so each batch pads only to its own longest text.
-
-    Results come back in input order. Empty texts are refused up front, naming their position.
-    """
-    from tqdm.auto import tqdm
-
-    predictor = predictor.get()  # a LazyPredictor loads here
-    empty = [i for i, text in enumerate(texts) if not isinstance(text, str) or not text.strip()]
-    if empty:
-        raise InputError(f"sentiment: texts at positions {empty[:10]} are empty or not text")
-    options = predictor.check_options(options)
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    results: list[dict[str, Any]] = [{}] * len(texts)
-    for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc="sentiment", unit="batch"):
-        chunk = order[start:start + batch_size]
-        batch = preprocess({"text": [texts[i] for i in chunk]}, predictor.tokenizer, **options)
-        chunk_results = predictor.run(batch, options)
-        for i, result in zip(chunk, chunk_results if len(chunk) > 1 else [chunk_results]):
-            results[i] = result
-    return results
+    """Classify many texts in length-sorted batches; results in input order (`predict_many`)."""
+    if any(not isinstance(text, str) for text in texts):
+        raise InputError(f"sentiment: texts at positions {[i for i, t in enumerate(texts) if not isinstance(t, str)][:10]} "
+                         "are not text")
+    return predict_in_batches(predictor, [{"text": text} for text in texts], batch_size=batch_size,
+                              progress=progress, **options)
 
 
 def build_tab(predictor) -> None:

@@ -90,7 +90,7 @@ def test_crf_matches_brute_force(case, flags, constrained):
         tag_rows[mask[b]] = torch.tensor(expected[0][1])
         ll = crf.log_likelihood(emissions[b:b + 1], tag_rows[None], mask[b:b + 1], constrained=constrained,
                                 begins=begins[b:b + 1], ends=ends[b:b + 1])
-        assert float(ll) == pytest.approx(expected[0][0] - z, abs=1e-3)
+        assert ll.item() == pytest.approx(expected[0][0] - z, abs=1e-3)
 
 
 def test_labels_minus_100_are_skipped_like_masked_positions():

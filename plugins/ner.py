@@ -1,0 +1,374 @@
+"""Named-entity recognition: a token-classification head with a CRF, word-level entities with offsets.
+
+Each word (as the tokenizer's pre-tokeniser splits it) is tagged at its first wordpiece. Decoding
+is constrained Viterbi over the CRF, so even a checkpoint without a CRF (a plain
+BertForTokenClassification) never yields an invalid tag sequence; a trained CRF's transitions are
+used when the checkpoint has them (`head.crf.*`). Long texts run in overlapping windows; where
+entities from two windows overlap, the higher-scoring one wins. Scores are CRF marginals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bert_engine.crf import CRF, SCHEMES, allowed_transitions, detect_scheme
+from bert_engine.heads import TokenClassificationHead
+from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from bert_engine.inference import predict_in_batches
+
+from .tagging import chunks, convert, entity_scores, read_conll
+
+CONLL_TAGS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
+MAX_WINDOWS = 256
+MAX_NBEST = 20
+
+
+@dataclass
+class NerOutput:
+    logits: Tensor  # (B, T, L) emission scores
+    head: Any  # the NerHead: labels, scheme and CRF for decoding
+    encoder: Any = None
+
+
+class NerHead(TokenClassificationHead):
+    """Token classification (`classifier.*`, as BertForTokenClassification) plus a CRF (`crf.*`)."""
+
+    optional_parameters = ("crf.",)  # a plain token-classification checkpoint has no CRF
+
+    def __init__(self, config, scheme: str | None = None) -> None:
+        if config.num_labels == 0:  # an encoder-only checkpoint: CoNLL-2003's tags in BIO
+            config = config.with_labels(list(CONLL_TAGS))
+        super().__init__(config)
+        self.labels = tuple(config.id2label[i] for i in range(config.num_labels))
+        try:
+            self.scheme = scheme or detect_scheme(self.labels)
+            constraints = allowed_transitions(self.labels, self.scheme)
+        except ValueError as err:
+            raise ValueError(f"ner: the checkpoint's labels cannot be read as entity tags: {err}") from None
+        self.crf = CRF(len(self.labels))
+        self.crf.set_constraints(*constraints)
+
+    def forward(self, encoded) -> NerOutput:
+        return NerOutput(super().forward(encoded).logits, self)
+
+
+# -- preprocessing ---------------------------------------------------------------------------------
+
+def _check_options(tokenizer, max_length, stride, nbest, constrained, scheme) -> None:
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or not 16 <= max_length <= tokenizer.model_max_length:
+        raise InputError(f"ner: max_length must be an integer in [16, {tokenizer.model_max_length}], got {max_length!r}")
+    if not isinstance(stride, int) or isinstance(stride, bool) or not 0 <= stride <= max_length // 2:
+        raise InputError(f"ner: stride must be an integer in [0, {max_length // 2}], got {stride!r}")
+    if not isinstance(nbest, int) or isinstance(nbest, bool) or not 1 <= nbest <= MAX_NBEST:
+        raise InputError(f"ner: nbest must be an integer in [1, {MAX_NBEST}], got {nbest!r}")
+    if not isinstance(constrained, bool):
+        raise InputError(f"ner: constrained must be true or false, got {constrained!r}")
+    if scheme != "auto" and scheme not in SCHEMES:
+        raise InputError(f"ner: scheme {scheme!r} is not 'auto' or one of {SCHEMES}")
+
+
+def preprocess(inputs, tokenizer, *, max_length=256, stride=64, nbest=3, constrained=True, scheme="auto"):
+    """One text (or a list, for batches) -> overlapping windows; first wordpieces are found after the model."""
+    _check_options(tokenizer, max_length, stride, nbest, constrained, scheme)
+    texts = inputs["text"] if isinstance(inputs["text"], list) else [inputs["text"]]
+    for text in texts:
+        if not text.strip():
+            raise InputError("ner: the text is empty; type a sentence with names, places or organisations")
+    batch = tokenizer(texts, max_length=max_length, stride=stride, return_overflowing=True)
+    if len(batch) > MAX_WINDOWS * len(texts):
+        raise InputError(f"ner: the text needs {len(batch)} windows of {max_length} tokens; the limit is {MAX_WINDOWS}")
+    batch.meta.update(texts=texts)
+    return batch
+
+
+def word_layout(batch) -> tuple[Tensor, Tensor, Tensor, dict]:
+    """Which positions carry a tag, and where each window sits in its input.
+
+    Returns:
+        (mask (B, T) bool of each word's first wordpiece, begins (B,) bool, ends (B,) bool,
+         {(sample, word id): (start char, end char)}). A window that starts mid-word does not tag
+         that word; a window is a begin / end when it is its input's first / last row.
+    """
+    spans: dict[tuple[int, int], tuple[int, int]] = {}
+    for r, sample in enumerate(batch.sample_index):
+        for (start, end), word, seq in zip(batch.offsets[r], batch.word_ids[r], batch.sequence_ids[r]):
+            if word is None or seq != 0:
+                continue
+            old = spans.get((sample, word))
+            spans[(sample, word)] = (start, end) if old is None else (min(old[0], start), max(old[1], end))
+    B, T = batch.input_ids.shape
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for r, sample in enumerate(batch.sample_index):
+        for t, ((start, _), word, seq) in enumerate(zip(batch.offsets[r], batch.word_ids[r], batch.sequence_ids[r])):
+            mask[r, t] = word is not None and seq == 0 and start == spans[(sample, word)][0] and (
+                t == 0 or batch.word_ids[r][t - 1] != word)
+    samples = batch.sample_index
+    begins = torch.tensor([r == 0 or samples[r - 1] != s for r, s in enumerate(samples)])
+    ends = torch.tensor([r == len(samples) - 1 or samples[r + 1] != s for r, s in enumerate(samples)])
+    return mask, begins, ends, spans
+
+
+# -- postprocessing --------------------------------------------------------------------------------
+
+def postprocess(output: NerOutput, batch, *, max_length=256, stride=64, nbest=3, constrained=True, scheme="auto"):
+    """Per input: entities (type, start, end, text, score, words), per-word tags (Viterbi and argmax),
+    the n-best tag sequences of the first window with their probabilities."""
+    head = output.head
+    used_scheme = head.scheme if scheme == "auto" else scheme
+    crf = _decoder(head, used_scheme)
+    mask, begins, ends, spans = word_layout(batch)
+    emissions = output.logits.float().cpu()
+    kwargs = dict(constrained=constrained, begins=begins, ends=ends)
+    paths = crf.decode(emissions, mask, nbest=nbest, **kwargs)
+    marginals = crf.marginals(emissions, mask, **kwargs)  # (B, T, L)
+    log_z = crf.log_partition(emissions, mask, **kwargs)  # (B,)
+    results = []
+    for i, text in enumerate(batch.meta["texts"]):
+        rows = [r for r, s in enumerate(batch.sample_index) if s == i]
+        results.append(_one_input(i, text, rows, batch, head.labels, mask, paths, marginals, log_z, emissions,
+                                  spans, used_scheme, constrained))
+    return results[0] if len(results) == 1 else results
+
+
+def _decoder(head: NerHead, scheme: str) -> CRF:
+    """The head's CRF on the CPU (decoding is sequential) with the constraints of `scheme`."""
+    crf = head.crf
+    if crf.transitions.device.type == "cpu" and scheme == head.scheme:
+        return crf
+    copy = CRF(crf.num_tags)
+    copy.load_state_dict({k: v.detach().float().cpu() for k, v in crf.state_dict().items()})
+    copy.set_constraints(*allowed_transitions(head.labels, scheme))
+    return copy
+
+
+def _one_input(i, text, rows, batch, labels, mask, paths, marginals, log_z, emissions, spans, scheme, constrained):
+    candidates = []  # (score, first word, last word + 1, type) from every window
+    best_row: dict[int, tuple[int, int, int, int]] = {}  # word -> (context, row, position, path index)
+    for r in rows:
+        positions = mask[r].nonzero().squeeze(-1).tolist()
+        words = [batch.word_ids[r][t] for t in positions]
+        tags = [labels[k] for k in paths[r][0][0]] if paths[r] else ["O"] * len(positions)
+        for begin, end, kind in chunks(tags):
+            probs = [float(marginals[r, positions[j], paths[r][0][0][j]]) for j in range(begin, end)]
+            candidates.append((sum(probs) / len(probs), words[begin], words[end - 1] + 1, kind))
+        for j, word in enumerate(words):
+            context = min(j, len(words) - 1 - j)
+            if word not in best_row or context > best_row[word][0]:
+                best_row[word] = (context, r, positions[j], j)
+    taken: set[int] = set()
+    entities = []
+    for score, first, stop, kind in sorted(candidates, key=lambda c: (-c[0], c[1])):
+        covered = set(range(first, stop))
+        if covered & taken:
+            continue  # overlaps an entity from a higher-scoring window (or the same one found twice)
+        taken |= covered
+        start, end = spans[(i, first)][0], spans[(i, stop - 1)][1]
+        entities.append({"type": kind, "start": start, "end": end, "text": text[start:end],
+                         "score": round(score, 6), "words": [text[slice(*spans[(i, w)])] for w in range(first, stop)
+                                                              if (i, w) in spans]})
+    entities.sort(key=lambda e: e["start"])
+    words_out = []
+    for word in sorted(best_row):
+        _, r, t, j = best_row[word]
+        tag_id = paths[r][0][0][j] if paths[r] else 0
+        start, end = spans[(i, word)]
+        words_out.append({"word": text[start:end], "start": start, "end": end, "tag": labels[tag_id],
+                          "argmax": labels[int(emissions[r, t].argmax())], "score": round(float(marginals[r, t, tag_id]), 6)})
+    first_row = rows[0]
+    nbest = [{"tags": [labels[k] for k in path], "probability": _prob(score - float(log_z[first_row]))}
+             for path, score in paths[first_row]]
+    argmax_tags = [w["argmax"] for w in words_out]
+    return {"entities": entities, "words": words_out, "nbest": nbest, "scheme": scheme, "constrained": constrained,
+            "argmax_valid": is_valid(argmax_tags, labels, scheme), "windows": len(rows)}
+
+
+def _prob(log_prob: float) -> float:
+    """A probability from its log, kept to 6 significant digits (tiny n-best probabilities stay visible)."""
+    import math
+
+    return float(f"{math.exp(min(log_prob, 0.0)):.6g}")
+
+
+def is_valid(tags: list[str], labels, scheme: str) -> bool:
+    """Whether a tag sequence obeys the scheme's transitions (start and end included)."""
+    allowed, start, end = allowed_transitions(labels, scheme)
+    index = {label: k for k, label in enumerate(labels)}
+    ids = [index[t] for t in tags]
+    if not ids:
+        return True
+    return bool(start[ids[0]]) and bool(end[ids[-1]]) and all(bool(allowed[a, b]) for a, b in zip(ids, ids[1:]))
+
+
+def transition_table(head: NerHead, constrained: bool = True) -> dict[str, Any]:
+    """The CRF's transition scores as a JSON-friendly table (from-tag rows, to-tag columns)."""
+    trans, start, end = (t.detach().float().cpu() for t in head.crf.potentials(constrained))
+    return {"labels": list(head.labels), "transitions": trans.tolist(), "start": start.tolist(), "end": end.tolist(),
+            "trained": bool(head.crf.transitions.detach().abs().sum() > 0)}
+
+
+# -- training and evaluation -----------------------------------------------------------------------
+
+def read_data(path, split: str = "train"):
+    """A CoNLL-2003 file; yields ({"text": words joined by spaces}, {"words", "tags" in BIO}) per sentence."""
+    for words, tags in read_conll(path):
+        yield {"text": " ".join(words)}, {"words": words, "tags": convert(tags, "BIO")}
+
+
+def training_batch(examples, tokenizer, *, max_length: int = 256, stride: int = 64):
+    """Tokenise sentences and place each word's tag on its first wordpiece (-100 elsewhere).
+
+    A data word the pre-tokeniser splits ("U.S.") tags its later pieces as the entity's continuation,
+    the same way inference reads them. Returns (Batch, {"tags": per row per token tag or None,
+    "begins", "ends"}) for `loss`.
+    """
+    texts = [inputs["text"] for inputs, _ in examples]
+    batch = tokenizer(texts, max_length=max_length, stride=stride, return_overflowing=True)
+    mask, begins, ends, spans = word_layout(batch)
+    starts = []
+    for _, target in examples:  # the character start of each data word in the joined text
+        offset, row = 0, {}
+        for k, word in enumerate(target["words"]):
+            row[offset] = k
+            offset += len(word) + 1
+        starts.append(row)
+    tags = []
+    for r, sample in enumerate(batch.sample_index):
+        gold, row_tags, current = examples[sample][1]["tags"], [], None
+        for t in range(batch.input_ids.shape[1]):
+            word = batch.word_ids[r][t] if t < len(batch.word_ids[r]) else None
+            if not mask[r, t]:
+                row_tags.append(None)
+                continue
+            start = spans[(sample, word)][0]
+            if start in starts[sample]:
+                current = starts[sample][start]
+                row_tags.append(gold[current])
+            else:  # a later piece of a data word: continue its entity
+                tag = gold[current] if current is not None else "O"
+                row_tags.append("O" if tag == "O" else "I-" + tag[2:])
+        tags.append(row_tags)
+    return batch, {"tags": tags, "begins": begins, "ends": ends}
+
+
+def loss(output: NerOutput, targets) -> Tensor:
+    """Mean negative CRF log-likelihood of the gold tags (untagged positions skipped)."""
+    head = output.head
+    index = {label: k for k, label in enumerate(head.labels)}
+    unknown = sorted({t for row in targets["tags"] for t in row if t is not None and t not in index})
+    if unknown:
+        raise ValueError(f"ner: tags {unknown} are not in the head's labels {list(head.labels)}")
+    labels = torch.tensor([[index[t] if t is not None else -100 for t in row] for row in targets["tags"]],
+                          device=output.logits.device)
+    ll = head.crf.log_likelihood(output.logits, labels, constrained=getattr(head, "train_constrained", False),
+                                 begins=targets["begins"], ends=targets["ends"])
+    return -ll.mean()
+
+
+def metric(results: list[dict], targets: list[dict]) -> dict[str, Any]:
+    """Entity-level P/R/F1 (conlleval semantics) over the data's own words.
+
+    Each data word takes the predicted tag of its first pre-tokenised word (the usual first-subword rule).
+    """
+    gold, predicted = [], []
+    for result, target in zip(results, targets):
+        by_start = {w["start"]: w["tag"] for w in result["words"]}
+        offset, tags = 0, []
+        for word in target["words"]:
+            tags.append(by_start.get(offset, "O"))
+            offset += len(word) + 1
+        gold.append(chunks(target["tags"]))
+        predicted.append(chunks(tags))
+    return entity_scores(gold, predicted)
+
+
+def predict_many(predictor, texts: list[str], *, batch_size: int = 32, progress: bool = False, **options):
+    """Many texts in length-sorted batches; results in input order."""
+    return predict_in_batches(predictor, [{"text": t} for t in texts], batch_size=batch_size, progress=progress, **options)
+
+
+# -- the tab ---------------------------------------------------------------------------------------
+
+COLOURS = {"PER": "#fca5a5", "ORG": "#93c5fd", "LOC": "#86efac", "MISC": "#fde68a"}
+
+
+def render_entities(text: str, entities: list[dict]) -> str:
+    """The text as HTML with each entity marked in its type's colour; type and score on hover."""
+    from html import escape
+
+    parts, cursor = [], 0
+    for e in entities:
+        colour = COLOURS.get(e["type"], "#d8b4fe")
+        parts.append(escape(text[cursor:e["start"]]))
+        parts.append(f'<mark class="entity" data-type="{escape(e["type"])}" title="{escape(e["type"])} '
+                     f'{e["score"]:.3f}" style="background:{colour};padding:0 2px;border-radius:3px">'
+                     f'{escape(text[e["start"]:e["end"]])}<sup style="font-size:0.7em"> {escape(e["type"])}</sup></mark>')
+        cursor = e["end"]
+    parts.append(escape(text[cursor:]))
+    return '<div class="ner-text" style="white-space:pre-wrap;line-height:1.9">' + "".join(parts) + "</div>"
+
+
+def build_tab(predictor) -> None:
+    import gradio as gr
+
+    text = gr.Textbox(label="Text", lines=4, value=EXAMPLES[0]["text"])
+    with gr.Row():
+        constrained = gr.Checkbox(value=True, label="Scheme constraints in decoding")
+        nbest = gr.Slider(1, 10, value=3, step=1, label="n-best paths")
+    button = gr.Button("Find entities", variant="primary")
+    marked = gr.HTML(label="Entities")
+    with gr.Tab("Argmax vs Viterbi"):
+        words = gr.Dataframe(headers=["word", "argmax", "viterbi", "probability"], interactive=False, wrap=True)
+    with gr.Tab("n-best paths"):
+        paths = gr.Dataframe(headers=["rank", "probability", "tags"], interactive=False, wrap=True)
+    with gr.Tab("Transitions"):
+        transitions = gr.Dataframe(interactive=False, wrap=True)
+    details = gr.JSON(label="Result and provenance")
+
+    def run(text_value: str, use_constraints: bool, k: float):
+        try:
+            output = predictor.predict({"text": text_value}, constrained=bool(use_constraints), nbest=int(k))
+        except InputError as err:
+            raise gr.Error(str(err)) from None
+        result = output["result"]
+        table = transition_table(predictor.get().model.head, bool(use_constraints))
+        header = ["from \\ to", *table["labels"]]
+        matrix = [[label, *[round(v, 3) if v > -1e3 else "forbidden" for v in row]]
+                  for label, row in zip(table["labels"], table["transitions"])]
+        return (render_entities(text_value, result["entities"]),
+                [[w["word"], w["argmax"], w["tag"], w["score"]] for w in result["words"]],
+                [[n + 1, p["probability"], " ".join(p["tags"])] for n, p in enumerate(result["nbest"])],
+                gr.Dataframe(value=matrix, headers=header), output)
+
+    button.click(run, [text, constrained, nbest], [marked, words, paths, transitions, details], api_name="ner")
+    gr.Examples([[e["text"]] for e in EXAMPLES], [text])
+
+
+EXAMPLES = (
+    {"text": "Angela Merkel met Emmanuel Macron in Paris to discuss the European Union budget."},
+    {"text": "Apple opened a new office in Berlin, said Tim Cook on Tuesday."},
+)
+
+
+@hookimpl
+def register_tasks(register):
+    register(TaskSpec(
+        name="ner",
+        title="Named entities",
+        description="Tag people, organisations, places and other names; CRF decoding keeps every tag sequence valid.",
+        build_head=NerHead,
+        preprocess=preprocess,
+        postprocess=postprocess,
+        build_tab=build_tab,
+        input_fields=("text",),
+        options={"max_length": 256, "stride": 64, "nbest": 3, "constrained": True, "scheme": "auto"},
+        examples=EXAMPLES,
+        read_data=read_data,
+        training_batch=training_batch,
+        loss=loss,
+        metric=metric,
+        predict_many=predict_many,
+    ))

@@ -1,0 +1,125 @@
+"""Tag sequences for NER: CoNLL files, tag-scheme conversion, chunks and entity-level P/R/F1.
+
+Chunk boundaries follow conlleval (and seqeval's default mode), so one function reads BIO, IOB1
+and BIOES, and an `I-X` after `O` starts an entity as conlleval counts it. Scores are exact-match:
+an entity counts only when its span and its type both equal a gold entity's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Iterator
+
+from bert_engine.crf import parse_tag
+
+
+def _split(tag: str) -> tuple[str, str]:
+    prefix, kind = parse_tag(tag)
+    return prefix, kind or ""
+
+
+def _starts(prev: str, prev_type: str, tag: str, kind: str) -> bool:
+    if tag in ("B", "S"):
+        return True
+    if tag in ("I", "E") and prev in ("E", "S", "O"):
+        return True
+    return tag != "O" and prev_type != kind
+
+
+def _ends(prev: str, prev_type: str, tag: str, kind: str) -> bool:
+    if prev in ("E", "S"):
+        return True
+    if prev in ("B", "I") and tag in ("B", "S", "O"):
+        return True
+    return prev != "O" and prev_type != kind
+
+
+def chunks(tags: list[str]) -> list[tuple[int, int, str]]:
+    """Entities in a tag sequence as (first index, last index + 1, type), with conlleval's rules."""
+    found = []
+    prev, prev_type, begin = "O", "", None
+    for i, label in enumerate([*tags, "O"]):
+        tag, kind = _split(label)
+        if begin is not None and _ends(prev, prev_type, tag, kind):
+            found.append((begin, i, prev_type))
+            begin = None
+        if _starts(prev, prev_type, tag, kind):
+            begin = i
+        prev, prev_type = tag, kind
+    return found
+
+
+def convert(tags: list[str], target: str) -> list[str]:
+    """Rewrite a tag sequence in BIO, IOB1 or BIOES; the entities (conlleval chunks) stay the same."""
+    if target not in ("BIO", "IOB1", "BIOES"):
+        raise ValueError(f"tag scheme {target!r} is not one of BIO, IOB1, BIOES")
+    spans = chunks(tags)
+    out = ["O"] * len(tags)
+    ends = {(end, kind) for _, end, kind in spans}
+    for begin, end, kind in spans:
+        if target == "BIOES" and end - begin == 1:
+            out[begin] = f"S-{kind}"
+            continue
+        inside = "I"
+        first = "I" if target == "IOB1" and (begin, kind) not in ends else "B"  # IOB1: B- only between two X
+        out[begin:end] = [f"{first}-{kind}"] + [f"{inside}-{kind}"] * (end - begin - 1)
+        if target == "BIOES":
+            out[end - 1] = f"E-{kind}"
+    return out
+
+
+def entity_scores(gold: list[list[tuple]], predicted: list[list[tuple]]) -> dict:
+    """Entity-level precision, recall and F1 (in percent), overall and per type.
+
+    Args:
+        gold, predicted: per sentence, entities as tuples whose last item is the type (spans compared
+            exactly, e.g. (start, end, type)).
+    Returns:
+        {"precision", "recall", "f1", "entities": gold count, "per_type": {type: {...}}}.
+    """
+    if len(gold) != len(predicted):
+        raise ValueError(f"{len(gold)} gold sentences but {len(predicted)} predicted ones")
+    tp, n_gold, n_pred = Counter(), Counter(), Counter()
+    for g, p in zip(gold, predicted):
+        g, p = set(g), set(p)
+        for entity in g:
+            n_gold[entity[-1]] += 1
+        for entity in p:
+            n_pred[entity[-1]] += 1
+            tp[entity[-1]] += entity in g
+
+    def prf(t: int, ng: int, np_: int) -> dict:
+        precision = 100.0 * t / np_ if np_ else 0.0
+        recall = 100.0 * t / ng if ng else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        return {"precision": precision, "recall": recall, "f1": f1, "entities": ng, "predicted": np_}
+
+    per_type = {kind: prf(tp[kind], n_gold[kind], n_pred[kind]) for kind in sorted(set(n_gold) | set(n_pred))}
+    return {**prf(sum(tp.values()), sum(n_gold.values()), sum(n_pred.values())), "per_type": per_type}
+
+
+def read_conll(path: str | Path) -> Iterator[tuple[list[str], list[str]]]:
+    """Sentences of a CoNLL-2003 file (`TOKEN POS CHUNK NER` per line) as (words, NER tags).
+
+    `-DOCSTART-` lines are skipped; the tags are returned in the file's own scheme (IOB1 for CoNLL-2003).
+    Raises ValueError naming the file and line for a line without four columns.
+    """
+    words: list[str] = []
+    tags: list[str] = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            parts = line.split()
+            if not parts:
+                if words:
+                    yield words, tags
+                words, tags = [], []
+                continue
+            if parts[0] == "-DOCSTART-":
+                continue
+            if len(parts) < 2:
+                raise ValueError(f"{path}:{number}: expected 'TOKEN ... TAG', got {line.strip()!r}")
+            words.append(parts[0])
+            tags.append(parts[-1])
+    if words:
+        yield words, tags

@@ -1,0 +1,220 @@
+"""NER: valid tag sequences from a no-CRF checkpoint, CRF save/load, offsets, windows, training data, F1."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from bert_engine.config import BertConfig
+from bert_engine.conformance import check_task
+from bert_engine.heads import BertWithHead
+from bert_engine.model import init_weights
+from bert_engine.hookspecs import InputError
+from bert_engine.inference import Predictor
+from bert_engine.loading import load_pretrained, load_tokenizer, save_pretrained
+from bert_engine.registry import load_registry
+from plugins.ner import NerHead, is_valid, metric, read_data, training_batch, loss, transition_table
+from plugins.tagging import chunks, convert, entity_scores
+
+from conftest import SENTENCES, reference_checkpoint
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "conll_tiny.txt"
+BIO = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-ORG", 4: "I-ORG", 5: "B-LOC", 6: "I-LOC", 7: "B-MISC", 8: "I-MISC"}
+TEXTS = [
+    "Angela Merkel met Emmanuel Macron in Paris to discuss the European Union budget.",
+    "Apple opened a new office in Berlin, said Tim Cook on Tuesday.",
+    "The U.S. Federal Reserve left rates unchanged; Jerome Powell spoke in Washington D.C. later.",
+] + SENTENCES
+
+
+@pytest.fixture(scope="module")
+def task():
+    return load_registry(entry_points=False).task("ner")
+
+
+@pytest.fixture(scope="module")
+def plain_checkpoint(tmp_path_factory):
+    """A BertForTokenClassification saved by transformers: no CRF weights at all.
+
+    Its classifier is re-drawn without a bias so the random argmax varies across words (and breaks BIO).
+    """
+    from safetensors.torch import load_file, save_file
+
+    folder = reference_checkpoint(tmp_path_factory.mktemp("ner"), "BertForTokenClassification", id2label=BIO)
+    state = load_file(folder / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    state["classifier.weight"] = torch.randn(state["classifier.weight"].shape, generator=generator) * 3
+    state["classifier.bias"] = torch.zeros_like(state["classifier.bias"])
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_no_crf_checkpoint_never_yields_an_invalid_sequence(task, plain_checkpoint):
+    predictor = Predictor.load(task, str(plain_checkpoint))
+    assert predictor.untrained_head is False  # the CRF is optional: constraint-only transitions
+    assert predictor.model.load_report.defaulted == ["head.crf.transitions", "head.crf.start_transitions",
+                                                     "head.crf.end_transitions"]
+    labels = list(BIO.values())
+    invalid_argmax = 0
+    for text in TEXTS:
+        result = predictor.predict({"text": text})["result"]
+        viterbi = [w["tag"] for w in result["words"]]
+        argmax = [w["argmax"] for w in result["words"]]
+        assert is_valid(viterbi, labels, "BIO"), viterbi
+        invalid_argmax += not is_valid(argmax, labels, "BIO")
+        assert result["argmax_valid"] == is_valid(argmax, labels, "BIO")
+        for path in result["nbest"]:
+            assert is_valid(path["tags"], labels, "BIO")
+    assert invalid_argmax > 0  # the random head's argmax does break BIO, so the check above has teeth
+
+
+def test_without_constraints_viterbi_equals_argmax_for_an_untrained_crf(task, plain_checkpoint):
+    predictor = Predictor.load(task, str(plain_checkpoint))
+    for text in TEXTS[:3]:
+        result = predictor.predict({"text": text}, constrained=False)["result"]
+        assert [w["tag"] for w in result["words"]] == [w["argmax"] for w in result["words"]]
+
+
+def test_emissions_match_the_reference_model(task, plain_checkpoint):
+    predictor = Predictor.load(task, str(plain_checkpoint))
+    reference = transformers.AutoModelForTokenClassification.from_pretrained(str(plain_checkpoint)).eval()
+    batch = predictor.tokenizer(TEXTS[0])
+    with torch.no_grad():
+        ours = predictor.model(**batch.model_inputs()).logits
+        theirs = reference(**batch.model_inputs()).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_crf_is_saved_and_loaded_with_the_checkpoint(task, plain_checkpoint, tmp_path):
+    model = load_pretrained(plain_checkpoint, NerHead)
+    with torch.no_grad():
+        model.head.crf.transitions.normal_()
+        model.head.crf.start_transitions.normal_()
+    save_pretrained(model, tmp_path, load_tokenizer(plain_checkpoint))
+    again = load_pretrained(tmp_path, NerHead)
+    assert again.load_report.missing == [] and again.load_report.defaulted == []
+    torch.testing.assert_close(again.head.crf.transitions, model.head.crf.transitions)
+    assert transition_table(again.head)["trained"] is True
+    # The reference implementation still reads it as a token-classification checkpoint.
+    reference = transformers.AutoModelForTokenClassification.from_pretrained(str(tmp_path)).eval()
+    ids = torch.tensor([[101, 7592, 2088, 102]])
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_entities_and_words_carry_exact_offsets_on_minilm(task, minilm_dir):
+    predictor = Predictor.load(task, str(minilm_dir))
+    text = "  Dr. Müller visited Zürich — and 東京 — with ACME Corp.\nThen he left. "
+    result = predictor.predict({"text": text})["result"]
+    assert [w["word"] for w in result["words"]] == ["Dr", ".", "Müller", "visited", "Zürich", "—", "and", "東", "京",
+                                                    "—", "with", "ACME", "Corp", ".", "Then", "he", "left", "."]
+    for item in result["words"] + result["entities"]:
+        key = "word" if "word" in item else "text"
+        assert text[item["start"]:item["end"]] == item[key]
+        assert 0.0 <= item["score"] <= 1.0
+    assert sum(p["probability"] for p in result["nbest"]) <= 1.0 + 1e-6
+
+
+def test_long_text_windows_cover_every_word_once(task, plain_checkpoint):
+    predictor = Predictor.load(task, str(plain_checkpoint))
+    words = [f"Name{i % 13}" if i % 5 == 0 else f"word{i % 31}" for i in range(600)]
+    text = " ".join(words)
+    result = predictor.predict({"text": text}, max_length=48, stride=16)["result"]
+    assert result["windows"] > 10
+    starts = [w["start"] for w in result["words"]]
+    assert starts == sorted(set(starts))
+    assert len({w["start"] for w in result["words"] if text[w["start"]:w["end"]] in words}) == len(words)
+    spans = [(e["start"], e["end"]) for e in result["entities"]]
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlapping entities
+    assert is_valid([w["tag"] for w in result["words"]], list(BIO.values()), "BIO") or result["windows"] > 1
+
+
+def test_training_batch_tags_the_first_piece_of_every_word(plain_checkpoint):
+    tokenizer = load_tokenizer(plain_checkpoint)
+    examples = list(read_data(FIXTURE))
+    batch, targets = training_batch(examples[:1], tokenizer)
+    tokens = tokenizer.convert_ids_to_tokens(batch.input_ids[0].tolist())
+    tagged = [(tok, tag) for tok, tag in zip(tokens, targets["tags"][0]) if tag is not None]
+    assert ("##kel", None) in list(zip(tokens, targets["tags"][0]))  # later wordpieces are not tagged
+    assert tagged == [("angela", "B-PER"), ("mer", "I-PER"), ("visited", "O"), ("the", "O"), ("u", "B-LOC"),
+                      (".", "I-LOC"), ("s", "I-LOC"), (".", "I-LOC"), ("on", "O"), ("monday", "O"), (".", "O")]
+    assert targets["begins"].tolist() == [True] and targets["ends"].tolist() == [True]
+
+
+def test_loss_trains_a_tiny_model_to_fit_the_fixture(task, minilm_dir):
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37)
+    model = BertWithHead(config, NerHead(config))
+    model.apply(lambda module: init_weights(module, 0.02))
+    model.train()
+    tokenizer = load_tokenizer(minilm_dir)
+    examples = list(read_data(FIXTURE))
+    batch, targets = training_batch(examples, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(60):
+        optimizer.zero_grad()
+        value = loss(model(**batch.model_inputs()), targets)
+        value.backward()
+        optimizer.step()
+        losses.append(value.item())
+    assert losses[-1] < losses[0] * 0.05
+    model.eval()
+    predictor = Predictor(task, model, tokenizer, model_id="fitted")
+    results = [predictor.predict(inputs)["result"] for inputs, _ in examples]
+    scores = metric(results, [target for _, target in examples])
+    assert scores["f1"] == 100.0
+
+
+def test_read_data_converts_iob1_to_bio():
+    examples = list(read_data(FIXTURE))
+    assert len(examples) == 3
+    assert examples[1][1]["tags"][3:5] == ["B-LOC", "B-LOC"]  # IOB1 "I-LOC B-LOC": two adjacent places
+    assert examples[1][0]["text"].split() == examples[1][1]["words"]
+
+
+def test_conlleval_chunks_and_conversions():
+    iob1 = "I-ORG O I-PER I-PER B-PER I-LOC I-ORG".split()
+    assert chunks(iob1) == [(0, 1, "ORG"), (2, 4, "PER"), (4, 5, "PER"), (5, 6, "LOC"), (6, 7, "ORG")]
+    bio = convert(iob1, "BIO")
+    assert bio == "B-ORG O B-PER I-PER B-PER B-LOC B-ORG".split()
+    assert convert(bio, "IOB1") == iob1
+    assert convert(bio, "BIOES") == "S-ORG O B-PER E-PER S-PER S-LOC S-ORG".split()
+    assert chunks("O I-PER I-PER O B-LOC I-ORG".split()) == [(1, 3, "PER"), (4, 5, "LOC"), (5, 6, "ORG")]
+
+
+def test_entity_scores_follow_exact_match_semantics():
+    gold = [chunks("B-PER I-PER O B-LOC".split()), chunks("B-ORG O".split())]
+    predicted = [chunks("B-PER O O B-LOC".split()), chunks("B-ORG O".split())]  # one boundary error
+    scores = entity_scores(gold, predicted)
+    assert scores["precision"] == pytest.approx(200 / 3) and scores["recall"] == pytest.approx(200 / 3)
+    assert scores["per_type"]["PER"]["f1"] == 0.0 and scores["per_type"]["LOC"]["f1"] == 100.0
+
+
+def test_bad_input_and_options_name_the_value(task, plain_checkpoint):
+    predictor = Predictor.load(task, str(plain_checkpoint))
+    with pytest.raises(InputError, match="empty"):
+        predictor.predict({"text": "   "})
+    with pytest.raises(InputError, match="nbest.*99"):
+        predictor.predict({"text": "Paris"}, nbest=99)
+    with pytest.raises(InputError, match="scheme 'BILOU'"):
+        predictor.predict({"text": "Paris"}, scheme="BILOU")
+    with pytest.raises(ValueError, match="'PERSON'"):
+        NerHead(predictor.model.config.with_labels(["O", "PERSON"]))
+
+
+def test_conformance_kit_passes(task):
+    assert check_task(task) == []
+
+
+def test_cli_predicts_ner_with_provenance(plain_checkpoint):
+    out = subprocess.run([sys.executable, "-m", "bert_engine", "predict", "ner", "--model", str(plain_checkpoint),
+                          "-i", "text=Tim Cook visited Berlin."], capture_output=True, text=True, check=True)
+    payload = json.loads(out.stdout)
+    assert payload["task"] == "ner" and payload["provenance"]["model"] == str(plain_checkpoint)
+    assert [w["word"] for w in payload["result"]["words"]] == ["Tim", "Cook", "visited", "Berlin", "."]
