@@ -205,8 +205,9 @@ class BertWithHead(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None, position_ids: Tensor | None = None,
-                output_attentions: bool = False):
-        encoded = self.encoder(input_ids, attention_mask, token_type_ids, position_ids, output_attentions)
+                output_attentions: bool = False, output_hidden_states: bool = False):
+        encoded = self.encoder(input_ids, attention_mask, token_type_ids, position_ids, output_attentions,
+                               output_hidden_states)
         output = self.head(encoded)
         if hasattr(output, "encoder"):
             output.encoder = encoded

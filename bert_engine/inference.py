@@ -142,7 +142,8 @@ class Predictor:
         rows = inputs["input_ids"].shape[0]
         if rows <= self.max_rows:
             return self.model(**inputs)
-        parts = [self.model(**{k: v[i:i + self.max_rows] for k, v in inputs.items()})
+        parts = [self.model(**{k: v[i:i + self.max_rows] if isinstance(v, torch.Tensor) else v
+                                for k, v in inputs.items()})
                  for i in range(0, rows, self.max_rows)]
         return _concat(parts)
 
@@ -212,7 +213,13 @@ def _concat(parts: list[Any]) -> Any:
         values = {}
         for f in dataclasses.fields(first):
             value = getattr(first, f.name)
-            values[f.name] = torch.cat([getattr(p, f.name) for p in parts]) if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.Tensor):
+                value = torch.cat([getattr(p, f.name) for p in parts])
+            elif isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):  # per-layer tensors
+                value = tuple(torch.cat(layer) for layer in zip(*(getattr(p, f.name) for p in parts)))
+            elif dataclasses.is_dataclass(value):  # the encoder's own output inside a head's
+                value = _concat([getattr(p, f.name) for p in parts])
+            values[f.name] = value
         return dataclasses.replace(first, **values)
     raise TypeError(f"cannot concatenate chunked model outputs of type {type(first).__name__}")
 

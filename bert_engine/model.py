@@ -25,12 +25,14 @@ class EncoderOutput:
     last_hidden_state: (B, T, H) float. pooled: (B, H) tanh(dense(h_[CLS])), or None without a pooler.
     attentions: one (B, N, T, T) tensor per layer when asked for, else None.
     attention_mask: the (B, T) padding mask the encoder was given (None: no padding).
+    hidden_states: the embeddings' output and every layer's, (B, T, H) each, when asked for.
     """
 
     last_hidden_state: Tensor
     pooled: Tensor | None = None
     attentions: tuple[Tensor, ...] | None = None
     attention_mask: Tensor | None = None  # (B, T) the input mask, for heads that pool or decode over tokens
+    hidden_states: tuple[Tensor, ...] | None = None
 
 
 def _gelu_tanh(x: Tensor) -> Tensor:
@@ -194,7 +196,7 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None, position_ids: Tensor | None = None,
-                output_attentions: bool = False) -> EncoderOutput:
+                output_attentions: bool = False, output_hidden_states: bool = False) -> EncoderOutput:
         """Encode a batch.
 
         Args:
@@ -204,6 +206,7 @@ class BertModel(nn.Module):
             position_ids: (B, T) or (T,) positions; None means 0..T-1.
             output_attentions: also return every layer's (B, N, T, T) weights; this runs the
                 eager backend, the only one that materialises them.
+            output_hidden_states: also return the input of the first layer and each layer's output.
         Raises:
             ValueError: if the batch is longer than the position table, or an id is out of range.
         """
@@ -216,13 +219,16 @@ class BertModel(nn.Module):
         mask = None
         if attention_mask is not None and not bool(attention_mask.all()):
             mask = additive_padding_mask(attention_mask, x.dtype)  # (B, 1, 1, T)
-        attentions = []
+        attentions, states = [], [x]
         for layer in self.layers:
             x, weights = layer(x, mask, output_attentions)
             if output_attentions:
                 attentions.append(weights)
+            if output_hidden_states:
+                states.append(x)
         pooled = self.pooler(x) if self.pooler is not None else None
-        return EncoderOutput(x, pooled, tuple(attentions) if output_attentions else None, attention_mask)
+        return EncoderOutput(x, pooled, tuple(attentions) if output_attentions else None, attention_mask,
+                             tuple(states) if output_hidden_states else None)
 
     def _check_inputs(self, input_ids: Tensor, token_type_ids: Tensor | None) -> None:
         config = self.config

@@ -48,10 +48,11 @@ class Batch:
     truncated: list[bool]  # per input: some of its tokens are in no row (cut, not windowed)
     meta: dict[str, Any] = field(default_factory=dict)  # what a task's postprocess needs (its texts, ...)
 
-    def model_inputs(self) -> dict[str, Tensor]:
-        """The keyword arguments of BertModel.forward."""
+    def model_inputs(self) -> dict[str, Any]:
+        """The keyword arguments of BertModel.forward (plus any a task put in `meta["model_kwargs"]`,
+        such as output_hidden_states)."""
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
-                "token_type_ids": self.token_type_ids}
+                "token_type_ids": self.token_type_ids, **self.meta.get("model_kwargs", {})}
 
     def to(self, device: torch.device | str) -> Batch:
         self.input_ids = self.input_ids.to(device)
@@ -184,7 +185,17 @@ class Tokenizer:
 
     def tokenize(self, text: str) -> list[str]:
         """Word pieces of `text`, without special tokens."""
-        return self.backend.encode(_clean(text), add_special_tokens=False).tokens
+        return self.pieces([text])[0].tokens
+
+    def pieces(self, texts: Sequence[str]) -> list:
+        """Each text's encoding (ids, tokens, offsets, word ids) without special tokens or truncation.
+
+        For callers that assemble model inputs themselves (several sentences per row, for example).
+        """
+        texts = [_clean(t) for t in _as_batch(list(texts), "text")] if texts else []
+        with self._lock:  # truncation is state of the shared backend
+            self.backend.no_truncation()
+            return self.backend.encode_batch(texts, add_special_tokens=False) if texts else []
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.backend.id_to_token(int(i)) for i in ids]

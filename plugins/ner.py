@@ -320,11 +320,11 @@ def build_tab(predictor) -> None:
         nbest = gr.Slider(1, 10, value=3, step=1, label="n-best paths")
     button = gr.Button("Find entities", variant="primary")
     marked = gr.HTML(label="Entities")
-    with gr.Tab("Argmax vs Viterbi"):
+    with gr.Accordion("Token-wise argmax vs the Viterbi path", open=True):
         words = gr.Dataframe(headers=["word", "argmax", "viterbi", "probability"], interactive=False, wrap=True)
-    with gr.Tab("n-best paths"):
+    with gr.Accordion("n-best paths", open=False):
         paths = gr.Dataframe(headers=["rank", "probability", "tags"], interactive=False, wrap=True)
-    with gr.Tab("Transitions"):
+    with gr.Accordion("Transition matrix", open=False):
         transitions = gr.Dataframe(interactive=False, wrap=True)
     details = gr.JSON(label="Result and provenance")
 
@@ -341,7 +341,7 @@ def build_tab(predictor) -> None:
         return (render_entities(text_value, result["entities"]),
                 [[w["word"], w["argmax"], w["tag"], w["score"]] for w in result["words"]],
                 [[n + 1, p["probability"], " ".join(p["tags"])] for n, p in enumerate(result["nbest"])],
-                gr.Dataframe(value=matrix, headers=header), output)
+                {"headers": header, "data": matrix}, output)
 
     button.click(run, [text, constrained, nbest], [marked, words, paths, transitions, details], api_name="ner")
     gr.Examples([[e["text"]] for e in EXAMPLES], [text])

@@ -94,6 +94,26 @@ def test_fill_mask_tab(browser_page):
     _shot(browser_page, "fill_mask")
 
 
+def test_ner_tab_marks_entities_and_compares_paths(browser_page):
+    panel = _open(browser_page, "Named entities")
+    panel.locator("textarea").first.fill("Angela Merkel met Emmanuel Macron in Paris.")
+    panel.get_by_role("button", name="Find entities").click()
+    panel.locator(".ner-text").wait_for(timeout=60_000)
+    marks = panel.locator(".ner-text mark.entity")
+    assert marks.count() >= 1 and marks.first.get_attribute("title")  # type and score on hover
+    assert panel.get_by_text("viterbi").count() >= 1
+    _shot(browser_page, "ner")
+
+
+def test_summary_tab_highlights_chosen_sentences(browser_page):
+    panel = _open(browser_page, "Summary")
+    panel.get_by_role("button", name="Summarise").click()
+    panel.locator(".summary-doc").wait_for(timeout=60_000)
+    assert panel.locator(".summary-doc span.chosen").count() == 3
+    assert panel.locator(".summary-doc span.sentence").count() == 7
+    _shot(browser_page, "summary")
+
+
 def test_similarity_tab(browser_page):
     panel = _open(browser_page, "Similarity")
     boxes = panel.locator("textarea")

@@ -56,4 +56,4 @@ def test_errors_are_one_clear_line_and_exit_2(argv, message, capsys):
 def test_builtins_are_listed(capsys):
     assert main(["plugins"]) == 0
     names = [p["name"] for p in json.loads(capsys.readouterr().out)["plugins"]]
-    assert names[:3] == ["sentiment", "qa", "fill_mask"]
+    assert names[:5] == ["sentiment", "ner", "qa", "summary", "fill_mask"]

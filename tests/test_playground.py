@@ -40,7 +40,8 @@ def _tab_labels(app):
 def test_one_tab_per_task_then_plugins_and_attention(registry):
     app = build_app(registry)
     labels = _tab_labels(app)
-    assert labels[:5] == ["Sentiment", "Question answering", "Fill-mask", "Similarity", "Broken tab"]
+    assert labels[:7] == ["Sentiment", "Named entities", "Question answering", "Summary", "Fill-mask", "Similarity",
+                          "Broken tab"]
     assert labels[-2:] == ["Plugins", "Attention"]
     assert not any(p.loaded for p in app.predictors.values())  # models load lazily
 
@@ -96,6 +97,13 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
     assert output["task"] == "qa" and len(table["data"]) == 2
     table, output = client.predict("The capital of France is [MASK].", 3, "independent", "", api_name="/fill_mask")
     assert output["task"] == "fill_mask" and len(table["data"]) == 3
+    html, words, paths, transitions, output = client.predict("Tim Cook visited Berlin.", True, 2, api_name="/ner")
+    assert output["task"] == "ner" and [row[0] for row in words["data"]] == ["Tim", "Cook", "visited", "Berlin", "."]
+    assert len(paths["data"]) == 2 and len(transitions["data"]) == 9
+    summary, html, dropped, output = client.predict("One short line. " * 3 + "A much longer sentence follows here.",
+                                                    1, 0.3, 4, "auto", api_name="/summary")
+    assert output["task"] == "summary" and summary == "A much longer sentence follows here."
+    assert 'class="sentence chosen"' in html
     heatmap = client.predict("similarity", 0, 0, True, api_name="/attention")
     assert "[CLS]" in heatmap and "mean of all heads" in heatmap
 
@@ -109,6 +117,10 @@ def test_bad_input_is_a_message_not_a_stack_trace(served):
         client.predict("no mask here", 3, "independent", "", api_name="/fill_mask")
     with pytest.raises(Exception, match="the context is empty"):
         client.predict("Who?", "", 1, api_name="/qa")
+    with pytest.raises(Exception, match="ner: the text is empty"):
+        client.predict(" ", True, 3, api_name="/ner")
+    with pytest.raises(Exception, match="summary: the document is empty"):
+        client.predict("", 3, 0.3, 4, "auto", api_name="/summary")
     with pytest.raises(Exception, match="no input yet"):  # the failed QA call left no input to show
         client.predict("qa", 0, 0, False, api_name="/attention")
 
@@ -143,6 +155,8 @@ def tiny_app(tmp_path_factory):
         "sentiment": reference_checkpoint(root / "sentiment", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}),
         "qa": reference_checkpoint(root / "qa", "BertForQuestionAnswering"),
         "fill_mask": reference_checkpoint(root / "mlm", "BertForMaskedLM"),
+        "ner": reference_checkpoint(root / "ner", "BertForTokenClassification",
+                                    id2label={0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}),
     }
     return build_app(load_registry(entry_points=False), checkpoints={k: str(v) for k, v in checkpoints.items()})
 
@@ -155,6 +169,12 @@ def test_tab_functions_called_directly_with_tiny_models(tiny_app):
     assert [m for m in marks if m[1] == "answer"][0][0] == answer["answer"] and len(rows) == 2
     rows, output = _event(tiny_app, "fill_mask")("I [MASK] to the [MASK].", 2, "joint", "")
     assert output["result"]["mode"] == "joint" and len(rows) == 2 and rows[0][0] == "all"
+    html, words, paths, transitions, output = _event(tiny_app, "ner")("Anna lives in Rome.", False, 3)
+    assert output["result"]["constrained"] is False and len(words) == 5 and len(paths) == 3
+    assert [e["text"] for e in output["result"]["entities"]] == [
+        text for text in ("Anna", "lives", "in", "Rome", ".") if f">{text}<sup" in html]
+    summary, html, dropped, output = _event(tiny_app, "summary")("Tiny. Also tiny.", 0, 0.5, 3, "centroid")
+    assert output["result"]["summary"] == "" and "min_words=3" in summary and len(dropped) == 2
     with pytest.raises(gr.Error, match="the text is empty"):
         _event(tiny_app, "sentiment")("", "", "truncate")
     with pytest.raises(gr.Error, match="has 1,000,001 characters; the limit is 1,000,000"):

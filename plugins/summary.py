@@ -1,0 +1,518 @@
+"""Extractive summarisation: pick a document's most central sentences, or those a trained scorer prefers.
+
+Sentences come from pysbd (abbreviations, decimals, quotes) run line by line, each with its
+character span. Two modes:
+- "centroid" (unsupervised): each sentence is embedded alone (mean of the encoder's hidden states,
+  any layer), scored by cosine similarity to the document's centroid, and chosen with MMR so that
+  near-duplicates are not picked twice.
+- "supervised": BertSum-style; sentences are packed into windows as [CLS] s1 [SEP] [CLS] s2 [SEP] ...
+  with alternating segment ids, and a linear scorer reads each sentence's [CLS] state.
+"auto" uses the scorer when the checkpoint has a trained one. Output is in document order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import weakref
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from bert_engine.inference import predict_in_batches
+from bert_engine.tokenizer import Batch
+
+MODES = ("auto", "centroid", "supervised")
+MAX_SENTENCES = 2000
+_segmenter_lock = threading.Lock()
+_segmenter = None
+
+
+def split_sentences(text: str) -> list[tuple[int, int]]:
+    """Character spans (start, end) of the sentences of `text`, whitespace trimmed, in order.
+
+    Line breaks always end a sentence (titles, list items); within a line pysbd decides.
+    """
+    import pysbd
+
+    global _segmenter
+    spans = []
+    cursor = 0
+    for line in text.splitlines(keepends=True):
+        begin, stripped = cursor, line.strip()
+        cursor += len(line)
+        if not stripped:
+            continue
+        with _segmenter_lock:
+            _segmenter = _segmenter or pysbd.Segmenter(language="en", clean=False)
+            pieces = _segmenter.segment(line)
+        search = 0
+        for piece in pieces:
+            piece = piece.strip()
+            if not piece:
+                continue
+            at = line.find(piece, search)
+            if at < 0:  # pysbd never rewrites text with clean=False; guard anyway
+                continue
+            spans.append((begin + at, begin + at + len(piece)))
+            search = at + len(piece)
+    return spans
+
+
+# -- the supervised head -----------------------------------------------------------------------------
+
+@dataclass
+class SummaryOutput:
+    token_scores: Tensor  # (B, T) logits; read at each sentence's [CLS]
+    head: Any
+    encoder: Any = None
+
+
+class SentenceScorerHead(nn.Module):
+    """A linear scorer over every token's final hidden state; the task reads it at sentence [CLS] tokens."""
+
+    needs_pooler = False
+    optional_parameters = ("is_trained",)
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.scorer = nn.Linear(config.hidden_size, 1)
+        nn.init.normal_(self.scorer.weight, std=config.initializer_range)
+        nn.init.zeros_(self.scorer.bias)
+        # Set to 1 by the first training step and saved with the weights: "auto" mode trusts the
+        # scorer only when it has been trained.
+        self.is_trained = nn.Parameter(torch.zeros(()), requires_grad=False)
+        self._model = None
+
+    def bind(self, model) -> None:
+        """Keep a weak reference to the whole model: "auto" mode re-encodes sentence by sentence when
+        the scorer turns out to be untrained."""
+        self._model = weakref.ref(model)
+
+    def encode_rows(self, batch: Batch):
+        """The bound model over a batch's rows, 64 at a time; returns the encoder's output."""
+        from bert_engine.inference import _concat
+
+        model = self._model() if self._model is not None else None
+        if model is None:
+            raise RuntimeError("summary: the head is not bound to a model")
+        device = next(model.parameters()).device
+        inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.model_inputs().items()}
+        rows = inputs["input_ids"].shape[0]
+        parts = [model.encoder(**{k: v[i:i + 64] if isinstance(v, Tensor) else v for k, v in inputs.items()})
+                 for i in range(0, rows, 64)]
+        return _concat(parts)
+
+    def forward(self, encoded) -> SummaryOutput:
+        if self.training:
+            self.is_trained.fill_(1.0)
+        scores = self.scorer(self.dropout(encoded.last_hidden_state)).squeeze(-1)  # (B, T)
+        return SummaryOutput(scores, self)
+
+
+# -- preprocessing ---------------------------------------------------------------------------------
+
+def _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, layer, max_length, tokenizer):
+    if num_sentences is not None and (not isinstance(num_sentences, int) or isinstance(num_sentences, bool)
+                                      or not 1 <= num_sentences <= 100):
+        raise InputError(f"summary: num_sentences must be an integer in [1, 100] or None, got {num_sentences!r}")
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
+        raise InputError(f"summary: ratio must lie in (0, 1], got {ratio!r}")
+    if not isinstance(min_words, int) or isinstance(min_words, bool) or not 0 <= min_words <= 100:
+        raise InputError(f"summary: min_words must be an integer in [0, 100], got {min_words!r}")
+    if mode not in MODES:
+        raise InputError(f"summary: mode {mode!r} is not one of {MODES}")
+    if not isinstance(mmr_lambda, (int, float)) or isinstance(mmr_lambda, bool) or not 0 <= mmr_lambda <= 1:
+        raise InputError(f"summary: mmr_lambda must lie in [0, 1], got {mmr_lambda!r}")
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise InputError(f"summary: layer must be an integer (-1 is the last layer), got {layer!r}")
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or not 32 <= max_length <= tokenizer.model_max_length:
+        raise InputError(f"summary: max_length must be an integer in [32, {tokenizer.model_max_length}], got {max_length!r}")
+
+
+def preprocess(inputs, tokenizer, *, num_sentences=None, ratio=0.3, min_words=4, mode="auto", mmr_lambda=0.7,
+               layer=-1, max_length=512):
+    """Split into sentences and build both views: one row per sentence (centroid mode) and packed
+    BertSum windows (supervised mode) are not both needed, so the rows depend on `mode`; "auto"
+    builds the packed windows and also carries the per-sentence rows' inputs in `meta`."""
+    _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, layer, max_length, tokenizer)
+    texts = inputs["text"] if isinstance(inputs["text"], list) else [inputs["text"]]
+    documents = []
+    for text in texts:
+        if not text.strip():
+            raise InputError("summary: the document is empty; paste an article to summarise")
+        spans = split_sentences(text)
+        if not spans:
+            raise InputError("summary: the document has no sentences (only punctuation or invisible characters)")
+        if len(spans) > MAX_SENTENCES:
+            raise InputError(f"summary: the document has {len(spans):,} sentences; the limit is {MAX_SENTENCES:,}")
+        documents.append(spans)
+    if mode == "centroid":
+        sentences = [text[a:b] for text, spans in zip(texts, documents) for a, b in spans]
+        batch = tokenizer(sentences, max_length=min(max_length, 128))
+        batch.meta["rows"] = [(d, k) for d, spans in enumerate(documents) for k in range(len(spans))]
+        if layer != -1:
+            batch.meta["model_kwargs"] = {"output_hidden_states": True}
+    else:
+        batch = pack_sentences(tokenizer, texts, documents, max_length)
+    batch.meta.update(texts=texts, spans=documents, mode=mode, tokenizer=tokenizer)
+    return batch
+
+
+def pack_sentences(tokenizer, texts: list[str], documents: list[list[tuple[int, int]]], max_length: int,
+                   max_sentence_tokens: int = 80) -> Batch:
+    """BertSum input: sentences as [CLS] pieces [SEP] with alternating segment ids, packed greedily into
+    rows of at most `max_length` tokens (a new row per document). Each sentence is cut to
+    `max_sentence_tokens` pieces. meta["cls"]: per row, (position, document, sentence index)."""
+    cls_id, sep_id = tokenizer.token_id("cls_token"), tokenizer.token_id("sep_token")
+    sentences = [texts[d][a:b] for d, spans in enumerate(documents) for a, b in spans]
+    owners = [(d, k) for d, spans in enumerate(documents) for k in range(len(spans))]
+    limit = min(max_sentence_tokens, max_length - 2)
+    rows, types, cls, sample_index = [], [], [], []
+    current: list[int] = []
+    for (d, k), encoding in zip(owners, tokenizer.pieces(sentences)):
+        piece = [cls_id, *encoding.ids[:limit], sep_id]
+        if current and (len(current) + len(piece) > max_length or sample_index[-1] != d):
+            current = []
+        if not current:
+            rows.append(current)
+            types.append([])
+            cls.append([])
+            sample_index.append(d)
+        segment = len(cls[-1]) % 2
+        cls[-1].append((len(current), d, k))
+        current.extend(piece)
+        types[-1].extend([segment] * len(piece))
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    type_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, (row, row_types) in enumerate(zip(rows, types)):
+        ids[r, :len(row)] = torch.tensor(row)
+        mask[r, :len(row)] = 1
+        type_ids[r, :len(row)] = torch.tensor(row_types)
+    empty = [[] for _ in rows]
+    batch = Batch(ids, mask, type_ids, offsets=empty, sequence_ids=empty, word_ids=empty, sample_index=sample_index,
+                  truncated=[False] * len(texts))
+    batch.meta["cls"] = cls
+    return batch
+
+
+# -- scoring and selection -------------------------------------------------------------------------
+
+def centroid_scores(embeddings: Tensor) -> Tensor:
+    """Cosine similarity (S,) of each sentence embedding (S, H) to the mean of the normalised embeddings."""
+    unit = torch.nn.functional.normalize(embeddings.float(), dim=-1)
+    centroid = torch.nn.functional.normalize(unit.mean(0), dim=-1)
+    return unit @ centroid
+
+
+def mmr_select(scores: Tensor, embeddings: Tensor | None, candidates: list[int], k: int, mmr_lambda: float) -> list[int]:
+    """Maximal marginal relevance: repeatedly take the candidate maximising
+    λ·score − (1 − λ)·(max cosine similarity to those already taken). Without embeddings, top-k by score."""
+    if embeddings is None or mmr_lambda >= 1.0:
+        return sorted(candidates, key=lambda i: -float(scores[i]))[:k]
+    unit = torch.nn.functional.normalize(embeddings.float(), dim=-1)
+    similarity = unit @ unit.T  # (S, S)
+    chosen: list[int] = []
+    remaining = list(candidates)
+    while remaining and len(chosen) < k:
+        def gain(i: int) -> float:
+            redundancy = max((float(similarity[i, j]) for j in chosen), default=0.0)
+            return mmr_lambda * float(scores[i]) - (1 - mmr_lambda) * redundancy
+        best = max(remaining, key=gain)
+        chosen.append(best)
+        remaining.remove(best)
+    return chosen
+
+
+def target_count(num_candidates: int, num_sentences: int | None, ratio: float) -> int:
+    if num_sentences is not None:
+        return min(num_sentences, num_candidates)
+    return min(num_candidates, max(1, math.ceil(ratio * num_candidates)))
+
+
+def postprocess(output: SummaryOutput, batch, *, num_sentences=None, ratio=0.3, min_words=4, mode="auto",
+                mmr_lambda=0.7, layer=-1, max_length=512):
+    """Per document: the summary, every sentence with its span, score and whether it was chosen, and
+    the sentences a length filter dropped (with the reason)."""
+    head = output.head
+    used = mode
+    if mode == "auto":
+        used = "supervised" if float(head.is_trained) > 0 else "centroid"
+    texts, documents = batch.meta["texts"], batch.meta["spans"]
+    if used == "centroid" and batch.meta["mode"] != "centroid":
+        # "auto" fell back to centroid mode: embed each sentence alone (a second, cheaper pass).
+        return _rerun_centroid(head, batch, num_sentences, ratio, min_words, mmr_lambda, layer, max_length)
+    per_doc_scores: list[Tensor] = []
+    per_doc_embeddings: list[Tensor | None] = []
+    if used == "supervised":
+        probs = output.token_scores.float().sigmoid().cpu()
+        for d, spans in enumerate(documents):
+            scores = torch.zeros(len(spans))
+            for r, row in enumerate(batch.meta["cls"]):
+                for position, doc, k in row:
+                    if doc == d:
+                        scores[k] = probs[r, position]
+            per_doc_scores.append(scores)
+            per_doc_embeddings.append(None)
+    else:
+        embeddings = _mean_pool(output.encoder, batch, layer)
+        rows = batch.meta["rows"]
+        for d, spans in enumerate(documents):
+            index = [r for r, (doc, _) in enumerate(rows) if doc == d]
+            vectors = embeddings[index]
+            per_doc_scores.append(centroid_scores(vectors).clamp(min=0.0))
+            per_doc_embeddings.append(vectors)
+    results = [_choose(text, spans, scores, vectors, num_sentences, ratio, min_words, mmr_lambda, used)
+               for text, spans, scores, vectors in zip(texts, documents, per_doc_scores, per_doc_embeddings)]
+    return results[0] if len(results) == 1 else results
+
+
+def _mean_pool(encoded, batch, layer: int) -> Tensor:
+    states = encoded.last_hidden_state if layer == -1 else _layer(encoded, layer)
+    mask = batch.attention_mask.to(states.device)[..., None].to(states.dtype)  # (B, T, 1)
+    return ((states * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()  # (B, H)
+
+
+def _layer(encoded, layer: int) -> Tensor:
+    states = encoded.hidden_states
+    if not -len(states) <= layer < len(states):
+        raise InputError(f"summary: layer {layer} does not exist; the encoder has {len(states) - 1} layers "
+                         f"(0 is the embeddings, -1 the last)")
+    return states[layer]
+
+
+def _rerun_centroid(head, batch, num_sentences, ratio, min_words, mmr_lambda, layer, max_length):
+    options = dict(num_sentences=num_sentences, ratio=ratio, min_words=min_words, mode="centroid",
+                   mmr_lambda=mmr_lambda, layer=layer, max_length=max_length)
+    sub = preprocess({"text": batch.meta["texts"]}, batch.meta["tokenizer"], **options)
+    output = SummaryOutput(torch.zeros(0), head, head.encode_rows(sub))
+    return postprocess(output, sub, **options)
+
+
+def _choose(text, spans, scores, vectors, num_sentences, ratio, min_words, mmr_lambda, mode) -> dict[str, Any]:
+    sentences = [text[a:b] for a, b in spans]
+    dropped = [{"index": k, "start": a, "end": b, "text": text[a:b],
+                "reason": f"shorter than min_words={min_words} ({len(text[a:b].split())} words)"}
+               for k, (a, b) in enumerate(spans) if len(text[a:b].split()) < min_words]
+    dropped_index = {item["index"] for item in dropped}
+    candidates = [k for k in range(len(spans)) if k not in dropped_index]
+    chosen = sorted(mmr_select(scores, vectors, candidates, target_count(len(candidates), num_sentences, ratio),
+                               mmr_lambda if mode == "centroid" else 1.0)) if candidates else []
+    result = {
+        "summary": " ".join(sentences[k] for k in chosen),
+        "selected": chosen,
+        "sentences": [{"index": k, "start": a, "end": b, "text": sentences[k], "score": round(float(scores[k]), 6),
+                       "selected": k in chosen} for k, (a, b) in enumerate(spans)],
+        "dropped": dropped,
+        "mode": mode,
+    }
+    if not chosen:
+        result["explanation"] = (f"no sentence was long enough: all {len(spans)} are shorter than "
+                                 f"min_words={min_words}; lower min_words to include them")
+    return result
+
+
+# -- training, evaluation, baselines ---------------------------------------------------------------
+
+def split_of(doc_id: str) -> str:
+    """A fixed split by a hash of the id: 10 % test, 10 % dev, 80 % train (stable across runs and machines)."""
+    bucket = zlib.crc32(doc_id.encode("utf-8")) % 10
+    return "test" if bucket == 0 else "dev" if bucket == 1 else "train"
+
+
+def read_data(path, split: str = "train"):
+    """BBC News Summary JSON lines ({"id", "article", "summary"}); yields ({"text": article},
+    {"summary", "id"}) for the documents of `split` ("train", "dev", "test" or "all")."""
+    if split not in ("train", "dev", "test", "all"):
+        raise ValueError(f"split {split!r} is not one of train, dev, test, all")
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                doc_id, article, summary = item["id"], item["article"], item["summary"]
+            except (ValueError, KeyError) as err:
+                raise ValueError(f"{path}:{number}: not a JSON object with id, article and summary ({err})") from None
+            if split == "all" or split_of(doc_id) == split:
+                yield {"text": article}, {"summary": summary, "id": doc_id}
+
+
+def oracle_labels(text: str, spans: list[tuple[int, int]], summary: str) -> list[int]:
+    """1 for each article sentence that appears verbatim in the reference summary (BBC summaries are
+    article sentences joined together), else 0."""
+    squashed = " ".join(summary.split())
+    return [int(len(text[a:b].split()) > 0 and " ".join(text[a:b].split()) in squashed) for a, b in spans]
+
+
+def training_batch(examples, tokenizer, *, max_length: int = 512):
+    """Packed BertSum rows and, per row, the (position, label) pairs of its sentences."""
+    texts = [inputs["text"] for inputs, _ in examples]
+    documents = [split_sentences(t) for t in texts]
+    batch = pack_sentences(tokenizer, texts, documents, max_length)
+    labels = [oracle_labels(t, spans, target["summary"]) for t, spans, (_, target) in zip(texts, documents, examples)]
+    targets = [[(position, labels[d][k]) for position, d, k in row] for row in batch.meta["cls"]]
+    return batch, targets
+
+
+def loss(output: SummaryOutput, targets) -> Tensor:
+    """Binary cross-entropy of each sentence's score against its oracle label."""
+    rows = torch.tensor([r for r, row in enumerate(targets) for _ in row], device=output.token_scores.device)
+    positions = torch.tensor([p for row in targets for p, _ in row], device=output.token_scores.device)
+    labels = torch.tensor([float(y) for row in targets for _, y in row], device=output.token_scores.device)
+    logits = output.token_scores[rows, positions].float()
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+
+
+def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Mean ROUGE-1/2/L F1 (in percent, Porter stemming) with the `rouge-score` package."""
+    from rouge_score import rouge_scorer
+
+    if not references:
+        raise ValueError("no reference summaries to score")
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    totals = {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
+    for prediction, reference in zip(predictions, references):
+        for name, score in scorer.score(reference, prediction).items():
+            totals[name] += score.fmeasure
+    return {name: 100.0 * value / len(references) for name, value in totals.items()}
+
+
+def metric(results: list[dict], targets: list[dict]) -> dict[str, float]:
+    """ROUGE of the chosen sentences against the reference summaries."""
+    return rouge([r["summary"] for r in results], [t["summary"] for t in targets])
+
+
+def lead(text: str, k: int) -> str:
+    """The first k sentences: the Lead-k baseline."""
+    return " ".join(text[a:b] for a, b in split_sentences(text)[:k])
+
+
+def evaluate(predictor, examples, *, batch_size: int = 8, progress: bool = True, **options) -> dict[str, Any]:
+    """ROUGE of the model (its mode, and the centroid mode), Lead-3 and first-k (k = the model's
+    sentence count per document) on the same documents, so the table shows what the model adds."""
+    texts = [inputs["text"] for inputs, _ in examples]
+    references = [target["summary"] for _, target in examples]
+    table: dict[str, Any] = {}
+    model_results = predict_in_batches(predictor, [{"text": t} for t in texts], batch_size=batch_size,
+                                       progress=progress, **options)
+    mode = model_results[0]["mode"] if model_results else "centroid"
+    table[f"model ({mode})"] = rouge([r["summary"] for r in model_results], references)
+    if mode != "centroid":
+        centroid = predict_in_batches(predictor, [{"text": t} for t in texts], batch_size=batch_size,
+                                      progress=progress, **{**options, "mode": "centroid"})
+        table["centroid (unsupervised)"] = rouge([r["summary"] for r in centroid], references)
+    table["lead-3"] = rouge([lead(t, 3) for t in texts], references)
+    table["first-k (k as the model)"] = rouge([lead(t, len(r["selected"])) for t, r in zip(texts, model_results)],
+                                              references)
+    return {"documents": len(examples), "rouge_f1": table}
+
+
+def predict_many(predictor, texts: list[str], *, batch_size: int = 8, progress: bool = False, **options):
+    """Many documents in length-sorted batches; results in input order."""
+    return predict_in_batches(predictor, [{"text": t} for t in texts], batch_size=batch_size, progress=progress, **options)
+
+
+# -- the tab ---------------------------------------------------------------------------------------
+
+def render(text: str, result: dict) -> str:
+    """The document as HTML: chosen sentences highlighted, every sentence's score after it."""
+    from html import escape
+
+    parts, cursor = [], 0
+    dropped = {item["index"] for item in result["dropped"]}
+    for sentence in result["sentences"]:
+        parts.append(escape(text[cursor:sentence["start"]]))
+        style = ("background:#fde68a" if sentence["selected"] else
+                 "color:#9ca3af;text-decoration:line-through" if sentence["index"] in dropped else "")
+        parts.append(f'<span class="sentence{" chosen" if sentence["selected"] else ""}" style="{style}" '
+                     f'title="score {sentence["score"]:.3f}">{escape(sentence["text"])}'
+                     f'<sub style="color:#6b7280;font-size:0.7em"> {sentence["score"]:.2f}</sub></span>')
+        cursor = sentence["end"]
+    parts.append(escape(text[cursor:]))
+    return '<div class="summary-doc" style="white-space:pre-wrap;line-height:1.7">' + "".join(parts) + "</div>"
+
+
+def build_tab(predictor) -> None:
+    import gradio as gr
+
+    text = gr.Textbox(label="Document", lines=10, value=EXAMPLES[0]["text"])
+    with gr.Row():
+        count = gr.Slider(0, 20, value=3, step=1, label="Sentences (0: use the ratio)")
+        ratio = gr.Slider(0.05, 1.0, value=0.3, step=0.05, label="Ratio of sentences")
+        min_words = gr.Slider(0, 20, value=4, step=1, label="Drop sentences shorter than (words)")
+        mode = gr.Radio(list(MODES), value="auto", label="Mode")
+    button = gr.Button("Summarise", variant="primary")
+    summary = gr.Textbox(label="Summary", lines=4)
+    document = gr.HTML(label="Document with chosen sentences")
+    dropped = gr.Dataframe(headers=["sentence", "reason"], label="Dropped by the length filter", interactive=False,
+                           wrap=True)
+    details = gr.JSON(label="Result and provenance")
+
+    def run(text_value: str, k: float, ratio_value: float, min_words_value: float, mode_value: str):
+        try:
+            output = predictor.predict({"text": text_value}, num_sentences=int(k) or None, ratio=float(ratio_value),
+                                       min_words=int(min_words_value), mode=mode_value)
+        except InputError as err:
+            raise gr.Error(str(err)) from None
+        result = output["result"]
+        return (result["summary"] or result.get("explanation", ""), render(text_value, result),
+                [[item["text"], item["reason"]] for item in result["dropped"]], output)
+
+    button.click(run, [text, count, ratio, min_words, mode], [summary, document, dropped, details], api_name="summary")
+
+
+EXAMPLES = (
+    {"text": "The city council approved a new budget on Monday. The plan raises spending on schools by 4.5 per cent "
+             "and cuts the road maintenance fund. Mayor J. Smith said the vote was \"a turning point\" for the city. "
+             "Opposition members argued that the cuts would hurt rural districts. The budget takes effect in "
+             "January.\nLocal businesses welcomed the decision. Some residents plan to protest at next week's meeting."},
+)
+
+
+@hookimpl
+def register_tasks(register):
+    register(TaskSpec(
+        name="summary",
+        title="Summary",
+        description="Extractive summary: the document's most central sentences, or those a trained scorer picks.",
+        build_head=SentenceScorerHead,
+        preprocess=preprocess,
+        postprocess=postprocess,
+        build_tab=build_tab,
+        input_fields=("text",),
+        options={"num_sentences": None, "ratio": 0.3, "min_words": 4, "mode": "auto", "mmr_lambda": 0.7,
+                 "layer": -1, "max_length": 512},
+        examples=EXAMPLES,
+        read_data=read_data,
+        training_batch=training_batch,
+        loss=loss,
+        metric=metric,
+        predict_many=predict_many,
+    ))
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from bert_engine.inference import Predictor
+    from bert_engine.registry import load_registry
+
+    parser = argparse.ArgumentParser(description="ROUGE of a summary model against Lead-3, first-k and centroid "
+                                                 "mode on a BBC-News-Summary-style JSON-lines file.")
+    parser.add_argument("file")
+    parser.add_argument("--split", default="test", help="train, dev, test (fixed hash split) or all")
+    parser.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the task's)")
+    parser.add_argument("--limit", type=int, default=None, help="score only the first N documents")
+    args = parser.parse_args()
+    task = load_registry(entry_points=False).task("summary")
+    examples = list(read_data(args.file, args.split))[:args.limit]
+    print(json.dumps(evaluate(Predictor.load(task, args.model), examples), indent=2))

@@ -1,0 +1,203 @@
+"""Extractive summary: sentence spans, centroid + MMR on MiniLM, the BertSum scorer, ROUGE and baselines."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bert_engine.config import BertConfig
+from bert_engine.conformance import check_task
+from bert_engine.heads import BertWithHead
+from bert_engine.hookspecs import InputError
+from bert_engine.inference import Predictor
+from bert_engine.loading import load_tokenizer, save_pretrained
+from bert_engine.model import init_weights
+from bert_engine.registry import load_registry
+from plugins.summary import (SentenceScorerHead, evaluate, lead, loss, mmr_select, oracle_labels, read_data, rouge,
+                             split_of, split_sentences, training_batch)
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "bbc_tiny.jsonl"
+DOC = ("Dr. Smith paid $3.50 for it on Jan. 5. \"Is it done?\" she asked. The U.S. economy grew 2.5 per cent.\n"
+       "A title line without a full stop\nMr. Brown left at 10 p.m. and did not return.")
+
+
+@pytest.fixture(scope="module")
+def task():
+    return load_registry(entry_points=False).task("summary")
+
+
+@pytest.fixture(scope="module")
+def minilm(task, minilm_dir):
+    return Predictor.load(task, str(minilm_dir))
+
+
+def test_sentence_splitter_handles_abbreviations_decimals_quotes_and_newlines():
+    spans = split_sentences(DOC)
+    assert [DOC[a:b] for a, b in spans] == [
+        "Dr. Smith paid $3.50 for it on Jan. 5.",
+        "\"Is it done?\" she asked.",
+        "The U.S. economy grew 2.5 per cent.",
+        "A title line without a full stop",
+        "Mr. Brown left at 10 p.m. and did not return.",
+    ]
+    assert split_sentences("   \n\n  ") == []
+
+
+def test_centroid_mode_on_minilm_returns_spans_scores_and_document_order(minilm):
+    text = list(read_data(FIXTURE, "all"))[0][0]["text"]
+    result = minilm.predict({"text": text}, num_sentences=2)["result"]
+    assert result["mode"] == "centroid"  # MiniLM has no trained scorer: "auto" falls back
+    assert len(result["selected"]) == 2 and result["selected"] == sorted(result["selected"])
+    assert result["summary"] == " ".join(result["sentences"][k]["text"] for k in result["selected"])
+    for sentence in result["sentences"]:
+        assert text[sentence["start"]:sentence["end"]] == sentence["text"]
+        assert 0.0 <= sentence["score"] <= 1.0
+    ratio = minilm.predict({"text": text}, ratio=0.5)["result"]
+    assert len(ratio["selected"]) == 4  # ceil(0.5 * 7 sentences)
+
+
+def test_centroid_scores_are_cosines_to_the_mean_embedding(minilm, minilm_dir):
+    """Recompute the scores independently: each sentence through the encoder alone, mean-pooled."""
+    text = DOC
+    result = minilm.predict({"text": text}, min_words=0)["result"]
+    sentences = [s["text"] for s in result["sentences"]]
+    tokenizer = load_tokenizer(minilm_dir)
+    vectors = []
+    with torch.no_grad():
+        for sentence in sentences:
+            batch = tokenizer(sentence)
+            states = minilm.model.encoder(**batch.model_inputs()).last_hidden_state[0]
+            vectors.append(states.mean(0))
+    unit = torch.nn.functional.normalize(torch.stack(vectors), dim=-1)
+    centroid = torch.nn.functional.normalize(unit.mean(0), dim=-1)
+    expected = (unit @ centroid).tolist()
+    assert [s["score"] for s in result["sentences"]] == pytest.approx(expected, abs=1e-5)
+
+
+def test_mmr_avoids_picking_a_near_duplicate_twice():
+    embeddings = torch.tensor([[1.0, 0.0], [0.99, 0.01], [0.0, 1.0]])
+    scores = torch.tensor([0.9, 0.89, 0.5])
+    assert mmr_select(scores, embeddings, [0, 1, 2], 2, mmr_lambda=1.0) == [0, 1]
+    assert mmr_select(scores, embeddings, [0, 1, 2], 2, mmr_lambda=0.5) == [0, 2]
+
+
+def test_length_filter_lists_dropped_sentences_and_explains_an_empty_summary(minilm):
+    result = minilm.predict({"text": DOC}, min_words=8)["result"]
+    assert [d["text"] for d in result["dropped"]] == ["\"Is it done?\" she asked.", "The U.S. economy grew 2.5 per cent.",
+                                                      "A title line without a full stop"]
+    assert all("min_words=8" in d["reason"] for d in result["dropped"])
+    empty = minilm.predict({"text": "Too short. Also short."}, min_words=5)["result"]
+    assert empty["summary"] == "" and "min_words=5" in empty["explanation"]
+
+
+def test_long_document_is_embedded_sentence_by_sentence(minilm):
+    text = " ".join(f"Sentence number {i} talks about topic {i % 7} in some detail." for i in range(300))
+    result = minilm.predict({"text": text}, num_sentences=5)["result"]
+    assert len(result["sentences"]) == 300 and len(result["selected"]) == 5
+
+
+def test_layer_option_changes_the_embeddings_and_checks_the_range(minilm):
+    last = minilm.predict({"text": DOC}, min_words=0)["result"]
+    first = minilm.predict({"text": DOC}, min_words=0, layer=1)["result"]
+    assert [s["score"] for s in last["sentences"]] != [s["score"] for s in first["sentences"]]
+    with pytest.raises(InputError, match="layer 9 does not exist"):
+        minilm.predict({"text": DOC}, mode="centroid", layer=9)
+
+
+def test_bad_input_and_options_name_the_value(minilm):
+    with pytest.raises(InputError, match="empty"):
+        minilm.predict({"text": "  "})
+    with pytest.raises(InputError, match="ratio.*1.5"):
+        minilm.predict({"text": DOC}, ratio=1.5)
+    with pytest.raises(InputError, match="mode 'abstractive'"):
+        minilm.predict({"text": DOC}, mode="abstractive")
+
+
+def test_training_batch_packs_sentences_bertsum_style(minilm_dir):
+    tokenizer = load_tokenizer(minilm_dir)
+    examples = list(read_data(FIXTURE, "all"))
+    batch, targets = training_batch(examples, tokenizer, max_length=64)
+    cls_id = tokenizer.token_id("cls_token")
+    assert batch.input_ids.shape[1] <= 64 and len(batch) > len(examples)  # documents spill over several rows
+    for r, row in enumerate(batch.meta["cls"]):
+        positions = [p for p, _, _ in row]
+        assert all(int(batch.input_ids[r, p]) == cls_id for p in positions)
+        segments = [int(batch.token_type_ids[r, p]) for p in positions]
+        assert segments == [k % 2 for k in range(len(positions))]  # interval segment ids
+    labels = [y for row in targets for _, y in row]
+    assert sum(labels) == 6  # two reference sentences per fixture document
+
+
+def test_oracle_labels_find_sentences_joined_without_separator():
+    text = "Title here\n\nFirst point is made. Second point follows. Third one ends."
+    spans = split_sentences(text)
+    assert oracle_labels(text, spans, "First point is made.Third one ends.") == [0, 1, 0, 1]
+
+
+def test_scorer_trains_saves_and_is_used_in_auto_mode(task, minilm_dir, tmp_path):
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37)
+    model = BertWithHead(config, SentenceScorerHead(config))
+    model.apply(lambda module: init_weights(module, 0.02))
+    tokenizer = load_tokenizer(minilm_dir)
+    examples = list(read_data(FIXTURE, "all"))
+    batch, targets = training_batch(examples, tokenizer)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    model.train()
+    losses = []
+    for _ in range(40):
+        optimizer.zero_grad()
+        value = loss(model(**batch.model_inputs()), targets)
+        value.backward()
+        optimizer.step()
+        losses.append(value.item())
+    assert losses[-1] < losses[0] * 0.3
+    save_pretrained(model, tmp_path, tokenizer)
+    predictor = Predictor.load(task, str(tmp_path))
+    assert predictor.untrained_head is False
+    inputs, target = examples[0]
+    result = predictor.predict(inputs, num_sentences=2)["result"]
+    assert result["mode"] == "supervised"
+    assert result["summary"].replace(" ", "") == target["summary"].replace(" ", "")
+
+
+def test_rouge_and_baselines():
+    assert rouge(["the cat sat on the mat"], ["the cat sat on the mat"]) == {"rouge1": 100.0, "rouge2": 100.0,
+                                                                            "rougeL": 100.0}
+    assert rouge(["dogs bark"], ["the cat sat"])["rouge1"] == 0.0
+    assert lead(DOC, 2) == "Dr. Smith paid $3.50 for it on Jan. 5. \"Is it done?\" she asked."
+
+
+def test_evaluate_reports_model_lead3_and_first_k(minilm):
+    table = evaluate(minilm, list(read_data(FIXTURE, "all")), progress=False, num_sentences=2)
+    assert table["documents"] == 3
+    assert set(table["rouge_f1"]) == {"model (centroid)", "lead-3", "first-k (k as the model)"}
+    for scores in table["rouge_f1"].values():
+        assert 0 < scores["rouge2"] <= scores["rouge1"] <= 100
+
+
+def test_split_is_fixed_and_bad_lines_name_the_line(tmp_path):
+    assert split_of("business/001") == split_of("business/001")
+    ids = [f"sport/{i:03d}" for i in range(1000)]
+    share = sum(split_of(i) == "test" for i in ids) / len(ids)
+    assert 0.07 < share < 0.13
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a/1", "article": "x", "summary": "y"}\n{"id": "a/2"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        list(read_data(bad, "all"))
+
+
+def test_conformance_kit_passes(task):
+    assert check_task(task) == []
+
+
+def test_cli_predicts_a_summary_with_provenance(minilm_dir):
+    out = subprocess.run([sys.executable, "-m", "bert_engine", "predict", "summary", "-i", f"text={DOC}",
+                          "-o", "num_sentences=2"], capture_output=True, text=True, check=True)
+    payload = json.loads(out.stdout)
+    assert payload["task"] == "summary" and len(payload["result"]["selected"]) == 2
+    assert "latency_ms" in payload["provenance"]
