@@ -72,15 +72,7 @@ def _predict(args: argparse.Namespace) -> dict:
         if not sep or field not in fields:
             raise ValueError(f"--input {item!r}: expected FIELD=TEXT with FIELD one of {', '.join(fields)}")
         inputs[field] = value
-    options = {}
-    for item in args.option:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--option {item!r}: expected NAME=VALUE")
-        try:
-            options[name] = json.loads(value)
-        except ValueError:
-            options[name] = value  # a bare word, e.g. long_input=windows
+    options = _parse_options(args.option)
     predictor = Predictor.load(task, args.model, revision=args.revision)
     texts = Path(args.file).read_text(encoding="utf-8").splitlines() if args.file else [None]
     if args.file and task.spec.predict_many is not None and not inputs:
@@ -96,6 +88,113 @@ def _predict(args: argparse.Namespace) -> dict:
                 raise
             results.append({"task": task.spec.name, "error": str(err)})
     return results[0] if args.file is None else {"results": results}
+
+
+def _training_config(args: argparse.Namespace, **fixed) -> "TrainConfig":
+    import dataclasses
+
+    from .training import TrainConfig
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    given.update(fixed)
+    return TrainConfig.from_file(args.config, **given) if args.config else TrainConfig(**given)
+
+
+def _run_training(job_factory, cfg) -> dict:
+    from .training import init_distributed, train
+
+    dist_info = init_distributed(cfg.device)
+    try:
+        job = job_factory(cfg)
+        return train(job, cfg, dist_info=dist_info)
+    finally:
+        if dist_info.world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace) -> dict:
+    from .jobs import TaskJob
+    from .registry import load_registry
+
+    registry = load_registry()
+    try:
+        task = registry.task(args.task)
+    except KeyError as err:
+        raise ValueError(str(err.args[0])) from None
+    cfg = _training_config(args, task=args.task)
+    return _run_training(lambda c: TaskJob(task, c), cfg)
+
+
+def _pretrain(args: argparse.Namespace) -> dict:
+    from .jobs import PretrainJob
+
+    return _run_training(PretrainJob, _training_config(args))
+
+
+def _eval(args: argparse.Namespace) -> dict:
+    from .inference import Predictor
+    from .jobs import evaluate_task, resolve_model_name
+    from .registry import load_registry
+
+    registry = load_registry()
+    try:
+        task = registry.task(args.task)
+    except KeyError as err:
+        raise ValueError(str(err.args[0])) from None
+    spec = task.spec
+    if spec.read_data is None:
+        raise ValueError(f"task {spec.name!r} declares no data reader; it cannot be evaluated from a file")
+    examples = []
+    for example in spec.read_data(args.data, args.split):
+        if args.limit is not None and len(examples) >= args.limit:
+            break
+        examples.append(example)
+    if not examples:
+        raise ValueError(f"{args.data}: no {args.split!r} examples for task {spec.name!r}")
+    model = args.model or spec.default_checkpoint
+    predictor = Predictor.load(task, resolve_model_name(model) if model in (None, "default") else model,
+                               revision=args.revision)
+    options = _parse_options(args.option)
+    metrics = evaluate_task(spec, predictor, examples, progress=True, **options)
+    return {"task": spec.name, "data": args.data, "split": args.split, "examples": len(examples),
+            "metrics": metrics, "model": predictor.provenance()}
+
+
+def _parse_options(items: list[str]) -> dict:
+    options = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--option {item!r}: expected NAME=VALUE")
+        try:
+            options[name] = json.loads(value)
+        except ValueError:
+            options[name] = value  # a bare word, e.g. long_input=windows
+    return options
+
+
+def _add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per TrainConfig field (--batch-size for batch_size), help from the field's metadata."""
+    import dataclasses
+    import typing
+
+    from .training import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    parser.add_argument("--config", default=None, help="a JSON or YAML file of these settings; flags override it")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if base is bool:
+            parser.add_argument(flag, dest=f.name, action="store_true", default=argparse.SUPPRESS, help=text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=base, default=argparse.SUPPRESS, help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +220,25 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the task's)")
     predict.add_argument("--revision", default=None)
     predict.set_defaults(run=_predict)
+    train = sub.add_parser("train", help="fine-tune a registered task (built-in or plugin); works under torchrun",
+                           description="Fine-tune TASK's head on a checkpoint, optionally with LoRA adapters.")
+    train.add_argument("task", help="task name, e.g. sentiment, ner, qa, summary, fill_mask")
+    _add_training_flags(train, skip=("task", "preset", "max_seq_len", "whole_word_mask", "short_seq_prob"))
+    train.set_defaults(run=_train)
+    pretrain = sub.add_parser("pretrain", help="masked-LM + next-sentence pretraining on raw text; works under torchrun",
+                              description="Pretrain BERT on text documents (a file or folder; blank lines "
+                                          "separate documents), from a size preset or from a checkpoint.")
+    _add_training_flags(pretrain, skip=("task",))
+    pretrain.set_defaults(run=_pretrain)
+    evaluate = sub.add_parser("eval", help="score a checkpoint on a task's data with the task's standard metrics")
+    evaluate.add_argument("task", help="task name")
+    evaluate.add_argument("--data", required=True, help="data file in the task's format (e.g. eng.testb, dev-v1.1.json)")
+    evaluate.add_argument("--split", default="test", help="split of the file, for files holding several (default: test)")
+    evaluate.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+    evaluate.add_argument("--model", default=None, help="checkpoint folder, adapter folder or Hub id (default: the task's)")
+    evaluate.add_argument("--revision", default=None)
+    evaluate.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE", help="a task option")
+    evaluate.set_defaults(run=_eval)
     plugins = sub.add_parser("plugins", help="loaded task plugins (name, version, tasks) and failures, as JSON")
     plugins.set_defaults(run=_plugins)
     plugin = sub.add_parser("plugin", help="plugin tools")
@@ -133,12 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    verbose = args.verbose or args.command in ("train", "pretrain")  # training reports its progress
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "model", "unset") is None and args.command in ("info", "encode"):
         args.model = default_backbone()
     try:
         result = args.run(args)
-    except (HubError, CheckpointError, ValueError, TypeError) as err:
+    except (HubError, CheckpointError, ValueError, TypeError, FileNotFoundError) as err:
         print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
         return 2
     try:

@@ -48,11 +48,15 @@ class TaskSpec:
         default_checkpoint: folder or Hub id of the model used when none is configured;
             None means the engine's default backbone with a freshly initialised head.
         read_data: (path, split) -> iterable of (inputs, target) pairs, for training and evaluation.
-        training_batch: (examples: list of (inputs, target), tokenizer) -> (Batch, targets for `loss`):
-            targets aligned to the batch's rows and tokens. Without it, inputs are preprocessed with
-            the default options and the targets passed to `loss` as read.
+        training_batch: (examples: list of (inputs, target), tokenizer, generator) -> (Batch, targets
+            for `loss`): targets aligned to the batch's rows and tokens; `generator` (a seeded
+            torch.Generator) drives any randomness such as masking. Without it, inputs are
+            preprocessed with the default options and the targets passed to `loss` as read.
         loss: (head output, targets) -> scalar tensor (the mean over the batch).
         metric: (results: list of postprocess results, targets: list as read) -> {name: number}.
+        evaluate: (predictor, examples: list of (inputs, target), progress, **options) -> metrics;
+            replaces the generic "predict every example, then `metric`" evaluation (masked-token
+            accuracy needs its own masking; a summary table adds baselines).
         predict_many: (predictor, texts: list[str], **options) -> results in order; a batched path
             (length-sorted, dynamically padded) for files and lists. Without it, inputs run one by one.
     """
@@ -73,6 +77,7 @@ class TaskSpec:
     training_batch: Callable[..., Any] | None = None
     loss: Callable[..., Any] | None = None
     metric: Callable[..., Any] | None = None
+    evaluate: Callable[..., Any] | None = None
     predict_many: Callable[..., Any] | None = None
 
 

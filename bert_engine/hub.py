@@ -23,6 +23,7 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 OPTIONAL_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+ADAPTER_WEIGHTS = "adapter.safetensors"  # a LoRA adapter folder (lora.py) has this instead of full weights
 
 
 class HubError(RuntimeError):
@@ -74,7 +75,13 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
         logger.warning("the Hub is unreachable; using the cached copy of %r if there is one", name)
         fetch.go_offline(unreachable=True)
     config = fetch("config.json", required=True)
-    weights = fetch.first_of(WEIGHT_FILES, "weights")
+    weights = fetch.first_of(WEIGHT_FILES + (ADAPTER_WEIGHTS,), "weights")
+    if weights.name == ADAPTER_WEIGHTS:  # a LoRA adapter + head: its base model is resolved when loading
+        fetch("adapter_config.json", required=True)
+        for optional in TOKENIZER_FILES + OPTIONAL_FILES:
+            fetch(optional, required=False)
+        folder = config.parent
+        return Resolved(folder, name, revision, folder.name if folder.parent.name == "snapshots" else None)
     if weights.name.endswith(".index.json"):
         import json
         for shard in sorted(set(json.loads(weights.read_text(encoding="utf-8"))["weight_map"].values())):

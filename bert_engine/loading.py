@@ -249,7 +249,7 @@ def _check_tied_decoder(checkpoint, by_norm, ours_state, model, source) -> None:
 
 
 def load_state(model: nn.Module, checkpoint: dict[str, Tensor], *, source: str = "checkpoint",
-               strict: bool = False) -> LoadReport:
+               strict: bool = False, warn_missing: bool = True) -> LoadReport:
     """Copy a checkpoint's tensors into `model` (cast to its dtype) and report what did not fit.
 
     Missing encoder weights always raise (the encoder would be random); a missing head is left at
@@ -266,7 +266,7 @@ def load_state(model: nn.Module, checkpoint: dict[str, Tensor], *, source: str =
         if report.unexpected:
             problems.append(f"unexpected {_names(report.unexpected)}")
         raise CheckpointError(f"{source}: checkpoint does not fit the model: {'; '.join(problems)}")
-    if report.missing:
+    if report.missing and warn_missing:
         logger.warning("%s: no weights for %s; they keep their fresh initialisation (train the head first)",
                        source, _names(report.missing))
     if report.defaulted:
@@ -328,7 +328,7 @@ def save_pretrained(model: nn.Module, folder: str | Path, tokenizer=None) -> Pat
 def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = None, *, labels: list[str] | None = None,
                     revision: str | None = None, local_files_only: bool = False, attn_backend: str = "sdpa",
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", strict: bool = False,
-                    **hub_kwargs) -> nn.Module:
+                    warn_missing: bool = True, **hub_kwargs) -> nn.Module:
     """Load a checkpoint (folder or Hub id) as a BertModel, or a BertWithHead when `head` is given.
 
     Args:
@@ -336,6 +336,7 @@ def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = Non
             `architectures`), a head module, or a factory `config -> head module` (task plugins).
         labels: label names for a new classification head (overrides the checkpoint's id2label).
         strict: also raise on unexpected keys and a missing (untrained) head.
+        warn_missing: log missing head weights (off when an adapter supplies them next).
     Returns:
         The model in eval mode on `device`, with `.checkpoint` (a hub.Resolved) for provenance and
         `.load_report` (missing / unexpected keys).
@@ -347,6 +348,15 @@ def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = Non
     from .hub import resolve
 
     resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
+    if (resolved.folder / "adapter_config.json").is_file():
+        from .lora import load_adapter
+
+        if head is None or head == "auto":
+            raise CheckpointError(f"{resolved.folder}: a LoRA adapter folder needs its task's head to load")
+        model = load_adapter(resolved.folder, head, attn_backend=attn_backend, dtype=dtype, device=device,
+                             strict=strict, local_files_only=local_files_only, **hub_kwargs)
+        model.checkpoint = resolved
+        return model
     config_file = resolved.folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{resolved.folder}: no config.json; not a checkpoint in the Hugging Face layout")
@@ -363,7 +373,7 @@ def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = Non
     else:
         # A task passes a head factory: it needs the checkpoint's config (sizes, labels) first.
         model = BertWithHead(config, head(config) if callable(head) and not isinstance(head, nn.Module) else head)
-    model.load_report = load_state(model, checkpoint, source=str(weights), strict=strict)
+    model.load_report = load_state(model, checkpoint, source=str(weights), strict=strict, warn_missing=warn_missing)
     model.to(device=device, dtype=dtype).eval()
     model.checkpoint = resolved
     return model
@@ -394,7 +404,10 @@ def load(name_or_path: str | Path, head: str | nn.Module | None = None, **kwargs
         CheckpointError: if the tokenizer's vocabulary is larger than the embedding table.
     """
     model = load_pretrained(name_or_path, head, **kwargs)
-    tokenizer = load_tokenizer(model.checkpoint.folder)
+    folder = model.checkpoint.folder
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "vocab.txt")) and hasattr(model, "base_checkpoint"):
+        folder = model.base_checkpoint.folder  # an adapter folder uses its base model's tokenizer
+    tokenizer = load_tokenizer(folder)
     vocab_size = model.config.vocab_size
     if tokenizer.vocab_size > vocab_size:
         raise CheckpointError(

@@ -124,7 +124,7 @@ class Registry:
         for field in ("build_head", "preprocess", "postprocess"):
             if not callable(getattr(spec, field)):
                 problems.append(f"{field} must be callable, got {type(getattr(spec, field)).__name__}")
-        for field in ("build_tab", "read_data", "training_batch", "loss", "metric", "predict_many"):
+        for field in ("build_tab", "read_data", "training_batch", "loss", "metric", "evaluate", "predict_many"):
             value = getattr(spec, field)
             if value is not None and not callable(value):
                 problems.append(f"{field} must be callable or None, got {type(value).__name__}")

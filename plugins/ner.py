@@ -218,7 +218,7 @@ def read_data(path, split: str = "train"):
         yield {"text": " ".join(words)}, {"words": words, "tags": convert(tags, "BIO")}
 
 
-def training_batch(examples, tokenizer, *, max_length: int = 256, stride: int = 64):
+def training_batch(examples, tokenizer, *, generator=None, max_length: int = 256, stride: int = 64):
     """Tokenise sentences and place each word's tag on its first wordpiece (-100 elsewhere).
 
     A data word the pre-tokeniser splits ("U.S.") tags its later pieces as the entity's continuation,

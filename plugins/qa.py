@@ -140,37 +140,74 @@ def f1_score(prediction: str, truth: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def metric(predictions: list[str], targets: list[list[str]]) -> dict[str, float]:
+def squad_scores(predictions: list[str], golds: list[list[str]]) -> dict[str, float]:
     """Exact match and F1 in percent, each the maximum over the gold answers (official semantics)."""
-    if not targets:
+    if not golds:
         raise ValueError("no questions to score")
-    em = sum(max(normalize_answer(p) == normalize_answer(t) for t in golds) for p, golds in zip(predictions, targets))
-    f1 = sum(max(f1_score(p, t) for t in golds) for p, golds in zip(predictions, targets))
-    return {"exact_match": 100.0 * em / len(targets), "f1": 100.0 * f1 / len(targets)}
+    em = sum(max(normalize_answer(p) == normalize_answer(t) for t in gold) for p, gold in zip(predictions, golds))
+    f1 = sum(max(f1_score(p, t) for t in gold) for p, gold in zip(predictions, golds))
+    return {"exact_match": 100.0 * em / len(golds), "f1": 100.0 * f1 / len(golds)}
+
+
+def metric(results: list[dict], targets: list[dict]) -> dict[str, float]:
+    """Official SQuAD EM / F1 of the results' best answers against the targets' gold answers."""
+    return squad_scores([r["answer"] or "" for r in results], [t["answers"] for t in targets])
 
 
 def read_data(path, split: str = "dev"):
-    """A SQuAD-format JSON file; yields ({"question", "context"}, [gold answers]) per question."""
+    """A SQuAD-format JSON file; yields ({"question", "context"}, {"answers": texts, "starts": char offsets})."""
     with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)["data"]
+        try:
+            data = json.load(handle)["data"]
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"{path}: not a SQuAD-format JSON file ({err})") from None
     for article in data:
         for paragraph in article["paragraphs"]:
             for qa in paragraph["qas"]:
-                golds = [a["text"] for a in qa["answers"]] or [""]
-                yield {"question": qa["question"], "context": paragraph["context"]}, golds
+                answers = qa["answers"]
+                yield ({"question": qa["question"], "context": paragraph["context"]},
+                       {"answers": [a["text"] for a in answers] or [""],
+                        "starts": [a["answer_start"] for a in answers] or [-1]})
 
 
 def evaluate_squad(predictor, path, *, limit: int | None = None, progress: bool = True, **options) -> dict[str, Any]:
     """Predict every question of a SQuAD file and score it with the official EM / F1."""
     from tqdm.auto import tqdm
 
-    predictions, targets = [], []
+    results, targets = [], []
     examples = list(read_data(path))[:limit]
-    for inputs, golds in tqdm(examples, disable=not progress, desc="squad", unit="question"):
-        result = predictor.predict(inputs, **options)["result"]
-        predictions.append(result["answer"] or "")
-        targets.append(golds)
-    return {**metric(predictions, targets), "questions": len(examples)}
+    for inputs, target in tqdm(examples, disable=not progress, desc="squad", unit="question"):
+        results.append(predictor.predict(inputs, **options)["result"])
+        targets.append(target)
+    return {**metric(results, targets), "questions": len(examples)}
+
+
+def training_batch(examples, tokenizer, *, generator=None, max_seq_len: int = 384, doc_stride: int = 128,
+                   max_question_len: int = 64):
+    """Windows over each context (as at inference) and per window the (start, end) token of the first
+    gold answer, or (0, 0) — the [CLS] token — when the answer is not wholly inside that window."""
+    questions = []
+    for (inputs, _), encoding in zip(examples, tokenizer.pieces([x["question"] for x, _ in examples])):
+        offsets = encoding.offsets
+        cut = offsets[max_question_len - 1][1] if len(offsets) > max_question_len else len(inputs["question"])
+        questions.append(inputs["question"][:cut])
+    contexts = [inputs["context"] for inputs, _ in examples]
+    batch = tokenizer(questions, contexts, max_length=max_seq_len, truncation="only_second", stride=doc_stride,
+                      return_overflowing=True)
+    positions = []
+    for r, sample in enumerate(batch.sample_index):
+        target = examples[sample][1]
+        start_char = target["starts"][0]
+        end_char = start_char + len(target["answers"][0])
+        start = end = 0
+        if start_char >= 0:
+            tokens = [t for t, seq in enumerate(batch.sequence_ids[r]) if seq == 1]
+            first, last = batch.offsets[r][tokens[0]][0], batch.offsets[r][tokens[-1]][1]
+            if first <= start_char and end_char <= last:
+                start = next(t for t in tokens if batch.offsets[r][t][1] > start_char)
+                end = next(t for t in reversed(tokens) if batch.offsets[r][t][0] < end_char)
+        positions.append((start, end))
+    return batch, positions
 
 
 def loss(output, targets: list[tuple[int, int]]):
@@ -235,6 +272,7 @@ def register_tasks(register):
         examples=EXAMPLES,
         read_data=read_data,
         loss=loss,
+        training_batch=training_batch,
         metric=metric,
     ))
 

@@ -113,7 +113,7 @@ def postprocess(output: SentimentOutput, batch, *, top_k=None, function="auto", 
         ranked = sorted(zip(output.labels, averaged.tolist()), key=lambda item: -item[1])
         ranked = ranked[:top_k] if top_k else ranked
         results.append({
-            "label": ranked[0][0], "score": _round(ranked[0][1]),
+            "label": ranked[0][0], "label_id": output.labels.index(ranked[0][0]), "score": _round(ranked[0][1]),
             "labels": [{"label": label, "score": _round(score)} for label, score in ranked],
             "function": used, "normalised": used == "softmax" and top_k is None,
             "long_input": {"policy": long_input, "windows": len(rows), "truncated": bool(batch.truncated[i])},
@@ -180,8 +180,9 @@ def loss(output: SentimentOutput, targets: list[int]) -> Tensor:
     return torch.nn.functional.cross_entropy(output.logits, torch.tensor(targets, device=output.logits.device))
 
 
-def metric(predictions: list[int], targets: list[int]) -> dict[str, float]:
-    """Accuracy (SST-2's metric) and macro-F1 over the labels seen."""
+def metric(results: list[dict], targets: list[int]) -> dict[str, float]:
+    """Accuracy (SST-2's metric) and macro-F1 over the labels seen; targets are label ids."""
+    predictions = [r["label_id"] if isinstance(r, dict) else r for r in results]
     if not targets:
         raise ValueError("no targets to score")
     accuracy = sum(p == t for p, t in zip(predictions, targets)) / len(targets)

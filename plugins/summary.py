@@ -353,7 +353,7 @@ def oracle_labels(text: str, spans: list[tuple[int, int]], summary: str) -> list
     return [int(len(text[a:b].split()) > 0 and " ".join(text[a:b].split()) in squashed) for a, b in spans]
 
 
-def training_batch(examples, tokenizer, *, max_length: int = 512):
+def training_batch(examples, tokenizer, *, generator=None, max_length: int = 512):
     """Packed BertSum rows and, per row, the (position, label) pairs of its sentences."""
     texts = [inputs["text"] for inputs, _ in examples]
     documents = [split_sentences(t) for t in texts]
@@ -413,7 +413,7 @@ def evaluate(predictor, examples, *, batch_size: int = 8, progress: bool = True,
     table["lead-3"] = rouge([lead(t, 3) for t in texts], references)
     table["first-k (k as the model)"] = rouge([lead(t, len(r["selected"])) for t, r in zip(texts, model_results)],
                                               references)
-    return {"documents": len(examples), "rouge_f1": table}
+    return {**table[f"model ({mode})"], "documents": len(examples), "rouge_f1": table}
 
 
 def predict_many(predictor, texts: list[str], *, batch_size: int = 8, progress: bool = False, **options):
@@ -496,6 +496,7 @@ def register_tasks(register):
         training_batch=training_batch,
         loss=loss,
         metric=metric,
+        evaluate=evaluate,
         predict_many=predict_many,
     ))
 

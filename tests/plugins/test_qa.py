@@ -10,7 +10,7 @@ from bert_engine.conformance import check_task
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.registry import load_registry
-from plugins.qa import evaluate_squad, max_context_windows, metric, normalize_answer, read_data
+from plugins.qa import evaluate_squad, max_context_windows, metric, normalize_answer, read_data, squad_scores
 
 from conftest import reference_checkpoint
 
@@ -139,8 +139,9 @@ def test_bad_input_is_a_clear_input_error(predictor, inputs, options, message):
 
 def test_official_squad_normalisation_and_metric():
     assert normalize_answer("The  Cat, sat!") == "cat sat"
-    assert metric(["the South America"], [["South America", "S. America"]]) == {"exact_match": 100.0, "f1": 100.0}
-    partial = metric(["seven million"], [["seven million square kilometres"]])
+    assert squad_scores(["the South America"], [["South America", "S. America"]]) == {"exact_match": 100.0, "f1": 100.0}
+    assert metric([{"answer": "S. America"}], [{"answers": ["South America", "S. America"]}])["exact_match"] == 100.0
+    partial = squad_scores(["seven million"], [["seven million square kilometres"]])
     assert partial["exact_match"] == 0.0 and partial["f1"] == pytest.approx(100 * 2 * (1 * 0.5) / 1.5)
 
 

@@ -124,4 +124,4 @@ def test_metric_and_reader(task, tmp_path):
     path.write_text("sentence\tlabel\ngood film \t1\nbad film \t0\n")
     rows = list(task.spec.read_data(path))
     assert rows == [({"text": "good film"}, 1), ({"text": "bad film"}, 0)]
-    assert task.spec.metric([1, 1], [1, 0]) == {"accuracy": 0.5, "macro_f1": pytest.approx((0 + 2 / 3) / 2)}
+    assert task.spec.metric([{"label_id": 1}, {"label_id": 1}], [1, 0]) == {"accuracy": 0.5, "macro_f1": pytest.approx((0 + 2 / 3) / 2)}

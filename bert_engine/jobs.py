@@ -1,0 +1,274 @@
+"""The two kinds of training the loop runs: fine-tuning a registered task, and MLM + NSP pretraining.
+
+A task job gets everything task-specific through the TaskSpec (data reader, training batches, loss,
+metric or evaluate), so a third-party task trains with the same command as a built-in one. Both jobs
+save in the Hugging Face layout, or as a small LoRA adapter + head when LoRA is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .hookspecs import TaskSpec
+from .registry import RegisteredTask
+from .training import Distributed, TrainConfig, gather_objects
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_name(name: str | None) -> str:
+    from .hub import default_backbone
+
+    return str(default_backbone()) if name in (None, "default") else name
+
+
+def evaluate_task(spec: TaskSpec, predictor, examples: list, *, rank: int = 0, world: int = 1,
+                  progress: bool = False, **options) -> dict[str, Any]:
+    """The task's metrics on (inputs, target) examples: its own `evaluate` if it has one, else
+    predictions (batched where the task can) scored by its `metric`. Sharded over ranks and gathered."""
+    if spec.evaluate is not None:
+        return spec.evaluate(predictor, examples, progress=progress, **options) if rank == 0 or world == 1 else {}
+    if spec.metric is None:
+        raise ValueError(f"task {spec.name!r} declares neither metric nor evaluate; it cannot be evaluated")
+    mine = list(range(rank, len(examples), world))
+    inputs = [examples[i][0] for i in mine]
+    if spec.predict_many is not None and len(spec.input_fields) == 1 and not spec.optional_fields:
+        field = spec.input_fields[0]
+        results = spec.predict_many(predictor, [x[field] for x in inputs], progress=progress, **options)
+    else:
+        from tqdm.auto import tqdm
+
+        results = [predictor.predict(x, **options)["result"] for x in tqdm(inputs, disable=not progress,
+                                                                            desc=spec.name, unit="example")]
+    gathered = gather_objects(list(zip(mine, results)), Distributed(rank, world))
+    ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
+    return spec.metric([r for _, r in ordered], [examples[i][1] for i, _ in ordered])
+
+
+class TaskJob:
+    """Fine-tune a registered task: its head on a checkpoint, optionally with LoRA adapters."""
+
+    def __init__(self, task: RegisteredTask, cfg: TrainConfig) -> None:
+        from .loading import load
+
+        spec = task.spec
+        missing = [name for name in ("read_data", "loss") if getattr(spec, name) is None]
+        if missing:
+            raise ValueError(f"task {spec.name!r} cannot be trained: it declares no {' and no '.join(missing)}")
+        if not cfg.train_file:
+            raise ValueError("train_file is required to fine-tune a task")
+        self.task, self.spec, self.cfg = task, spec, cfg
+        self.base_name = cfg.model or spec.default_checkpoint or "default"
+        self.model, self.tokenizer = load(resolve_model_name(self.base_name), spec.build_head)
+        self.examples = _limited(spec.read_data(cfg.train_file, cfg.train_split), cfg.train_limit)
+        if not self.examples:
+            raise ValueError(f"{cfg.train_file}: no {cfg.train_split!r} examples for task {spec.name!r}")
+        eval_file = cfg.eval_file or cfg.train_file
+        self.eval_examples = []
+        if cfg.eval_file or cfg.eval_split != cfg.train_split:
+            try:
+                self.eval_examples = _limited(spec.read_data(eval_file, cfg.eval_split), cfg.eval_limit)
+            except ValueError as err:
+                logger.warning("no evaluation data (%s); the final weights will be kept", err)
+        self.lora = _prepare_lora(self.model, cfg)
+
+    def collate(self, examples: list, generator: torch.Generator):
+        spec = self.spec
+        if spec.training_batch is not None:
+            return spec.training_batch(examples, self.tokenizer, generator=generator)
+        fields = spec.input_fields + spec.optional_fields
+        inputs = {f: [x.get(f) for x, _ in examples] for f in fields if any(x.get(f) is not None for x, _ in examples)}
+        batch = spec.preprocess(inputs, self.tokenizer, **spec.options)
+        return batch, [target for _, target in examples]
+
+    def loss(self, model: nn.Module, batch, targets):
+        device = next(model.parameters()).device
+        output = model(**batch.to(device).model_inputs())
+        return self.spec.loss(output, targets), {}
+
+    def evaluate(self, model: nn.Module, rank: int, world: int) -> dict[str, Any]:
+        if not self.eval_examples:
+            return {}
+        from .inference import Predictor
+
+        predictor = Predictor(self.task, model, self.tokenizer, model_id=f"{self.cfg.output_dir} (training)")
+        return evaluate_task(self.spec, predictor, self.eval_examples, rank=rank, world=world)
+
+    def save(self, model: nn.Module, folder: Path) -> None:
+        save_model(model, folder, self.tokenizer, self.lora, self.base_name, self.cfg)
+
+
+class PretrainJob:
+    """Masked-LM + next-sentence pretraining from raw documents, from scratch or from a checkpoint."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        from .config import PRESETS
+        from .heads import BertWithHead
+        from .loading import load, load_tokenizer
+        from .pretraining import PairBuilder, read_documents, tokenize_documents
+
+        if not cfg.train_file:
+            raise ValueError("train_file (a text file or folder) is required to pretrain")
+        if cfg.preset and cfg.model not in (None, "default"):
+            raise ValueError("give either preset (from scratch) or model (continue), not both")
+        self.cfg = cfg
+        self.base_name = cfg.model or "default"
+        if cfg.preset:
+            if cfg.preset not in PRESETS:
+                raise ValueError(f"preset {cfg.preset!r} is not one of {sorted(PRESETS)}")
+            self.tokenizer = load_tokenizer(resolve_model_name(cfg.model))
+            import dataclasses
+
+            config = dataclasses.replace(PRESETS[cfg.preset], vocab_size=self.tokenizer.vocab_size,
+                                         max_position_embeddings=max(PRESETS[cfg.preset].max_position_embeddings,
+                                                                     cfg.max_seq_len))
+            torch.manual_seed(cfg.seed)
+            self.model = BertWithHead(config, "pretraining")
+        else:
+            self.model, self.tokenizer = load(resolve_model_name(cfg.model), "pretraining")
+            if self.model.load_report.missing:
+                logger.info("the checkpoint has no pretraining head; training a new one")
+        builder = PairBuilder(tokenize_documents(read_documents(cfg.train_file), self.tokenizer), cfg.max_seq_len,
+                              cfg.short_seq_prob)
+        self.builder = builder
+        self._epoch = -1
+        self.examples: list = builder.pairs(cfg.seed)  # epoch 0; rebuilt per epoch in collate
+        self.eval_pairs = []
+        if cfg.eval_file:
+            eval_builder = PairBuilder(tokenize_documents(read_documents(cfg.eval_file), self.tokenizer),
+                                       cfg.max_seq_len, cfg.short_seq_prob)
+            self.eval_pairs = _limited(eval_builder.pairs(cfg.seed + 99991), cfg.eval_limit or 512)
+        self.lora = _prepare_lora(self.model, cfg)
+
+    def collate(self, pairs: list, generator: torch.Generator):
+        from .pretraining import collate_pairs, mask_tokens
+
+        batch, nsp = collate_pairs(pairs, self.tokenizer)
+        masked, labels = mask_tokens(batch.input_ids, self.tokenizer, mlm_prob=self.cfg.mlm_prob,
+                                     whole_word=self.cfg.whole_word_mask, generator=generator)
+        batch.input_ids = masked
+        return batch, (labels, nsp)
+
+    def loss(self, model: nn.Module, batch, targets):
+        labels, nsp = targets
+        device = next(model.parameters()).device
+        labels, nsp = labels.to(device), nsp.to(device)
+        output = model(**batch.to(device).model_inputs())
+        mlm_loss, mlm_correct, count = _mlm_loss(output.mlm_logits, labels)
+        nsp_loss = nn.functional.cross_entropy(output.nsp_logits.float(), nsp)
+        nsp_acc = (output.nsp_logits.argmax(-1) == nsp).float().mean().item()
+        stats = {"mlm_loss": mlm_loss.item(), "nsp_loss": nsp_loss.item(),
+                 "mlm_accuracy": mlm_correct / max(count, 1), "nsp_accuracy": nsp_acc}
+        return mlm_loss + nsp_loss, stats
+
+    def evaluate(self, model: nn.Module, rank: int, world: int) -> dict[str, Any]:
+        if not self.eval_pairs:
+            return {}
+        device = next(model.parameters()).device
+        totals = {"mlm_loss": 0.0, "mlm_correct": 0.0, "mlm_top5": 0.0, "masked": 0.0, "nsp_correct": 0.0, "pairs": 0.0}
+        generator = torch.Generator().manual_seed(12345)  # the same masks at every evaluation
+        mine = self.eval_pairs[rank::world]
+        for start in range(0, len(mine), 64):
+            batch, (labels, nsp) = self.collate(mine[start:start + 64], generator)
+            output = model(**batch.to(device).model_inputs())
+            labels, nsp = labels.to(device), nsp.to(device)
+            chosen = labels != -100
+            logits = output.mlm_logits[chosen].float()
+            gold = labels[chosen]
+            totals["mlm_loss"] += nn.functional.cross_entropy(logits, gold, reduction="sum").item()
+            totals["mlm_correct"] += (logits.argmax(-1) == gold).sum().item()
+            totals["mlm_top5"] += (logits.topk(5, -1).indices == gold[:, None]).any(-1).sum().item()
+            totals["masked"] += gold.numel()
+            totals["nsp_correct"] += (output.nsp_logits.argmax(-1) == nsp).sum().item()
+            totals["pairs"] += nsp.numel()
+        parts = gather_objects([totals], Distributed(rank, world))
+        summed = {k: sum(p[0][k] for p in parts) for k in totals}
+        mlm_loss = summed["mlm_loss"] / max(summed["masked"], 1)
+        return {"mlm_accuracy": summed["mlm_correct"] / max(summed["masked"], 1),
+                "mlm_top5": summed["mlm_top5"] / max(summed["masked"], 1),
+                "mlm_loss": mlm_loss, "perplexity": math.exp(min(mlm_loss, 50)),
+                "nsp_accuracy": summed["nsp_correct"] / max(summed["pairs"], 1)}
+
+    def new_epoch(self, epoch: int) -> None:
+        """Fresh NSP pairs for each epoch (masks are fresh in every batch anyway), as many as before."""
+        if epoch != self._epoch:
+            count = len(self.examples)
+            pairs = self.builder.pairs(self.cfg.seed + epoch)
+            self.examples[:] = (pairs * (count // max(len(pairs), 1) + 1))[:count]
+            self._epoch = epoch
+
+    def save(self, model: nn.Module, folder: Path) -> None:
+        save_model(model, folder, self.tokenizer, self.lora, self.base_name, self.cfg)
+
+
+def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    chosen = labels != -100
+    picked = logits[chosen].float()
+    gold = labels[chosen]
+    if gold.numel() == 0:
+        return logits.sum() * 0.0, 0, 0
+    loss = nn.functional.cross_entropy(picked, gold)
+    return loss, int((picked.argmax(-1) == gold).sum()), int(gold.numel())
+
+
+def _limited(iterable, limit: int | None) -> list:
+    out = []
+    for item in iterable:
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(item)
+    return out
+
+
+def _prepare_lora(model: nn.Module, cfg: TrainConfig):
+    """Add LoRA adapters (encoder frozen) or freeze the encoder, as the config says."""
+    from .lora import LoraConfig, add_lora
+
+    if cfg.lora_rank:
+        lora = LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                          targets=tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip()),
+                          dropout=cfg.lora_dropout)
+        adapted = add_lora(model.encoder, lora)
+        if model.encoder.pooler is not None:
+            # The pooler feeds only the task head (sentence-embedding checkpoints never trained it):
+            # it trains with the head and is saved in the adapter file.
+            for p in model.encoder.pooler.parameters():
+                p.requires_grad_(True)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        logger.info("LoRA rank %d on %d modules; %s trainable parameters", lora.rank, len(adapted), f"{trainable:,}")
+        return lora
+    if cfg.freeze_encoder:
+        for p in model.encoder.parameters():
+            p.requires_grad_(False)
+    return None
+
+
+def save_model(model: nn.Module, folder: Path, tokenizer, lora, base_name: str, cfg: TrainConfig) -> None:
+    """Hugging Face layout, or adapter + head (and the merged model with merge_lora) under LoRA."""
+    import copy
+
+    from .loading import save_pretrained
+    from .lora import merge_lora, save_adapter
+
+    folder = Path(folder)
+    if lora is None:
+        save_pretrained(model, folder, tokenizer)
+        return
+    save_adapter(model, folder, lora, base_name, model_checkpoint_folder(model))
+    if cfg.merge_lora:
+        merged = copy.deepcopy(model)
+        merge_lora(merged)
+        save_pretrained(merged, folder.parent / "merged", tokenizer)
+
+
+def model_checkpoint_folder(model: nn.Module) -> Path:
+    checkpoint = getattr(model, "base_checkpoint", None) or getattr(model, "checkpoint", None)
+    if checkpoint is None:
+        raise ValueError("cannot record the base model of an adapter: the model was not loaded from a checkpoint")
+    return Path(checkpoint.folder)

@@ -1,0 +1,242 @@
+"""LoRA adapters for the encoder's linear layers: add, train, save small, load on a base, merge.
+
+A LoRA layer keeps the base weight W frozen and learns a low-rank update: y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ
+with A (r, in), B (out, r), s = alpha / r; B starts at zero so training starts from the base model.
+The fused q/k/v projection takes one (A, B) pair per selected part ("query", "key", "value"), so
+"query,value" adapts exactly those two projections as LoRA on separate matrices would.
+
+Adapter files hold only the LoRA tensors and the head (`adapter.safetensors`) plus
+`adapter_config.json` (rank, alpha, targets, the base model and its sha256).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+# Target name -> (module path inside each BertLayer, part of a fused output or None).
+TARGETS = {
+    "query": ("attention.qkv", 0),
+    "key": ("attention.qkv", 1),
+    "value": ("attention.qkv", 2),
+    "attention_output": ("attention.out", None),
+    "ffn_up": ("ffn.up", None),
+    "ffn_down": ("ffn.down", None),
+}
+DEFAULT_TARGETS = ("query", "value")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be at least 1, got {self.rank}")
+        unknown = sorted(set(self.targets) - set(TARGETS))
+        if unknown or not self.targets:
+            raise ValueError(f"LoRA targets {unknown or list(self.targets)} are not among {sorted(TARGETS)}")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "targets": list(self.targets)}
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus one low-rank update per adapted slice of its output.
+
+    Args:
+        base: the layer to adapt (its parameters are frozen here).
+        parts: which of `num_parts` equal slices of the output get an update (one part: the whole).
+    """
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, parts: tuple[int, ...] = (0,),
+                 num_parts: int = 1, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.base = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.scaling = alpha / rank
+        self.part_size = base.out_features // num_parts
+        self.parts = tuple(sorted(parts))
+        self.dropout = nn.Dropout(dropout)
+        device, dtype = base.weight.device, base.weight.dtype
+        self.lora_a = nn.ParameterList(nn.Parameter(torch.empty(rank, base.in_features, device=device, dtype=dtype))
+                                       for _ in self.parts)
+        self.lora_b = nn.ParameterList(nn.Parameter(torch.zeros(self.part_size, rank, device=device, dtype=dtype))
+                                       for _ in self.parts)
+        for a in self.lora_a:
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as nn.Linear initialises its weight
+
+    def delta(self) -> Tensor:
+        """The full (out, in) weight update s·B·A, zero rows for parts without an adapter."""
+        update = self.base.weight.new_zeros(self.base.weight.shape)
+        for part, a, b in zip(self.parts, self.lora_a, self.lora_b):
+            rows = slice(part * self.part_size, (part + 1) * self.part_size)
+            update[rows] = (b @ a) * self.scaling
+        return update
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)  # (…, out)
+        if len(self.parts) * self.part_size == y.shape[-1]:  # every slice adapted: one concatenation
+            h = self.dropout(x)
+            updates = [(h @ a.T) @ b.T for a, b in zip(self.lora_a, self.lora_b)]
+            return y + torch.cat(updates, dim=-1) * self.scaling
+        h = self.dropout(x)
+        pieces = list(y.split(self.part_size, dim=-1))
+        for part, a, b in zip(self.parts, self.lora_a, self.lora_b):
+            pieces[part] = pieces[part] + (h @ a.T) @ b.T * self.scaling
+        return torch.cat(pieces, dim=-1)
+
+    def merged(self) -> nn.Linear:
+        """The base layer with the update folded into its weight (no extra cost at inference)."""
+        with torch.no_grad():
+            self.base.weight += self.delta()
+        return self.base
+
+
+def add_lora(encoder: nn.Module, config: LoraConfig) -> list[str]:
+    """Replace the targeted linears of every encoder layer with LoRALinear and freeze the encoder.
+
+    Returns the names of the adapted modules. Only the LoRA tensors of the encoder stay trainable.
+    """
+    for p in encoder.parameters():
+        p.requires_grad_(False)
+    by_module: dict[str, list[int | None]] = {}
+    for target in config.targets:
+        path, part = TARGETS[target]
+        by_module.setdefault(path, []).append(part)
+    adapted = []
+    for i, layer in enumerate(encoder.layers):
+        for path, parts in by_module.items():
+            parent_name, attr = path.rsplit(".", 1)
+            parent = layer.get_submodule(parent_name)
+            base = getattr(parent, attr)
+            fused = parts[0] is not None
+            setattr(parent, attr, LoRALinear(base, config.rank, config.alpha,
+                                             tuple(parts) if fused else (0,), 3 if fused else 1, config.dropout))
+            adapted.append(f"layers.{i}.{path}")
+    return adapted
+
+
+def merge_lora(module: nn.Module) -> int:
+    """Fold every LoRALinear under `module` back into a plain nn.Linear; returns how many were merged."""
+    count = 0
+    for name, child in list(module.named_modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, LoRALinear):
+                setattr(child, attr, sub.merged())
+                count += 1
+    return count
+
+
+def lora_state(model: nn.Module) -> dict[str, Tensor]:
+    """The LoRA tensors of `model` (names as in its state dict)."""
+    return {k: v for k, v in model.state_dict().items() if ".lora_a." in k or ".lora_b." in k}
+
+
+# -- adapter files ------------------------------------------------------------------------------------
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter.safetensors"
+
+
+def file_sha256(path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_adapter(model: nn.Module, folder, config: LoraConfig, base_model: str, base_folder) -> None:
+    """Write the LoRA tensors, the head's own parameters (not the tied decoder) and the pooler, plus configs.
+
+    Args:
+        base_model: how to find the base again: a folder, a Hub id, or "default" (the offline backbone).
+        base_folder: the resolved base folder, whose weights' sha256 is recorded.
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from .loading import find_weights
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tied = {id(p) for p in model.encoder.embeddings.parameters()}
+    tensors = dict(lora_state(model))
+    for name, param in model.named_parameters():
+        if (name.startswith("head.") or name.startswith("encoder.pooler.")) and id(param) not in tied:
+            tensors[name] = param
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, folder / ADAPTER_WEIGHTS,
+              metadata={"format": "pt"})
+    model.config.to_json_file(folder / "config.json", architectures=["BertModel"])
+    meta = {"format": "bert_engine.lora", **config.to_dict(), "base_model": base_model,
+            "base_sha256": file_sha256(find_weights(Path(base_folder))), "head": type(model.head).__name__}
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+
+def load_adapter(folder, head, *, merge: bool = True, **kwargs) -> nn.Module:
+    """The base model named in the adapter's config, with the task head, LoRA tensors applied.
+
+    Args:
+        head: the head factory (as for load_pretrained).
+        merge: fold the adapters into the base weights (inference); False keeps them trainable.
+    Raises:
+        CheckpointError: the base's weights differ from those the adapter was trained on, or the
+            adapter file does not fit (names the keys).
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from .hub import default_backbone
+    from .loading import CheckpointError, find_weights, load_pretrained
+
+    folder = Path(folder)
+    meta = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    config = LoraConfig(rank=meta["rank"], alpha=meta["alpha"], targets=tuple(meta["targets"]),
+                        dropout=meta.get("dropout", 0.0))
+    base = default_backbone() if meta["base_model"] == "default" else meta["base_model"]
+    labels_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    id2label = labels_config.get("id2label") or {}
+    labels = [id2label[k] for k in sorted(id2label, key=int)] if id2label else None
+    kwargs.pop("strict", None)  # the base has no head by design; the adapter's keys are checked below
+    model = load_pretrained(base, head, labels=labels, warn_missing=False, **kwargs)
+    found = file_sha256(find_weights(model.checkpoint.folder))
+    if meta.get("base_sha256") and found != meta["base_sha256"]:
+        raise CheckpointError(f"{folder}: the adapter was trained on base weights with sha256 {meta['base_sha256']}, "
+                              f"but {base} has {found}")
+    add_lora(model.encoder, config)
+    weights = load_file(folder / ADAPTER_WEIGHTS)
+    own = model.state_dict()
+    unexpected = sorted(set(weights) - set(own))
+    expected = set(lora_state(model))
+    missing = sorted(expected - set(weights))
+    if unexpected or missing:
+        raise CheckpointError(f"{folder / ADAPTER_WEIGHTS}: does not fit the model: missing {missing[:6]}, "
+                              f"unexpected {unexpected[:6]}")
+    for name, tensor in weights.items():
+        if own[name].shape != tensor.shape:
+            raise CheckpointError(f"{folder / ADAPTER_WEIGHTS}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"the model expects {tuple(own[name].shape)}")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            own[name].copy_(tensor.to(own[name].dtype))
+    report = model.load_report
+    report.missing = [k for k in report.missing if k not in weights]
+    if merge:
+        merge_lora(model)
+    model.base_checkpoint = model.checkpoint
+    model.adapter = {**meta, "folder": str(folder)}
+    return model

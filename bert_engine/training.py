@@ -1,0 +1,426 @@
+"""TrainConfig and one plain training loop for every task, for pretraining, on one process or many.
+
+A job supplies the model, the examples, how a list of examples becomes a batch, the loss and the
+evaluation; the loop owns the rest: AdamW without weight decay on biases and LayerNorm, linear
+warm-up and decay, gradient accumulation and clipping, bf16/fp16 autocast, seeding, evaluation
+with best-checkpoint keeping, resumable checkpoints (Ctrl-C saves one), a tqdm bar and a JSON-lines
+metrics log. Under torchrun it runs DistributedDataParallel (NCCL on GPUs, gloo on CPUs): each
+global batch is split across ranks, only rank 0 logs and saves, and metrics are reduced over ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+BEST_METRIC_PREFERENCE = ("f1", "accuracy", "rouge2", "top1", "exact_match", "nsp_accuracy")
+
+
+def _help(text: str, **kwargs) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class TrainConfig:
+    """Every training setting; `bert-engine train/pretrain` flags map one-to-one onto these fields."""
+
+    task: str | None = _help("registered task to fine-tune (train) or evaluate; unused by pretrain", default=None)
+    model: str | None = _help("starting checkpoint: folder, Hub id, or 'default' (the offline MiniLM backbone)",
+                              default=None)
+    preset: str | None = _help("pretrain from scratch with this size: tiny, mini, small or base", default=None)
+    train_file: str | None = _help("training data (file or folder, in the task's format)", default=None)
+    eval_file: str | None = _help("evaluation data (default: the training file's eval split)", default=None)
+    train_split: str = _help("split of the training file to read (for files holding several)", default="train")
+    eval_split: str = _help("split of the evaluation file to read", default="dev")
+    train_limit: int | None = _help("use only the first N training examples", default=None)
+    eval_limit: int | None = _help("evaluate on only the first N examples", default=None)
+    output_dir: str = _help("where checkpoints, metrics.jsonl and train_config.json go", default="runs/train")
+    epochs: float = _help("passes over the training data (fractions allowed)", default=1.0)
+    max_steps: int | None = _help("stop after this many optimizer steps (overrides epochs)", default=None)
+    batch_size: int = _help("examples per optimizer step per process, before accumulation", default=16)
+    grad_accum: int = _help("micro-batches accumulated per optimizer step", default=1)
+    lr: float = _help("peak learning rate of the encoder (and LoRA tensors)", default=5e-5)
+    head_lr: float | None = _help("peak learning rate of the task head (default: lr)", default=None)
+    weight_decay: float = _help("AdamW weight decay (never applied to biases and LayerNorm)", default=0.01)
+    warmup_ratio: float = _help("fraction of steps with linear warm-up, then linear decay to 0", default=0.06)
+    max_grad_norm: float = _help("clip the gradient norm to this (0: no clipping)", default=1.0)
+    precision: str = _help("auto (bf16/fp16 on GPUs, fp32 on CPU), fp32, bf16 or fp16", default="auto")
+    seed: int = _help("seed for data order, masks, dropout and initialisation", default=42)
+    lora_rank: int = _help("train LoRA adapters of this rank with the encoder frozen (0: full fine-tuning)",
+                           default=0)
+    lora_alpha: float = _help("LoRA scaling numerator (update scaled by alpha / rank)", default=16.0)
+    lora_targets: str = _help("comma-separated projections: query, key, value, attention_output, ffn_up, ffn_down",
+                              default="query,value")
+    lora_dropout: float = _help("dropout on the LoRA input", default=0.0)
+    merge_lora: bool = _help("also write the merged full model (Hugging Face layout) to output_dir/merged",
+                             default=False)
+    freeze_encoder: bool = _help("train only the head", default=False)
+    eval_every: int = _help("evaluate every N steps (0: at the end of each epoch)", default=0)
+    save_every: int = _help("write a resumable checkpoint every N steps", default=200)
+    resume: bool = _help("continue from output_dir/last (weights, optimizer, scheduler, data position)",
+                         default=False)
+    log_every: int = _help("log the running loss every N steps", default=10)
+    best_metric: str | None = _help("metric that picks the best checkpoint (default: the task's F1/accuracy/...)",
+                                    default=None)
+    device: str | None = _help("cuda, mps or cpu (default: the best available)", default=None)
+    max_seq_len: int = _help("pretraining: tokens per sentence pair", default=128)
+    mlm_prob: float = _help("pretraining and fill-mask: fraction of tokens chosen for MLM", default=0.15)
+    whole_word_mask: bool = _help("pretraining: choose whole words for MLM", default=False)
+    short_seq_prob: float = _help("pretraining: probability of a shorter pair", default=0.1)
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
+        for name in ("batch_size", "grad_accum", "log_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.epochs <= 0 and not self.max_steps:
+            raise ValueError(f"epochs must be positive, got {self.epochs}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        """A JSON or YAML file of field values, then `overrides`; unknown keys raise naming them."""
+        path = Path(path)
+        text = path.read_text(encoding="utf-8")
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+        else:
+            values = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown training settings {unknown}; known: {sorted(known)}")
+        return cls(**{**values, **overrides})
+
+
+class Job(Protocol):
+    """What the loop needs from a kind of training (task fine-tuning, pretraining)."""
+
+    model: nn.Module
+    tokenizer: Any
+    examples: list
+
+    def collate(self, examples: list, generator: torch.Generator) -> tuple[Any, Any]: ...
+    def loss(self, model: nn.Module, batch: Any, targets: Any) -> tuple[torch.Tensor, dict[str, float]]: ...
+    def evaluate(self, model: nn.Module, rank: int, world: int) -> dict[str, Any]: ...
+    def save(self, model: nn.Module, folder: Path) -> None: ...
+
+
+# -- distributed -------------------------------------------------------------------------------------
+
+@dataclass
+class Distributed:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str | None) -> Distributed:
+    """Join the process group torchrun describes in the environment (one process: nothing to do)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Distributed()
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    return Distributed(dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def gather_objects(items: list, dist_info: Distributed) -> list[list]:
+    """Every rank's list, on every rank (one list per rank, in rank order)."""
+    if dist_info.world == 1:
+        return [items]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist_info.world
+    dist.all_gather_object(out, items)
+    return out
+
+
+def _mean_over_ranks(values: dict[str, float], dist_info: Distributed, device) -> dict[str, float]:
+    if dist_info.world == 1 or not values:
+        return values
+    import torch.distributed as dist
+
+    keys = sorted(values)
+    tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return {k: float(v) / dist_info.world for k, v in zip(keys, tensor.tolist())}
+
+
+# -- pieces of the loop ---------------------------------------------------------------------------------
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for a precision setting on a device (None: full fp32)."""
+    if precision == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def parameter_groups(model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
+    """AdamW groups: decay on matrices only (never biases or LayerNorm), the head at head_lr."""
+    groups: dict[tuple[bool, bool], list] = {}
+    norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        no_decay = name.endswith("bias") or id(param) in norms or param.ndim < 2
+        is_head = name.startswith("head.")
+        groups.setdefault((no_decay, is_head), []).append(param)
+    return [{"params": params, "weight_decay": 0.0 if no_decay else cfg.weight_decay,
+             "lr": (cfg.head_lr or cfg.lr) if is_head else cfg.lr}
+            for (no_decay, is_head), params in sorted(groups.items())]
+
+
+def linear_schedule(warmup: int, total: int) -> Callable[[int], float]:
+    """Multiplier of the peak rate at a step: 0 -> 1 over `warmup` steps, then 1 -> 0 at `total`."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        return max(0.0, (total - step) / max(1, total - warmup))
+    return factor
+
+
+def pick_best_metric(metrics: dict[str, Any], preferred: str | None) -> str | None:
+    if preferred:
+        if preferred not in metrics:
+            raise ValueError(f"best_metric {preferred!r} is not among the evaluation's metrics {sorted(metrics)}")
+        return preferred
+    for name in BEST_METRIC_PREFERENCE:
+        if isinstance(metrics.get(name), (int, float)):
+            return name
+    return next((k for k, v in metrics.items() if isinstance(v, (int, float)) and "loss" not in k), None)
+
+
+class MetricsLog:
+    """Appends one JSON object per line to output_dir/metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+
+    def write(self, **record: Any) -> None:
+        if not self.enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+
+# -- the loop ------------------------------------------------------------------------------------------
+
+def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
+          on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, Any]:
+    """Train `job.model` as `cfg` says; returns {"steps", "best", "last_eval", "output_dir"}.
+
+    `on_step(step, logs)` is called after every optimizer step (tests use it to interrupt a run).
+    KeyboardInterrupt writes a resumable checkpoint to output_dir/last before it propagates.
+    """
+    from tqdm.auto import tqdm
+
+    from .inference import pick_device
+
+    dist_info = dist_info or Distributed()
+    device = torch.device(f"cuda:{dist_info.local_rank}") if (
+        dist_info.world > 1 and torch.cuda.is_available() and (cfg.device in (None, "cuda"))) else pick_device(cfg.device)
+    out = Path(cfg.output_dir)
+    model = job.model.to(device).train()
+    optimizer = torch.optim.AdamW(parameter_groups(model, cfg), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
+    n = len(job.examples)
+    global_batch = cfg.batch_size * dist_info.world
+    micro_per_epoch = max(1, math.ceil(n / global_batch))
+    steps_per_epoch = max(1, math.ceil(micro_per_epoch / cfg.grad_accum))
+    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(int(cfg.warmup_ratio * total), total))
+    amp_dtype = autocast_dtype(cfg.precision, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    forward_model = model
+    if dist_info.world > 1:
+        forward_model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=False)
+    log = MetricsLog(out / "metrics.jsonl", dist_info.is_main)
+    state = {"step": 0, "best": None, "best_metric": None, "last_eval": None}
+    if cfg.resume:
+        state = _restore(out / "last", model, optimizer, scheduler, scaler, state)
+    if dist_info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n", encoding="utf-8")
+        logger.info("training %d examples, %d steps (%d per epoch), global batch %d x %d accumulation on %s%s",
+                    n, total, steps_per_epoch, global_batch, cfg.grad_accum, device,
+                    f" with {dist_info.world} processes" if dist_info.world > 1 else "")
+    bar = tqdm(total=total, initial=state["step"], disable=not dist_info.is_main, desc="train", unit="step")
+    running: dict[str, float] = {}
+    running_count = 0
+    step = state["step"]
+    try:
+        while step < total:
+            epoch, within = divmod(step, steps_per_epoch)
+            if hasattr(job, "new_epoch"):
+                job.new_epoch(epoch)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+            for s in range(within, steps_per_epoch):
+                stats = _one_step(job, cfg, forward_model, model, optimizer, scheduler, scaler, amp_dtype, device,
+                                  order, s, dist_info)
+                step += 1
+                for k, v in stats.items():
+                    running[k] = running.get(k, 0.0) + v
+                running_count += 1
+                bar.update(1)
+                logs = {}
+                if step % cfg.log_every == 0 or step == total:
+                    logs = _mean_over_ranks({k: v / running_count for k, v in running.items()}, dist_info, device)
+                    logs["lr"] = scheduler.get_last_lr()[0]
+                    bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if k in ("loss", "lr")})
+                    log.write(step=step, epoch=round(step / steps_per_epoch, 4), **logs)
+                    running, running_count = {}, 0
+                end_of_epoch = (s == steps_per_epoch - 1)
+                if (cfg.eval_every and step % cfg.eval_every == 0) or (not cfg.eval_every and end_of_epoch) or step == total:
+                    _evaluate_and_keep_best(job, cfg, model, step, state, dist_info, log, out)
+                    model.train()
+                if step % cfg.save_every == 0 and dist_info.is_main:
+                    _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
+                if on_step is not None:
+                    on_step(step, logs)
+                if step >= total:
+                    break
+    except KeyboardInterrupt:
+        if dist_info.is_main:
+            logger.warning("interrupted at step %d; saving a resumable checkpoint to %s", step, out / "last")
+            _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
+        raise
+    finally:
+        bar.close()
+    if dist_info.is_main:
+        _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
+        if state["best"] is None:  # no evaluation data: the final weights are the result
+            job.save(model, out / "best")
+    return {"steps": step, "best": state["best"], "best_metric": state["best_metric"],
+            "last_eval": state["last_eval"], "output_dir": str(out)}
+
+
+def _one_step(job, cfg, forward_model, model, optimizer, scheduler, scaler, amp_dtype, device, order, s,
+              dist_info) -> dict[str, float]:
+    """One optimizer step over `grad_accum` micro-batches of this rank's share of the global batches."""
+    from contextlib import nullcontext
+
+    global_batch = cfg.batch_size * dist_info.world
+    totals: dict[str, float] = {}
+    for micro in range(cfg.grad_accum):
+        g = s * cfg.grad_accum + micro
+        indices = order[g * global_batch:(g + 1) * global_batch]
+        mine = indices[dist_info.rank * cfg.batch_size:(dist_info.rank + 1) * cfg.batch_size]
+        if not mine:  # the epoch's last global batch may not reach every rank or micro-step
+            mine = indices[:1] or order[:1]
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + g * 31 + dist_info.rank)
+        batch, targets = job.collate([job.examples[i] for i in mine], generator)
+        sync = micro == cfg.grad_accum - 1 or dist_info.world == 1
+        context = nullcontext() if sync else forward_model.no_sync()
+        with context:
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss, stats = job.loss(forward_model, batch, targets)
+            scaler.scale(loss / cfg.grad_accum).backward()
+        totals["loss"] = totals.get("loss", 0.0) + loss.item() / cfg.grad_accum
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0.0) + v / cfg.grad_accum
+    scaler.unscale_(optimizer)
+    if cfg.max_grad_norm > 0:
+        totals["grad_norm"] = float(nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm))
+    scaler.step(optimizer)
+    scaler.update()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return totals
+
+
+def _evaluate_and_keep_best(job, cfg, model, step, state, dist_info, log, out) -> None:
+    model.eval()
+    with torch.inference_mode():
+        metrics = job.evaluate(model, dist_info.rank, dist_info.world)
+    if not metrics:
+        return
+    state["last_eval"] = metrics
+    log.write(step=step, eval=metrics)
+    name = pick_best_metric(metrics, cfg.best_metric)
+    if name is None:
+        return
+    value = float(metrics[name])
+    if state["best"] is None or value > state["best"]:
+        state["best"], state["best_metric"] = value, name
+        if dist_info.is_main:
+            job.save(model, out / "best")
+            (out / "best" / "eval.json").write_text(json.dumps({"step": step, **metrics}, indent=2) + "\n",
+                                                    encoding="utf-8")
+            logger.info("step %d: %s %.4f (best so far), saved to %s", step, name, value, out / "best")
+
+
+def _checkpoint(folder: Path, job, model, optimizer, scheduler, scaler, state) -> None:
+    """Weights in the job's format plus everything needed to continue exactly (trainer_state.pt)."""
+    job.save(model, folder)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(), "state": state, "rng": {
+                    "python": random.getstate(), "numpy": _numpy_state(), "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}},
+               folder / "trainer_state.pt")
+
+
+def _numpy_state() -> tuple:
+    """numpy's RNG state with its key array as a tensor, so the file loads with weights_only=True."""
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    return kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)
+
+
+def _restore(folder: Path, model, optimizer, scheduler, scaler, state) -> dict[str, Any]:
+    path = folder / "trainer_state.pt"
+    if not path.is_file():
+        logger.warning("resume: no %s yet; starting from step 0", path)
+        return state
+    saved = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers only
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    scaler.load_state_dict(saved["scaler"])
+    rng = saved["rng"]
+    random.setstate(rng["python"])
+    kind, keys, position, has_gauss, cached = rng["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    logger.info("resumed from %s at step %d", path, saved["state"]["step"])
+    return saved["state"]
