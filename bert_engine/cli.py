@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     except (HubError, CheckpointError, ValueError, TypeError, FileNotFoundError) as err:
         print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only the first process reports
+        return getattr(args, "exit_code", 0)
     try:
         json.dump(result, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")

@@ -17,7 +17,7 @@ from torch import nn
 
 from .hookspecs import TaskSpec
 from .registry import RegisteredTask
-from .training import Distributed, TrainConfig, gather_objects
+from .training import Distributed, TrainConfig, gather_objects, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class TaskJob:
         if not cfg.train_file:
             raise ValueError("train_file is required to fine-tune a task")
         self.task, self.spec, self.cfg = task, spec, cfg
+        seed_everything(cfg.seed)  # the new head's initialisation is part of the run
         self.base_name = cfg.model or spec.default_checkpoint or "default"
         self.model, self.tokenizer = load(resolve_model_name(self.base_name), spec.build_head)
         self.examples = _limited(spec.read_data(cfg.train_file, cfg.train_split), cfg.train_limit)
@@ -118,6 +119,7 @@ class PretrainJob:
         if cfg.preset and cfg.model not in (None, "default"):
             raise ValueError("give either preset (from scratch) or model (continue), not both")
         self.cfg = cfg
+        seed_everything(cfg.seed)
         self.base_name = cfg.model or "default"
         if cfg.preset:
             if cfg.preset not in PRESETS:
@@ -128,7 +130,6 @@ class PretrainJob:
             config = dataclasses.replace(PRESETS[cfg.preset], vocab_size=self.tokenizer.vocab_size,
                                          max_position_embeddings=max(PRESETS[cfg.preset].max_position_embeddings,
                                                                      cfg.max_seq_len))
-            torch.manual_seed(cfg.seed)
             self.model = BertWithHead(config, "pretraining")
         else:
             self.model, self.tokenizer = load(resolve_model_name(cfg.model), "pretraining")
@@ -264,7 +265,7 @@ def save_model(model: nn.Module, folder: Path, tokenizer, lora, base_name: str, 
     if cfg.merge_lora:
         merged = copy.deepcopy(model)
         merge_lora(merged)
-        save_pretrained(merged, folder.parent / "merged", tokenizer)
+        save_pretrained(merged, folder.with_name(folder.name + "-merged"), tokenizer)
 
 
 def model_checkpoint_folder(model: nn.Module) -> Path:

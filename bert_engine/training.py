@@ -67,7 +67,7 @@ class TrainConfig:
     lora_targets: str = _help("comma-separated projections: query, key, value, attention_output, ffn_up, ffn_down",
                               default="query,value")
     lora_dropout: float = _help("dropout on the LoRA input", default=0.0)
-    merge_lora: bool = _help("also write the merged full model (Hugging Face layout) to output_dir/merged",
+    merge_lora: bool = _help("also write each checkpoint merged, in the Hugging Face layout (best-merged/, ...)",
                              default=False)
     freeze_encoder: bool = _help("train only the head", default=False)
     eval_every: int = _help("evaluate every N steps (0: at the end of each epoch)", default=0)
@@ -275,6 +275,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=False)
     log = MetricsLog(out / "metrics.jsonl", dist_info.is_main)
     state = {"step": 0, "best": None, "best_metric": None, "last_eval": None}
+    seed_everything(cfg.seed + dist_info.rank)  # dropout; a resumed run restores the saved RNG states instead
     if cfg.resume:
         state = _restore(out / "last", model, optimizer, scheduler, scaler, state)
     if dist_info.is_main:

@@ -1,0 +1,330 @@
+"""Training: masking and NSP statistics, the loop (loss falls, resume, DDP on gloo), LoRA, the commands."""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bert_engine.config import BertConfig
+from bert_engine.jobs import PretrainJob, TaskJob
+from bert_engine.loading import CheckpointError, load, load_tokenizer, save_pretrained
+from bert_engine.lora import LoraConfig, add_lora, merge_lora, save_adapter
+from bert_engine.model import BertModel
+from bert_engine.pretraining import PairBuilder, collate_pairs, mask_tokens, special_mask, tokenize_documents
+from bert_engine.registry import load_registry
+from bert_engine.training import TrainConfig, linear_schedule, parameter_groups, train
+
+from conftest import SENTENCES
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SST = FIXTURES / "sst_tiny.tsv"
+WORDS = ("the river ran past old stone houses while children played near the bridge and their parents "
+         "talked about the harvest , the weather , and the prices at the market in town").split()
+
+
+def _corpus(path: Path, documents: int = 40, seed: int = 0) -> Path:
+    """Documents of several lines each, blank lines between documents (the pretraining format)."""
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as handle:
+        for d in range(documents):
+            for _ in range(rng.randint(3, 6)):
+                handle.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))) + f" doc{d % 7} .\n")
+            handle.write("\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(minilm_dir):
+    return load_tokenizer(minilm_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, minilm_dir):
+    """A tiny encoder (no dropout, so runs compare exactly) with MiniLM's vocabulary and tokenizer."""
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    folder = tmp_path_factory.mktemp("tiny-encoder")
+    save_pretrained(BertModel(config), folder, load_tokenizer(minilm_dir))
+    return folder
+
+
+# -- masking and pairs -----------------------------------------------------------------------------------
+
+def test_masking_proportions_and_specials(tokenizer):
+    batch = tokenizer([" ".join(WORDS)] * 400, max_length=64)
+    generator = torch.Generator().manual_seed(0)
+    masked, labels = mask_tokens(batch.input_ids, tokenizer, generator=generator)
+    special = special_mask(batch.input_ids, tokenizer)
+    chosen = labels != -100
+    assert not (chosen & special).any()  # [CLS], [SEP] and padding are never chosen
+    assert chosen.sum() / (~special).sum() == pytest.approx(0.15, abs=0.01)
+    original = batch.input_ids[chosen]
+    now = masked[chosen]
+    as_mask = (now == tokenizer.mask_token_id).float().mean().item()
+    unchanged = (now == original).float().mean().item()
+    assert as_mask == pytest.approx(0.8, abs=0.02)
+    assert unchanged == pytest.approx(0.1, abs=0.02)
+    assert 1 - as_mask - unchanged == pytest.approx(0.1, abs=0.02)  # random tokens
+    assert torch.equal(masked[~chosen], batch.input_ids[~chosen])
+    assert torch.equal(labels[chosen], original)
+
+
+def test_whole_word_masking_takes_words_whole(tokenizer):
+    text = "unbelievably extraordinary characterisation of internationalisation " * 6
+    batch = tokenizer([text] * 200, max_length=64)
+    _, labels = mask_tokens(batch.input_ids, tokenizer, whole_word=True, generator=torch.Generator().manual_seed(1))
+    tokens = tokenizer.convert_ids_to_tokens(batch.input_ids[0].tolist())
+    chosen = labels != -100
+    for t in range(1, len(tokens)):
+        if tokens[t].startswith("##"):
+            assert torch.equal(chosen[:, t], chosen[:, t - 1])  # a piece goes with the piece before it
+    assert 0.1 < chosen.float().mean().item() < 0.2
+
+
+def test_dynamic_masking_draws_new_masks(tokenizer):
+    batch = tokenizer(SENTENCES, max_length=64)
+    first = mask_tokens(batch.input_ids, tokenizer, generator=torch.Generator().manual_seed(1))[1]
+    second = mask_tokens(batch.input_ids, tokenizer, generator=torch.Generator().manual_seed(2))[1]
+    assert not torch.equal(first, second)
+
+
+def test_nsp_pairs_are_balanced_and_true_pairs_are_contiguous(tmp_path, tokenizer):
+    from bert_engine.pretraining import read_documents
+
+    documents = tokenize_documents(read_documents(_corpus(tmp_path / "corpus.txt", 80)), tokenizer)
+    pairs = PairBuilder(documents, max_seq_len=48).pairs(seed=0)
+    share = sum(p.is_random_next for p in pairs) / len(pairs)
+    assert len(pairs) > 100 and share == pytest.approx(0.5, abs=0.07)
+    streams = [[t for unit in d for t in unit] for d in documents]
+    for pair in pairs[:50]:
+        assert len(pair.a) + len(pair.b) <= 45
+        if not pair.is_random_next:  # B follows A in one document (truncation may drop tokens between)
+            assert any(_find(stream, pair.a) >= 0 and _find(stream[_find(stream, pair.a) + len(pair.a):], pair.b) >= 0
+                       for stream in streams)
+    batch, nsp = collate_pairs(pairs[:4], tokenizer)
+    assert nsp.tolist() == [int(p.is_random_next) for p in pairs[:4]]
+    assert batch.token_type_ids[0, len(pairs[0].a) + 2] == 1 and batch.token_type_ids[0, 1] == 0
+
+
+def _find(stream, piece):
+    n = len(piece)
+    return next((i for i in range(len(stream) - n + 1) if stream[i:i + n] == piece), -1)
+
+
+# -- the loop --------------------------------------------------------------------------------------------
+
+def test_tiny_model_pretrains_with_falling_loss(tmp_path):
+    corpus = _corpus(tmp_path / "corpus.txt", 30)
+    cfg = TrainConfig(preset="tiny", train_file=str(corpus), eval_file=str(corpus), output_dir=str(tmp_path / "run"),
+                      max_steps=60, batch_size=16, lr=5e-3, max_seq_len=48, log_every=10, warmup_ratio=0.1)
+    result = train(PretrainJob(cfg), cfg)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [line["loss"] for line in lines if "loss" in line]
+    assert losses[-1] < losses[0] * 0.7
+    assert {"mlm_accuracy", "nsp_accuracy", "perplexity", "mlm_top5"} <= set(result["last_eval"])
+    assert result["last_eval"]["perplexity"] < 30522 / 10
+    reference = __import__("transformers").BertForPreTraining.from_pretrained(str(tmp_path / "run" / "best"))
+    assert reference.config.hidden_size == 32  # the output is a standard checkpoint
+
+
+def test_parameter_groups_never_decay_biases_or_layernorm(tiny_checkpoint):
+    model, _ = load(tiny_checkpoint, "sequence", labels=["a", "b"])
+    groups = parameter_groups(model, TrainConfig(weight_decay=0.1, lr=1e-4, head_lr=1e-3))
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            no_decay = name.endswith("bias") or "norm" in name
+            assert group["weight_decay"] == (0.0 if no_decay else 0.1), name
+            assert group["lr"] == (1e-3 if name.startswith("head.") else 1e-4), name
+
+
+def test_linear_schedule_warms_up_then_decays():
+    factor = linear_schedule(warmup=4, total=10)
+    assert [round(factor(s), 3) for s in range(10)] == [0.25, 0.5, 0.75, 1.0, 1.0, 0.833, 0.667, 0.5, 0.333, 0.167]
+
+
+def _sentiment_cfg(tiny_checkpoint, out, **overrides):
+    values = dict(task="sentiment", model=str(tiny_checkpoint), train_file=str(SST), eval_file=str(SST),
+                  output_dir=str(out), max_steps=8, batch_size=8, lr=5e-3, log_every=2, save_every=100,
+                  warmup_ratio=0.25)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def test_resume_after_interrupt_continues_from_the_same_step(tiny_checkpoint, tmp_path):
+    task = load_registry(entry_points=False).task("sentiment")
+    full_cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "full")
+    train(TaskJob(task, full_cfg), full_cfg)
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "cut")
+
+    def interrupt(step, logs):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(TaskJob(task, cfg), cfg, on_step=interrupt)
+    state = torch.load(tmp_path / "cut" / "last" / "trainer_state.pt", weights_only=True)
+    assert state["state"]["step"] == 3
+    resumed_cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "cut", resume=True)
+    steps_seen = []
+    result = train(TaskJob(task, resumed_cfg), resumed_cfg, on_step=lambda step, logs: steps_seen.append(step))
+    assert steps_seen == [4, 5, 6, 7, 8] and result["steps"] == 8
+    full = load_file(tmp_path / "full" / "last" / "model.safetensors")
+    cut = load_file(tmp_path / "cut" / "last" / "model.safetensors")
+    for key in full:
+        torch.testing.assert_close(cut[key], full[key], atol=1e-6, rtol=1e-5)
+
+
+def test_fine_tuning_learns_the_fixture(tiny_checkpoint, tmp_path):
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", max_steps=40, lr=1e-2, eval_every=20)
+    result = train(TaskJob(task, cfg), cfg)
+    assert result["best_metric"] == "accuracy" and result["best"] >= 0.9
+    assert json.loads((tmp_path / "run" / "best" / "eval.json").read_text())["accuracy"] == result["best"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_processes_equal_one_process(tiny_checkpoint, tmp_path):
+    """torchrun with 2 CPU processes (gloo on loopback), 4 examples each, against 1 process with 8."""
+    common = ["train", "sentiment", "--model", str(tiny_checkpoint), "--train-file", str(SST), "--eval-file", str(SST),
+              "--max-steps", "6", "--lr", "5e-3", "--log-every", "2", "--warmup-ratio", "0.2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, "-m", "bert_engine", *common, "--batch-size", "8",
+                             "--output-dir", str(tmp_path / "one")], capture_output=True, text=True, env=env)
+    assert single.returncode == 0, single.stderr[-2000:]
+    double = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "bert_engine",
+                             *common, "--batch-size", "4", "--output-dir", str(tmp_path / "two")],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert double.returncode == 0, double.stderr[-3000:]
+    one, two = json.loads(single.stdout), json.loads(double.stdout)  # rank 0 alone prints
+    assert one["steps"] == two["steps"] == 6
+    assert two["last_eval"] == pytest.approx(one["last_eval"])  # metrics gathered over both ranks
+    a = load_file(tmp_path / "one" / "last" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "last" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=2e-5, rtol=1e-4)
+    logged = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert len([line for line in logged if "loss" in line]) == 3  # rank 0 only: no duplicated lines
+
+
+# -- LoRA --------------------------------------------------------------------------------------------------
+
+def test_lora_trains_only_adapters_and_head_and_loads_back(tiny_checkpoint, tmp_path):
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "lora", max_steps=10, lr=1e-2, lora_rank=4,
+                         lora_targets="query,value,ffn_down", merge_lora=True)
+    job = TaskJob(task, cfg)
+    before = {k: v.clone() for k, v in job.model.encoder.state_dict().items() if "lora" not in k and "pooler" not in k}
+    train(job, cfg)
+    after = job.model.encoder.state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key  # the base encoder is frozen
+    last = tmp_path / "lora" / "last"  # the final weights (best/ holds the best evaluation's)
+    assert (last / "adapter.safetensors").stat().st_size < 200_000 and not (last / "model.safetensors").exists()
+    meta = json.loads((last / "adapter_config.json").read_text())
+    assert meta["rank"] == 4 and meta["targets"] == ["query", "value", "ffn_down"] and len(meta["base_sha256"]) == 64
+    adapted, tokenizer = load(last, task.spec.build_head)
+    merged, _ = load(tmp_path / "lora" / "last-merged", task.spec.build_head)
+    batch = tokenizer(SENTENCES)
+    job.model.eval()
+    with torch.no_grad():
+        live = job.model(**batch.model_inputs()).logits
+        torch.testing.assert_close(adapted(**batch.model_inputs()).logits, live, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(merged(**batch.model_inputs()).logits, live, atol=1e-5, rtol=1e-4)
+    assert adapted.load_report.missing == []
+
+
+def test_lora_on_fused_qkv_equals_separate_projections(tiny_checkpoint):
+    model, tokenizer = load(tiny_checkpoint)
+    add_lora(model, LoraConfig(rank=2, targets=("key",)))
+    layer = model.layers[0].attention.qkv
+    with torch.no_grad():
+        layer.lora_b[0].normal_()
+    x = torch.randn(3, 5, 32)
+    H = 32
+    expected = layer.base(x)
+    expected[..., H:2 * H] += (x @ layer.lora_a[0].T) @ layer.lora_b[0].T * layer.scaling
+    torch.testing.assert_close(layer(x), expected)
+    torch.testing.assert_close(layer.merged()(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_adapter_on_a_changed_base_is_refused(tiny_checkpoint, tmp_path):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_checkpoint, base)
+    model, _ = load(base, "sequence", labels=["a", "b"])
+    config = LoraConfig(rank=2)
+    add_lora(model.encoder, config)
+    save_adapter(model, tmp_path / "adapter", config, str(base), base)
+    assert load(tmp_path / "adapter", "sequence")[0].load_report.missing == []
+    other, _ = load(base)
+    with torch.no_grad():
+        other.embeddings.word_embeddings.weight.mul_(2)
+    save_pretrained(other, base)  # the base model changed after the adapter was trained on it
+    with pytest.raises(CheckpointError, match="sha256"):
+        load(tmp_path / "adapter", "sequence")
+    with pytest.raises(ValueError, match="'attention'"):
+        LoraConfig(targets=("attention",))
+    assert merge_lora(model) == 2
+
+
+# -- commands ----------------------------------------------------------------------------------------------
+
+def test_train_help_explains_every_setting():
+    import dataclasses
+
+    out = subprocess.run([sys.executable, "-m", "bert_engine", "train", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for f in dataclasses.fields(TrainConfig):
+        if f.name not in ("task", "preset", "max_seq_len", "whole_word_mask", "short_seq_prob"):
+            assert "--" + f.name.replace("_", "-") in out
+    assert "--lora-rank" in out and "LoRA adapters" in " ".join(out.split())
+
+
+def test_config_file_with_flag_overrides(tiny_checkpoint, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {tiny_checkpoint}\ntrain_file: {SST}\nmax_steps: 2\nbatch_size: 4\nlr: 0.01\n")
+    out = subprocess.run([sys.executable, "-m", "bert_engine", "train", "sentiment", "--config", str(config),
+                          "--output-dir", str(tmp_path / "run"), "--max-steps", "3"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["steps"] == 3
+    saved = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert saved["batch_size"] == 4 and saved["max_steps"] == 3
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"learning_rate": 0.1}')
+    out = subprocess.run([sys.executable, "-m", "bert_engine", "train", "sentiment", "--config", str(bad)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "unknown training settings ['learning_rate']" in out.stderr
+
+
+def test_eval_command_prints_standard_metrics(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bert_engine", "eval", "ner", "--data",
+                          str(FIXTURES / "conll_tiny.txt"), "--split", "test"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["examples"] == 3 and {"precision", "recall", "f1", "per_type"} <= set(report["metrics"])
+    out = subprocess.run([sys.executable, "-m", "bert_engine", "eval", "qa", "--data", str(FIXTURES / "squad_tiny.json"),
+                          "--limit", "3"], capture_output=True, text=True)
+    assert out.returncode == 0 and set(json.loads(out.stdout)["metrics"]) == {"exact_match", "f1"}
+    missing = subprocess.run([sys.executable, "-m", "bert_engine", "eval", "ner", "--data", str(tmp_path / "nope.txt")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "nope.txt" in missing.stderr
