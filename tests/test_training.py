@@ -328,3 +328,15 @@ def test_eval_command_prints_standard_metrics(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "bert_engine", "eval", "ner", "--data", str(tmp_path / "nope.txt")],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "nope.txt" in missing.stderr
+
+
+def test_a_third_party_task_trains_with_the_same_command(installed_example, tiny_checkpoint, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed_example), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "bert_engine", "train", "similarity", "--model", str(tiny_checkpoint),
+                          "--train-file", str(FIXTURES / "sts_tiny.tsv"), "--eval-file", str(FIXTURES / "sts_tiny.tsv"),
+                          "--max-steps", "4", "--batch-size", "4", "--output-dir", str(tmp_path / "sts")],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["steps"] == 4 and {"spearman", "pearson"} <= set(report["last_eval"])
+    assert (tmp_path / "sts" / "best" / "model.safetensors").is_file()

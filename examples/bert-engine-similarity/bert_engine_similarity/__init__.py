@@ -69,8 +69,15 @@ def loss(embeddings: Tensor, targets: list[float]) -> Tensor:
     return torch.nn.functional.mse_loss(predicted, torch.tensor(targets, dtype=predicted.dtype))
 
 
-def metric(predictions: list[float], targets: list[float]) -> dict[str, float]:
-    """Spearman rank correlation (the STS benchmark's metric) and Pearson correlation."""
+def training_batch(examples, tokenizer, generator=None, max_length: int = 256):
+    """Both texts of each pair as consecutive rows (the layout `loss` reads), and the gold scores."""
+    texts = [text for inputs, _ in examples for text in (inputs["text_a"], inputs["text_b"])]
+    return tokenizer(texts, max_length=max_length), [score for _, score in examples]
+
+
+def metric(results: list[dict], targets: list[float]) -> dict[str, float]:
+    """Spearman rank correlation (the STS benchmark's metric) and Pearson correlation of the scores."""
+    predictions = [r["score"] for r in results]
     x, y = torch.tensor(predictions, dtype=torch.float64), torch.tensor(targets, dtype=torch.float64)
     if len(x) < 2:
         raise ValueError(f"need at least 2 predictions for a correlation, got {len(x)}")
@@ -127,6 +134,7 @@ def register_tasks(register):
         options={"max_length": 256},
         examples=EXAMPLES,
         read_data=read_data,
+        training_batch=training_batch,
         loss=loss,
         metric=metric,
     ))
