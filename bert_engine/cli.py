@@ -162,6 +162,51 @@ def _eval(args: argparse.Namespace) -> dict:
             "metrics": metrics, "model": predictor.provenance()}
 
 
+def _pack(args: argparse.Namespace) -> dict:
+    """Copy a run's best adapter + head into a starter folder, evaluate it there, write its manifest."""
+    import datetime
+    import shutil
+
+    from .inference import Predictor
+    from .jobs import evaluate_task
+    from .registry import load_registry
+
+    task = load_registry().task(args.task)
+    run = Path(args.run)
+    source = run / "best"
+    if not (source / "adapter_config.json").is_file():
+        raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
+    target = Path(args.to)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter.safetensors", "adapter_config.json", "config.json"):
+        shutil.copy(source / name, target / name)
+    predictor = Predictor.load(task, str(target))
+    metrics = {}
+    for data in args.eval_data:
+        examples = []
+        for example in task.spec.read_data(data, args.eval_split):
+            if args.eval_limit is not None and len(examples) >= args.eval_limit:
+                break
+            examples.append(example)
+        metrics[f"{Path(data).name}:{args.eval_split}"] = {
+            "examples": len(examples), **evaluate_task(task.spec, predictor, examples, progress=True)}
+    adapter = json.loads((target / "adapter_config.json").read_text(encoding="utf-8"))
+    head = getattr(predictor.model, "head", None)
+    manifest = {
+        "task": task.spec.name, "base_model": adapter["base_model"], "base_sha256": adapter["base_sha256"],
+        "base_hub_id": "sentence-transformers/all-MiniLM-L6-v2" if adapter["base_model"] == "default" else None,
+        "labels": list(getattr(head, "labels", ()) or ()),
+        "lora": {k: adapter[k] for k in ("rank", "alpha", "targets")},
+        "training": json.loads((run / "train_config.json").read_text(encoding="utf-8")),
+        "best_eval_during_training": json.loads((source / "eval.json").read_text(encoding="utf-8"))
+        if (source / "eval.json").is_file() else None,
+        "metrics": metrics, "command": args.command_line, "date": datetime.date.today().isoformat(),
+        "files": {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.name != "manifest.json"},
+    }
+    (target / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return manifest
+
+
 def _parse_options(items: list[str]) -> dict:
     options = {}
     for item in items:
@@ -239,6 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--revision", default=None)
     evaluate.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE", help="a task option")
     evaluate.set_defaults(run=_eval)
+    pack = sub.add_parser("pack", help="copy a LoRA run's best adapter + head into a starter folder, "
+                                       "evaluate it and write manifest.json")
+    pack.add_argument("task")
+    pack.add_argument("--run", required=True, help="the training output_dir (its best/ is packed)")
+    pack.add_argument("--to", required=True, help="destination folder, e.g. models/starter/sentiment")
+    pack.add_argument("--eval-data", action="append", default=[], help="data to report metrics on (repeatable)")
+    pack.add_argument("--eval-split", default="test")
+    pack.add_argument("--eval-limit", type=int, default=None)
+    pack.add_argument("--command-line", default="", help="the training command, recorded in the manifest")
+    pack.set_defaults(run=_pack)
     plugins = sub.add_parser("plugins", help="loaded task plugins (name, version, tasks) and failures, as JSON")
     plugins.set_defaults(run=_plugins)
     plugin = sub.add_parser("plugin", help="plugin tools")

@@ -272,3 +272,88 @@ class LazyPredictor:
 
     def provenance(self) -> dict[str, Any]:
         return self.get().provenance()
+
+
+class BatchingPredictor(LazyPredictor):
+    """A LazyPredictor that merges concurrent requests into one batched forward pass.
+
+    For one-field tasks with a batched path (`predict_many`): a request waits up to `max_wait_ms`
+    for others with the same options, then the first of them runs the whole group through
+    `predict_in_batches`. A bad input never fails its neighbours: inputs are checked one by one
+    first, and if the group still raises InputError each request is run alone for its own answer.
+    Results carry `provenance.batch_size` (how many requests shared the pass).
+    """
+
+    def __init__(self, task: RegisteredTask, checkpoint: str | None = None, *, max_batch: int = 16,
+                 max_wait_ms: float = 10.0, **load_kwargs: Any) -> None:
+        super().__init__(task, checkpoint, **load_kwargs)
+        self.max_batch, self.max_wait = max_batch, max_wait_ms / 1000
+        self._pending: dict[str, list[dict[str, Any]]] = {}
+        self._cond = threading.Condition()
+
+    @property
+    def batchable(self) -> bool:
+        spec = self.task.spec
+        return spec.predict_many is not None and len(spec.input_fields) == 1
+
+    def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        predictor = self.get()
+        merged = predictor.check_inputs(inputs, options)
+        field = self.task.spec.input_fields[0]
+        extra = any(inputs.get(f) is not None for f in self.task.spec.optional_fields)
+        if not self.batchable or extra or not str(inputs.get(field, "")).strip():
+            output = predictor.predict(inputs, **options)  # nothing to share (or the task's own error)
+            output["provenance"]["batch_size"] = 1
+            return output
+        import json
+
+        key = json.dumps(merged, sort_keys=True, default=str)
+        request = {"inputs": dict(inputs), "done": False, "output": None, "error": None}
+        with self._cond:
+            group = self._pending.setdefault(key, [])
+            group.append(request)
+            leader = len(group) == 1
+            if len(group) >= self.max_batch:
+                self._cond.notify_all()
+        if leader:
+            with self._cond:
+                self._cond.wait_for(lambda: len(self._pending.get(key, ())) >= self.max_batch, timeout=self.max_wait)
+                group = self._pending.pop(key)
+            self._run_group(predictor, group, options)
+            with self._cond:
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.wait_for(lambda: request["done"])
+        if request["error"] is not None:
+            raise request["error"]
+        return request["output"]
+
+    def _run_group(self, predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        try:
+            if len(group) == 1:
+                self._run_alone(predictor, group, options)
+                return
+            results = predict_in_batches(predictor, [r["inputs"] for r in group], batch_size=len(group), **options)
+            latency_ms = (time.perf_counter() - start) * 1000
+            for request, result in zip(group, results):
+                provenance = {**predictor.provenance(latency_ms), "batch_size": len(group)}
+                request["output"] = {"task": self.task.spec.name, "result": result, "provenance": provenance}
+        except InputError:
+            self._run_alone(predictor, group, options)  # one bad input: everyone gets their own answer
+        except Exception as err:
+            for request in group:
+                request["error"] = err
+        finally:
+            for request in group:
+                request["done"] = True
+
+    @staticmethod
+    def _run_alone(predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
+        for request in group:
+            try:
+                output = predictor.predict(request["inputs"], **options)
+                output["provenance"]["batch_size"] = 1
+                request["output"] = output
+            except Exception as err:  # handed to that request's own caller
+                request["error"] = err

@@ -65,7 +65,7 @@ class TaskJob:
             raise ValueError("train_file is required to fine-tune a task")
         self.task, self.spec, self.cfg = task, spec, cfg
         seed_everything(cfg.seed)  # the new head's initialisation is part of the run
-        self.base_name = cfg.model or spec.default_checkpoint or "default"
+        self.base_name = cfg.model or "default"  # never the starter model: runs must not build on each other
         self.model, self.tokenizer = load(resolve_model_name(self.base_name), spec.build_head)
         self.examples = _limited(spec.read_data(cfg.train_file, cfg.train_split), cfg.train_limit)
         if not self.examples:

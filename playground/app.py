@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from bert_engine.hookspecs import InputError
-from bert_engine.inference import LazyPredictor
+from bert_engine.inference import BatchingPredictor, LazyPredictor
 from bert_engine.registry import Registry, load_registry
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
 
     registry = registry or load_registry()
     checkpoints = checkpoints or {}
-    predictors = {name: LazyPredictor(task, checkpoints.get(name), device=device)
+    # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor).
+    predictors = {name: BatchingPredictor(task, checkpoints.get(name), device=device)
                   for name, task in registry.tasks.items()}
     for predictor in predictors.values():
         predictor.predict = on_gpu(predictor.predict)

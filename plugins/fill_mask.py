@@ -19,6 +19,7 @@ from torch import Tensor
 
 from bert_engine.heads import MaskedLMHead
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from plugins.starter import starter_checkpoint
 
 MODES = ("independent", "joint")
 
@@ -325,6 +326,7 @@ def evaluate(predictor, examples, *, progress: bool = False, batch_size: int = 6
 def register_tasks(register):
     register(TaskSpec(
         name="fill_mask",
+        default_checkpoint=starter_checkpoint("fill_mask"),
         title="Fill-mask",
         description="Ask the masked-LM head what fits each [MASK]: ranked candidates with probabilities.",
         build_head=FillMaskHead,

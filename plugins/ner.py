@@ -18,6 +18,7 @@ from torch import Tensor
 from bert_engine.crf import CRF, SCHEMES, allowed_transitions, detect_scheme
 from bert_engine.heads import TokenClassificationHead
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from plugins.starter import starter_checkpoint
 from bert_engine.inference import predict_in_batches
 
 from .tagging import chunks, convert, entity_scores, read_conll
@@ -357,6 +358,7 @@ EXAMPLES = (
 def register_tasks(register):
     register(TaskSpec(
         name="ner",
+        default_checkpoint=starter_checkpoint("ner"),
         title="Named entities",
         description="Tag people, organisations, places and other names; CRF decoding keeps every tag sequence valid.",
         build_head=NerHead,

@@ -19,6 +19,7 @@ import torch
 
 from bert_engine.heads import SpanHead
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from plugins.starter import starter_checkpoint
 
 N_BEST_PER_WINDOW = 20  # best spans kept per window before merging across windows
 MAX_WINDOWS = 256
@@ -260,6 +261,7 @@ EXAMPLES = (
 def register_tasks(register):
     register(TaskSpec(
         name="qa",
+        default_checkpoint=starter_checkpoint("qa"),
         title="Question answering",
         description="Find the answer to a question inside a context; long contexts are read in overlapping windows.",
         build_head=SpanHead,

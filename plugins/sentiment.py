@@ -17,6 +17,7 @@ from torch import Tensor
 
 from bert_engine.heads import SequenceClassificationHead
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from plugins.starter import starter_checkpoint
 from bert_engine.inference import predict_in_batches
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,7 @@ def metric(results: list[dict], targets: list[int]) -> dict[str, float]:
 def register_tasks(register):
     register(TaskSpec(
         name="sentiment",
+        default_checkpoint=starter_checkpoint("sentiment"),
         title="Sentiment",
         description="Classify a text with a sequence-classification BERT: label probabilities for every class.",
         build_head=SentimentHead,

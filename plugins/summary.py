@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from plugins.starter import starter_checkpoint
 from bert_engine.inference import predict_in_batches
 from bert_engine.tokenizer import Batch
 
@@ -482,6 +483,7 @@ EXAMPLES = (
 def register_tasks(register):
     register(TaskSpec(
         name="summary",
+        default_checkpoint=starter_checkpoint("summary"),
         title="Summary",
         description="Extractive summary: the document's most central sentences, or those a trained scorer picks.",
         build_head=SentenceScorerHead,

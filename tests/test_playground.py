@@ -1,6 +1,7 @@
 """The playground: tabs from the registry, the Plugins and Attention views, and a real server."""
 
 import socket
+from pathlib import Path
 
 import gradio as gr
 import pytest
@@ -189,3 +190,33 @@ def test_warm_up_loads_every_model_in_the_background(tiny_app):
     assert not any(p.loaded for p in fresh.values())
     warm_up(fresh).join(timeout=120)
     assert all(p.loaded for p in fresh.values())
+
+
+def test_concurrent_requests_share_a_batch_and_bad_input_stays_alone():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bert_engine.hookspecs import InputError
+    from bert_engine.inference import BatchingPredictor, Predictor
+    from conftest import reference_checkpoint
+
+    import tempfile
+
+    folder = reference_checkpoint(Path(tempfile.mkdtemp()), "BertForSequenceClassification",
+                                  id2label={0: "NEG", 1: "POS"})
+    task = load_registry(entry_points=False).task("sentiment")
+    batcher = BatchingPredictor(task, str(folder), max_batch=8, max_wait_ms=200)
+    plain = Predictor.load(task, str(folder))
+    texts = [f"review number {i}: {'great' if i % 2 else 'awful'} film" + " really" * i for i in range(7)] + ["   "]
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(batcher.predict, {"text": text}) for text in texts]
+    outputs = []
+    for text, future in zip(texts, futures):
+        if not text.strip():
+            with pytest.raises(InputError, match="empty"):
+                future.result()
+            continue
+        outputs.append(future.result())
+        expected = plain.predict({"text": text})["result"]
+        got = outputs[-1]["result"]
+        assert got["label"] == expected["label"] and got["score"] == pytest.approx(expected["score"], abs=1e-5)
+    assert max(o["provenance"]["batch_size"] for o in outputs) > 1

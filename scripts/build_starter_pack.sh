@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Rebuild the offline starter pack (models/starter/<task>/) with bert-engine commands only:
+# LoRA adapters + heads on the all-MiniLM-L6-v2 encoder, trained on ../shared/data, then packed
+# (copied, evaluated, manifest written). Steps are sized for a 2-core CPU (about an hour in all);
+# on a GPU raise --max-steps (the figures in MODEL_CARD.md say which settings produced them).
+# Usage: scripts/build_starter_pack.sh [task ...]   (default: all five)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DATA=${BERT_ENGINE_DATA:-../shared/data}
+RUNS=${BERT_ENGINE_RUNS:-runs/starter}
+TASKS=("$@")
+[ ${#TASKS[@]} -eq 0 ] && TASKS=(sentiment ner summary fill_mask qa)
+
+train_and_pack() {  # task, pack args..., -- , train args...
+  local task=$1; shift
+  local pack_args=()
+  while [ "$1" != "--" ]; do pack_args+=("$1"); shift; done
+  shift
+  local cmd=(bert-engine train "$task" --output-dir "$RUNS/$task" "$@")
+  echo "+ ${cmd[*]}"
+  python -m bert_engine "${cmd[@]:1}" > "$RUNS/$task.train.json"
+  python -m bert_engine pack "$task" --run "$RUNS/$task" --to "models/starter/$task" \
+    --command-line "${cmd[*]}" "${pack_args[@]}" > "$RUNS/$task.pack.json"
+}
+
+mkdir -p "$RUNS"
+for task in "${TASKS[@]}"; do
+  case $task in
+    sentiment)
+      train_and_pack sentiment --eval-data "$DATA/sst2/dev.tsv" -- \
+        --train-file "$DATA/sst2/train.tsv" --eval-file "$DATA/sst2/dev.tsv" \
+        --lora-rank 8 --lr 1e-3 --batch-size 32 --max-steps 600 --log-every 50 ;;
+    ner)
+      train_and_pack ner --eval-data "$DATA/conll2003/eng.testa" --eval-data "$DATA/conll2003/eng.testb" -- \
+        --train-file "$DATA/conll2003/eng.train" --eval-file "$DATA/conll2003/eng.testa" --eval-limit 1000 \
+        --lora-rank 16 --lora-targets query,value,attention_output,ffn_up,ffn_down --lr 2e-3 --head-lr 5e-3 \
+        --batch-size 32 --max-steps 500 --eval-every 250 --log-every 50 ;;
+    summary)
+      train_and_pack summary --eval-data "$DATA/bbc_news_summary/bbc_news_summary.jsonl" --eval-split test -- \
+        --train-file "$DATA/bbc_news_summary/bbc_news_summary.jsonl" --train-split train --eval-split dev \
+        --eval-limit 60 --lora-rank 8 --lr 1e-3 --head-lr 3e-3 --batch-size 8 --max-steps 250 --eval-every 125 \
+        --log-every 25 ;;
+    fill_mask)
+      train_and_pack fill_mask --eval-data "$DATA/wikitext2/wiki.test.tokens" --eval-split all --eval-limit 400 -- \
+        --train-file "$DATA/gutenberg" --train-split train --eval-file "$DATA/gutenberg" --eval-split test \
+        --eval-limit 300 --lora-rank 8 --lr 1e-3 --head-lr 2e-3 --batch-size 32 --max-steps 700 --eval-every 350 \
+        --log-every 50 ;;
+    qa)
+      train_and_pack qa --eval-data "$DATA/squad/dev-v1.1.json" --eval-split dev --eval-limit 500 -- \
+        --train-file "$DATA/squad/train-v1.1.part01of08.json" --eval-file "$DATA/squad/dev-v1.1.json" \
+        --eval-limit 200 --lora-rank 16 --lora-targets query,value,attention_output,ffn_up,ffn_down --lr 2e-3 \
+        --head-lr 5e-3 --batch-size 16 --max-steps 500 --eval-every 250 --log-every 50 ;;
+    *) echo "unknown task $task" >&2; exit 2 ;;
+  esac
+done
