@@ -172,7 +172,7 @@ def _pack(args: argparse.Namespace) -> dict:
     from .registry import load_registry
 
     task = load_registry().task(args.task)
-    run = Path(args.run)
+    run = Path(args.run_dir)
     source = run / "best"
     if not (source / "adapter_config.json").is_file():
         raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     pack = sub.add_parser("pack", help="copy a LoRA run's best adapter + head into a starter folder, "
                                        "evaluate it and write manifest.json")
     pack.add_argument("task")
-    pack.add_argument("--run", required=True, help="the training output_dir (its best/ is packed)")
+    pack.add_argument("--run", dest="run_dir", required=True, help="the training output_dir (its best/ is packed)")
     pack.add_argument("--to", required=True, help="destination folder, e.g. models/starter/sentiment")
     pack.add_argument("--eval-data", action="append", default=[], help="data to report metrics on (repeatable)")
     pack.add_argument("--eval-split", default="test")

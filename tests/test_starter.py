@@ -1,0 +1,82 @@
+"""The committed starter pack: every model loads (adapter + head on the MiniLM base) and makes real
+predictions that an untrained head would not make, offline."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bert_engine.inference import Predictor
+from bert_engine.registry import load_registry
+from plugins.starter import STARTER_ROOT
+
+PACKED = sorted(p.name for p in STARTER_ROOT.iterdir() if (p / "manifest.json").is_file()) if STARTER_ROOT.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return load_registry(entry_points=False)
+
+
+def _predictor(registry, task):
+    spec = registry.task(task).spec
+    assert spec.default_checkpoint == str(STARTER_ROOT / task)  # the tab's default, no configuration needed
+    predictor = Predictor.load(registry.task(task))
+    assert predictor.untrained_head is False
+    return predictor
+
+
+def test_the_pack_is_small_and_documented():
+    assert "sentiment" in PACKED
+    for task in PACKED:
+        folder = STARTER_ROOT / task
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert manifest["task"] == task and manifest["base_model"] == "default" and len(manifest["base_sha256"]) == 64
+        assert manifest["metrics"] and manifest["command"].startswith("bert-engine train")
+        assert sum(p.stat().st_size for p in folder.iterdir()) < 4_000_000
+
+
+@pytest.mark.skipif("sentiment" not in PACKED, reason="no sentiment starter model packed")
+def test_sentiment_starter(registry):
+    predictor = _predictor(registry, "sentiment")
+    assert predictor.predict({"text": "A gorgeous, witty, seductive movie."})["result"]["label"] == "POSITIVE"
+    assert predictor.predict({"text": "The plot is predictable and the acting is wooden."})["result"]["label"] == "NEGATIVE"
+    assert predictor.predict({"text": "I loved every minute of this wonderful film."})["result"]["score"] > 0.9
+
+
+@pytest.mark.skipif("ner" not in PACKED, reason="no NER starter model packed")
+def test_ner_starter(registry):
+    predictor = _predictor(registry, "ner")
+    text = "Angela Merkel met Emmanuel Macron in Paris on Monday."
+    entities = {(e["text"], e["type"]) for e in predictor.predict({"text": text})["result"]["entities"]}
+    assert ("Angela Merkel", "PER") in entities and ("Paris", "LOC") in entities
+
+
+@pytest.mark.skipif("qa" not in PACKED, reason="no QA starter model packed")
+def test_qa_starter(registry):
+    predictor = _predictor(registry, "qa")
+    context = "The Eiffel Tower is a wrought-iron tower in Paris. It was completed in 1889 for the World's Fair."
+    result = predictor.predict({"question": "When was the Eiffel Tower completed?", "context": context})["result"]
+    assert "1889" in result["answer"]
+
+
+@pytest.mark.skipif("summary" not in PACKED, reason="no summary starter model packed")
+def test_summary_starter(registry):
+    from plugins.summary import read_data, rouge
+
+    predictor = _predictor(registry, "summary")
+    fixture = Path(__file__).parent / "fixtures" / "bbc_tiny.jsonl"
+    scores = []
+    for inputs, target in read_data(fixture, "all"):
+        result = predictor.predict(inputs, num_sentences=2)["result"]
+        assert result["mode"] == "supervised"
+        scores.append(rouge([result["summary"]], [target["summary"]])["rouge2"])
+    assert sum(scores) / len(scores) > 30  # a random scorer picks about 2 of 7 sentences at random
+
+
+@pytest.mark.skipif("fill_mask" not in PACKED, reason="no fill-mask starter model packed")
+def test_fill_mask_starter(registry):
+    predictor = _predictor(registry, "fill_mask")
+    result = predictor.predict({"text": "The capital of France is [MASK]."})["result"]
+    words = [c["token"] for c in result["masks"][0]["candidates"]]
+    assert "paris" in words
