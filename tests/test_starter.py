@@ -78,5 +78,5 @@ def test_summary_starter(registry):
 def test_fill_mask_starter(registry):
     predictor = _predictor(registry, "fill_mask")
     result = predictor.predict({"text": "The capital of France is [MASK]."})["result"]
-    words = [c["token"] for c in result["masks"][0]["candidates"]]
+    words = [c["token"] for c in result["predictions"][0]["candidates"]]
     assert "paris" in words

@@ -163,8 +163,8 @@ def test_loads_from_a_hub_id_served_locally(task, checkpoint, fake_hub, tmp_path
     assert hub.predict({"text": TEXTS[0]})["result"] == local.predict({"text": TEXTS[0]})["result"]
 
 
-def test_minilm_encoder_with_a_fresh_head_gives_valid_offsets(task):
-    predictor = Predictor.load(task)  # MiniLM ships no MLM head: a fresh one, said in the provenance
+def test_minilm_encoder_with_a_fresh_head_gives_valid_offsets(task, minilm_dir):
+    predictor = Predictor.load(task, str(minilm_dir))  # MiniLM ships no MLM head: a fresh one, said in the provenance
     text = "Ünïcödé 🤗 and a [MASK] in 北京."
     output = predictor.predict({"text": text}, top_k=3)
     mask = output["result"]["predictions"][0]

@@ -158,8 +158,8 @@ def test_loads_from_a_hub_id_served_locally(task, checkpoint, fake_hub, tmp_path
     assert hub.predict(inputs)["result"] == local.predict(inputs)["result"]
 
 
-def test_minilm_encoder_with_a_fresh_head_gives_valid_offsets(task):
-    predictor = Predictor.load(task)
+def test_minilm_encoder_with_a_fresh_head_gives_valid_offsets(task, minilm_dir):
+    predictor = Predictor.load(task, str(minilm_dir))
     inputs = {"question": "Who wrote it?", "context": "Ünïcödé text 🤗 written by Herman Melville in 北京."}
     result = predictor.predict(inputs, top_k=5)["result"]
     for answer in result["answers"]:

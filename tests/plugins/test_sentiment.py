@@ -107,8 +107,8 @@ def test_loads_from_a_hub_id_served_locally(task, checkpoint, fake_hub, tmp_path
     assert a["provenance"]["model"] == "owner/sentiment" and len(a["provenance"]["revision"]) == 40
 
 
-def test_minilm_encoder_with_a_fresh_head(task):
-    predictor = Predictor.load(task)  # the default backbone: no trained head, said in the provenance
+def test_minilm_encoder_with_a_fresh_head(task, minilm_dir):
+    predictor = Predictor.load(task, str(minilm_dir))  # the bare backbone: no trained head, said in the provenance
     output = predictor.predict({"text": "A fine film."})
     assert output["provenance"]["untrained_head"] is True
     assert [item["label"] for item in output["result"]["labels"]] in (["NEGATIVE", "POSITIVE"], ["POSITIVE", "NEGATIVE"])
