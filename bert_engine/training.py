@@ -28,7 +28,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-BEST_METRIC_PREFERENCE = ("f1", "accuracy", "rouge2", "top1", "exact_match", "nsp_accuracy")
+BEST_METRIC_PREFERENCE = ("f1", "accuracy", "rouge2", "top1", "exact_match", "mlm_accuracy")
 
 
 def _help(text: str, **kwargs) -> Any:
