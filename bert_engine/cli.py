@@ -7,12 +7,23 @@ import json
 import logging
 import os
 import sys
+from itertools import islice
 from pathlib import Path
 
 import torch
 
 from .hub import HubError, default_backbone
 from .loading import CheckpointError, load
+
+
+def _task(name: str):
+    """The registered task `name`; ValueError (exit code 2) naming the registered ones otherwise."""
+    from .registry import load_registry
+
+    try:
+        return load_registry().task(name)
+    except KeyError as err:
+        raise ValueError(str(err.args[0])) from None
 
 
 def _info(args: argparse.Namespace) -> dict:
@@ -58,13 +69,8 @@ def _plugin_check(args: argparse.Namespace) -> dict:
 def _predict(args: argparse.Namespace) -> dict:
     from .hookspecs import InputError
     from .inference import Predictor
-    from .registry import load_registry
 
-    registry = load_registry()
-    try:
-        task = registry.task(args.task)
-    except KeyError as err:
-        raise ValueError(str(err.args[0])) from None
+    task = _task(args.task)
     fields = task.spec.input_fields + task.spec.optional_fields
     inputs = {}
     for item in args.input:
@@ -116,13 +122,8 @@ def _run_training(job_factory, cfg) -> dict:
 
 def _train(args: argparse.Namespace) -> dict:
     from .jobs import TaskJob
-    from .registry import load_registry
 
-    registry = load_registry()
-    try:
-        task = registry.task(args.task)
-    except KeyError as err:
-        raise ValueError(str(err.args[0])) from None
+    task = _task(args.task)
     cfg = _training_config(args, task=args.task)
     return _run_training(lambda c: TaskJob(task, c), cfg)
 
@@ -136,21 +137,12 @@ def _pretrain(args: argparse.Namespace) -> dict:
 def _eval(args: argparse.Namespace) -> dict:
     from .inference import Predictor
     from .jobs import evaluate_task, resolve_model_name
-    from .registry import load_registry
 
-    registry = load_registry()
-    try:
-        task = registry.task(args.task)
-    except KeyError as err:
-        raise ValueError(str(err.args[0])) from None
+    task = _task(args.task)
     spec = task.spec
     if spec.read_data is None:
         raise ValueError(f"task {spec.name!r} declares no data reader; it cannot be evaluated from a file")
-    examples = []
-    for example in spec.read_data(args.data, args.split):
-        if args.limit is not None and len(examples) >= args.limit:
-            break
-        examples.append(example)
+    examples = list(islice(spec.read_data(args.data, args.split), args.limit))
     if not examples:
         raise ValueError(f"{args.data}: no {args.split!r} examples for task {spec.name!r}")
     model = args.model or spec.default_checkpoint
@@ -169,9 +161,8 @@ def _pack(args: argparse.Namespace) -> dict:
 
     from .inference import Predictor
     from .jobs import evaluate_task
-    from .registry import load_registry
 
-    task = load_registry().task(args.task)
+    task = _task(args.task)
     run = Path(args.run_dir)
     source = run / "best"
     if not (source / "adapter_config.json").is_file():
@@ -183,11 +174,7 @@ def _pack(args: argparse.Namespace) -> dict:
     predictor = Predictor.load(task, str(target))
     metrics = {}
     for data in args.eval_data:
-        examples = []
-        for example in task.spec.read_data(data, args.eval_split):
-            if args.eval_limit is not None and len(examples) >= args.eval_limit:
-                break
-            examples.append(example)
+        examples = list(islice(task.spec.read_data(data, args.eval_split), args.eval_limit))
         metrics[f"{Path(data).name}:{args.eval_split}"] = {
             "examples": len(examples), **evaluate_task(task.spec, predictor, examples, progress=True)}
     adapter = json.loads((target / "adapter_config.json").read_text(encoding="utf-8"))

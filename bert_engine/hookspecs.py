@@ -24,6 +24,12 @@ class InputError(ValueError):
     """
 
 
+def check_int(task: str, name: str, value: Any, low: int, high: int) -> None:
+    """Raise InputError naming the option and value unless `value` is an integer (not a bool) in [low, high]."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InputError(f"{task}: {name} must be an integer in [{low}, {high}], got {value!r}")
+
+
 class PluginError(RuntimeError):
     """A plugin broke the contract (import failure, hook raised, invalid or duplicate TaskSpec)."""
 

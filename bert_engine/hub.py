@@ -76,17 +76,17 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
         fetch.go_offline(unreachable=True)
     config = fetch("config.json", required=True)
     weights = fetch.first_of(WEIGHT_FILES + (ADAPTER_WEIGHTS,), "weights")
-    if weights.name == ADAPTER_WEIGHTS:  # a LoRA adapter + head: its base model is resolved when loading
+    if weights.name == ADAPTER_WEIGHTS:
+        # A LoRA adapter + head: its base model is resolved when loading, and may bring the tokenizer.
         fetch("adapter_config.json", required=True)
-        for optional in TOKENIZER_FILES + OPTIONAL_FILES:
+        for optional in TOKENIZER_FILES:
             fetch(optional, required=False)
-        folder = config.parent
-        return Resolved(folder, name, revision, folder.name if folder.parent.name == "snapshots" else None)
-    if weights.name.endswith(".index.json"):
-        import json
-        for shard in sorted(set(json.loads(weights.read_text(encoding="utf-8"))["weight_map"].values())):
-            fetch(shard, required=True)
-    fetch.first_of(TOKENIZER_FILES, "tokenizer")
+    else:
+        if weights.name.endswith(".index.json"):
+            import json
+            for shard in sorted(set(json.loads(weights.read_text(encoding="utf-8"))["weight_map"].values())):
+                fetch(shard, required=True)
+        fetch.first_of(TOKENIZER_FILES, "tokenizer")
     for optional in OPTIONAL_FILES:
         fetch(optional, required=False)
     folder = config.parent

@@ -137,15 +137,7 @@ class Predictor:
         return {"task": spec.name, "result": result, "provenance": self.provenance(latency_ms)}
 
     def _forward(self, batch: Batch):
-        """The model over the batch in chunks of `max_rows` rows, so many windows cannot exhaust memory."""
-        inputs = batch.model_inputs()
-        rows = inputs["input_ids"].shape[0]
-        if rows <= self.max_rows:
-            return self.model(**inputs)
-        parts = [self.model(**{k: v[i:i + self.max_rows] if isinstance(v, torch.Tensor) else v
-                                for k, v in inputs.items()})
-                 for i in range(0, rows, self.max_rows)]
-        return _concat(parts)
+        return forward_in_chunks(self.model, batch.model_inputs(), self.max_rows)
 
     def provenance(self, latency_ms: float | None = None) -> dict[str, Any]:
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
@@ -167,6 +159,17 @@ class Predictor:
             out = encoder(batch.input_ids[:1, :n].to(self.device), None,
                           batch.token_type_ids[:1, :n].to(self.device), output_attentions=True)
         return self.last.tokens, [a[0].float().cpu() for a in out.attentions]
+
+
+def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int = 32) -> Any:
+    """`model(**inputs)` over at most `max_rows` rows at a time, so many windows cannot exhaust
+    memory; tensor inputs are sliced along the batch, other keywords passed whole, outputs concatenated."""
+    rows = inputs["input_ids"].shape[0]
+    if rows <= max_rows:
+        return model(**inputs)
+    parts = [model(**{k: v[i:i + max_rows] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+             for i in range(0, rows, max_rows)]
+    return _concat(parts)
 
 
 def predict_in_batches(predictor: Predictor | LazyPredictor, items: list[Mapping[str, Any]], *, batch_size: int = 32,
@@ -201,6 +204,14 @@ def predict_in_batches(predictor: Predictor | LazyPredictor, items: list[Mapping
         for i, result in zip(chunk, chunk_results if len(chunk) > 1 else [chunk_results]):
             results[i] = result
     return results
+
+
+def predict_texts(predictor: Predictor | LazyPredictor, texts: list[str], *, batch_size: int = 32,
+                  progress: bool = False, **options: Any) -> list[Any]:
+    """`predict_many` for one-field tasks: each text fills the task's input field (see predict_in_batches)."""
+    field = predictor.task.spec.input_fields[0]
+    return predict_in_batches(predictor, [{field: text} for text in texts], batch_size=batch_size,
+                              progress=progress, **options)
 
 
 def _concat(parts: list[Any]) -> Any:

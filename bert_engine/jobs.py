@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,8 @@ def evaluate_task(spec: TaskSpec, predictor, examples: list, *, rank: int = 0, w
                   progress: bool = False, **options) -> dict[str, Any]:
     """The task's metrics on (inputs, target) examples: its own `evaluate` if it has one, else
     predictions (batched where the task can) scored by its `metric`. Sharded over ranks and gathered."""
-    if spec.evaluate is not None:
-        return spec.evaluate(predictor, examples, progress=progress, **options) if rank == 0 or world == 1 else {}
+    if spec.evaluate is not None:  # the task's own evaluation runs on the first rank only
+        return spec.evaluate(predictor, examples, progress=progress, **options) if rank == 0 else {}
     if spec.metric is None:
         raise ValueError(f"task {spec.name!r} declares neither metric nor evaluate; it cannot be evaluated")
     mine = list(range(rank, len(examples), world))
@@ -67,14 +68,14 @@ class TaskJob:
         seed_everything(cfg.seed)  # the new head's initialisation is part of the run
         self.base_name = cfg.model or "default"  # never the starter model: runs must not build on each other
         self.model, self.tokenizer = load(resolve_model_name(self.base_name), spec.build_head)
-        self.examples = _limited(spec.read_data(cfg.train_file, cfg.train_split), cfg.train_limit)
+        self.examples = list(islice(spec.read_data(cfg.train_file, cfg.train_split), cfg.train_limit))
         if not self.examples:
             raise ValueError(f"{cfg.train_file}: no {cfg.train_split!r} examples for task {spec.name!r}")
         eval_file = cfg.eval_file or cfg.train_file
         self.eval_examples = []
         if cfg.eval_file or cfg.eval_split != cfg.train_split:
             try:
-                self.eval_examples = _limited(spec.read_data(eval_file, cfg.eval_split), cfg.eval_limit)
+                self.eval_examples = list(islice(spec.read_data(eval_file, cfg.eval_split), cfg.eval_limit))
             except ValueError as err:
                 logger.warning("no evaluation data (%s); the final weights will be kept", err)
         self.lora = _prepare_lora(self.model, cfg)
@@ -138,13 +139,13 @@ class PretrainJob:
         builder = PairBuilder(tokenize_documents(read_documents(cfg.train_file), self.tokenizer), cfg.max_seq_len,
                               cfg.short_seq_prob)
         self.builder = builder
-        self._epoch = -1
-        self.examples: list = builder.pairs(cfg.seed)  # epoch 0; rebuilt per epoch in collate
+        self._epoch = 0
+        self.examples: list = builder.pairs(cfg.seed)  # epoch 0's pairs; new_epoch rebuilds them later
         self.eval_pairs = []
         if cfg.eval_file:
             eval_builder = PairBuilder(tokenize_documents(read_documents(cfg.eval_file), self.tokenizer),
                                        cfg.max_seq_len, cfg.short_seq_prob)
-            self.eval_pairs = _limited(eval_builder.pairs(cfg.seed + 99991), cfg.eval_limit or 512)
+            self.eval_pairs = eval_builder.pairs(cfg.seed + 99991)[:cfg.eval_limit or 512]
         self.lora = _prepare_lora(self.model, cfg)
 
     def collate(self, pairs: list, generator: torch.Generator):
@@ -171,8 +172,10 @@ class PretrainJob:
     def evaluate(self, model: nn.Module, rank: int, world: int) -> dict[str, Any]:
         if not self.eval_pairs:
             return {}
+        from .pretraining import masked_lm_counts
+
         device = next(model.parameters()).device
-        totals = {"mlm_loss": 0.0, "mlm_correct": 0.0, "mlm_top5": 0.0, "masked": 0.0, "nsp_correct": 0.0, "pairs": 0.0}
+        totals = {"nll": 0.0, "top1": 0, "top5": 0, "masked": 0, "nsp_correct": 0, "pairs": 0}
         generator = torch.Generator().manual_seed(12345)  # the same masks at every evaluation
         mine = self.eval_pairs[rank::world]
         for start in range(0, len(mine), 64):
@@ -180,20 +183,15 @@ class PretrainJob:
             output = model(**batch.to(device).model_inputs())
             labels, nsp = labels.to(device), nsp.to(device)
             chosen = labels != -100
-            logits = output.mlm_logits[chosen].float()
-            gold = labels[chosen]
-            totals["mlm_loss"] += nn.functional.cross_entropy(logits, gold, reduction="sum").item()
-            totals["mlm_correct"] += (logits.argmax(-1) == gold).sum().item()
-            totals["mlm_top5"] += (logits.topk(5, -1).indices == gold[:, None]).any(-1).sum().item()
-            totals["masked"] += gold.numel()
-            totals["nsp_correct"] += (output.nsp_logits.argmax(-1) == nsp).sum().item()
-            totals["pairs"] += nsp.numel()
+            counts = masked_lm_counts(output.mlm_logits[chosen], labels[chosen])
+            counts["nsp_correct"] = (output.nsp_logits.argmax(-1) == nsp).sum().item()
+            counts["pairs"] = nsp.numel()
+            totals = {k: totals[k] + counts[k] for k in totals}
         parts = gather_objects([totals], Distributed(rank, world))
         summed = {k: sum(p[0][k] for p in parts) for k in totals}
-        mlm_loss = summed["mlm_loss"] / max(summed["masked"], 1)
-        return {"mlm_accuracy": summed["mlm_correct"] / max(summed["masked"], 1),
-                "mlm_top5": summed["mlm_top5"] / max(summed["masked"], 1),
-                "mlm_loss": mlm_loss, "perplexity": math.exp(min(mlm_loss, 50)),
+        masked = max(summed["masked"], 1)
+        return {"mlm_accuracy": summed["top1"] / masked, "mlm_top5": summed["top5"] / masked,
+                "mlm_loss": summed["nll"] / masked, "perplexity": math.exp(min(summed["nll"] / masked, 50)),
                 "nsp_accuracy": summed["nsp_correct"] / max(summed["pairs"], 1)}
 
     def new_epoch(self, epoch: int) -> None:
@@ -216,15 +214,6 @@ def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
         return logits.sum() * 0.0, 0, 0
     loss = nn.functional.cross_entropy(picked, gold)
     return loss, int((picked.argmax(-1) == gold).sum()), int(gold.numel())
-
-
-def _limited(iterable, limit: int | None) -> list:
-    out = []
-    for item in iterable:
-        if limit is not None and len(out) >= limit:
-            break
-        out.append(item)
-    return out
 
 
 def _prepare_lora(model: nn.Module, cfg: TrainConfig):

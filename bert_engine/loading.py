@@ -404,10 +404,8 @@ def load(name_or_path: str | Path, head: str | nn.Module | None = None, **kwargs
         CheckpointError: if the tokenizer's vocabulary is larger than the embedding table.
     """
     model = load_pretrained(name_or_path, head, **kwargs)
-    folder = model.checkpoint.folder
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "vocab.txt")) and hasattr(model, "base_checkpoint"):
-        folder = model.base_checkpoint.folder  # an adapter folder uses its base model's tokenizer
-    tokenizer = load_tokenizer(folder)
+    # An adapter folder without tokenizer files uses its base model's (lora.load_adapter says which).
+    tokenizer = load_tokenizer(getattr(model, "tokenizer_folder", model.checkpoint.folder))
     vocab_size = model.config.vocab_size
     if tokenizer.vocab_size > vocab_size:
         raise CheckpointError(

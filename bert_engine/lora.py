@@ -83,15 +83,11 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)  # (…, out)
-        if len(self.parts) * self.part_size == y.shape[-1]:  # every slice adapted: one concatenation
-            h = self.dropout(x)
-            updates = [(h @ a.T) @ b.T for a, b in zip(self.lora_a, self.lora_b)]
-            return y + torch.cat(updates, dim=-1) * self.scaling
         h = self.dropout(x)
-        pieces = list(y.split(self.part_size, dim=-1))
+        pieces = list(y.split(self.part_size, dim=-1))  # one piece per part (a single one if unfused)
         for part, a, b in zip(self.parts, self.lora_a, self.lora_b):
             pieces[part] = pieces[part] + (h @ a.T) @ b.T * self.scaling
-        return torch.cat(pieces, dim=-1)
+        return torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
 
     def merged(self) -> nn.Linear:
         """The base layer with the update folded into its weight (no extra cost at inference)."""
@@ -238,5 +234,7 @@ def load_adapter(folder, head, *, merge: bool = True, **kwargs) -> nn.Module:
     if merge:
         merge_lora(model)
     model.base_checkpoint = model.checkpoint
+    has_tokenizer = any((folder / name).is_file() for name in ("tokenizer.json", "vocab.txt"))
+    model.tokenizer_folder = folder if has_tokenizer else model.checkpoint.folder
     model.adapter = {**meta, "folder": str(folder)}
     return model

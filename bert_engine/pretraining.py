@@ -164,11 +164,12 @@ def special_mask(input_ids: Tensor, tokenizer: Tokenizer) -> Tensor:
 
 def continuation_mask(input_ids: Tensor, tokenizer: Tokenizer) -> Tensor:
     """(B, T) bool: wordpieces that continue a word ("##" pieces), for whole-word masking."""
-    vocab = tokenizer.backend.get_vocab()
-    is_continuation = torch.zeros(max(vocab.values()) + 1, dtype=torch.bool)
-    for token, index in vocab.items():
-        if token.startswith("##"):
-            is_continuation[index] = True
+    is_continuation = getattr(tokenizer, "_continuation_ids", None)
+    if is_continuation is None:  # one scan of the vocabulary per tokenizer, not one per batch
+        vocab = tokenizer.backend.get_vocab()
+        is_continuation = torch.zeros(max(vocab.values()) + 1, dtype=torch.bool)
+        is_continuation[[i for token, i in vocab.items() if token.startswith("##")]] = True
+        tokenizer._continuation_ids = is_continuation
     return is_continuation[input_ids.clamp(max=len(is_continuation) - 1)]
 
 
@@ -211,6 +212,16 @@ def _ordinary_ids(tokenizer: Tokenizer) -> Tensor:
         cached = everything[~special_mask(everything[None], tokenizer)[0]]
         tokenizer._ordinary_ids = cached
     return cached
+
+
+def masked_lm_counts(logits: Tensor, gold: Tensor) -> dict[str, float]:
+    """Sums for masked-token evaluation over (M, V) logits at M masked positions and their (M,) ids:
+    summed negative log-likelihood, top-1 and top-5 hits, and M. Divide after summing over batches."""
+    logits = logits.float()
+    best = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (M, 5)
+    return {"nll": torch.nn.functional.cross_entropy(logits, gold, reduction="sum").item(),
+            "top1": (best[:, 0] == gold).sum().item(), "top5": (best == gold[:, None]).any(-1).sum().item(),
+            "masked": gold.numel()}
 
 
 def tokenize_documents(documents: list[list[str]], tokenizer: Tokenizer, batch_size: int = 2048) -> list[list[list[int]]]:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from bert_engine.heads import MaskedLMHead
-from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl
 from plugins.starter import starter_checkpoint
 
 MODES = ("independent", "joint")
@@ -57,8 +57,7 @@ def preprocess(inputs, tokenizer, *, top_k=5, mode="independent", targets=None, 
                max_length=512):
     text = inputs["text"]
     mask = tokenizer.mask_token
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 100:
-        raise InputError(f"fill_mask: top_k must be an integer in [1, 100], got {top_k!r}")
+    check_int("fill_mask", "top_k", top_k, 1, 100)
     if mode not in MODES:
         raise InputError(f"fill_mask: mode {mode!r} is not one of {MODES}")
     if not isinstance(beam_width, int) or not 1 <= beam_width <= 64:
@@ -297,11 +296,12 @@ def evaluate(predictor, examples, *, progress: bool = False, batch_size: int = 6
 
     from tqdm.auto import tqdm
 
+    from bert_engine.pretraining import masked_lm_counts
+
     predictor = predictor.get()
     model, tokenizer = predictor.model, predictor.tokenizer
     generator = torch.Generator().manual_seed(seed)
-    top1 = top5 = count = 0
-    nll = 0.0
+    totals = {"nll": 0.0, "top1": 0, "top5": 0, "masked": 0}
     device = next(model.parameters()).device
     with torch.inference_mode():
         for start in tqdm(range(0, len(examples), batch_size), disable=not progress, desc="fill_mask", unit="batch"):
@@ -309,17 +309,13 @@ def evaluate(predictor, examples, *, progress: bool = False, batch_size: int = 6
             output = model(**batch.to(device).model_inputs())
             labels = labels.to(device)
             chosen = labels != -100
-            logits = output.head.logits(output.hidden_states[chosen]).float()  # (masked, V)
-            gold = labels[chosen]
-            nll += torch.nn.functional.cross_entropy(logits, gold, reduction="sum").item()
-            best = logits.topk(5, dim=-1).indices
-            top1 += (best[:, 0] == gold).sum().item()
-            top5 += (best == gold[:, None]).any(-1).sum().item()
-            count += gold.numel()
+            counts = masked_lm_counts(output.head.logits(output.hidden_states[chosen]), labels[chosen])
+            totals = {k: totals[k] + counts[k] for k in totals}
+    count = totals["masked"]
     if not count:
         raise ValueError("no tokens were masked: the evaluation passages are empty")
-    return {"top1": top1 / count, "top5": top5 / count, "perplexity": math.exp(min(nll / count, 50)),
-            "masked_tokens": count}
+    return {"top1": totals["top1"] / count, "top5": totals["top5"] / count,
+            "perplexity": math.exp(min(totals["nll"] / count, 50)), "masked_tokens": count}
 
 
 @hookimpl

@@ -17,9 +17,9 @@ from torch import Tensor
 
 from bert_engine.crf import CRF, SCHEMES, allowed_transitions, detect_scheme
 from bert_engine.heads import TokenClassificationHead
-from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl
 from plugins.starter import starter_checkpoint
-from bert_engine.inference import predict_in_batches
+from bert_engine.inference import predict_texts
 
 from .tagging import chunks, convert, entity_scores, read_conll
 
@@ -60,12 +60,9 @@ class NerHead(TokenClassificationHead):
 # -- preprocessing ---------------------------------------------------------------------------------
 
 def _check_options(tokenizer, max_length, stride, nbest, constrained, scheme) -> None:
-    if not isinstance(max_length, int) or isinstance(max_length, bool) or not 16 <= max_length <= tokenizer.model_max_length:
-        raise InputError(f"ner: max_length must be an integer in [16, {tokenizer.model_max_length}], got {max_length!r}")
-    if not isinstance(stride, int) or isinstance(stride, bool) or not 0 <= stride <= max_length // 2:
-        raise InputError(f"ner: stride must be an integer in [0, {max_length // 2}], got {stride!r}")
-    if not isinstance(nbest, int) or isinstance(nbest, bool) or not 1 <= nbest <= MAX_NBEST:
-        raise InputError(f"ner: nbest must be an integer in [1, {MAX_NBEST}], got {nbest!r}")
+    check_int("ner", "max_length", max_length, 16, tokenizer.model_max_length)
+    check_int("ner", "stride", stride, 0, max_length // 2)
+    check_int("ner", "nbest", nbest, 1, MAX_NBEST)
     if not isinstance(constrained, bool):
         raise InputError(f"ner: constrained must be true or false, got {constrained!r}")
     if scheme != "auto" and scheme not in SCHEMES:
@@ -127,10 +124,12 @@ def postprocess(output: NerOutput, batch, *, max_length=256, stride=64, nbest=3,
     paths = crf.decode(emissions, mask, nbest=nbest, **kwargs)
     marginals = crf.marginals(emissions, mask, **kwargs)  # (B, T, L)
     log_z = crf.log_partition(emissions, mask, **kwargs)  # (B,)
+    rows_of: dict[int, list[int]] = {}
+    for r, sample in enumerate(batch.sample_index):
+        rows_of.setdefault(sample, []).append(r)
     results = []
     for i, text in enumerate(batch.meta["texts"]):
-        rows = [r for r, s in enumerate(batch.sample_index) if s == i]
-        results.append(_one_input(i, text, rows, batch, head.labels, mask, paths, marginals, log_z, emissions,
+        results.append(_one_input(i, text, rows_of[i], batch, head.labels, mask, paths, marginals, log_z, emissions,
                                   spans, used_scheme, constrained))
     return results[0] if len(results) == 1 else results
 
@@ -286,11 +285,6 @@ def metric(results: list[dict], targets: list[dict]) -> dict[str, Any]:
     return entity_scores(gold, predicted)
 
 
-def predict_many(predictor, texts: list[str], *, batch_size: int = 32, progress: bool = False, **options):
-    """Many texts in length-sorted batches; results in input order."""
-    return predict_in_batches(predictor, [{"text": t} for t in texts], batch_size=batch_size, progress=progress, **options)
-
-
 # -- the tab ---------------------------------------------------------------------------------------
 
 COLOURS = {"PER": "#fca5a5", "ORG": "#93c5fd", "LOC": "#86efac", "MISC": "#fde68a"}
@@ -372,5 +366,5 @@ def register_tasks(register):
         training_batch=training_batch,
         loss=loss,
         metric=metric,
-        predict_many=predict_many,
+        predict_many=predict_texts,
     ))

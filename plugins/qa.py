@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from bert_engine.heads import SpanHead
-from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl
 from plugins.starter import starter_checkpoint
 
 N_BEST_PER_WINDOW = 20  # best spans kept per window before merging across windows
@@ -34,8 +34,7 @@ def preprocess(inputs, tokenizer, *, top_k=1, max_seq_len=384, doc_stride=128, m
         raise InputError("qa: the context is empty; paste the text that holds the answer")
     for name, value, low, high in (("top_k", top_k, 1, 50), ("max_seq_len", max_seq_len, 32, tokenizer.model_max_length),
                                    ("max_question_len", max_question_len, 4, 256), ("max_answer_len", max_answer_len, 1, 512)):
-        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-            raise InputError(f"qa: {name} must be an integer in [{low}, {high}], got {value!r}")
+        check_int("qa", name, value, low, high)
     if null_threshold is not None and not isinstance(null_threshold, (int, float)):
         raise InputError(f"qa: null_threshold must be a number or None, got {null_threshold!r}")
     # Cut the question to max_question_len word pieces, at a character boundary of the original.

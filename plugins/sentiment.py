@@ -18,7 +18,7 @@ from torch import Tensor
 from bert_engine.heads import SequenceClassificationHead
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
 from plugins.starter import starter_checkpoint
-from bert_engine.inference import predict_in_batches
+from bert_engine.inference import predict_texts
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +126,7 @@ def _round(value: float) -> float:
     return round(float(value), 6)
 
 
-def classify_many(predictor, texts: list[str], *, batch_size: int = 32, progress: bool = False,
-                  **options) -> list[dict[str, Any]]:
-    """Classify many texts in length-sorted batches; results in input order (`predict_many`)."""
-    if any(not isinstance(text, str) for text in texts):
-        raise InputError(f"sentiment: texts at positions {[i for i, t in enumerate(texts) if not isinstance(t, str)][:10]} "
-                         "are not text")
-    return predict_in_batches(predictor, [{"text": text} for text in texts], batch_size=batch_size,
-                              progress=progress, **options)
+classify_many = predict_texts  # many texts in length-sorted batches, results in input order
 
 
 def build_tab(predictor) -> None:

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl
 from plugins.starter import starter_checkpoint
-from bert_engine.inference import predict_in_batches
+from bert_engine.inference import predict_texts
 from bert_engine.tokenizer import Batch
 
 MODES = ("auto", "centroid", "supervised")
@@ -98,17 +98,12 @@ class SentenceScorerHead(nn.Module):
 
     def encode_rows(self, batch: Batch):
         """The bound model over a batch's rows, 64 at a time; returns the encoder's output."""
-        from bert_engine.inference import _concat
+        from bert_engine.inference import forward_in_chunks
 
         model = self._model() if self._model is not None else None
         if model is None:
             raise RuntimeError("summary: the head is not bound to a model")
-        device = next(model.parameters()).device
-        inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.model_inputs().items()}
-        rows = inputs["input_ids"].shape[0]
-        parts = [model.encoder(**{k: v[i:i + 64] if isinstance(v, Tensor) else v for k, v in inputs.items()})
-                 for i in range(0, rows, 64)]
-        return _concat(parts)
+        return forward_in_chunks(model.encoder, batch.to(next(model.parameters()).device).model_inputs(), max_rows=64)
 
     def forward(self, encoded) -> SummaryOutput:
         if self.training:
@@ -120,28 +115,24 @@ class SentenceScorerHead(nn.Module):
 # -- preprocessing ---------------------------------------------------------------------------------
 
 def _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, layer, max_length, tokenizer):
-    if num_sentences is not None and (not isinstance(num_sentences, int) or isinstance(num_sentences, bool)
-                                      or not 1 <= num_sentences <= 100):
-        raise InputError(f"summary: num_sentences must be an integer in [1, 100] or None, got {num_sentences!r}")
+    if num_sentences is not None:
+        check_int("summary", "num_sentences", num_sentences, 1, 100)
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
         raise InputError(f"summary: ratio must lie in (0, 1], got {ratio!r}")
-    if not isinstance(min_words, int) or isinstance(min_words, bool) or not 0 <= min_words <= 100:
-        raise InputError(f"summary: min_words must be an integer in [0, 100], got {min_words!r}")
+    check_int("summary", "min_words", min_words, 0, 100)
     if mode not in MODES:
         raise InputError(f"summary: mode {mode!r} is not one of {MODES}")
     if not isinstance(mmr_lambda, (int, float)) or isinstance(mmr_lambda, bool) or not 0 <= mmr_lambda <= 1:
         raise InputError(f"summary: mmr_lambda must lie in [0, 1], got {mmr_lambda!r}")
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise InputError(f"summary: layer must be an integer (-1 is the last layer), got {layer!r}")
-    if not isinstance(max_length, int) or isinstance(max_length, bool) or not 32 <= max_length <= tokenizer.model_max_length:
-        raise InputError(f"summary: max_length must be an integer in [32, {tokenizer.model_max_length}], got {max_length!r}")
+    check_int("summary", "max_length", max_length, 32, tokenizer.model_max_length)
 
 
 def preprocess(inputs, tokenizer, *, num_sentences=None, ratio=0.3, min_words=4, mode="auto", mmr_lambda=0.7,
                layer=-1, max_length=512):
-    """Split into sentences and build both views: one row per sentence (centroid mode) and packed
-    BertSum windows (supervised mode) are not both needed, so the rows depend on `mode`; "auto"
-    builds the packed windows and also carries the per-sentence rows' inputs in `meta`."""
+    """Split into sentences; rows are one per sentence in centroid mode, packed BertSum windows
+    otherwise ("auto" starts with the windows and re-encodes per sentence if the scorer is untrained)."""
     _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, layer, max_length, tokenizer)
     texts = inputs["text"] if isinstance(inputs["text"], list) else [inputs["text"]]
     documents = []
@@ -157,7 +148,6 @@ def preprocess(inputs, tokenizer, *, num_sentences=None, ratio=0.3, min_words=4,
     if mode == "centroid":
         sentences = [text[a:b] for text, spans in zip(texts, documents) for a, b in spans]
         batch = tokenizer(sentences, max_length=min(max_length, 128))
-        batch.meta["rows"] = [(d, k) for d, spans in enumerate(documents) for k in range(len(spans))]
         if layer != -1:
             batch.meta["model_kwargs"] = {"output_hidden_states": True}
     else:
@@ -255,20 +245,17 @@ def postprocess(output: SummaryOutput, batch, *, num_sentences=None, ratio=0.3, 
     per_doc_embeddings: list[Tensor | None] = []
     if used == "supervised":
         probs = output.token_scores.float().sigmoid().cpu()
-        for d, spans in enumerate(documents):
-            scores = torch.zeros(len(spans))
-            for r, row in enumerate(batch.meta["cls"]):
-                for position, doc, k in row:
-                    if doc == d:
-                        scores[k] = probs[r, position]
-            per_doc_scores.append(scores)
-            per_doc_embeddings.append(None)
+        per_doc_scores = [torch.zeros(len(spans)) for spans in documents]
+        per_doc_embeddings = [None] * len(documents)
+        for r, row in enumerate(batch.meta["cls"]):  # each sentence's score sits at its [CLS] token
+            for position, d, k in row:
+                per_doc_scores[d][k] = probs[r, position]
     else:
-        embeddings = _mean_pool(output.encoder, batch, layer)
-        rows = batch.meta["rows"]
-        for d, spans in enumerate(documents):
-            index = [r for r, (doc, _) in enumerate(rows) if doc == d]
-            vectors = embeddings[index]
+        embeddings = _mean_pool(output.encoder, batch, layer)  # one row per sentence, documents in order
+        start = 0
+        for spans in documents:
+            vectors = embeddings[start:start + len(spans)]
+            start += len(spans)
             per_doc_scores.append(centroid_scores(vectors).clamp(min=0.0))
             per_doc_embeddings.append(vectors)
     results = [_choose(text, spans, scores, vectors, num_sentences, ratio, min_words, mmr_lambda, used)
@@ -403,23 +390,17 @@ def evaluate(predictor, examples, *, batch_size: int = 8, progress: bool = True,
     texts = [inputs["text"] for inputs, _ in examples]
     references = [target["summary"] for _, target in examples]
     table: dict[str, Any] = {}
-    model_results = predict_in_batches(predictor, [{"text": t} for t in texts], batch_size=batch_size,
-                                       progress=progress, **options)
+    model_results = predict_texts(predictor, texts, batch_size=batch_size, progress=progress, **options)
     mode = model_results[0]["mode"] if model_results else "centroid"
     table[f"model ({mode})"] = rouge([r["summary"] for r in model_results], references)
     if mode != "centroid":
-        centroid = predict_in_batches(predictor, [{"text": t} for t in texts], batch_size=batch_size,
-                                      progress=progress, **{**options, "mode": "centroid"})
+        centroid = predict_texts(predictor, texts, batch_size=batch_size, progress=progress,
+                                 **{**options, "mode": "centroid"})
         table["centroid (unsupervised)"] = rouge([r["summary"] for r in centroid], references)
     table["lead-3"] = rouge([lead(t, 3) for t in texts], references)
     table["first-k (k as the model)"] = rouge([lead(t, len(r["selected"])) for t, r in zip(texts, model_results)],
                                               references)
     return {**table[f"model ({mode})"], "documents": len(examples), "rouge_f1": table}
-
-
-def predict_many(predictor, texts: list[str], *, batch_size: int = 8, progress: bool = False, **options):
-    """Many documents in length-sorted batches; results in input order."""
-    return predict_in_batches(predictor, [{"text": t} for t in texts], batch_size=batch_size, progress=progress, **options)
 
 
 # -- the tab ---------------------------------------------------------------------------------------
@@ -499,7 +480,7 @@ def register_tasks(register):
         loss=loss,
         metric=metric,
         evaluate=evaluate,
-        predict_many=predict_many,
+        predict_many=predict_texts,
     ))
 
 
