@@ -186,3 +186,29 @@ def reference_checkpoint(folder: Path, model_class: str, **config) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(MINILM_DIR / name, folder / name)
     return folder
+
+
+def fit_tiny_model(build_head, batch, targets, loss, *, steps: int, lr: float):
+    """A tiny fresh encoder (MiniLM's vocabulary) with the task head, trained on one batch with AdamW.
+
+    Returns the model in eval mode and the loss at every step.
+    """
+    from bert_engine.config import BertConfig
+    from bert_engine.heads import BertWithHead
+    from bert_engine.model import init_weights
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37)
+    model = BertWithHead(config, build_head(config))
+    model.apply(lambda module: init_weights(module, 0.02))
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        value = loss(model(**batch.model_inputs()), targets)
+        value.backward()
+        optimizer.step()
+        losses.append(value.item())
+    return model.eval(), losses

@@ -9,10 +9,7 @@ import pytest
 import torch
 import transformers
 
-from bert_engine.config import BertConfig
 from bert_engine.conformance import check_task
-from bert_engine.heads import BertWithHead
-from bert_engine.model import init_weights
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.loading import load_pretrained, load_tokenizer, save_pretrained
@@ -20,7 +17,7 @@ from bert_engine.registry import load_registry
 from plugins.ner import NerHead, is_valid, metric, read_data, training_batch, loss, transition_table
 from plugins.tagging import chunks, convert, entity_scores
 
-from conftest import SENTENCES, reference_checkpoint
+from conftest import SENTENCES, fit_tiny_model, reference_checkpoint
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "conll_tiny.txt"
 BIO = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-ORG", 4: "I-ORG", 5: "B-LOC", 6: "I-LOC", 7: "B-MISC", 8: "I-MISC"}
@@ -130,7 +127,8 @@ def test_long_text_windows_cover_every_word_once(task, plain_checkpoint):
     assert len({w["start"] for w in result["words"] if text[w["start"]:w["end"]] in words}) == len(words)
     spans = [(e["start"], e["end"]) for e in result["entities"]]
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlapping entities
-    assert is_valid([w["tag"] for w in result["words"]], list(BIO.values()), "BIO") or result["windows"] > 1
+    word_starts, word_ends = {w["start"] for w in result["words"]}, {w["end"] for w in result["words"]}
+    assert spans and all(start in word_starts and end in word_ends for start, end in spans)  # whole words only
 
 
 def test_training_batch_tags_the_first_piece_of_every_word(plain_checkpoint):
@@ -146,25 +144,11 @@ def test_training_batch_tags_the_first_piece_of_every_word(plain_checkpoint):
 
 
 def test_loss_trains_a_tiny_model_to_fit_the_fixture(task, minilm_dir):
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=37)
-    model = BertWithHead(config, NerHead(config))
-    model.apply(lambda module: init_weights(module, 0.02))
-    model.train()
     tokenizer = load_tokenizer(minilm_dir)
     examples = list(read_data(FIXTURE))
     batch, targets = training_batch(examples, tokenizer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(60):
-        optimizer.zero_grad()
-        value = loss(model(**batch.model_inputs()), targets)
-        value.backward()
-        optimizer.step()
-        losses.append(value.item())
+    model, losses = fit_tiny_model(NerHead, batch, targets, loss, steps=60, lr=1e-2)
     assert losses[-1] < losses[0] * 0.05
-    model.eval()
     predictor = Predictor(task, model, tokenizer, model_id="fitted")
     results = [predictor.predict(inputs)["result"] for inputs, _ in examples]
     scores = metric(results, [target for _, target in examples])

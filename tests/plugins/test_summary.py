@@ -8,16 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_engine.config import BertConfig
 from bert_engine.conformance import check_task
-from bert_engine.heads import BertWithHead
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.loading import load_tokenizer, save_pretrained
-from bert_engine.model import init_weights
 from bert_engine.registry import load_registry
 from plugins.summary import (SentenceScorerHead, evaluate, lead, loss, mmr_select, oracle_labels, read_data, rouge,
                              split_of, split_sentences, training_batch)
+
+from conftest import fit_tiny_model
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "bbc_tiny.jsonl"
 DOC = ("Dr. Smith paid $3.50 for it on Jan. 5. \"Is it done?\" she asked. The U.S. economy grew 2.5 per cent.\n"
@@ -138,23 +137,10 @@ def test_oracle_labels_find_sentences_joined_without_separator():
 
 
 def test_scorer_trains_saves_and_is_used_in_auto_mode(task, minilm_dir, tmp_path):
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=37)
-    model = BertWithHead(config, SentenceScorerHead(config))
-    model.apply(lambda module: init_weights(module, 0.02))
     tokenizer = load_tokenizer(minilm_dir)
     examples = list(read_data(FIXTURE, "all"))
     batch, targets = training_batch(examples, tokenizer)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    model.train()
-    losses = []
-    for _ in range(40):
-        optimizer.zero_grad()
-        value = loss(model(**batch.model_inputs()), targets)
-        value.backward()
-        optimizer.step()
-        losses.append(value.item())
+    model, losses = fit_tiny_model(SentenceScorerHead, batch, targets, loss, steps=40, lr=3e-3)
     assert losses[-1] < losses[0] * 0.3
     save_pretrained(model, tmp_path, tokenizer)
     predictor = Predictor.load(task, str(tmp_path))
