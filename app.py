@@ -9,7 +9,8 @@ from playground.app import warm_up
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 if __name__ == "__main__":
-    app = build_app()
+    app = build_app(device=os.environ.get("BERT_ENGINE_DEVICE") or None,
+                    precision=os.environ.get("BERT_ENGINE_PRECISION", "auto"))
     warm_up(app.predictors)  # models load in the background while the server starts
     app.queue(default_concurrency_limit=int(os.environ.get("BERT_ENGINE_CONCURRENCY", "4")))
     app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),

@@ -12,8 +12,13 @@ from pathlib import Path
 
 import torch
 
+from .fast import PRECISIONS
 from .hub import HubError, default_backbone
 from .loading import CheckpointError, load
+
+
+PRECISION_HELP = ("auto: fp32 on CPU, bf16/fp16 on GPU; int8: dynamic quantisation of the encoder's linear "
+                  "layers (CPU); see benchmarks/README.md for the speed and accuracy of each")
 
 
 def _task(name: str):
@@ -79,7 +84,7 @@ def _predict(args: argparse.Namespace) -> dict:
             raise ValueError(f"--input {item!r}: expected FIELD=TEXT with FIELD one of {', '.join(fields)}")
         inputs[field] = value
     options = _parse_options(args.option)
-    predictor = Predictor.load(task, args.model, revision=args.revision)
+    predictor = Predictor.load(task, args.model, revision=args.revision, precision=args.precision)
     texts = Path(args.file).read_text(encoding="utf-8").splitlines() if args.file else [None]
     if args.file and task.spec.predict_many is not None and not inputs:
         results = task.spec.predict_many(predictor, texts, progress=True, **options)
@@ -147,7 +152,7 @@ def _eval(args: argparse.Namespace) -> dict:
         raise ValueError(f"{args.data}: no {args.split!r} examples for task {spec.name!r}")
     model = args.model or spec.default_checkpoint
     predictor = Predictor.load(task, resolve_model_name(model) if model in (None, "default") else model,
-                               revision=args.revision)
+                               revision=args.revision, precision=args.precision)
     options = _parse_options(args.option)
     metrics = evaluate_task(spec, predictor, examples, progress=True, **options)
     return {"task": spec.name, "data": args.data, "split": args.split, "examples": len(examples),
@@ -251,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a task option, JSON-parsed when possible, e.g. -o top_k=2")
     predict.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the task's)")
     predict.add_argument("--revision", default=None)
+    predict.add_argument("--precision", default="auto", choices=PRECISIONS, help=PRECISION_HELP)
     predict.set_defaults(run=_predict)
     train = sub.add_parser("train", help="fine-tune a registered task (built-in or plugin); works under torchrun",
                            description="Fine-tune TASK's head on a checkpoint, optionally with LoRA adapters.")
@@ -269,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
     evaluate.add_argument("--model", default=None, help="checkpoint folder, adapter folder or Hub id (default: the task's)")
     evaluate.add_argument("--revision", default=None)
+    evaluate.add_argument("--precision", default="auto", choices=PRECISIONS, help=PRECISION_HELP)
     evaluate.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE", help="a task option")
     evaluate.set_defaults(run=_eval)
     pack = sub.add_parser("pack", help="copy a LoRA run's best adapter + head into a starter folder, "

@@ -66,6 +66,7 @@ class Predictor:
         self.model_id = model_id
         self.revision = revision
         self.untrained_head = untrained_head
+        self.precision: str | None = None  # "int8" etc. when chosen; else the parameters' dtype says it
         self.device = next(model.parameters()).device
         self.last: LastInput | None = None
         self.max_rows = 32  # rows (windows) per forward pass
@@ -73,17 +74,30 @@ class Predictor:
 
     @classmethod
     def load(cls, task: RegisteredTask, checkpoint: str | None = None, *, device: str | None = None,
-             dtype: torch.dtype | None = None, **load_kwargs) -> Predictor:
-        """Load the task's model: `checkpoint`, else the task's default, else the default backbone."""
+             precision: str = "auto", pack: bool = True, compile: bool = False, **load_kwargs) -> Predictor:
+        """Load the task's model: `checkpoint`, else the task's default, else the default backbone.
+
+        Args:
+            precision: "auto" (fp32 on CPU, bf16/fp16 on GPU), "fp32", "bf16", "fp16" or "int8"
+                (dynamic quantisation of the encoder's linear layers, CPU only); see fast.py.
+            pack: on the CPU, run the encoder's linear layers through pre-packed oneDNN matmuls.
+            compile: torch.compile the encoder layers (slow first calls, faster steady state).
+        """
+        from .fast import check_precision, precision_dtype, prepare_for_inference
         from .hub import default_backbone
         from .loading import load
 
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
         target = pick_device(device)
-        model, tokenizer = load(name, task.spec.build_head, device=target, dtype=dtype or pick_dtype(target),
+        check_precision(precision, target)
+        model, tokenizer = load(name, task.spec.build_head, device=target, dtype=precision_dtype(precision, target),
                                 **load_kwargs)
-        return cls(task, model, tokenizer, model_id=str(name), revision=model.checkpoint.commit or model.checkpoint.revision,
-                   untrained_head=bool(model.load_report.missing))
+        untrained = bool(model.load_report.missing)
+        model = prepare_for_inference(model, precision, pack=pack, compile=compile)
+        predictor = cls(task, model, tokenizer, model_id=str(name),
+                        revision=model.checkpoint.commit or model.checkpoint.revision, untrained_head=untrained)
+        predictor.precision = "int8" if precision == "int8" else None
+        return predictor
 
     def check_inputs(self, inputs: Any, options: Mapping[str, Any]) -> dict[str, Any]:
         """Raise InputError naming the problem; return the options merged with the task's defaults."""
@@ -120,6 +134,12 @@ class Predictor:
             # Postprocessing may use the model too (logits at chosen positions, beam search).
             return self.task.spec.postprocess(output, batch.to("cpu"), **options)
 
+    def forward_rows(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+        """The model's output for already-tokenised rows, for a task that batches inputs its own way
+        (e.g. qa.predict_many); chunked like every forward, under this model's lock."""
+        with self._lock, torch.inference_mode():
+            return self._forward_inputs({k: v.to(self.device) for k, v in inputs.items()})
+
     def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         """Preprocess -> model -> postprocess for one input.
 
@@ -137,10 +157,13 @@ class Predictor:
         return {"task": spec.name, "result": result, "provenance": self.provenance(latency_ms)}
 
     def _forward(self, batch: Batch):
-        return forward_in_chunks(self.model, batch.model_inputs(), self.max_rows)
+        return self._forward_inputs(batch.model_inputs())
+
+    def _forward_inputs(self, inputs: Mapping[str, Any]):
+        return forward_in_chunks(self.model, inputs, self.max_rows)
 
     def provenance(self, latency_ms: float | None = None) -> dict[str, Any]:
-        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        dtype = self.precision or str(next(self.model.parameters()).dtype).removeprefix("torch.")
         info = {"plugin": self.task.plugin, "plugin_version": self.task.plugin_version, "task": self.task.spec.name,
                 "model": self.model_id, "revision": self.revision, "device": str(self.device), "dtype": dtype,
                 "untrained_head": self.untrained_head}

@@ -21,20 +21,21 @@ MAX_HEATMAP_TOKENS = 96  # larger attention maps are cut to the first tokens, wi
 
 
 def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] | None = None,
-              device: str | None = None):
+              device: str | None = None, precision: str = "auto"):
     """The playground as a Gradio Blocks app.
 
     Args:
         registry: the task registry (default: load built-ins and installed plugins).
         checkpoints: task name -> folder or Hub id, overriding each task's default model.
         device: force a device ("cpu", "cuda"); default: CUDA, then MPS, then CPU.
+        precision: "auto", "fp32", "bf16", "fp16" or "int8" (bert_engine.fast).
     """
     import gradio as gr
 
     registry = registry or load_registry()
     checkpoints = checkpoints or {}
     # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor).
-    predictors = {name: BatchingPredictor(task, checkpoints.get(name), device=device)
+    predictors = {name: BatchingPredictor(task, checkpoints.get(name), device=device, precision=precision)
                   for name, task in registry.tasks.items()}
     for predictor in predictors.values():
         predictor.predict = on_gpu(predictor.predict)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bert_engine.heads import SpanHead
+from bert_engine.heads import SpanHead, SpanOutput
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl
 from plugins.starter import starter_checkpoint
 
@@ -170,16 +170,65 @@ def read_data(path, split: str = "dev"):
                         "starts": [a["answer_start"] for a in answers] or [-1]})
 
 
-def evaluate_squad(predictor, path, *, limit: int | None = None, progress: bool = True, **options) -> dict[str, Any]:
-    """Predict every question of a SQuAD file and score it with the official EM / F1."""
+def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: bool = False, **options) -> list[dict]:
+    """Answers for many (question, context) inputs, in order: each is windowed alone, then the windows
+    of neighbouring inputs (sorted by length, so padding stays small) share forward passes of up to
+    `max_rows` rows, and each input is postprocessed alone — the same answers as one `predict` each.
+
+    Raises:
+        InputError: a bad input or option, naming the input's position.
+    """
     from tqdm.auto import tqdm
 
-    results, targets = [], []
-    examples = list(read_data(path))[:limit]
-    for inputs, target in tqdm(examples, disable=not progress, desc="squad", unit="question"):
-        results.append(predictor.predict(inputs, **options)["result"])
-        targets.append(target)
-    return {**metric(results, targets), "questions": len(examples)}
+    predictor = predictor.get()
+    options = predictor.check_options(options)
+    batches = []
+    for i, item in enumerate(items):
+        try:
+            predictor.check_inputs(item, {})
+            batches.append(preprocess(item, predictor.tokenizer, **options))
+        except InputError as err:
+            raise InputError(f"qa: input {i}: {err}") from None
+    order = sorted(range(len(items)), key=lambda i: batches[i].input_ids.shape[1])
+    groups, group, rows = [], [], 0
+    for i in order:
+        if group and rows + len(batches[i]) > max_rows:
+            groups.append(group)
+            group, rows = [], 0
+        group.append(i)
+        rows += len(batches[i])
+    groups += [group] if group else []
+    results: list[Any] = [None] * len(items)
+    pad = predictor.tokenizer.pad_token_id
+    for group in tqdm(groups, disable=not progress, desc="qa", unit="batch"):
+        width = max(batches[i].input_ids.shape[1] for i in group)
+
+        def padded(name, value):
+            return torch.cat([torch.nn.functional.pad(getattr(batches[i], name), (0, width - batches[i].input_ids.shape[1]),
+                                                      value=value) for i in group])  # (rows, width)
+
+        inputs = {"input_ids": padded("input_ids", pad), "attention_mask": padded("attention_mask", 0),
+                  "token_type_ids": padded("token_type_ids", 0)}
+        output = predictor.forward_rows(inputs)
+        starts, ends = output.start_logits.float().cpu(), output.end_logits.float().cpu()  # (rows, width)
+        row = 0
+        for i in group:
+            n, t = len(batches[i]), batches[i].input_ids.shape[1]
+            output = SpanOutput(starts[row:row + n, :t], ends[row:row + n, :t])
+            results[i] = postprocess(output, batches[i], **options)
+            row += n
+    return results
+
+
+def evaluate(predictor, examples: list, *, progress: bool = False, **options) -> dict[str, float]:
+    """Official EM / F1 over (inputs, target) examples, predicted in shared batches (predict_many)."""
+    results = predict_many(predictor, [inputs for inputs, _ in examples], progress=progress, **options)
+    return {**metric(results, [target for _, target in examples]), "questions": len(examples)}
+
+
+def evaluate_squad(predictor, path, *, limit: int | None = None, progress: bool = True, **options) -> dict[str, Any]:
+    """Predict every question of a SQuAD file and score it with the official EM / F1."""
+    return evaluate(predictor, list(read_data(path))[:limit], progress=progress, **options)
 
 
 def training_batch(examples, tokenizer, *, generator=None, max_seq_len: int = 384, doc_stride: int = 128,
@@ -275,6 +324,7 @@ def register_tasks(register):
         loss=loss,
         training_batch=training_batch,
         metric=metric,
+        evaluate=evaluate,
     ))
 
 

@@ -10,7 +10,8 @@ from bert_engine.conformance import check_task
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.registry import load_registry
-from plugins.qa import evaluate_squad, max_context_windows, metric, normalize_answer, read_data, squad_scores
+from plugins.qa import (evaluate_squad, max_context_windows, metric, normalize_answer, predict_many, read_data,
+                        squad_scores)
 
 from conftest import reference_checkpoint
 
@@ -148,6 +149,27 @@ def test_official_squad_normalisation_and_metric():
 def test_evaluate_squad_file(predictor):
     report = evaluate_squad(predictor, FIXTURE, progress=False)
     assert report["questions"] == 3 and 0.0 <= report["exact_match"] <= report["f1"] <= 100.0
+
+
+def test_batched_answers_equal_one_by_one_predictions(predictor):
+    items = [inputs for inputs, _ in read_data(FIXTURE)]
+    items += [{"question": "Which town has the harbour built in 1847?", "context": LONG_CONTEXT},
+              {"question": "How far does river 7 flow?", "context": LONG_CONTEXT[:400]},
+              {"question": "Who?", "context": "Ada Lovelace wrote the first program."}]
+    alone = [predictor.predict(item, top_k=3)["result"] for item in items]
+    # max_rows 4 forces groups that mix short inputs and split the long one's windows across passes
+    together = predict_many(predictor, items, max_rows=4, top_k=3)
+    assert [r["windows"] for r in together] == [r["windows"] for r in alone] and alone[3]["windows"] > 4
+    for a, b in zip(alone, together):
+        assert [x["answer"] for x in a["answers"]] == [x["answer"] for x in b["answers"]]
+        assert [x["start"] for x in a["answers"]] == [x["start"] for x in b["answers"]]
+        for x, y in zip(a["answers"], b["answers"]):
+            assert x["logit"] == pytest.approx(y["logit"], abs=1e-3)
+
+
+def test_batched_prediction_names_the_bad_input(predictor):
+    with pytest.raises(InputError, match="input 1: qa: the question is empty"):
+        predict_many(predictor, [{"question": "Who?", "context": "Ada."}, {"question": " ", "context": "x"}])
 
 
 def test_loads_from_a_hub_id_served_locally(task, checkpoint, fake_hub, tmp_path):

@@ -1,0 +1,88 @@
+"""Inference precisions and packed CPU linear layers (bert_engine/fast.py) keep the model's answers."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from bert_engine import BertModel, PRESETS, load
+from bert_engine.fast import PackedLinear, can_pack, check_precision, pack_linear_layers, prepare_for_inference
+from bert_engine.inference import Predictor
+from bert_engine.registry import load_registry
+
+from conftest import SENTENCES
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+
+
+def _encode(model, batch):
+    with torch.inference_mode():
+        return model(**batch).last_hidden_state
+
+
+def test_packed_minilm_equals_the_plain_model_on_padded_real_sentences(minilm_dir):
+    model, tokenizer = load(minilm_dir)
+    batch = tokenizer(SENTENCES).model_inputs()
+    assert (batch["attention_mask"] == 0).any()
+    packed = pack_linear_layers(copy.deepcopy(model))
+    kinds = {type(m).__name__ for m in packed.modules()}
+    assert "PackedLinear" in kinds and not any(isinstance(m, nn.Linear) for m in packed.layers.modules())
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(_encode(packed, batch)[real], _encode(model, batch)[real], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "relu"])
+def test_fused_activation_matches_for_each_kind(act):
+    config = dataclasses.replace(PRESETS["tiny"], hidden_act=act)
+    torch.manual_seed(0)
+    model = BertModel(config).eval()
+    batch = {"input_ids": torch.randint(5, 99, (3, 11)), "attention_mask": torch.ones(3, 11, dtype=torch.long)}
+    plain = _encode(model, batch)
+    packed = pack_linear_layers(copy.deepcopy(model))
+    fused = packed.layers[0].ffn.up.attr
+    assert fused == ("gelu" if act.startswith("gelu") else "none")
+    torch.testing.assert_close(_encode(packed, batch), plain, atol=1e-5, rtol=0)
+
+
+def test_packing_twice_is_a_no_op_and_other_devices_or_dtypes_are_left_alone():
+    model = BertModel(PRESETS["tiny"]).eval()
+    pack_linear_layers(model)
+    first = model.layers[0].attention.qkv
+    pack_linear_layers(model)
+    assert model.layers[0].attention.qkv is first and isinstance(first, PackedLinear)
+    half = BertModel(PRESETS["tiny"]).to(torch.float16)
+    assert not can_pack(half)
+    assert isinstance(pack_linear_layers(half).layers[0].attention.qkv, nn.Linear)
+
+
+@pytest.mark.parametrize("precision, device, message", [
+    ("int4", "cpu", "precision 'int4' is not one of"),
+    ("int8", "cuda", "runs on the CPU only"),
+])
+def test_bad_precision_is_named(precision, device, message):
+    with pytest.raises(ValueError, match=message):
+        check_precision(precision, torch.device(device))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_faster_precisions_keep_obvious_sentiment(precision):
+    task = load_registry().task("sentiment")
+    exact = Predictor.load(task, precision="fp32")
+    fast = Predictor.load(task, precision=precision)
+    assert fast.provenance()["dtype"] == {"bf16": "bfloat16", "int8": "int8"}[precision]
+    texts = ["A wonderful, moving film with superb acting.", "A dull, tedious mess; I hated every minute."]
+    for text in texts:
+        a, b = exact.predict({"text": text})["result"], fast.predict({"text": text})["result"]
+        assert a["label"] == b["label"]
+        assert abs(a["score"] - b["score"]) < 0.1
+
+
+def test_prepare_for_inference_int8_quantises_only_encoder_linears(minilm_dir):
+    model, _ = load(minilm_dir)
+    prepare_for_inference(model, "int8")
+    quantised = torch.ao.nn.quantized.dynamic.Linear
+    linears = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, quantised, PackedLinear))]
+    assert len(linears) == 4 * 6 and all(isinstance(m, quantised) for m in linears)
+    assert isinstance(model.pooler.dense, nn.Linear)
