@@ -306,13 +306,23 @@ def to_checkpoint_state(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
+def saved_config(model: nn.Module) -> BertConfig:
+    """The config to write with a model: the encoder's, with the label names of a head that has
+    them (a task head built with default labels, on a base config that has none)."""
+    config = getattr(model, "encoder", model).config
+    labels = getattr(getattr(model, "head", None), "labels", None)
+    if labels and [config.id2label.get(i) for i in range(len(config.id2label))] != list(labels):
+        config = config.with_labels(list(labels))
+    return config
+
+
 def save_pretrained(model: nn.Module, folder: str | Path, tokenizer=None) -> Path:
     """Write config.json + model.safetensors (+ the tokenizer) so transformers and we can load them."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    encoder, _, head_name = _parts(model)
+    _, _, head_name = _parts(model)
     architecture = ARCHITECTURES.get(head_name, "BertModel")
-    config = encoder.config
+    config = saved_config(model)
     if head_name == "span" and config.num_labels != 2:
         # transformers sizes qa_outputs from num_labels; a span head always has two (start, end).
         config = config.with_labels(["start", "end"])

@@ -164,7 +164,7 @@ def save_adapter(model: nn.Module, folder, config: LoraConfig, base_model: str, 
 
     from safetensors.torch import save_file
 
-    from .loading import find_weights
+    from .loading import find_weights, saved_config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -175,7 +175,7 @@ def save_adapter(model: nn.Module, folder, config: LoraConfig, base_model: str, 
             tensors[name] = param
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, folder / ADAPTER_WEIGHTS,
               metadata={"format": "pt"})
-    model.config.to_json_file(folder / "config.json", architectures=["BertModel"])
+    saved_config(model).to_json_file(folder / "config.json", architectures=["BertModel"])
     meta = {"format": "bert_engine.lora", **config.to_dict(), "base_model": base_model,
             "base_sha256": file_sha256(find_weights(Path(base_folder))), "head": type(model.head).__name__}
     (folder / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")

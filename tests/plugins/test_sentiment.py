@@ -125,3 +125,15 @@ def test_metric_and_reader(task, tmp_path):
     rows = list(task.spec.read_data(path))
     assert rows == [({"text": "good film"}, 1), ({"text": "bad film"}, 0)]
     assert task.spec.metric([{"label_id": 1}, {"label_id": 1}], [1, 0]) == {"accuracy": 0.5, "macro_f1": pytest.approx((0 + 2 / 3) / 2)}
+
+
+def test_a_fresh_head_saves_its_label_names_for_the_reference(task, minilm_dir, tmp_path):
+    # MiniLM's config has no labels; the task head starts with its defaults, and a saved model
+    # must carry those names so transformers (and a later load) reads NEGATIVE/POSITIVE, not LABEL_0/1.
+    from bert_engine.loading import load, save_pretrained
+
+    model, tokenizer = load(minilm_dir, task.spec.build_head)
+    assert not model.config.id2label
+    save_pretrained(model, tmp_path, tokenizer)
+    reference = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert reference.id2label == {0: "NEGATIVE", 1: "POSITIVE"}

@@ -1,0 +1,108 @@
+"""Shared pieces of the benchmarks: interleaved timing, the machine's matmul peak, the table printer.
+
+Absolute times on a shared machine are noisy, so every comparison runs its contenders in turn
+(A, B, A, B, ...) and reports medians; ratios taken that way survive a busy neighbour far better
+than two back-to-back runs.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved(contenders: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2,
+                device: torch.device | str = "cpu") -> dict[str, list[float]]:
+    """Seconds per call of each contender, run in turn `repeats` times after `warmup` rounds."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for round_ in range(warmup + repeats):
+        for name, fn in contenders.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def matmul_peak_gflops(dtype: torch.dtype = torch.float32, device: str = "cpu", size: int = 2048,
+                       repeats: int = 10) -> float:
+    """The machine's sustained matmul rate (GFLOP/s) on square `size` matrices: the roofline.
+
+    The best of torch.mm and (on CPU) oneDNN's matmul over a pre-packed weight, the two kernels the
+    implementations under test use, so a fraction of this peak never exceeds 1 by kernel choice.
+    """
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    out = torch.empty(size, size, dtype=dtype, device=device)
+    kernels = {"mm": lambda: torch.mm(a, b, out=out)}
+    if device == "cpu" and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
+        kernels["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    times = interleaved(kernels, repeats, warmup=2, device=device)
+    return 2 * size ** 3 / min(min(t) for t in times.values()) / 1e9
+
+
+def machine() -> dict[str, Any]:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": _cpu_name(), "platform": platform.platform()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """A plain fixed-width table on stdout (benchmarks are scripts: printing is their job)."""
+    cells = [[_fmt(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2) + "\n")

@@ -1,0 +1,156 @@
+"""Encoder forward: bert_engine vs transformers' BertModel (SDPA) on identical weights and inputs.
+
+    python -m benchmarks.encoder                     # MiniLM + bert-base, 1x128, 32x128, 8x512, fp32
+    python -m benchmarks.encoder --models minilm --shapes 1x128 --repeats 30 --json out.json
+    python -m benchmarks.encoder --precisions fp32,bf16,int8   # also the engine's faster CPU modes
+
+For each model and shape: checks the outputs agree (max |difference| of the last hidden state
+<= 1e-4) before timing, then runs the contenders in turn and reports median latency, tokens/s,
+the ratio to the reference and the fraction of the machine's matmul peak (measured in the same
+run, in the precision's own dtype) that the encoder's matmul FLOPs reach: on a GPU this is the
+model-FLOPs utilisation (MFU). bert-base uses random weights in bert-base-uncased's
+shape (no bert-base checkpoint installs offline); MiniLM is the real all-MiniLM-L6-v2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import interleaved, machine, matmul_peak_gflops, median, print_table, write_json
+
+logger = logging.getLogger(__name__)
+
+SHAPES = ((1, 128), (32, 128), (8, 512))
+AGREEMENT = 1e-4
+
+
+def matmul_flops(config, batch: int, tokens: int) -> float:
+    """Matmul FLOPs of one encoder forward: per token and layer, the fused QKV (3H²), attention output (H²)
+    and feed-forward (2HI) projections at 2 FLOPs per multiply-add, plus q·kᵀ and weights·v (2TH each);
+    and the pooler (H² per row). Embedding lookups, LayerNorm, softmax and GELU are not matmuls."""
+    H, I, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    per_token_layer = 2 * (4 * H * H + 2 * H * I) + 2 * 2 * tokens * H
+    return batch * tokens * L * per_token_layer + batch * 2 * H * H
+
+
+def model_folders(names: list[str], workdir: Path) -> dict[str, Path]:
+    """name -> a Hugging Face-layout folder both implementations load."""
+    import transformers
+
+    from bert_engine.hub import default_backbone
+
+    folders = {}
+    for name in names:
+        if name == "minilm":
+            folders[name] = Path(default_backbone())
+        elif name == "bert-base":
+            folder = workdir / "bert-base-random"
+            if not (folder / "config.json").is_file():
+                torch.manual_seed(0)
+                transformers.BertModel(transformers.BertConfig()).save_pretrained(folder)  # bert-base-uncased sizes
+            folders[name] = folder
+        else:
+            raise SystemExit(f"unknown model {name!r}; choose from minilm, bert-base")
+    return folders
+
+
+def load_pair(folder: Path, device: str, precision: str):
+    import transformers
+
+    from bert_engine import load_pretrained
+    from bert_engine.fast import prepare_for_inference
+
+    # The engine as the Predictor runs it (packed oneDNN linears on CPU; see bert_engine/fast.py).
+    ours = prepare_for_inference(load_pretrained(folder, device=device), precision)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    reference = transformers.BertModel.from_pretrained(folder, attn_implementation="sdpa").to(device, dtype).eval()
+    return ours, reference
+
+
+def run(names: list[str], shapes: list[tuple[int, int]], precisions: list[str], repeats: int, device: str,
+        workdir: Path) -> dict:
+    # Each precision is held to the matmul peak of its own dtype (int8 to fp32's: its activations
+    # are quantised per call, and the fp32 peak is the bar it has to beat).
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
+    peaks = {p: matmul_peak_gflops(dtypes[p], device=device) for p in precisions}
+    rows = []
+    for name, folder in model_folders(names, workdir).items():
+        for precision in precisions:
+            ours, reference = load_pair(folder, device, precision)
+            config = ours.config
+            for batch, tokens in shapes:
+                g = torch.Generator().manual_seed(batch * 1000 + tokens)
+                inputs = {"input_ids": torch.randint(1000, config.vocab_size, (batch, tokens), generator=g).to(device),
+                          "attention_mask": torch.ones(batch, tokens, dtype=torch.long, device=device),
+                          "token_type_ids": torch.zeros(batch, tokens, dtype=torch.long, device=device)}
+                with torch.inference_mode():
+                    mine = ours(**inputs).last_hidden_state.float()
+                    theirs = reference(**inputs).last_hidden_state.float()
+                diff = float((mine - theirs).abs().max())
+                if precision == "fp32" and diff > AGREEMENT:  # lower precisions: reported, not required
+                    raise SystemExit(f"{name} {batch}x{tokens}: outputs differ by {diff:.2e} > {AGREEMENT}; not timing")
+
+                def engine():
+                    with torch.inference_mode():
+                        ours(**inputs)
+
+                def transformers_sdpa():
+                    with torch.inference_mode():
+                        reference(**inputs)
+
+                # int8 has no reference counterpart: it is compared with the reference in fp32.
+                contenders = {"engine": engine} if precision == "int8" else {"engine": engine,
+                                                                             "transformers": transformers_sdpa}
+                times = interleaved(contenders, repeats, device=device)
+                flops = matmul_flops(config, batch, tokens)
+                for impl, ts in times.items():
+                    seconds = median(ts)
+                    peak = peaks[precision]
+                    rows.append({"model": name, "shape": f"{batch}x{tokens}", "impl": impl, "precision": precision,
+                                 "ms": seconds * 1000, "tokens_per_s": batch * tokens / seconds,
+                                 "gflops": flops / seconds / 1e9, "roofline": flops / seconds / 1e9 / peak,
+                                 "max_abs_diff": diff if impl == "engine" else 0.0})
+    _add_ratios(rows)
+    return {"machine": machine(), "device": device, "matmul_peak_gflops": peaks, "repeats": repeats, "rows": rows}
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """speedup = reference time / this time, against transformers in the same precision (int8: fp32)."""
+    reference = {(r["model"], r["shape"], r["precision"]): r["ms"] for r in rows if r["impl"] == "transformers"}
+    for r in rows:
+        base = reference.get((r["model"], r["shape"], r["precision"] if r["precision"] != "int8" else "fp32"))
+        r["speedup"] = base / r["ms"] if base else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="minilm,bert-base", help="comma-separated: minilm, bert-base")
+    parser.add_argument("--shapes", default=",".join(f"{b}x{t}" for b, t in SHAPES), help="BxT,... (batch x tokens)")
+    parser.add_argument("--precisions", default="fp32", help="engine precisions: fp32 (always compared), bf16, int8")
+    parser.add_argument("--repeats", type=int, default=15, help="timed rounds per contender (after 2 warm-up rounds)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workdir", default=None, help="where the random bert-base folder is kept (default: a temp dir)")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    precisions = ["fp32"] + [p for p in args.precisions.split(",") if p and p != "fp32"]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run(args.models.split(","), shapes, precisions, args.repeats, args.device,
+                     Path(args.workdir) if args.workdir else Path(tmp))
+    info = result["machine"]
+    print(f"# encoder forward, {args.device}, {info['cpu']}, {info['threads']} threads, torch {info['torch']}, "
+          f"transformers {info.get('transformers')}; median of {args.repeats}; matmul peak GFLOP/s: "
+          + ", ".join(f"{p} {v:,.0f}" for p, v in result["matmul_peak_gflops"].items()))
+    print_table(result["rows"], ["model", "shape", "impl", "precision", "ms", "tokens_per_s", "speedup", "gflops",
+                                 "roofline", "max_abs_diff"])
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
