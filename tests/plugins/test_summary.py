@@ -187,3 +187,19 @@ def test_cli_predicts_a_summary_with_provenance(minilm_dir):
     payload = json.loads(out.stdout)
     assert payload["task"] == "summary" and len(payload["result"]["selected"]) == 2
     assert "latency_ms" in payload["provenance"]
+
+
+def test_long_lines_are_split_in_chunks_with_the_same_sentences(monkeypatch):
+    import plugins.summary as summary
+
+    line = ("Mr. Smith paid $3.50 at 5 p.m. in the U.S. on Tuesday. \"Is it over?\" she asked. It was not! "
+            "The report (see p. 4) said 3.14 was close. ") * 40
+    whole = summary.split_sentences(line)
+    monkeypatch.setattr(summary, "SEGMENT_CHARS", 150)  # many chunk boundaries, some inside sentences
+    assert summary.split_sentences(line) == whole and len(whole) == 160
+    monkeypatch.setattr(summary, "SEGMENT_CHARS", 20)  # a sentence longer than a chunk: cut, never lost
+    text = "word " * 30 + "end. Next one."
+    spans = summary.split_sentences(text)
+    assert all(0 <= a < b <= len(text) and text[a:b] == text[a:b].strip() for a, b in spans)
+    assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:]))
+    assert "".join(text[a:b] for a, b in spans).replace(" ", "") == text.replace(" ", "")
