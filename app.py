@@ -10,7 +10,8 @@ logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(messag
 
 if __name__ == "__main__":
     app = build_app(device=os.environ.get("BERT_ENGINE_DEVICE") or None,
-                    precision=os.environ.get("BERT_ENGINE_PRECISION", "auto"))
+                    precision=os.environ.get("BERT_ENGINE_PRECISION", "auto"),
+                    timeout_s=float(os.environ.get("BERT_ENGINE_TIMEOUT", "120")) or None)
     warm_up(app.predictors)  # models load in the background while the server starts
     app.queue(default_concurrency_limit=int(os.environ.get("BERT_ENGINE_CONCURRENCY", "4")))
     app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),

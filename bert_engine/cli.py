@@ -59,7 +59,24 @@ def _encode(args: argparse.Namespace) -> dict:
 def _plugins(args: argparse.Namespace) -> dict:
     from .registry import load_registry
 
-    return load_registry().to_json()
+    registry = load_registry()
+    if not args.smoke:
+        return registry.to_json()
+    from .inference import Predictor, call_with_timeout
+
+    smoke = {}
+    for name, task in registry.tasks.items():
+        if not task.spec.examples:
+            smoke[name] = "no examples to run"
+            continue
+        try:
+            predictor = Predictor.load(task)
+            call_with_timeout(predictor.predict, args.timeout, dict(task.spec.examples[0]), what=f"task {name!r}")
+            smoke[name] = "ok"
+        except Exception as err:  # any failure of a task's code is reported, and the next task runs
+            smoke[name] = registry.record_request_failure(name, f"{type(err).__name__}: {err}").message
+            args.exit_code = 1
+    return {**registry.to_json(), "smoke": smoke}
 
 
 def _plugin_check(args: argparse.Namespace) -> dict:
@@ -289,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--command-line", default="", help="the training command, recorded in the manifest")
     pack.set_defaults(run=_pack)
     plugins = sub.add_parser("plugins", help="loaded task plugins (name, version, tasks) and failures, as JSON")
+    plugins.add_argument("--smoke", action="store_true",
+                         help="also load each task's default model and run its first example; failures and hangs "
+                              "are listed (stage 'request') and the exit code is 1")
+    plugins.add_argument("--timeout", type=float, default=120.0, help="seconds per task for --smoke (default 120)")
     plugins.set_defaults(run=_plugins)
     plugin = sub.add_parser("plugin", help="plugin tools")
     plugin_sub = plugin.add_subparsers(dest="plugin_command", required=True)

@@ -184,6 +184,37 @@ class Predictor:
         return self.last.tokens, [a[0].float().cpu() for a in out.attentions]
 
 
+class PredictionTimeout(RuntimeError):
+    """A prediction did not finish in time (a hung plugin, an overloaded machine)."""
+
+
+def call_with_timeout(function, timeout_s: float | None, *args: Any, what: str = "the prediction", **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)`, or PredictionTimeout after `timeout_s` seconds (None: no limit).
+
+    Python cannot stop a thread: a call that hangs keeps its (daemon) thread, and with it any lock
+    it holds, but the caller gets its answer on time and the process stays up.
+    """
+    if timeout_s is None:
+        return function(*args, **kwargs)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = function(*args, **kwargs)
+        except BaseException as err:  # handed to the caller below
+            box["error"] = err
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="bert-engine-request", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise PredictionTimeout(f"{what} did not finish within {timeout_s:g} s and was cut off")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int = 32) -> Any:
     """`model(**inputs)` over at most `max_rows` rows at a time, so many windows cannot exhaust
     memory; tensor inputs are sliced along the batch, other keywords passed whole, outputs concatenated."""

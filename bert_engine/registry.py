@@ -14,6 +14,7 @@ import importlib.metadata
 import logging
 import os
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -42,7 +43,7 @@ class PluginInfo:
 class PluginFailure:
     plugin: str
     version: str
-    stage: str  # "import", "register", "hook", "validate", "duplicate"
+    stage: str  # "import", "register", "hook", "validate", "duplicate", or "request" (at prediction time)
     message: str
 
 
@@ -71,11 +72,28 @@ class Registry:
         self.tasks: dict[str, RegisteredTask] = {}
         self.plugins: list[PluginInfo] = []
         self.failures: list[PluginFailure] = []
+        self._lock = threading.Lock()
 
     def task(self, name: str) -> RegisteredTask:
         if name not in self.tasks:
             raise KeyError(f"no task named {name!r}; registered: {', '.join(self.tasks) or 'none'}")
         return self.tasks[name]
+
+    MAX_REQUEST_FAILURES = 50
+
+    def record_request_failure(self, task: str, message: str) -> PluginFailure:
+        """Note a failure of a task's code while answering a request (it raised or hung), so the
+        Plugins tab and `bert-engine plugins --smoke` can show it; the most recent are kept."""
+        registered = self.tasks.get(task)
+        failure = PluginFailure(registered.plugin if registered else "?", registered.plugin_version if registered else "",
+                                "request", f"task {task}: {message}")
+        with self._lock:
+            self.failures = [f for f in self.failures if f != failure] + [failure]
+            requests = [f for f in self.failures if f.stage == "request"]
+            if len(requests) > self.MAX_REQUEST_FAILURES:
+                self.failures.remove(requests[0])
+        logger.warning("plugin %s, task %s failed at request time: %s", failure.plugin, task, message)
+        return failure
 
     def to_json(self) -> dict[str, Any]:
         return {"plugins": [asdict(p) for p in self.plugins], "failures": [asdict(f) for f in self.failures]}

@@ -20,8 +20,11 @@ logger = logging.getLogger(__name__)
 MAX_HEATMAP_TOKENS = 96  # larger attention maps are cut to the first tokens, with a notice
 
 
+DEFAULT_TIMEOUT_S = 120.0  # a request a task has not answered by then is cut off with a message
+
+
 def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] | None = None,
-              device: str | None = None, precision: str = "auto"):
+              device: str | None = None, precision: str = "auto", timeout_s: float | None = DEFAULT_TIMEOUT_S):
     """The playground as a Gradio Blocks app.
 
     Args:
@@ -29,6 +32,8 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
         checkpoints: task name -> folder or Hub id, overriding each task's default model.
         device: force a device ("cpu", "cuda"); default: CUDA, then MPS, then CPU.
         precision: "auto", "fp32", "bf16", "fp16" or "int8" (bert_engine.fast).
+        timeout_s: seconds a prediction may take before the user gets a "cut off" message instead
+            (None: no limit). Failures of a task's code show in the Plugins tab.
     """
     import gradio as gr
 
@@ -37,8 +42,8 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor).
     predictors = {name: BatchingPredictor(task, checkpoints.get(name), device=device, precision=precision)
                   for name, task in registry.tasks.items()}
-    for predictor in predictors.values():
-        predictor.predict = on_gpu(predictor.predict)
+    for name, predictor in predictors.items():
+        predictor.predict = guarded(on_gpu(predictor.predict), name, registry, timeout_s)
     with gr.Blocks(title="bert_engine playground") as app:
         gr.Markdown("# bert_engine playground\nBERT from scratch in PyTorch. "
                     f"{len(registry.tasks)} task(s) from {len(registry.plugins)} plugin(s).")
@@ -48,8 +53,9 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
                     gr.Markdown(task.spec.description)
                 _build_model_picker(gr, name, predictors[name])
                 _build_task_tab(gr, task, predictors[name])
-        with gr.Tab("Plugins", id="plugins"):
-            _build_plugins_tab(gr, registry)
+        with gr.Tab("Plugins", id="plugins") as plugins_tab:
+            table = _build_plugins_tab(gr, registry)
+        plugins_tab.select(lambda: plugin_rows(registry), None, table)  # failures since start-up show on opening
         with gr.Tab("Attention", id="attention"):
             _build_attention_tab(gr, registry, predictors)
     app.predictors = predictors
@@ -69,6 +75,34 @@ def warm_up(predictors: dict[str, LazyPredictor]) -> threading.Thread:
     thread = threading.Thread(target=load_all, name="bert-engine-warm-up", daemon=True)
     thread.start()
     return thread
+
+
+def guarded(predict, task: str, registry: Registry, timeout_s: float | None):
+    """`predict` with a time limit, and a task's own failures turned into a clear message in the UI
+    (recorded for the Plugins tab) instead of a stack trace; bad input stays the task's InputError."""
+    import gradio as gr
+
+    from bert_engine.hub import HubError
+    from bert_engine.inference import PredictionTimeout, call_with_timeout
+    from bert_engine.loading import CheckpointError
+
+    def call(*args, **kwargs):
+        try:
+            return call_with_timeout(predict, timeout_s, *args, what=f"task {task!r}", **kwargs)
+        except (InputError, gr.Error):
+            raise
+        except (HubError, CheckpointError) as err:  # the model could not be loaded: say which and why
+            raise gr.Error(f"{task}: the model could not be loaded: {err}") from None
+        except PredictionTimeout as err:
+            registry.record_request_failure(task, str(err))
+            raise gr.Error(f"{err}. The task may be stuck or the machine overloaded; try again later.") from None
+        except Exception as err:  # a bug in a task's code: the app and the other tabs carry on
+            logger.exception("task %s failed", task)
+            failure = registry.record_request_failure(task, f"{type(err).__name__}: {err}")
+            raise gr.Error(f"{task} failed ({failure.message}); this is a bug in plugin {failure.plugin}, "
+                           "not in your input. The other tabs still work.") from None
+
+    return call
 
 
 def on_gpu(function):
@@ -127,15 +161,20 @@ def _build_task_tab(gr, task, predictor: LazyPredictor) -> None:
 def plugin_rows(registry: Registry) -> list[list[str]]:
     """The Plugins table: loaded plugins first, then failures with their stage and reason."""
     rows = [[p.name, p.version, p.source, ", ".join(p.tasks), "loaded", ""] for p in registry.plugins]
-    rows += [[f.plugin, f.version, "", "", f"failed at {f.stage}", f.message] for f in registry.failures]
+    rows += [[f.plugin, f.version, "", "", "failing at request time" if f.stage == "request" else f"failed at {f.stage}",
+              f.message] for f in registry.failures]
     return rows
 
 
-def _build_plugins_tab(gr, registry: Registry) -> None:
+def _build_plugins_tab(gr, registry: Registry):
     gr.Markdown("Task plugins: the built-ins and installed packages (entry-point group `bert_engine`). "
-                "A plugin that failed to load is listed with its reason; the others work.")
-    gr.Dataframe(value=plugin_rows(registry), headers=["plugin", "version", "source", "tasks", "status", "reason"],
-                 interactive=False, wrap=True)
+                "A plugin that failed to load is listed with its reason, as is a task whose code failed or "
+                "hung while answering a request; the others work.")
+    table = gr.Dataframe(value=plugin_rows(registry), headers=["plugin", "version", "source", "tasks", "status", "reason"],
+                         interactive=False, wrap=True)
+    refresh = gr.Button("Refresh", size="sm")
+    refresh.click(lambda: plugin_rows(registry), None, table, api_name="plugins")
+    return table
 
 
 def attention_html(tokens: list[str], weights, layer: int, head: int | None) -> str:

@@ -220,3 +220,48 @@ def test_concurrent_requests_share_a_batch_and_bad_input_stays_alone():
         got = outputs[-1]["result"]
         assert got["label"] == expected["label"] and got["score"] == pytest.approx(expected["score"], abs=1e-5)
     assert max(o["provenance"]["batch_size"] for o in outputs) > 1
+
+
+RELEASE = __import__("threading").Event()  # lets the hung test prediction finish at the end
+
+
+class FailingAtRequestPlugin:
+    """Two tasks whose code breaks only when a request comes: one raises, one hangs."""
+
+    @hookimpl
+    def register_tasks(self, register):
+        def explode(output, batch, **options):
+            raise RuntimeError("postprocess exploded")
+
+        def hang(output, batch, **options):
+            RELEASE.wait(60)
+            return {"late": True}
+
+        for name, post in (("explodes", explode), ("hangs", hang)):
+            register(TaskSpec(name=name, title=name.title(), build_head=lambda c: torch.nn.Identity(),
+                              preprocess=lambda i, t, **o: t(i["text"]), postprocess=post))
+
+
+def test_a_task_that_raises_or_hangs_at_request_time_is_cut_off_and_listed(tmp_path):
+    from conftest import reference_checkpoint
+
+    registry = load_registry(entry_points=False)
+    registry.load_plugin("fails-late", "0.1", "test", FailingAtRequestPlugin)
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
+    app = build_app(registry, checkpoints={"explodes": tiny, "hangs": tiny, "sentiment": tiny}, timeout_s=3)
+    try:
+        with pytest.raises(gr.Error, match="postprocess exploded.*bug in plugin fails-late.*other tabs still work"):
+            app.predictors["explodes"].predict({"text": "hello"})
+        with pytest.raises(gr.Error, match="task 'hangs' did not finish within 3 s and was cut off"):
+            app.predictors["hangs"].predict({"text": "hello"})
+        # the app is still up: another tab answers, and bad input is still the user's message
+        assert app.predictors["sentiment"].predict({"text": "fine"})["result"]["label"] in {"NEG", "POS"}
+        with pytest.raises(Exception, match="empty"):
+            app.predictors["sentiment"].predict({"text": " "})
+        rows = [r for r in plugin_rows(registry) if r[4] == "failing at request time"]
+        assert [r[0] for r in rows] == ["fails-late", "fails-late"]
+        assert "RuntimeError: postprocess exploded" in rows[0][5] and "cut off" in rows[1][5]
+        table = next(f.fn for f in app.fns.values() if f.api_name == "plugins")()
+        assert len([r for r in table if r[4] == "failing at request time"]) == 2
+    finally:
+        RELEASE.set()

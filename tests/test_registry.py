@@ -302,3 +302,30 @@ def test_every_hook_is_documented_and_exercised():
         params = [p for p in inspect.signature(getattr(hookspecs.TaskHooks, name)).parameters if p != "self"]
         assert f"## `{name}({', '.join(params)})`" in docs, f"docs/plugins.md lacks a section for {name}"
         assert f"def {name}(" in tests, f"no test implements the hook {name}"
+
+
+def test_cli_plugins_smoke_runs_every_task_and_names_the_failing_one(site, capsys, monkeypatch):
+    from conftest import reference_checkpoint
+
+    tiny = reference_checkpoint(site / "tiny", "BertForSequenceClassification")
+    _install_dist(site, "late-failure", f"""
+        import torch
+        from bert_engine.hookspecs import TaskSpec, hookimpl
+
+        def post(output, batch, **options):
+            raise ValueError("broken at request time")
+
+        @hookimpl
+        def register_tasks(register):
+            register(TaskSpec(name="late", title="Late", build_head=lambda c: torch.nn.Identity(),
+                              preprocess=lambda i, t, **o: t(i["text"]), postprocess=post,
+                              default_checkpoint={str(tiny)!r}, examples=({{"text": "hi"}},)))
+    """)
+    _install_dist(site, "good-one", GOOD_PLUGIN.format(task="good_one"))
+    monkeypatch.setattr("bert_engine.registry.BUILTIN_PLUGINS", ())
+    assert cli_main(["plugins", "--smoke", "--timeout", "30"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["smoke"]["late"] == "task late: ValueError: broken at request time"
+    assert report["smoke"]["good_one"] in ("ok", "no examples to run")
+    assert {"plugin": "late-failure", "version": "0.3", "stage": "request",
+            "message": "task late: ValueError: broken at request time"} in report["failures"]
