@@ -240,7 +240,7 @@ def _prepare_lora(model: nn.Module, cfg: TrainConfig):
 
 
 def save_model(model: nn.Module, folder: Path, tokenizer, lora, base_name: str, cfg: TrainConfig) -> None:
-    """Hugging Face layout, or adapter + head (and the merged model with merge_lora) under LoRA."""
+    """Hugging Face layout, or adapter + head (and with merge_lora the merged model in folder/merged) under LoRA."""
     import copy
 
     from .loading import save_pretrained
@@ -254,7 +254,7 @@ def save_model(model: nn.Module, folder: Path, tokenizer, lora, base_name: str, 
     if cfg.merge_lora:
         merged = copy.deepcopy(model)
         merge_lora(merged)
-        save_pretrained(merged, folder.with_name(folder.name + "-merged"), tokenizer)
+        save_pretrained(merged, folder / "merged", tokenizer)
 
 
 def model_checkpoint_folder(model: nn.Module) -> Path:

@@ -16,7 +16,9 @@ import logging
 import math
 import os
 import random
+import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -67,7 +69,7 @@ class TrainConfig:
     lora_targets: str = _help("comma-separated projections: query, key, value, attention_output, ffn_up, ffn_down",
                               default="query,value")
     lora_dropout: float = _help("dropout on the LoRA input", default=0.0)
-    merge_lora: bool = _help("also write each checkpoint merged, in the Hugging Face layout (best-merged/, ...)",
+    merge_lora: bool = _help("also write each checkpoint merged, in the Hugging Face layout (best/merged/, ...)",
                              default=False)
     freeze_encoder: bool = _help("train only the head", default=False)
     eval_every: int = _help("evaluate every N steps (0: at the end of each epoch)", default=0)
@@ -329,7 +331,8 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
     if dist_info.is_main:
         _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
         if state["best"] is None:  # no evaluation data: the final weights are the result
-            job.save(model, out / "best")
+            with atomic_folder(out / "best") as scratch:
+                job.save(model, scratch)
     return {"steps": step, "best": state["best"], "best_metric": state["best_metric"],
             "last_eval": state["last_eval"], "output_dir": str(out)}
 
@@ -384,14 +387,43 @@ def _evaluate_and_keep_best(job, cfg, model, step, state, dist_info, log, out) -
     if state["best"] is None or value > state["best"]:
         state["best"], state["best_metric"] = value, name
         if dist_info.is_main:
-            job.save(model, out / "best")
-            (out / "best" / "eval.json").write_text(json.dumps({"step": step, **metrics}, indent=2) + "\n",
-                                                    encoding="utf-8")
+            with atomic_folder(out / "best") as scratch:
+                job.save(model, scratch)
+                (scratch / "eval.json").write_text(json.dumps({"step": step, **metrics}, indent=2) + "\n",
+                                                   encoding="utf-8")
             logger.info("step %d: %s %.4f (best so far), saved to %s", step, name, value, out / "best")
 
 
+@contextmanager
+def atomic_folder(target: Path):
+    """Write a folder all or nothing: into a hidden sibling, then swapped in by renames, so a crash
+    or a kill mid-write leaves the previous complete folder (or, between the two renames, its
+    `.old` copy, which `_restore` falls back to) and never a half-written one."""
+    target = Path(target)
+    scratch = target.with_name(f".{target.name}.partial")
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(scratch, ignore_errors=True)  # left by an earlier crash
+    scratch.mkdir(parents=True)
+    yield scratch
+    for path in scratch.rglob("*"):  # on disk before the rename makes them visible
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    scratch.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _checkpoint(folder: Path, job, model, optimizer, scheduler, scaler, state) -> None:
-    """Weights in the job's format plus everything needed to continue exactly (trainer_state.pt)."""
+    """Weights in the job's format plus everything needed to continue exactly (trainer_state.pt),
+    written atomically."""
+    with atomic_folder(folder) as scratch:
+        _write_checkpoint(scratch, job, model, optimizer, scheduler, scaler, state)
+
+
+def _write_checkpoint(folder: Path, job, model, optimizer, scheduler, scaler, state) -> None:
     job.save(model, folder)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict(), "state": state, "rng": {
@@ -408,6 +440,9 @@ def _numpy_state() -> tuple:
 
 def _restore(folder: Path, model, optimizer, scheduler, scaler, state) -> dict[str, Any]:
     path = folder / "trainer_state.pt"
+    fallback = folder.with_name(f".{folder.name}.old") / "trainer_state.pt"
+    if not path.is_file() and fallback.is_file():  # killed between atomic_folder's two renames
+        path = fallback
     if not path.is_file():
         logger.warning("resume: no %s yet; starting from step 0", path)
         return state

@@ -1,8 +1,10 @@
 """Training: masking and NSP statistics, the loop (loss falls, resume, DDP on gloo), LoRA, the commands."""
 
+import dataclasses
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from conftest import SENTENCES
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SST = FIXTURES / "sst_tiny.tsv"
+ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the river ran past old stone houses while children played near the bridge and their parents "
          "talked about the harvest , the weather , and the prices at the market in town").split()
 
@@ -187,6 +190,69 @@ def test_resume_after_interrupt_continues_from_the_same_step(tiny_checkpoint, tm
         torch.testing.assert_close(cut[key], full[key], atol=1e-6, rtol=1e-5)
 
 
+KILL_SCRIPT = """
+import json, os, signal, sys
+from bert_engine.jobs import TaskJob
+from bert_engine.registry import load_registry
+from bert_engine.training import TrainConfig, train
+
+cfg = TrainConfig(**json.loads(sys.argv[1]))
+task = load_registry(entry_points=False).task("sentiment")
+
+def kill(step, logs):
+    if step == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)  # no handler runs, nothing is saved on the way out
+
+train(TaskJob(task, cfg), cfg, on_step=kill)
+"""
+
+
+def test_a_run_killed_mid_epoch_resumes_to_the_same_result(tiny_checkpoint, tmp_path):
+    task = load_registry(entry_points=False).task("sentiment")
+    full_cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "full", save_every=2)
+    train(TaskJob(task, full_cfg), full_cfg)
+    cut_cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "cut", save_every=2)
+    # 24 examples in batches of 8: step 5 is the middle of the second epoch; the last checkpoint is step 4
+    killed = subprocess.run([sys.executable, "-c", KILL_SCRIPT, json.dumps(dataclasses.asdict(cut_cfg)), "5"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert torch.load(tmp_path / "cut" / "last" / "trainer_state.pt", weights_only=True)["state"]["step"] == 4
+    resumed_cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "cut", save_every=2, resume=True)
+    steps_seen = []
+    train(TaskJob(task, resumed_cfg), resumed_cfg, on_step=lambda step, logs: steps_seen.append(step))
+    assert steps_seen == [5, 6, 7, 8]
+    full = load_file(tmp_path / "full" / "last" / "model.safetensors")
+    cut = load_file(tmp_path / "cut" / "last" / "model.safetensors")
+    for key in full:
+        torch.testing.assert_close(cut[key], full[key], atol=1e-6, rtol=1e-5)
+
+
+def test_a_checkpoint_that_fails_mid_write_leaves_the_previous_one_whole(tiny_checkpoint, tmp_path, monkeypatch):
+    import bert_engine.training as training
+
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", save_every=2)
+    real_save, calls = torch.save, []
+
+    def failing_save(obj, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:  # the second checkpoint (step 4): half a file, then the disk "fills up"
+            Path(path).write_bytes(b"PK\x03\x04 half a zip")
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(training.torch, "save", failing_save)
+    with pytest.raises(OSError, match="No space left"):
+        train(TaskJob(task, cfg), cfg)
+    monkeypatch.setattr(training.torch, "save", real_save)
+    last = tmp_path / "run" / "last"
+    assert torch.load(last / "trainer_state.pt", weights_only=True)["state"]["step"] == 2  # the step-2 one, whole
+    load_file(last / "model.safetensors")
+    resumed = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", save_every=2, resume=True)
+    assert train(TaskJob(task, resumed), resumed)["steps"] == 8
+    assert not (tmp_path / "run" / ".last.partial").exists()
+
+
 def test_fine_tuning_learns_the_fixture(tiny_checkpoint, tmp_path):
     task = load_registry(entry_points=False).task("sentiment")
     cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", max_steps=40, lr=1e-2, eval_every=20)
@@ -242,7 +308,7 @@ def test_lora_trains_only_adapters_and_head_and_loads_back(tiny_checkpoint, tmp_
     meta = json.loads((last / "adapter_config.json").read_text())
     assert meta["rank"] == 4 and meta["targets"] == ["query", "value", "ffn_down"] and len(meta["base_sha256"]) == 64
     adapted, tokenizer = load(last, task.spec.build_head)
-    merged, _ = load(tmp_path / "lora" / "last-merged", task.spec.build_head)
+    merged, _ = load(tmp_path / "lora" / "last" / "merged", task.spec.build_head)
     batch = tokenizer(SENTENCES)
     job.model.eval()
     with torch.no_grad():
