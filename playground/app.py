@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import html
 import logging
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from bert_engine.hookspecs import InputError
@@ -39,6 +41,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
 
     registry = registry or load_registry()
     checkpoints = checkpoints or {}
+    model_dirs = allowed_model_dirs()  # a list the picker reads at each use (tests may extend it)
     # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor).
     predictors = {name: BatchingPredictor(task, checkpoints.get(name), device=device, precision=precision)
                   for name, task in registry.tasks.items()}
@@ -51,7 +54,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
             with gr.Tab(task.spec.title, id=name):
                 if task.spec.description:
                     gr.Markdown(task.spec.description)
-                _build_model_picker(gr, name, predictors[name])
+                _build_model_picker(gr, name, predictors[name], model_dirs)
                 _build_task_tab(gr, task, predictors[name])
         with gr.Tab("Plugins", id="plugins") as plugins_tab:
             table = _build_plugins_tab(gr, registry)
@@ -59,6 +62,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
         with gr.Tab("Attention", id="attention"):
             _build_attention_tab(gr, registry, predictors)
     app.predictors = predictors
+    app.model_dirs = model_dirs
     return app
 
 
@@ -125,7 +129,37 @@ def describe(predictor: LazyPredictor) -> str:
     return f"Model: `{info['model']}` · {info['device']} · {info['dtype']}{head}"
 
 
-def _build_model_picker(gr, name: str, predictor: LazyPredictor) -> None:
+def allowed_model_dirs() -> list[Path]:
+    """Folders the model picker may load local checkpoints from: ./models and ./runs, plus those in
+    BERT_ENGINE_MODEL_DIRS (separated by the OS path separator)."""
+    extra = [Path(p) for p in os.environ.get("BERT_ENGINE_MODEL_DIRS", "").split(os.pathsep) if p.strip()]
+    return [Path.cwd() / "models", Path.cwd() / "runs", *extra]
+
+
+def check_model_choice(value: str, allowed: list[Path]) -> str | None:
+    """What a user typed in the model picker -> the checkpoint to load (None: the task's default).
+
+    A local path (absolute, ~, ./, .., or an existing relative path) must resolve, symlinks followed,
+    inside one of `allowed`; anything else is a Hub id, whose form the Hub client checks.
+
+    Raises:
+        InputError: a local path outside the allowed folders (nothing outside them is touched).
+    """
+    value = value.strip()
+    if not value:
+        return None
+    parts = value.replace("\\", "/").split("/")
+    looks_local = value.startswith(("/", "~", ".")) or "\\" in value or ".." in parts or Path(value).exists()
+    if not looks_local:
+        return value
+    resolved = Path(value).expanduser().resolve()
+    if any(resolved.is_relative_to(root.expanduser().resolve()) for root in allowed):
+        return str(resolved)
+    raise InputError(f"the local folder {value!r} is outside the folders models may be loaded from "
+                     f"({', '.join(str(root) for root in allowed)}); set BERT_ENGINE_MODEL_DIRS to allow another")
+
+
+def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: list[Path]) -> None:
     from bert_engine.hub import HubError
     from bert_engine.loading import CheckpointError
 
@@ -138,7 +172,9 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor) -> None:
 
     def switch(value: str) -> str:
         try:
-            predictor.switch(value.strip() or None)
+            predictor.switch(check_model_choice(value, model_dirs))
+        except InputError as err:
+            raise gr.Error(str(err)) from None
         except (HubError, CheckpointError, ValueError, OSError) as err:
             raise gr.Error(f"could not load {value.strip() or 'the default'}: {err}") from None
         return describe(predictor)

@@ -80,6 +80,7 @@ class FakeHub:
         self.repos: dict[tuple[str, str], Path] = {}
         self.faults: dict[str, str] = {}
         self.requests: list[str] = []
+        self.authorizations: list[str] = []  # the Authorization header of each request ("" when absent)
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -94,6 +95,7 @@ class FakeHub:
 
             def _serve(self, body: bool) -> None:
                 hub.requests.append(f"{self.command} {self.path}")
+                hub.authorizations.append(self.headers.get("Authorization", ""))
                 match = re.match(r"^/(.+)/resolve/([^/]+)/(.+?)(\?.*)?$", self.path)
                 if not match:
                     return self._error(404, "RepoNotFound")

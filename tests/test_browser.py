@@ -147,3 +147,20 @@ def test_attention_tab_shows_the_last_input(browser_page):
     panel.locator("table.attention").wait_for(timeout=30_000)
     assert panel.locator("table.attention td").count() > 16
     _shot(browser_page, "attention")
+
+
+XSS = '<img src=x onerror="window.__xss=1"> Angela Merkel visited <b>Paris</b>. <svg onload="window.__xss=2"></svg>'
+
+
+@pytest.mark.parametrize("tab, button, output", [("Named entities", "Find entities", ".ner-text"),
+                                                 ("Summary", "Summarise", ".summary-doc")])
+def test_user_text_is_shown_as_text_never_run_as_html(browser_page, tab, button, output):
+    panel = _open(browser_page, tab)
+    text = XSS + " It rained all day in the city. Nobody came to the meeting that evening."
+    panel.locator("textarea").first.fill(text)
+    panel.get_by_role("button", name=button).click()
+    rendered = panel.locator(output)
+    rendered.wait_for(timeout=60_000)
+    rendered.get_by_text("onerror", exact=False).first.wait_for(timeout=30_000)  # the markup shows as text
+    assert rendered.locator("img, svg, b").count() == 0
+    assert browser_page.evaluate("window.__xss") is None

@@ -127,3 +127,22 @@ def test_a_file_instead_of_a_folder(tmp_path):
     path.write_bytes(b"x")
     with pytest.raises(HubError, match="is a file; give the checkpoint's folder"):
         resolve(path)
+
+
+@pytest.mark.parametrize("fault", [None, "500", "drop"])
+def test_a_token_never_reaches_logs_or_error_messages(hub_repo, tmp_path, caplog, monkeypatch, fault):
+    import logging
+
+    secret = "hf_SeCrEtToKeN0123456789abcdefghij"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    if fault:
+        hub_repo.faults["config.json"] = fault
+    caplog.set_level(logging.DEBUG)
+    message = ""
+    try:
+        _load(hub_repo, tmp_path, token=secret)
+    except HubError as err:
+        message = f"{err!s} {err!r} {err.__cause__!r}"
+    assert fault is None or message  # the faults do fail the load
+    assert secret not in message and secret not in caplog.text
+    assert f"Bearer {secret}" in hub_repo.authorizations  # the token was used, only on the wire

@@ -131,8 +131,12 @@ def test_model_picker_switches_and_reports_errors(served, tmp_path):
 
     app, url = served
     client = Client(url, verbose=False)
-    with pytest.raises(Exception, match="could not load /no/such/folder: .*neither an existing folder"):
-        client.predict("/no/such/folder", api_name="/sentiment_model")
+    for outside in ("/no/such/folder", "/etc", "../../../etc/passwd", str(tmp_path)):
+        with pytest.raises(Exception, match="is outside the folders models may be loaded from"):
+            client.predict(outside, api_name="/sentiment_model")
+    with pytest.raises(Exception, match="could not load owner/missing-model"):  # a Hub id: tried, and named
+        client.predict("owner/missing-model", api_name="/sentiment_model")
+    app.model_dirs.append(tmp_path)
     folder = reference_checkpoint(tmp_path / "stars", "BertForSequenceClassification",
                                   id2label={i: f"{i + 1} stars" for i in range(5)})
     status = client.predict(str(folder), api_name="/sentiment_model")
@@ -140,6 +144,23 @@ def test_model_picker_switches_and_reports_errors(served, tmp_path):
     bars, output = client.predict("Great value.", "", "truncate", api_name="/sentiment")
     assert {c["label"] for c in bars["confidences"]} == {f"{i + 1} stars" for i in range(5)}
     assert output["provenance"]["model"] == str(folder)
+
+
+def test_local_paths_resolve_inside_the_allowed_folders_only(tmp_path):
+    from bert_engine.hookspecs import InputError
+    from playground.app import check_model_choice
+
+    allowed, outside = tmp_path / "models", tmp_path / "secret"
+    (allowed / "good").mkdir(parents=True)
+    outside.mkdir()
+    (allowed / "escape").symlink_to(outside, target_is_directory=True)
+    assert check_model_choice("  ", [allowed]) is None
+    assert check_model_choice("owner/name", [allowed]) == "owner/name"  # a Hub id
+    assert check_model_choice(str(allowed / "good"), [allowed]) == str((allowed / "good").resolve())
+    for bad in (str(outside), str(allowed / "escape"), str(allowed / "good" / ".." / ".." / "secret"), "~/.ssh",
+                "../secret", "./x"):
+        with pytest.raises(InputError, match="outside the folders"):
+            check_model_choice(bad, [allowed])
 
 
 def _event(app, api_name):
