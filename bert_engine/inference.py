@@ -152,9 +152,16 @@ class Predictor:
         batch = spec.preprocess(inputs, self.tokenizer, **options)
         result = self.run(batch, options)
         latency_ms = (time.perf_counter() - start) * 1000
+        self._remember(batch)
+        return {"task": spec.name, "result": result, "provenance": self.provenance(latency_ms)}
+
+    def remember(self, inputs: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+        """Make `inputs` the last input (for the attention view) without predicting: tokenising only."""
+        self._remember(self.task.spec.preprocess(inputs, self.tokenizer, **options))
+
+    def _remember(self, batch: Batch) -> None:
         first = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
         self.last = LastInput(self.tokenizer.convert_ids_to_tokens(first), batch)
-        return {"task": spec.name, "result": result, "provenance": self.provenance(latency_ms)}
 
     def _forward(self, batch: Batch):
         return self._forward_inputs(batch.model_inputs())
@@ -401,6 +408,7 @@ class BatchingPredictor(LazyPredictor):
                 return
             results = predict_in_batches(predictor, [r["inputs"] for r in group], batch_size=len(group), **options)
             latency_ms = (time.perf_counter() - start) * 1000
+            predictor.remember(group[-1]["inputs"], predictor.check_options(options))  # the attention view's input
             for request, result in zip(group, results):
                 provenance = {**predictor.provenance(latency_ms), "batch_size": len(group)}
                 request["output"] = {"task": self.task.spec.name, "result": result, "provenance": provenance}

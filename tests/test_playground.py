@@ -241,6 +241,10 @@ def test_concurrent_requests_share_a_batch_and_bad_input_stays_alone():
         got = outputs[-1]["result"]
         assert got["label"] == expected["label"] and got["score"] == pytest.approx(expected["score"], abs=1e-5)
     assert max(o["provenance"]["batch_size"] for o in outputs) > 1
+    # the attention view shows an input of the last batched pass, not an older one-off request
+    tokens, _ = batcher.attention()
+    assert " ".join(tokens[1:-1]).replace(" ##", "") in {" ".join(plain.tokenizer.convert_ids_to_tokens(
+        plain.tokenizer([t]).input_ids[0][1:-1].tolist())).replace(" ##", "") for t in texts if t.strip()}
 
 
 RELEASE = __import__("threading").Event()  # lets the hung test prediction finish at the end
