@@ -43,13 +43,13 @@ for task in "${TASKS[@]}"; do
     fill_mask)
       train_and_pack fill_mask --eval-data "$DATA/wikitext2/wiki.test.tokens" --eval-split all --eval-limit 400 -- \
         --train-file "$DATA/gutenberg" --train-split train --eval-file "$DATA/gutenberg" --eval-split test \
-        --eval-limit 300 --lora-rank 8 --lr 1e-3 --head-lr 2e-3 --batch-size 32 --max-steps 700 --eval-every 350 \
+        --eval-limit 300 --lora-rank 8 --lr 1e-3 --head-lr 2e-3 --batch-size 32 --max-steps 400 --eval-every 200 \
         --log-every 50 ;;
     qa)
       train_and_pack qa --eval-data "$DATA/squad/dev-v1.1.json" --eval-split dev --eval-limit 500 -- \
         --train-file "$DATA/squad/train-v1.1.part01of08.json" --eval-file "$DATA/squad/dev-v1.1.json" \
         --eval-limit 200 --lora-rank 16 --lora-targets query,value,attention_output,ffn_up,ffn_down --lr 2e-3 \
-        --head-lr 5e-3 --batch-size 16 --max-steps 500 --eval-every 250 --log-every 50 ;;
+        --head-lr 5e-3 --batch-size 16 --max-steps 300 --eval-every 300 --log-every 25 ;;
     *) echo "unknown task $task" >&2; exit 2 ;;
   esac
 done
