@@ -98,7 +98,8 @@ class SummaryOutput:
 
 
 class SentenceScorerHead(nn.Module):
-    """A linear scorer over every token's final hidden state; the task reads it at sentence [CLS] tokens."""
+    """A linear scorer over every token's final hidden state; the task averages it over each
+    sentence's tokens (sentence_logits)."""
 
     needs_pooler = False
     optional_parameters = ("is_trained",)
@@ -186,7 +187,8 @@ def pack_sentences(tokenizer, texts: list[str], documents: list[list[tuple[int, 
                    max_sentence_tokens: int = 80) -> Batch:
     """BertSum input: sentences as [CLS] pieces [SEP] with alternating segment ids, packed greedily into
     rows of at most `max_length` tokens (a new row per document). Each sentence is cut to
-    `max_sentence_tokens` pieces. meta["cls"]: per row, (position, document, sentence index)."""
+    `max_sentence_tokens` pieces. meta["cls"]: per row, (start, end, document, sentence index) with
+    [start, end) the sentence's tokens in the row, its [CLS] and [SEP] included."""
     cls_id, sep_id = tokenizer.token_id("cls_token"), tokenizer.token_id("sep_token")
     sentences = [texts[d][a:b] for d, spans in enumerate(documents) for a, b in spans]
     owners = [(d, k) for d, spans in enumerate(documents) for k in range(len(spans))]
@@ -203,7 +205,7 @@ def pack_sentences(tokenizer, texts: list[str], documents: list[list[tuple[int, 
             cls.append([])
             sample_index.append(d)
         segment = len(cls[-1]) % 2
-        cls[-1].append((len(current), d, k))
+        cls[-1].append((len(current), len(current) + len(piece), d, k))
         current.extend(piece)
         types[-1].extend([segment] * len(piece))
     width = max(len(r) for r in rows)
@@ -270,12 +272,12 @@ def postprocess(output: SummaryOutput, batch, *, num_sentences=None, ratio=0.3, 
     per_doc_scores: list[Tensor] = []
     per_doc_embeddings: list[Tensor | None] = []
     if used == "supervised":
-        probs = output.token_scores.float().sigmoid().cpu()
         per_doc_scores = [torch.zeros(len(spans)) for spans in documents]
         per_doc_embeddings = [None] * len(documents)
-        for r, row in enumerate(batch.meta["cls"]):  # each sentence's score sits at its [CLS] token
-            for position, d, k in row:
-                per_doc_scores[d][k] = probs[r, position]
+        logits = sentence_logits(output.token_scores.float().cpu(), batch.meta["cls"])
+        for row, row_logits in zip(batch.meta["cls"], logits):
+            for (_, _, d, k), logit in zip(row, row_logits):
+                per_doc_scores[d][k] = torch.sigmoid(logit)
     else:
         embeddings = _mean_pool(output.encoder, batch, layer)  # one row per sentence, documents in order
         start = 0
@@ -373,16 +375,30 @@ def training_batch(examples, tokenizer, *, generator=None, max_length: int = 512
     documents = [split_sentences(t) for t in texts]
     batch = pack_sentences(tokenizer, texts, documents, max_length)
     labels = [oracle_labels(t, spans, target["summary"]) for t, spans, (_, target) in zip(texts, documents, examples)]
-    targets = [[(position, labels[d][k]) for position, d, k in row] for row in batch.meta["cls"]]
+    targets = [[(start, end, labels[d][k]) for start, end, d, k in row] for row in batch.meta["cls"]]
     return batch, targets
 
 
+def sentence_logits(token_scores: Tensor, rows: list[list[tuple]]) -> list[Tensor]:
+    """Each sentence's logit: the mean of the token scores over its span in the row, which for a
+    linear scorer is the scorer applied to the sentence's mean-pooled hidden state.
+
+    Not the [CLS] token's score, as in the original BertSum: MiniLM (a mean-pooling sentence
+    encoder) maps every [CLS] of a packed row to the same vector (cosine 1.0000), so a [CLS]
+    scorer can only learn the base rate; the starter scorer trained that way was constant."""
+    cumulative = torch.nn.functional.pad(token_scores.float().cumsum(-1), (1, 0))  # (B, T + 1)
+    out = []
+    for r, row in enumerate(rows):
+        starts = torch.tensor([span[0] for span in row], device=token_scores.device)
+        ends = torch.tensor([span[1] for span in row], device=token_scores.device)
+        out.append((cumulative[r, ends] - cumulative[r, starts]) / (ends - starts))  # (sentences in row,)
+    return out
+
+
 def loss(output: SummaryOutput, targets) -> Tensor:
-    """Binary cross-entropy of each sentence's score against its oracle label."""
-    rows = torch.tensor([r for r, row in enumerate(targets) for _ in row], device=output.token_scores.device)
-    positions = torch.tensor([p for row in targets for p, _ in row], device=output.token_scores.device)
-    labels = torch.tensor([float(y) for row in targets for _, y in row], device=output.token_scores.device)
-    logits = output.token_scores[rows, positions].float()
+    """Binary cross-entropy of each sentence's score (sentence_logits) against its oracle label."""
+    logits = torch.cat(sentence_logits(output.token_scores, targets))
+    labels = torch.tensor([float(y) for row in targets for *_, y in row], device=logits.device)
     return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
 

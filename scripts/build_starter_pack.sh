@@ -38,7 +38,7 @@ for task in "${TASKS[@]}"; do
     summary)
       train_and_pack summary --eval-data "$DATA/bbc_news_summary/bbc_news_summary.jsonl" --eval-split test -- \
         --train-file "$DATA/bbc_news_summary/bbc_news_summary.jsonl" --train-split train --eval-split dev \
-        --eval-limit 60 --lora-rank 8 --lr 1e-3 --head-lr 3e-3 --batch-size 8 --max-steps 250 --eval-every 125 \
+        --eval-limit 60 --lora-rank 8 --lr 1e-3 --head-lr 5e-3 --batch-size 8 --max-steps 150 --eval-every 75 \
         --log-every 25 ;;
     fill_mask)
       train_and_pack fill_mask --eval-data "$DATA/wikitext2/wiki.test.tokens" --eval-split all --eval-limit 400 -- \

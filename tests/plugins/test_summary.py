@@ -121,13 +121,27 @@ def test_training_batch_packs_sentences_bertsum_style(minilm_dir):
     batch, targets = training_batch(examples, tokenizer, max_length=64)
     cls_id = tokenizer.token_id("cls_token")
     assert batch.input_ids.shape[1] <= 64 and len(batch) > len(examples)  # documents spill over several rows
+    sep_id = tokenizer.token_id("sep_token")
     for r, row in enumerate(batch.meta["cls"]):
-        positions = [p for p, _, _ in row]
+        positions = [start for start, *_ in row]
         assert all(int(batch.input_ids[r, p]) == cls_id for p in positions)
+        assert all(int(batch.input_ids[r, end - 1]) == sep_id for _, end, *_ in row)
+        assert [end for _, end, *_ in row[:-1]] == positions[1:]  # spans tile the row
         segments = [int(batch.token_type_ids[r, p]) for p in positions]
         assert segments == [k % 2 for k in range(len(positions))]  # interval segment ids
-    labels = [y for row in targets for _, y in row]
+    labels = [y for row in targets for *_, y in row]
     assert sum(labels) == 6  # two reference sentences per fixture document
+
+
+def test_sentence_logits_are_the_linear_scorer_on_mean_pooled_sentences():
+    from plugins.summary import sentence_logits
+
+    torch.manual_seed(0)
+    states, scorer = torch.randn(2, 9, 8), torch.nn.Linear(8, 1)
+    rows = [[(0, 4, 0, 0), (4, 9, 0, 1)], [(0, 3, 1, 0)]]
+    logits = sentence_logits(scorer(states).squeeze(-1), rows)
+    expected = [scorer(states[0, :4].mean(0)), scorer(states[0, 4:9].mean(0)), scorer(states[1, :3].mean(0))]
+    torch.testing.assert_close(torch.cat(logits), torch.cat(expected).detach(), atol=1e-6, rtol=0)
 
 
 def test_oracle_labels_find_sentences_joined_without_separator():
