@@ -223,12 +223,13 @@ def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: 
 def evaluate(predictor, examples: list, *, progress: bool = False, **options) -> dict[str, float]:
     """Official EM / F1 over (inputs, target) examples, predicted in shared batches (predict_many)."""
     results = predict_many(predictor, [inputs for inputs, _ in examples], progress=progress, **options)
-    return {**metric(results, [target for _, target in examples]), "questions": len(examples)}
+    return metric(results, [target for _, target in examples])
 
 
 def evaluate_squad(predictor, path, *, limit: int | None = None, progress: bool = True, **options) -> dict[str, Any]:
     """Predict every question of a SQuAD file and score it with the official EM / F1."""
-    return evaluate(predictor, list(read_data(path))[:limit], progress=progress, **options)
+    examples = list(read_data(path))[:limit]
+    return {**evaluate(predictor, examples, progress=progress, **options), "questions": len(examples)}
 
 
 def training_batch(examples, tokenizer, *, generator=None, max_seq_len: int = 384, doc_stride: int = 128,
