@@ -474,7 +474,7 @@ def build_tab(predictor) -> None:
         ratio = gr.Slider(0.05, 1.0, value=0.3, step=0.05, label="Ratio of sentences")
         min_words = gr.Slider(0, 20, value=4, step=1, label="Drop sentences shorter than (words)")
         # On BBC News the unsupervised centroid mode scores higher than the starter's trained scorer
-        # (ROUGE-2 54.5 vs 41.4, MODEL_CARD.md), so the tab starts there; "auto" uses a trained scorer.
+        # (ROUGE-2 51.8 vs 48.1, MODEL_CARD.md), so the tab starts there; "auto" uses a trained scorer.
         mode = gr.Radio(list(MODES), value="centroid", label="Mode",
                         info="centroid: unsupervised, best on news here; supervised: the trained scorer")
     button = gr.Button("Summarise", variant="primary")
