@@ -77,6 +77,9 @@ def test_summary_starter(registry):
 @pytest.mark.skipif("fill_mask" not in PACKED, reason="no fill-mask starter model packed")
 def test_fill_mask_starter(registry):
     predictor = _predictor(registry, "fill_mask")
-    result = predictor.predict({"text": "The capital of France is [MASK]."})["result"]
-    words = [c["token"] for c in result["predictions"][0]["candidates"]]
-    assert "paris" in words
+    # Trained on 19th-century novels: everyday nouns and adjectives of that prose, not world facts.
+    for text, expected in (("She opened the [MASK] and walked into the garden.", "door"),
+                           ("Once upon a [MASK] there lived a king.", "king"),
+                           ("He was a [MASK] man.", "old")):
+        result = predictor.predict({"text": text})["result"]
+        assert expected in [c["token"] for c in result["predictions"][0]["candidates"]], text
