@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--max-requests", type=int, default=20_000, help="stop after this many requests in all")
     parser.add_argument("--concurrency", type=int, default=4, help="the app's per-event concurrency limit")
+    parser.add_argument("--drain", type=float, default=120, help="seconds in-flight requests get after the end")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     port = free_port()
@@ -137,11 +138,19 @@ def main(argv: list[str] | None = None) -> int:
         began = time.perf_counter()
         for thread in threads:
             thread.start()
+        next_report = began + 10
         while time.perf_counter() - began < args.seconds and any(t.is_alive() for t in threads):
             time.sleep(0.5)
+            if time.perf_counter() >= next_report:
+                next_report += 10
+                print(f"{time.perf_counter() - began:.0f} s: {len(results)} requests, "
+                      f"{sum(r[2] is not None for r in results)} errors", file=sys.stderr, flush=True)
         stop.set()
+        deadline = time.perf_counter() + args.drain  # requests in flight may finish; then they count as errors
         for thread in threads:
-            thread.join(timeout=300)
+            thread.join(timeout=max(0.0, deadline - time.perf_counter()))
+        stuck = sum(t.is_alive() for t in threads)
+        results += [("?", float("nan"), f"no answer {args.drain:g} s after the end")] * stuck
         elapsed = time.perf_counter() - began
         rss_end, rss_peak = rss_mb(process.pid), rss_mb(process.pid, "VmHWM")
     finally:
@@ -150,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in [*CALLS, "all"]:
         mine = [r for r in results if name in ("all", r[0])]
-        latencies = [r[1] for r in mine]
+        latencies = [r[1] for r in mine if r[1] == r[1]]  # not the NaN of requests never answered
         rows.append({"tab": name, "requests": len(mine), "errors": sum(r[2] is not None for r in mine),
                      "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95),
                      "p99_s": percentile(latencies, 99), "mean_s": statistics.fmean(latencies) if latencies else None})
