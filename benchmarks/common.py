@@ -7,6 +7,7 @@ than two back-to-back runs.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import platform
 import statistics
@@ -66,22 +67,17 @@ def machine() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+        info["transformers"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        info["transformers"] = None  # the engine-only benchmarks run without the reference
     return info
 
 
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    cpuinfo = Path("/proc/cpuinfo")  # Linux; elsewhere platform's (often empty) answer
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "unknown"
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

@@ -23,8 +23,6 @@ import torch
 
 from benchmarks.common import interleaved, machine, matmul_peak_gflops, median, print_table, write_json
 
-logger = logging.getLogger(__name__)
-
 SHAPES = ((1, 128), (32, 128), (8, 512))
 AGREEMENT = 1e-4
 

@@ -32,8 +32,6 @@ import torch
 
 from benchmarks.common import interleaved, machine, median, print_table, write_json
 
-logger = logging.getLogger(__name__)
-
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 BATCH = 32
 

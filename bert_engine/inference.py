@@ -83,13 +83,13 @@ class Predictor:
             pack: on the CPU, run the encoder's linear layers through pre-packed oneDNN matmuls.
             compile: torch.compile the encoder layers (slow first calls, faster steady state).
         """
-        from .fast import check_precision, precision_dtype, prepare_for_inference
+        from .fast import precision_dtype, prepare_for_inference
         from .hub import default_backbone
         from .loading import load
 
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
         target = pick_device(device)
-        check_precision(precision, target)
+        # precision_dtype checks the precision (and int8's device) before anything loads
         model, tokenizer = load(name, task.spec.build_head, device=target, dtype=precision_dtype(precision, target),
                                 **load_kwargs)
         untrained = bool(model.load_report.missing)
