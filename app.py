@@ -2,16 +2,22 @@
 
 import logging
 import os
+import sys
 
+from bert_engine.precision import PrecisionError
 from playground import build_app
 from playground.app import warm_up
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 if __name__ == "__main__":
-    app = build_app(device=os.environ.get("BERT_ENGINE_DEVICE") or None,
-                    precision=os.environ.get("BERT_ENGINE_PRECISION", "auto"),
-                    timeout_s=float(os.environ.get("BERT_ENGINE_TIMEOUT", "120")) or None)
+    try:
+        app = build_app(device=os.environ.get("BERT_ENGINE_DEVICE") or None,
+                        precision=os.environ.get("BERT_ENGINE_PRECISION", "auto"),
+                        timeout_s=float(os.environ.get("BERT_ENGINE_TIMEOUT", "120")) or None)
+    except PrecisionError as err:  # e.g. BERT_ENGINE_PRECISION=bf16 on a CPU without native bf16
+        logging.getLogger("app").error("BERT_ENGINE_PRECISION: %s", err)
+        sys.exit(2)
     warm_up(app.predictors)  # models load in the background while the server starts
     app.queue(default_concurrency_limit=int(os.environ.get("BERT_ENGINE_CONCURRENCY", "4")))
     app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),

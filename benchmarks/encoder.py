@@ -61,7 +61,7 @@ def load_pair(folder: Path, device: str, precision: str):
     import transformers
 
     from bert_engine import load_pretrained
-    from bert_engine.fast import prepare_for_inference
+    from bert_engine.precision import prepare_for_inference
 
     # The engine as the Predictor runs it (packed oneDNN linears on CPU; see bert_engine/fast.py).
     ours = prepare_for_inference(load_pretrained(folder, device=device), precision)

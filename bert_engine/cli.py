@@ -12,13 +12,14 @@ from pathlib import Path
 
 import torch
 
-from .fast import PRECISIONS
 from .hub import HubError, default_backbone
 from .loading import CheckpointError, load
+from .precision import NAMES as PRECISIONS
 
 
-PRECISION_HELP = ("auto: fp32 on CPU, bf16/fp16 on GPU; int8: dynamic quantisation of the encoder's linear "
-                  "layers (CPU); see benchmarks/README.md for the speed and accuracy of each")
+PRECISION_HELP = ("auto: fp32 on CPU, bf16/fp16 on GPU; bf16 on a CPU with AVX512-BF16 or AMX; int8: dynamic "
+                  "quantisation of the encoder's linear layers (CPU); see benchmarks/README.md for the speed and "
+                  "accuracy of each")
 
 
 def _task(name: str):
@@ -60,9 +61,13 @@ def _plugins(args: argparse.Namespace) -> dict:
     from .registry import load_registry
 
     registry = load_registry()
+    if registry.failures:  # a plugin that failed to load is a failure of this command too
+        args.exit_code = 1
     if not args.smoke:
         return registry.to_json()
-    from .inference import Predictor, call_with_timeout
+    from .cancel import PredictionTimeout, call_with_timeout, raised_by_call
+    from .inference import Predictor
+    from .registry import failure_location
 
     smoke = {}
     for name, task in registry.tasks.items():
@@ -73,8 +78,12 @@ def _plugins(args: argparse.Namespace) -> dict:
             predictor = Predictor.load(task)
             call_with_timeout(predictor.predict, args.timeout, dict(task.spec.examples[0]), what=f"task {name!r}")
             smoke[name] = "ok"
-        except Exception as err:  # any failure of a task's code is reported, and the next task runs
-            smoke[name] = registry.record_request_failure(name, f"{type(err).__name__}: {err}").message
+        except BaseException as err:  # any failure of a task's code is reported, and the next task runs
+            if isinstance(err, KeyboardInterrupt) and not raised_by_call(err):
+                raise
+            stage = "time limit" if isinstance(err, PredictionTimeout) else getattr(err, "request_stage", None)
+            smoke[name] = registry.record_request_failure(name, f"{type(err).__name__}: {err}", stage=stage or "request",
+                                                          location=failure_location(err)).message
             args.exit_code = 1
     return {**registry.to_json(), "smoke": smoke}
 

@@ -1,16 +1,9 @@
-"""Inference precisions a user can choose, and their trade-offs.
+"""Faster CPU inference kernels: pre-packed oneDNN linear layers, dynamic int8 quantisation, torch.compile.
 
-- "auto": fp32 on CPU (exact parity with the reference), bf16 on GPUs that support it, else fp16.
-- "fp32", "bf16", "fp16": the whole model in that dtype (heads cast their logits to fp32 before
-  softmax or decoding). bf16 pays off on CPUs with AVX512-BF16/AMX and on GPUs.
-- "int8": dynamic int8 quantisation of the encoder's linear layers (weights int8 per tensor,
-  activations quantised per batch); CPU only. The embeddings, LayerNorms, attention and the task
-  head stay fp32.
-
-On the CPU, `pack_linear_layers` also runs the encoder's linear layers through oneDNN with their
-weights re-laid out once at load ("pre-packed") and the feed-forward GELU fused into its first
-matmul; the Predictor does this by default for fp32/bf16 on CPU (outputs equal the plain layers to
-~1e-5). A packed model is for inference only.
+`pack_linear_layers` runs the encoder's linear layers through oneDNN with their weights re-laid out
+once at load ("pre-packed") and the feed-forward GELU fused into its first matmul (outputs equal the
+plain layers to ~1e-5); a packed model is for inference only. Which precision uses which kernel, and
+what the CPU must support for it, is decided in precision.py.
 
 `benchmarks/encoder.py` measures the speed of each and `benchmarks/workloads.py` the share of
 predictions that stay identical to fp32; benchmarks/README.md lists the figures.
@@ -25,30 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .model import _gelu_tanh
+from .model import gelu_tanh
 
 logger = logging.getLogger(__name__)
-
-PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def precision_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The parameter dtype that `precision` means on `device` ("int8" keeps fp32 outside the linears)."""
-    check_precision(precision, device)
-    if precision == "auto":
-        from .inference import pick_dtype
-
-        return pick_dtype(device)
-    return _DTYPES.get(precision, torch.float32)
-
-
-def check_precision(precision: str, device: torch.device) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    if precision == "int8" and device.type != "cpu":
-        raise ValueError(f"precision 'int8' (dynamic quantisation) runs on the CPU only, not on {device}")
-
 
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replace the encoder layers' nn.Linear modules by dynamically quantised int8 ones, in place."""
@@ -62,26 +34,11 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     return model
 
 
-def prepare_for_inference(model: nn.Module, precision: str = "auto", *, pack: bool = True,
-                          compile: bool = False) -> nn.Module:
-    """What the Predictor does to a loaded model: the precision's dtype, then int8 quantisation or
-    (CPU) packed linear layers, then optionally torch.compile."""
-    device = next(model.parameters()).device
-    model = model.to(dtype=precision_dtype(precision, device)).eval()
-    if precision == "int8":
-        quantize_int8(model)
-    elif pack:
-        pack_linear_layers(model)
-    if compile:
-        compile_encoder(model)
-    return model
-
-
 class PackedLinear(nn.Module):
     """An inference-only nn.Linear on the CPU: oneDNN matmul over a weight packed once, with the
     bias (and optionally a GELU) fused into the same call instead of three passes over memory."""
 
-    _GELU = {F.gelu: "none", _gelu_tanh: "tanh"}
+    _GELU = {F.gelu: "none", gelu_tanh: "tanh"}
 
     def __init__(self, linear: nn.Linear, activation=None) -> None:
         super().__init__()
@@ -100,10 +57,15 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(model: nn.Module) -> bool:
-    """Packing applies to fp32/bf16 models on a CPU whose torch build has oneDNN."""
+    """Packing applies to fp32 models, and bf16 ones where oneDNN has a bf16 path, on a CPU with oneDNN."""
     param = next(model.parameters())
-    return (param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    if param.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    if param.dtype == torch.bfloat16:  # oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return param.dtype == torch.float32
 
 
 def pack_linear_layers(model: nn.Module) -> nn.Module:

@@ -1,24 +1,26 @@
 """Predictor: one task's model and tokenizer on a device, run in inference mode, results with provenance.
 
-Chooses the device (CUDA, then MPS, then CPU) and dtype (bf16/fp16 on GPU, fp32 on CPU), checks
-the inputs against the task's declared fields and options, and keeps the last input so the
-playground can show its attention. Batching across requests is the caller's business.
+Places the model on a device in a precision (both chosen by precision.py), checks the inputs
+against the task's declared fields and options, and batches many inputs of one call by length.
+Serving many callers (lazy loading, merging concurrent requests, time limits) is serving.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .cancel import ModelLock
 from .hookspecs import InputError
+from .precision import parameter_dtype, pick_device, prepare_for_inference
 from .registry import RegisteredTask
 from .tokenizer import Batch, Tokenizer
 
@@ -27,24 +29,19 @@ logger = logging.getLogger(__name__)
 MAX_INPUT_CHARS = 1_000_000  # per field; longer input is refused before tokenising
 
 
-def pick_device(preference: str | None = None) -> torch.device:
-    """The given device, else CUDA, then Apple MPS, then CPU."""
-    if preference:
-        return torch.device(preference)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def pick_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU (exact parity with the reference)."""
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "mps":
-        return torch.float16
-    return torch.float32
+@contextmanager
+def request_stage(stage: str):
+    """Note on any exception leaving the block which stage of a request raised it (`err.request_stage`:
+    preprocess, forward or postprocess), for the failure record; the innermost stage wins."""
+    try:
+        yield
+    except BaseException as err:
+        if getattr(err, "request_stage", None) is None:
+            try:
+                err.request_stage = stage
+            except (AttributeError, TypeError):  # an exception type without a __dict__
+                pass
+        raise
 
 
 @dataclass
@@ -70,7 +67,7 @@ class Predictor:
         self.device = next(model.parameters()).device
         self.last: LastInput | None = None
         self.max_rows = 32  # rows (windows) per forward pass
-        self._lock = threading.Lock()  # one forward pass at a time per model; callers queue
+        self._lock = ModelLock()  # one forward pass at a time per model; callers queue, a cut-off one lets go
 
     @classmethod
     def load(cls, task: RegisteredTask, checkpoint: str | None = None, *, device: str | None = None,
@@ -79,18 +76,17 @@ class Predictor:
 
         Args:
             precision: "auto" (fp32 on CPU, bf16/fp16 on GPU), "fp32", "bf16", "fp16" or "int8"
-                (dynamic quantisation of the encoder's linear layers, CPU only); see fast.py.
+                (dynamic quantisation of the encoder's linear layers, CPU only); see precision.py.
             pack: on the CPU, run the encoder's linear layers through pre-packed oneDNN matmuls.
             compile: torch.compile the encoder layers (slow first calls, faster steady state).
         """
-        from .fast import precision_dtype, prepare_for_inference
         from .hub import default_backbone
         from .loading import load
 
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
         target = pick_device(device)
-        # precision_dtype checks the precision (and int8's device) before anything loads
-        model, tokenizer = load(name, task.spec.build_head, device=target, dtype=precision_dtype(precision, target),
+        # parameter_dtype checks the precision against the device and CPU before anything loads
+        model, tokenizer = load(name, task.spec.build_head, device=target, dtype=parameter_dtype(precision, target),
                                 **load_kwargs)
         untrained = bool(model.load_report.missing)
         model = prepare_for_inference(model, precision, pack=pack, compile=compile)
@@ -130,9 +126,11 @@ class Predictor:
     def run(self, batch: Batch, options: Mapping[str, Any]) -> Any:
         """Model and postprocess over a preprocessed batch, under this model's lock and inference mode."""
         with self._lock, torch.inference_mode():
-            output = self._forward(batch.to(self.device))
-            # Postprocessing may use the model too (logits at chosen positions, beam search).
-            return self.task.spec.postprocess(output, batch.to("cpu"), **options)
+            with request_stage("forward"):
+                output = self._forward(batch.to(self.device))
+            with request_stage("postprocess"):
+                # Postprocessing may use the model too (logits at chosen positions, beam search).
+                return self.task.spec.postprocess(output, batch.to("cpu"), **options)
 
     def forward_rows(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         """The model's output for already-tokenised rows, for a task that batches inputs its own way
@@ -149,7 +147,8 @@ class Predictor:
         spec = self.task.spec
         options = self.check_inputs(inputs, options)
         start = time.perf_counter()
-        batch = spec.preprocess(inputs, self.tokenizer, **options)
+        with request_stage("preprocess"):
+            batch = spec.preprocess(inputs, self.tokenizer, **options)
         result = self.run(batch, options)
         latency_ms = (time.perf_counter() - start) * 1000
         self._remember(batch)
@@ -191,37 +190,6 @@ class Predictor:
         return self.last.tokens, [a[0].float().cpu() for a in out.attentions]
 
 
-class PredictionTimeout(RuntimeError):
-    """A prediction did not finish in time (a hung plugin, an overloaded machine)."""
-
-
-def call_with_timeout(function, timeout_s: float | None, *args: Any, what: str = "the prediction", **kwargs: Any) -> Any:
-    """`function(*args, **kwargs)`, or PredictionTimeout after `timeout_s` seconds (None: no limit).
-
-    Python cannot stop a thread: a call that hangs keeps its (daemon) thread, and with it any lock
-    it holds, but the caller gets its answer on time and the process stays up.
-    """
-    if timeout_s is None:
-        return function(*args, **kwargs)
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            box["value"] = function(*args, **kwargs)
-        except BaseException as err:  # handed to the caller below
-            box["error"] = err
-        finally:
-            done.set()
-
-    threading.Thread(target=target, name="bert-engine-request", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise PredictionTimeout(f"{what} did not finish within {timeout_s:g} s and was cut off")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int = 32) -> Any:
     """`model(**inputs)` over at most `max_rows` rows at a time, so many windows cannot exhaust
     memory; tensor inputs are sliced along the batch, other keywords passed whole, outputs concatenated."""
@@ -233,7 +201,7 @@ def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int
     return _concat(parts)
 
 
-def predict_in_batches(predictor: Predictor | LazyPredictor, items: list[Mapping[str, Any]], *, batch_size: int = 32,
+def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size: int = 32,
                        progress: bool = False, **options: Any) -> list[Any]:
     """Results for many inputs, in order, through length-sorted, dynamically padded batches.
 
@@ -279,7 +247,7 @@ def _token_lengths(tokenizer: Tokenizer, items: list[Mapping[str, Any]], fields:
     return total
 
 
-def predict_texts(predictor: Predictor | LazyPredictor, texts: list[str], *, batch_size: int = 32,
+def predict_texts(predictor, texts: list[str], *, batch_size: int = 32,
                   progress: bool = False, **options: Any) -> list[Any]:
     """`predict_many` for one-field tasks: each text fills the task's input field (see predict_in_batches)."""
     field = predictor.task.spec.input_fields[0]
@@ -306,139 +274,3 @@ def _concat(parts: list[Any]) -> Any:
             values[f.name] = value
         return dataclasses.replace(first, **values)
     raise TypeError(f"cannot concatenate chunked model outputs of type {type(first).__name__}")
-
-
-class LazyPredictor:
-    """A Predictor that loads its model on first use (thread-safe), so an app starts without loading any.
-
-    Has Predictor's interface (`predict`, `attention`, `provenance`, `last`); `loaded` says whether
-    the model is in memory. A load failure (HubError, CheckpointError) propagates to the caller to
-    show, and the load is tried again on the next call.
-    """
-
-    def __init__(self, task: RegisteredTask, checkpoint: str | None = None, **load_kwargs: Any) -> None:
-        self.task = task
-        self.checkpoint = checkpoint
-        self.load_kwargs = load_kwargs
-        self._predictor: Predictor | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def loaded(self) -> bool:
-        return self._predictor is not None
-
-    def switch(self, checkpoint: str | None) -> Predictor:
-        """Load another checkpoint (None: the task's default); on failure the current model stays."""
-        with self._lock:
-            predictor = Predictor.load(self.task, checkpoint or None, **self.load_kwargs)
-            self.checkpoint, self._predictor = checkpoint or None, predictor
-        return predictor
-
-    def get(self) -> Predictor:
-        if self._predictor is None:
-            with self._lock:
-                if self._predictor is None:
-                    logger.info("loading the model of task %s", self.task.spec.name)
-                    self._predictor = Predictor.load(self.task, self.checkpoint, **self.load_kwargs)
-        return self._predictor
-
-    def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-        return self.get().predict(inputs, **options)
-
-    def attention(self) -> tuple[list[str], list[torch.Tensor]]:
-        if self._predictor is None:
-            raise InputError(f"no input yet in the {self.task.spec.title} tab: run a prediction there first")
-        return self._predictor.attention()
-
-    @property
-    def last(self) -> LastInput | None:
-        return self._predictor.last if self._predictor is not None else None
-
-    def provenance(self) -> dict[str, Any]:
-        return self.get().provenance()
-
-
-class BatchingPredictor(LazyPredictor):
-    """A LazyPredictor that merges concurrent requests into one batched forward pass.
-
-    For one-field tasks with a batched path (`predict_many`): a request waits up to `max_wait_ms`
-    for others with the same options, then the first of them runs the whole group through
-    `predict_in_batches`. A bad input never fails its neighbours: inputs are checked one by one
-    first, and if the group still raises InputError each request is run alone for its own answer.
-    Results carry `provenance.batch_size` (how many requests shared the pass).
-    """
-
-    def __init__(self, task: RegisteredTask, checkpoint: str | None = None, *, max_batch: int = 16,
-                 max_wait_ms: float = 10.0, **load_kwargs: Any) -> None:
-        super().__init__(task, checkpoint, **load_kwargs)
-        self.max_batch, self.max_wait = max_batch, max_wait_ms / 1000
-        self._pending: dict[str, list[dict[str, Any]]] = {}
-        self._cond = threading.Condition()
-
-    @property
-    def batchable(self) -> bool:
-        spec = self.task.spec
-        return spec.predict_many is not None and len(spec.input_fields) == 1
-
-    def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-        predictor = self.get()
-        merged = predictor.check_inputs(inputs, options)
-        field = self.task.spec.input_fields[0]
-        extra = any(inputs.get(f) is not None for f in self.task.spec.optional_fields)
-        if not self.batchable or extra or not str(inputs.get(field, "")).strip():
-            output = predictor.predict(inputs, **options)  # nothing to share (or the task's own error)
-            output["provenance"]["batch_size"] = 1
-            return output
-        import json
-
-        key = json.dumps(merged, sort_keys=True, default=str)
-        request = {"inputs": dict(inputs), "done": False, "output": None, "error": None}
-        with self._cond:
-            group = self._pending.setdefault(key, [])
-            group.append(request)
-            leader = len(group) == 1
-            if len(group) >= self.max_batch:
-                self._cond.notify_all()
-        if leader:
-            with self._cond:
-                self._cond.wait_for(lambda: len(self._pending.get(key, ())) >= self.max_batch, timeout=self.max_wait)
-                group = self._pending.pop(key)
-            self._run_group(predictor, group, options)
-            with self._cond:
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.wait_for(lambda: request["done"])
-        if request["error"] is not None:
-            raise request["error"]
-        return request["output"]
-
-    def _run_group(self, predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
-        start = time.perf_counter()
-        try:
-            if len(group) == 1:
-                self._run_alone(predictor, group, options)
-                return
-            results = predict_in_batches(predictor, [r["inputs"] for r in group], batch_size=len(group), **options)
-            latency_ms = (time.perf_counter() - start) * 1000
-            predictor.remember(group[-1]["inputs"], predictor.check_options(options))  # the attention view's input
-            for request, result in zip(group, results):
-                provenance = {**predictor.provenance(latency_ms), "batch_size": len(group)}
-                request["output"] = {"task": self.task.spec.name, "result": result, "provenance": provenance}
-        except InputError:
-            self._run_alone(predictor, group, options)  # one bad input: everyone gets their own answer
-        except Exception as err:
-            for request in group:
-                request["error"] = err
-        finally:
-            for request in group:
-                request["done"] = True
-
-    @staticmethod
-    def _run_alone(predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
-        for request in group:
-            try:
-                output = predictor.predict(request["inputs"], **options)
-                output["provenance"]["batch_size"] = 1
-                request["output"] = output
-            except Exception as err:  # handed to that request's own caller
-                request["error"] = err

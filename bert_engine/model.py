@@ -35,15 +35,15 @@ class EncoderOutput:
     hidden_states: tuple[Tensor, ...] | None = None
 
 
-def _gelu_tanh(x: Tensor) -> Tensor:
+def gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
 ACT2FN: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,  # exact erf form, as in the original BERT
-    "gelu_new": _gelu_tanh,
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_fast": gelu_tanh,
     "relu": F.relu,
     "silu": F.silu,
     "swish": F.silu,

@@ -17,10 +17,12 @@ import re
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import pluggy
 
+from .cancel import PredictionTimeout, call_with_timeout, raised_by_call
 from .hookspecs import PROJECT, PluginError, TaskHooks, TaskSpec
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,8 @@ ENTRY_POINT_GROUP = "bert_engine"
 # Built-in task modules, in tab order; they load exactly like third-party plugins.
 BUILTIN_PLUGINS: tuple[str, ...] = ("plugins.sentiment", "plugins.ner", "plugins.qa", "plugins.summary", "plugins.fill_mask")
 SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
+REQUEST_STAGES = ("preprocess", "forward", "postprocess", "request", "time limit")
+IMPORT_TIMEOUT_S = 30.0  # importing a plugin and running its register_tasks hook (BERT_ENGINE_PLUGIN_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,12 @@ class PluginInfo:
 class PluginFailure:
     plugin: str
     version: str
-    stage: str  # "import", "register", "hook", "validate", "duplicate", or "request" (at prediction time)
+    # "select", "import", "register", "hook", "validate", "duplicate", "tab", or at request time
+    # "preprocess", "forward", "postprocess", "request" (elsewhere in its call), "time limit"
+    stage: str
     message: str
+    source: str = ""              # "builtin" or "entry point" ("" for request-time records)
+    location: str | None = None   # "file.py:LINE" of the innermost frame in the plugin's code, when known
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,9 @@ class _Violation(PluginError):
 class Registry:
     """Loaded plugins, their tasks in a stable order, and the plugins that failed."""
 
-    def __init__(self, strict: bool = False) -> None:
+    def __init__(self, strict: bool = False, import_timeout_s: float | None = IMPORT_TIMEOUT_S) -> None:
         self.strict = strict
+        self.import_timeout_s = import_timeout_s
         self.manager = pluggy.PluginManager(PROJECT)
         self.manager.add_hookspecs(TaskHooks)
         self.tasks: dict[str, RegisteredTask] = {}
@@ -81,48 +90,49 @@ class Registry:
 
     MAX_REQUEST_FAILURES = 50
 
-    def record_request_failure(self, task: str, message: str) -> PluginFailure:
-        """Note a failure of a task's code while answering a request (it raised or hung), so the
-        Plugins tab and `bert-engine plugins --smoke` can show it; the most recent are kept."""
+    def record_request_failure(self, task: str, message: str, *, stage: str = "request",
+                               location: str | None = None) -> PluginFailure:
+        """Note a failure of a task's code while answering a request (it raised or hung) at `stage`,
+        so the Plugins tab and `bert-engine plugins --smoke` can show it; the most recent are kept."""
         registered = self.tasks.get(task)
         failure = PluginFailure(registered.plugin if registered else "?", registered.plugin_version if registered else "",
-                                "request", f"task {task}: {message}")
+                                stage, f"task {task}: {message}", location=location)
         with self._lock:
             self.failures = [f for f in self.failures if f != failure] + [failure]
-            requests = [f for f in self.failures if f.stage == "request"]
+            requests = [f for f in self.failures if f.stage in REQUEST_STAGES]
             if len(requests) > self.MAX_REQUEST_FAILURES:
                 self.failures.remove(requests[0])
-        logger.warning("plugin %s, task %s failed at request time: %s", failure.plugin, task, message)
+        logger.warning("plugin %s, task %s failed at %s: %s", failure.plugin, task, stage, message)
         return failure
+
+    def record_failure(self, failure: PluginFailure) -> None:
+        with self._lock:
+            self.failures.append(failure)
+        logger.warning("plugin %s %s failed at %s: %s", failure.plugin, failure.version, failure.stage, failure.message)
 
     def to_json(self) -> dict[str, Any]:
         return {"plugins": [asdict(p) for p in self.plugins], "failures": [asdict(f) for f in self.failures]}
 
     def load_plugin(self, name: str, version: str, source: str, load: Callable[[], object]) -> bool:
         """Import one plugin and take its tasks, all or none; a failure is recorded, never raised
-        (unless strict). Returns whether the plugin loaded."""
-        stage, plugin = "import", None
+        (unless strict). Any BaseException of the plugin's code is contained (SystemExit and
+        KeyboardInterrupt included; a real Ctrl-C still stops the process), and importing and
+        registering must finish within `import_timeout_s`. Returns whether the plugin loaded."""
+        progress = {"stage": "import", "plugin": None}
         try:
-            plugin = load()
-            stage = "register"
-            if self.manager.is_registered(plugin) or self.manager.has_plugin(name):
-                raise _Violation("duplicate", f"a plugin named {name!r} is already loaded")
-            self.manager.register(plugin, name=name)
-            if not any(impl.plugin is plugin for impl in self.manager.hook.register_tasks.get_hookimpls()):
-                raise _Violation("register", "implements no bert_engine hook (expected register_tasks)")
-            stage = "hook"
-            specs: list[TaskSpec] = []
-            others = [p for p in self.manager.get_plugins() if p is not plugin]
-            call = self.manager.subset_hook_caller("register_tasks", remove_plugins=others)
-            call(register=lambda spec: specs.append(self._validate(spec, specs)))
-            if not specs:
-                raise _Violation("validate", "register_tasks registered no task")
-        except Exception as err:  # any failure of a stranger's code is recorded, not propagated
+            specs = call_with_timeout(self._load_and_register, self.import_timeout_s, name, load, progress,
+                                      what=f"plugin {name!r} (import and register_tasks)")
+        except BaseException as err:  # any failure of a stranger's code is recorded, not propagated
+            if isinstance(err, KeyboardInterrupt) and not raised_by_call(err):
+                raise  # Ctrl-C while plugins load: stop, as asked
+            if isinstance(err, PredictionTimeout):
+                progress["stage"] = progress["stage"] + " (time limit)"
+            plugin = progress["plugin"]
             if plugin is not None and self.manager.is_registered(plugin):
                 self.manager.unregister(plugin)
-            failure = PluginFailure(name, version, getattr(err, "stage", stage), _message(err))
-            self.failures.append(failure)
-            logger.warning("plugin %s %s failed at %s: %s", name, version, failure.stage, failure.message)
+            stage = getattr(err, "stage", None) if isinstance(err, _Violation) else None
+            failure = PluginFailure(name, version, stage or progress["stage"], _message(err), source, failure_location(err))
+            self.record_failure(failure)
             if self.strict:
                 raise PluginError(f"plugin {name} {version} failed at {failure.stage}: {failure.message}") from err
             return False
@@ -130,6 +140,23 @@ class Registry:
             self.tasks[spec.name] = RegisteredTask(spec, name, version)
         self.plugins.append(PluginInfo(name, version, source, tuple(s.name for s in specs)))
         return True
+
+    def _load_and_register(self, name: str, load: Callable[[], object], progress: dict) -> list[TaskSpec]:
+        plugin = load()
+        progress.update(stage="register", plugin=plugin)
+        if self.manager.is_registered(plugin) or self.manager.has_plugin(name):
+            raise _Violation("duplicate", f"a plugin named {name!r} is already loaded")
+        self.manager.register(plugin, name=name)
+        if not any(impl.plugin is plugin for impl in self.manager.hook.register_tasks.get_hookimpls()):
+            raise _Violation("register", "implements no bert_engine hook (expected register_tasks)")
+        progress["stage"] = "hook"
+        specs: list[TaskSpec] = []
+        others = [p for p in self.manager.get_plugins() if p is not plugin]
+        call = self.manager.subset_hook_caller("register_tasks", remove_plugins=others)
+        call(register=lambda spec: specs.append(self._validate(spec, specs)))
+        if not specs:
+            raise _Violation("validate", "register_tasks registered no task")
+        return specs
 
     def _validate(self, spec: object, pending: list[TaskSpec]) -> TaskSpec:
         if not isinstance(spec, TaskSpec):
@@ -172,7 +199,22 @@ class Registry:
 
 def _message(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {'; '.join(lines)}"[:500]  # one warning line, whole reason
+    text = "; ".join(lines)
+    if not isinstance(err, _Violation):  # our own rule violations are the message itself
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text[:500]  # one warning line, whole reason
+
+
+def failure_location(err: BaseException) -> str | None:
+    """'folder/file.py:LINE' of the innermost traceback frame outside bert_engine and the import machinery."""
+    tb, found = err.__traceback__, None
+    while tb is not None:
+        path = Path(tb.tb_frame.f_code.co_filename)
+        if "bert_engine" not in path.parts and "importlib" not in path.parts and not path.name.startswith("<"):
+            if path.name not in ("threading.py", "contextlib.py") and "pluggy" not in path.parts:
+                found = f"{path.parent.name}/{path.name}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
 
 
 def _env_flag(name: str) -> bool:
@@ -191,7 +233,9 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
     """
     from . import __version__
 
-    registry = Registry(strict=_env_flag("BERT_ENGINE_STRICT_PLUGINS") if strict is None else strict)
+    timeout = float(os.environ.get("BERT_ENGINE_PLUGIN_TIMEOUT", IMPORT_TIMEOUT_S)) or None
+    registry = Registry(strict=_env_flag("BERT_ENGINE_STRICT_PLUGINS") if strict is None else strict,
+                        import_timeout_s=timeout)
     for module in BUILTIN_PLUGINS if builtins is None else builtins:
         short = module.rsplit(".", 1)[-1]
         registry.load_plugin(short, __version__, "builtin", lambda module=module: importlib.import_module(module))
@@ -200,10 +244,15 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
     if selected is None and "BERT_ENGINE_PLUGINS" in os.environ:
         selected = {n.strip() for n in os.environ["BERT_ENGINE_PLUGINS"].split(",") if n.strip()}
     seen = set()
-    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name):
+    installed = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+    for ep in installed:
         if ep.name in seen or (selected is not None and ep.name not in selected):
             continue
         seen.add(ep.name)
         version = ep.dist.version if ep.dist is not None else "unknown"
         registry.load_plugin(ep.name, version, "entry point", ep.load)
+    for name in sorted((selected or set()) - {ep.name for ep in installed}):
+        names = ", ".join(ep.name for ep in installed) or "none"
+        registry.record_failure(PluginFailure(name, "", "select", f"BERT_ENGINE_PLUGINS names {name!r}, which is not "
+                                              f"installed (installed plugins: {names})", "entry point"))
     return registry

@@ -27,9 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from .precision import TRAINING_NAMES, autocast_dtype, pick_device
+
 logger = logging.getLogger(__name__)
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 BEST_METRIC_PREFERENCE = ("f1", "accuracy", "rouge2", "top1", "exact_match", "mlm_accuracy")
 
 
@@ -61,7 +62,8 @@ class TrainConfig:
     weight_decay: float = _help("AdamW weight decay (never applied to biases and LayerNorm)", default=0.01)
     warmup_ratio: float = _help("fraction of steps with linear warm-up, then linear decay to 0", default=0.06)
     max_grad_norm: float = _help("clip the gradient norm to this (0: no clipping)", default=1.0)
-    precision: str = _help("auto (bf16/fp16 on GPUs, fp32 on CPU), fp32, bf16 or fp16", default="auto")
+    precision: str = _help("autocast: auto (bf16/fp16 on GPUs, fp32 on CPU), fp32, bf16 or fp16 (CPU: where native)",
+                           default="auto")
     seed: int = _help("seed for data order, masks, dropout and initialisation", default=42)
     lora_rank: int = _help("train LoRA adapters of this rank with the encoder frozen (0: full fine-tuning)",
                            default=0)
@@ -86,8 +88,8 @@ class TrainConfig:
     short_seq_prob: float = _help("pretraining: probability of a shorter pair", default=0.1)
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
+        if self.precision not in TRAINING_NAMES:
+            raise ValueError(f"precision {self.precision!r} is not one of {', '.join(TRAINING_NAMES)}")
         for name in ("batch_size", "grad_accum", "log_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -186,15 +188,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for a precision setting on a device (None: full fp32)."""
-    if precision == "auto":
-        if device.type != "cuda":
-            return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
 def parameter_groups(model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
     """AdamW groups: decay on matrices only (never biases or LayerNorm), the head at head_lr."""
     groups: dict[tuple[bool, bool], list] = {}
@@ -254,8 +247,6 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
     KeyboardInterrupt writes a resumable checkpoint to output_dir/last before it propagates.
     """
     from tqdm.auto import tqdm
-
-    from .inference import pick_device
 
     dist_info = dist_info or Distributed()
     device = torch.device(f"cuda:{dist_info.local_rank}") if (

@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from bert_engine.hookspecs import InputError
-from bert_engine.inference import BatchingPredictor, LazyPredictor
-from bert_engine.registry import Registry, load_registry
+from bert_engine.cancel import PredictionTimeout, call_with_timeout
+from bert_engine.serving import BatchingPredictor, LazyPredictor
+from bert_engine.precision import pick_device
+from bert_engine.precision import resolve as resolve_precision
+from bert_engine.registry import REQUEST_STAGES, PluginFailure, Registry, failure_location, load_registry
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +36,15 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
         registry: the task registry (default: load built-ins and installed plugins).
         checkpoints: task name -> folder or Hub id, overriding each task's default model.
         device: force a device ("cpu", "cuda"); default: CUDA, then MPS, then CPU.
-        precision: "auto", "fp32", "bf16", "fp16" or "int8" (bert_engine.fast).
+        precision: "auto", "fp32", "bf16", "fp16" or "int8" (bert_engine.precision); checked here
+            against the device and CPU, so a precision this machine cannot run fails at start-up
+            (PrecisionError) instead of in every tab.
         timeout_s: seconds a prediction may take before the user gets a "cut off" message instead
             (None: no limit). Failures of a task's code show in the Plugins tab.
     """
     import gradio as gr
 
+    resolve_precision(precision, pick_device(device))
     registry = registry or load_registry()
     checkpoints = checkpoints or {}
     model_dirs = allowed_model_dirs()  # a list the picker reads at each use (tests may extend it)
@@ -55,7 +61,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
                 if task.spec.description:
                     gr.Markdown(task.spec.description)
                 _build_model_picker(gr, name, predictors[name], model_dirs)
-                _build_task_tab(gr, task, predictors[name])
+                _build_task_tab(gr, task, predictors[name], registry)
         with gr.Tab("Plugins", id="plugins") as plugins_tab:
             table = _build_plugins_tab(gr, registry)
         plugins_tab.select(lambda: plugin_rows(registry), None, table)  # failures since start-up show on opening
@@ -82,12 +88,13 @@ def warm_up(predictors: dict[str, LazyPredictor]) -> threading.Thread:
 
 
 def guarded(predict, task: str, registry: Registry, timeout_s: float | None):
-    """`predict` with a time limit, and a task's own failures turned into a clear message in the UI
-    (recorded for the Plugins tab) instead of a stack trace; bad input stays the task's InputError."""
+    """`predict` with a time limit (cut off and cancelled, see bert_engine.cancel), and a task's own
+    failures turned into a clear message in the UI (recorded for the Plugins tab) instead of a stack
+    trace; bad input stays the task's InputError. Contains every BaseException a task can raise
+    (SystemExit, KeyboardInterrupt, a native library's panic): the server keeps answering."""
     import gradio as gr
 
     from bert_engine.hub import HubError
-    from bert_engine.inference import PredictionTimeout, call_with_timeout
     from bert_engine.loading import CheckpointError
 
     def call(*args, **kwargs):
@@ -96,17 +103,30 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None):
         except (InputError, gr.Error):
             raise
         except (HubError, CheckpointError) as err:  # the model could not be loaded: say which and why
-            raise gr.Error(f"{task}: the model could not be loaded: {err}") from None
+            message = f"{task}: the model could not be loaded: {err}"
         except PredictionTimeout as err:
-            registry.record_request_failure(task, str(err))
-            raise gr.Error(f"{err}. The task may be stuck or the machine overloaded; try again later.") from None
-        except Exception as err:  # a bug in a task's code: the app and the other tabs carry on
-            logger.exception("task %s failed", task)
-            failure = registry.record_request_failure(task, f"{type(err).__name__}: {err}")
-            raise gr.Error(f"{task} failed ({failure.message}); this is a bug in plugin {failure.plugin}, "
-                           "not in your input. The other tabs still work.") from None
+            registry.record_request_failure(task, str(err), stage="time limit")
+            message = f"{err}. The task may be stuck or the machine overloaded; try again later."
+        except BaseException as err:  # a bug in a task's code: the app and the other tabs carry on
+            message = _task_failure(task, registry, err)
+        # Raised here, outside the except blocks, so the error carries no __context__: the failed call's
+        # frames (and whatever memory they hold, e.g. after a MemoryError) are freed now.
+        raise gr.Error(message)
 
     return call
+
+
+def _task_failure(task: str, registry: Registry, err: BaseException) -> str:
+    stage = getattr(err, "request_stage", None) or "request"
+    where = failure_location(err)
+    # str(err), never err itself, in the record: a handler that keeps records must not keep the frames
+    logger.error("task %s failed at %s%s: %s: %s", task, stage, f" ({where})" if where else "", type(err).__name__,
+                 str(err), exc_info=not isinstance(err, MemoryError))
+    failure = registry.record_request_failure(task, f"{type(err).__name__}: {err}", stage=stage, location=where)
+    if isinstance(err, MemoryError):
+        return f"{task} ran out of memory on this input; try a shorter one. The other tabs still work."
+    return (f"{task} failed in {stage} ({failure.message}); this is a bug in plugin {failure.plugin}, "
+            "not in your input. The other tabs still work.")
 
 
 def on_gpu(function):
@@ -182,23 +202,29 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
     load.click(switch, choice, status, api_name=f"{name}_model")
 
 
-def _build_task_tab(gr, task, predictor: LazyPredictor) -> None:
+def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry) -> None:
     if task.spec.build_tab is None:
         gr.Markdown(f"Task `{task.spec.name}` has no tab; use it through the Python API.")
         return
     try:
         task.spec.build_tab(predictor)
     except Exception as err:  # a stranger's tab must not take the app down
-        logger.warning("tab of task %s failed to build: %s", task.spec.name, err)
+        registry.record_failure(PluginFailure(task.plugin, task.plugin_version, "tab",
+                                              f"task {task.spec.name}: {type(err).__name__}: {err}",
+                                              location=failure_location(err)))
         gr.Markdown(f"**The tab of `{task.spec.name}` (plugin {task.plugin} {task.plugin_version}) "
                     f"failed to build:** `{html.escape(str(err))}`")
 
 
 def plugin_rows(registry: Registry) -> list[list[str]]:
     """The Plugins table: loaded plugins first, then failures with their stage and reason."""
-    rows = [[p.name, p.version, p.source, ", ".join(p.tasks), "loaded", ""] for p in registry.plugins]
-    rows += [[f.plugin, f.version, "", "", "failing at request time" if f.stage == "request" else f"failed at {f.stage}",
-              f.message] for f in registry.failures]
+    failed_tabs = {f.plugin for f in registry.failures if f.stage == "tab"}
+    rows = [[p.name, p.version, p.source, ", ".join(p.tasks), "tab failed" if p.name in failed_tabs else "loaded", ""]
+            for p in registry.plugins]
+    for f in registry.failures:
+        status = f"failing at request time ({f.stage})" if f.stage in REQUEST_STAGES else f"failed at {f.stage}"
+        reason = f.message + (f" [{f.location}]" if f.location else "")
+        rows.append([f.plugin, f.version, f.source, "", status, reason])
     return rows
 
 

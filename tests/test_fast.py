@@ -1,4 +1,4 @@
-"""Inference precisions and packed CPU linear layers (bert_engine/fast.py) keep the model's answers."""
+"""Packed CPU linear layers and int8 quantisation (bert_engine/fast.py) keep the model's outputs."""
 
 import copy
 import dataclasses
@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from bert_engine import BertModel, PRESETS, load
-from bert_engine.fast import PackedLinear, can_pack, check_precision, pack_linear_layers, prepare_for_inference
-from bert_engine.inference import Predictor
-from bert_engine.registry import load_registry
+from bert_engine.fast import PackedLinear, can_pack, pack_linear_layers
+from bert_engine.precision import prepare_for_inference
 
 from conftest import SENTENCES
 
@@ -55,28 +54,6 @@ def test_packing_twice_is_a_no_op_and_other_devices_or_dtypes_are_left_alone():
     half = BertModel(PRESETS["tiny"]).to(torch.float16)
     assert not can_pack(half)
     assert isinstance(pack_linear_layers(half).layers[0].attention.qkv, nn.Linear)
-
-
-@pytest.mark.parametrize("precision, device, message", [
-    ("int4", "cpu", "precision 'int4' is not one of"),
-    ("int8", "cuda", "runs on the CPU only"),
-])
-def test_bad_precision_is_named(precision, device, message):
-    with pytest.raises(ValueError, match=message):
-        check_precision(precision, torch.device(device))
-
-
-@pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_faster_precisions_keep_obvious_sentiment(precision):
-    task = load_registry().task("sentiment")
-    exact = Predictor.load(task, precision="fp32")
-    fast = Predictor.load(task, precision=precision)
-    assert fast.provenance()["dtype"] == {"bf16": "bfloat16", "int8": "int8"}[precision]
-    texts = ["A wonderful, moving film with superb acting.", "A dull, tedious mess; I hated every minute."]
-    for text in texts:
-        a, b = exact.predict({"text": text})["result"], fast.predict({"text": text})["result"]
-        assert a["label"] == b["label"]
-        assert abs(a["score"] - b["score"]) < 0.1
 
 
 def test_prepare_for_inference_int8_quantises_only_encoder_linears(minilm_dir):

@@ -55,6 +55,10 @@ def test_broken_plugin_and_broken_tab_are_visible_not_fatal(registry):
     assert ["similarity", "0.1.0", "entry point", "similarity", "loaded", ""] in rows
     failed = [r for r in rows if r[0] == "broken-import"][0]
     assert failed[4] == "failed at import" and "no_such_module_here" in failed[5]
+    assert failed[2] == "test"  # where the failed plugin came from (the fixture loads it as "test")
+    tab = [r for r in rows if r[0] == "broken-tab"]
+    assert tab[0][4] == "tab failed"  # not "loaded"
+    assert tab[1][4] == "failed at tab" and "RuntimeError: tab exploded" in tab[1][5]
 
 
 def test_attention_html_marks_every_cell_and_caps_long_inputs():
@@ -204,7 +208,7 @@ def test_tab_functions_called_directly_with_tiny_models(tiny_app):
 
 
 def test_warm_up_loads_every_model_in_the_background(tiny_app):
-    from bert_engine.inference import LazyPredictor
+    from bert_engine.serving import LazyPredictor
     from playground.app import warm_up
 
     fresh = {name: LazyPredictor(p.task, p.checkpoint) for name, p in tiny_app.predictors.items()}
@@ -217,7 +221,8 @@ def test_concurrent_requests_share_a_batch_and_bad_input_stays_alone():
     from concurrent.futures import ThreadPoolExecutor
 
     from bert_engine.hookspecs import InputError
-    from bert_engine.inference import BatchingPredictor, Predictor
+    from bert_engine.inference import Predictor
+    from bert_engine.serving import BatchingPredictor
     from conftest import reference_checkpoint
 
     import tempfile
@@ -283,10 +288,12 @@ def test_a_task_that_raises_or_hangs_at_request_time_is_cut_off_and_listed(tmp_p
         assert app.predictors["sentiment"].predict({"text": "fine"})["result"]["label"] in {"NEG", "POS"}
         with pytest.raises(Exception, match="empty"):
             app.predictors["sentiment"].predict({"text": " "})
-        rows = [r for r in plugin_rows(registry) if r[4] == "failing at request time"]
-        assert [r[0] for r in rows] == ["fails-late", "fails-late"]
-        assert "RuntimeError: postprocess exploded" in rows[0][5] and "cut off" in rows[1][5]
+        rows = [r for r in plugin_rows(registry) if r[4].startswith("failing at request time")]
+        assert [(r[0], r[4]) for r in rows] == [("fails-late", "failing at request time (postprocess)"),
+                                                ("fails-late", "failing at request time (time limit)")]
+        assert "RuntimeError: postprocess exploded" in rows[0][5] and "[tests/test_playground.py:" in rows[0][5]
+        assert "cut off" in rows[1][5]
         table = next(f.fn for f in app.fns.values() if f.api_name == "plugins")()
-        assert len([r for r in table if r[4] == "failing at request time"]) == 2
+        assert len([r for r in table if r[4].startswith("failing at request time")]) == 2
     finally:
         RELEASE.set()

@@ -247,7 +247,7 @@ def test_entry_points_load_in_isolation_and_env_selects(site, monkeypatch):
 def test_cli_plugins_prints_json(site, capsys):
     _install_dist(site, "good-one", GOOD_PLUGIN.format(task="good_one"))
     _install_dist(site, "broken-import", "import this_module_does_not_exist\n")
-    assert cli_main(["plugins"]) == 0
+    assert cli_main(["plugins"]) == 1  # a failed plugin fails the command, and the JSON still lists everything
     report = json.loads(capsys.readouterr().out)
     assert {"name": "good-one", "version": "0.3", "source": "entry point", "tasks": ["good_one"]} in report["plugins"]
     assert any(f["plugin"] == "broken-import" and f["stage"] == "import" for f in report["failures"])
@@ -325,7 +325,8 @@ def test_cli_plugins_smoke_runs_every_task_and_names_the_failing_one(site, capsy
     monkeypatch.setattr("bert_engine.registry.BUILTIN_PLUGINS", ())
     assert cli_main(["plugins", "--smoke", "--timeout", "30"]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert report["smoke"]["late"] == "task late: ValueError: broken at request time"
+    assert report["smoke"]["late"] == "task late: ValueError: broken at request time"  # stage and file:line below
     assert report["smoke"]["good_one"] in ("ok", "no examples to run")
-    assert {"plugin": "late-failure", "version": "0.3", "stage": "request",
-            "message": "task late: ValueError: broken at request time"} in report["failures"]
+    assert {"plugin": "late-failure", "version": "0.3", "stage": "postprocess", "source": "",
+            "message": "task late: ValueError: broken at request time",
+            "location": "site/late_failure.py:6"} in report["failures"]

@@ -1,0 +1,171 @@
+"""Time limits that really stop a request: the call runs in its own thread, and when its time is up
+the caller answers at once while the thread is cancelled.
+
+Cancelling raises `Cancelled` inside the request's thread (CPython's PyThreadState_SetAsyncExc),
+again every half second until the thread ends, so Python code stops at its next bytecode: a task's
+loop, a chunked forward pass between chunks, a `with` block that then releases its lock. It is a
+BaseException, so a task's `except Exception` cannot swallow it. A thread inside one native call
+(a matmul, a sleep, a read) stops when that call returns; `ModelLock` keeps such a thread from
+holding its model: once it has been cancelled for `grace_s`, the waiters take a fresh lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+REINJECT_EVERY_S = 0.5   # a task that catches BaseException gets the cancellation again
+GIVE_UP_AFTER_S = 60.0   # then the thread is left alone (logged); its model lock was abandoned long before
+
+
+class Cancelled(BaseException):
+    """Raised inside a request's thread when its time limit has passed."""
+
+
+class PredictionTimeout(RuntimeError):
+    """A prediction did not finish in time (a hung plugin, an overloaded machine)."""
+
+
+_cancelled_at: dict[int, float] = {}  # thread ident -> monotonic time its cancellation began
+_cancelled_guard = threading.Lock()
+
+
+def cancelled_for(thread: threading.Thread) -> float | None:
+    """Seconds since `thread` was cancelled (None: it was not, or it has ended)."""
+    with _cancelled_guard:
+        start = _cancelled_at.get(thread.ident) if thread.ident is not None else None
+    return None if start is None else time.monotonic() - start
+
+
+def _inject(thread: threading.Thread) -> None:
+    if thread.is_alive() and thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Cancelled))
+
+
+def cancel(thread: threading.Thread, what: str = "a request") -> threading.Thread:
+    """Raise Cancelled in `thread` now and every REINJECT_EVERY_S until it ends; returns the watcher thread."""
+    start = time.monotonic()
+    with _cancelled_guard:
+        _cancelled_at[thread.ident] = start
+
+    def watch() -> None:
+        try:
+            while thread.is_alive() and time.monotonic() - start < GIVE_UP_AFTER_S:
+                _inject(thread)
+                thread.join(REINJECT_EVERY_S)
+            if thread.is_alive():
+                logger.error("%s still runs %.0f s after it was cancelled (inside a native call?); "
+                             "it no longer holds its model", what, GIVE_UP_AFTER_S)
+            else:
+                logger.info("%s stopped %.2f s after its time limit", what, time.monotonic() - start)
+        finally:
+            with _cancelled_guard:
+                _cancelled_at.pop(thread.ident, None)
+
+    watcher = threading.Thread(target=watch, name="bert-engine-cancel", daemon=True)
+    watcher.start()
+    return watcher
+
+
+def call_with_timeout(function: Callable[..., Any], timeout_s: float | None, *args: Any,
+                      what: str = "the prediction", **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)`, or PredictionTimeout after `timeout_s` seconds (None: no limit),
+    with the call cancelled (see the module docstring). Any exception of the call, BaseExceptions
+    such as SystemExit or a native library's panic included, is raised here in the caller."""
+    if timeout_s is None:
+        return function(*args, **kwargs)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            try:
+                box["value"] = function(*args, **kwargs)
+            except BaseException as err:  # handed to the caller below
+                box["error"] = err
+            finally:
+                done.set()
+        except Cancelled:  # arrived during the clean-up above: nothing is waiting for this thread any more
+            done.set()
+
+    thread = threading.Thread(target=target, name="bert-engine-request", daemon=True)
+    thread.start()
+    try:
+        finished = done.wait(timeout_s)
+    except BaseException:  # the caller itself was interrupted (a real Ctrl-C): stop the call as well
+        cancel(thread, what)
+        raise
+    if not finished:
+        cancel(thread, what)
+        raise PredictionTimeout(f"{what} did not finish within {timeout_s:g} s and was cut off")
+    if "error" in box:
+        error = box.pop("error")
+        try:
+            error.raised_by_call = True  # tells a KeyboardInterrupt the call raised from a real Ctrl-C
+        except (AttributeError, TypeError):
+            pass
+        try:
+            raise error
+        finally:
+            del error  # this frame is in the traceback: no cycle that would keep the call's frames alive
+    return box.pop("value")
+
+
+def raised_by_call(err: BaseException) -> bool:
+    """Whether `err` came out of the function call_with_timeout ran (not from waiting for it)."""
+    return bool(getattr(err, "raised_by_call", False))
+
+
+class ModelLock:
+    """One forward pass at a time on a model, which a cancelled request cannot keep.
+
+    Waiters poll, so their own cancellation reaches them while they wait; when the holder has been
+    cancelled for `grace_s` (stuck in a call Python cannot interrupt) or ended without releasing,
+    the lock is replaced and the waiters go on; the stuck holder's late release is ignored.
+    """
+
+    def __init__(self, grace_s: float = 2.0) -> None:
+        self.grace_s = grace_s
+        self._guard = threading.Lock()
+        self._lock = threading.Lock()
+        self._owner: threading.Thread | None = None
+        self._held = threading.local()
+
+    def __enter__(self) -> ModelLock:
+        while True:
+            lock = self._lock
+            if lock.acquire(timeout=0.05):
+                with self._guard:
+                    if lock is self._lock:
+                        self._owner, self._held.lock = threading.current_thread(), lock
+                        return self
+                lock.release()  # replaced while we waited: take the new one
+                continue
+            self._maybe_abandon(lock)
+
+    def __exit__(self, *exc: object) -> None:
+        lock = self._held.__dict__.pop("lock", None)
+        if lock is None:
+            return
+        with self._guard:
+            if lock is self._lock:
+                self._owner = None
+        lock.release()
+
+    def _maybe_abandon(self, lock: threading.Lock) -> None:
+        owner = self._owner
+        if owner is None:
+            return
+        stuck = cancelled_for(owner)
+        if owner.is_alive() and (stuck is None or stuck < self.grace_s):
+            return
+        with self._guard:
+            if self._lock is lock and self._owner is owner:
+                logger.warning("a cancelled request (%s) still holds its model after %.1f s; the next requests "
+                               "go on without it", owner.name, stuck or 0.0)
+                self._lock, self._owner = threading.Lock(), None

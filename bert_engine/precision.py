@@ -1,0 +1,161 @@
+"""Numeric precisions: one table of what each name means, where it runs, what the CPU must support,
+and how a model is prepared for it; plus the device choice and the CPU-capability probe.
+
+Inference (Predictor, CLI --precision, BERT_ENGINE_PRECISION), training (--precision) and the
+benchmarks all ask this module; adding a precision is one row of PRECISIONS. The kernels themselves
+(packed oneDNN linears, int8 quantisation) live in fast.py.
+
+"auto" is fp32 on the CPU (exact parity with the reference), bf16 on GPUs that support it, else fp16.
+A CPU precision is allowed only where the CPU has it natively: bf16 needs AVX512-BF16 or AMX, fp16
+needs AMX-FP16. Elsewhere the request is refused with PrecisionError naming what is missing, instead
+of running emulated (slower than fp32) or failing inside oneDNN.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import fast
+
+logger = logging.getLogger(__name__)
+
+
+class PrecisionError(ValueError):
+    """A precision that does not exist, or that this device or CPU cannot run."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    dtype: torch.dtype          # the parameters' dtype (int8 keeps fp32 outside its quantised linears)
+    devices: tuple[str, ...]    # device types it runs on
+    cpu_feature: str | None     # CpuCapability field that must be true on a CPU (None: any CPU)
+    prepare: str                # "pack" (CPU: pre-packed oneDNN linears), "quantize" (dynamic int8) or "none"
+    autocast: bool              # usable as a training autocast dtype
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("fp32", torch.float32, ("cpu", "cuda", "mps"), None, "pack", autocast=False),
+    Precision("bf16", torch.bfloat16, ("cpu", "cuda"), "bf16", "pack", autocast=True),
+    Precision("fp16", torch.float16, ("cpu", "cuda", "mps"), "fp16", "none", autocast=True),
+    Precision("int8", torch.float32, ("cpu",), None, "quantize", autocast=False),
+)}
+NAMES = ("auto", *PRECISIONS)
+TRAINING_NAMES = ("auto", *(name for name, p in PRECISIONS.items() if p.prepare != "quantize"))  # int8 is inference-only
+
+CAPABILITY_ENV = "BERT_ENGINE_CPU_CAPABILITY"  # "avx2" or "default": behave as on a lesser CPU (tests, checks)
+
+
+@dataclass(frozen=True)
+class CpuCapability:
+    """What this CPU offers, as the precision rules need it."""
+
+    isa: str        # torch's dispatch level: "AVX512", "AVX2", "DEFAULT" (or another architecture's)
+    bf16: bool      # native bf16 matmul: AVX512-BF16 or AMX, and oneDNN's bf16 path usable
+    fp16: bool      # native fp16 matmul: AMX-FP16, and oneDNN's fp16 path usable
+    amx: bool
+    vnni: bool      # int8 dot products (AVX512-VNNI / AVX-VNNI)
+
+    def describe(self) -> str:
+        extras = [name for name, on in (("AVX512-BF16/AMX bf16", self.bf16), ("AMX-FP16", self.fp16),
+                                        ("AMX", self.amx), ("VNNI", self.vnni)) if on]
+        return self.isa + (" + " + ", ".join(extras) if extras else "")
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_cpu() -> CpuCapability:
+    cpu = torch.cpu
+    flag = lambda name: bool(getattr(cpu, name, lambda: False)())  # noqa: E731 - private probes, absent on some builds
+    mkldnn = torch.ops.mkldnn
+    onednn_bf16 = bool(getattr(mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+    onednn_fp16 = bool(getattr(mkldnn, "_is_mkldnn_fp16_supported", lambda: False)())
+    amx = flag("_is_amx_tile_supported")
+    return CpuCapability(
+        isa=torch.backends.cpu.get_cpu_capability(),
+        bf16=onednn_bf16 and (flag("_is_avx512_bf16_supported") or amx),
+        fp16=onednn_fp16 and flag("_is_amx_fp16_supported"),
+        amx=amx,
+        vnni=flag("_is_vnni_supported"),
+    )
+
+
+def cpu_capability() -> CpuCapability:
+    """This CPU's capability; BERT_ENGINE_CPU_CAPABILITY=avx2 (or default) makes it report less, never more."""
+    real = _probe_cpu()
+    pretend = os.environ.get(CAPABILITY_ENV, "").strip().lower()
+    if not pretend:
+        return real
+    if pretend not in ("avx2", "default"):
+        raise PrecisionError(f"{CAPABILITY_ENV}={pretend!r} is not one of avx2, default")
+    isa = "AVX2" if pretend == "avx2" and real.isa in ("AVX2", "AVX512") else "DEFAULT"
+    return CpuCapability(isa=isa, bf16=False, fp16=False, amx=False, vnni=False)
+
+
+def pick_device(preference: str | None = None) -> torch.device:
+    """The given device, else CUDA, then Apple MPS, then CPU."""
+    if preference:
+        return torch.device(preference)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve(name: str, device: torch.device) -> Precision:
+    """The concrete precision `name` means on `device` ("auto" decided here), after checking it can run.
+
+    Raises:
+        PrecisionError: an unknown name, a device it does not run on, or a CPU without the native support.
+    """
+    if name == "auto":
+        if device.type == "cuda":
+            name = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        else:
+            name = "fp16" if device.type == "mps" else "fp32"
+    precision = PRECISIONS.get(name)
+    if precision is None:
+        raise PrecisionError(f"precision {name!r} is not one of {', '.join(NAMES)}")
+    if device.type not in precision.devices:
+        where = ", ".join(precision.devices)
+        raise PrecisionError(f"precision {name!r} runs on {where} only, not on {device}")
+    if device.type == "cpu" and precision.cpu_feature and not getattr(cpu_capability(), precision.cpu_feature):
+        needs = {"bf16": "AVX512-BF16 or AMX", "fp16": "AMX-FP16"}[precision.cpu_feature]
+        raise PrecisionError(f"precision {name!r} needs a CPU with {needs}; this one has {cpu_capability().describe()} "
+                             f"and would only emulate it, slower than fp32: use fp32 (or int8 for speed)")
+    return precision
+
+
+def parameter_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype a model's parameters take for precision `name` on `device` (checks it first)."""
+    return resolve(name, device).dtype
+
+
+def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The training autocast dtype for precision `name` (None: plain fp32). "auto" autocasts on GPUs only."""
+    if name not in TRAINING_NAMES:
+        raise PrecisionError(f"training precision {name!r} is not one of {', '.join(TRAINING_NAMES)}")
+    precision = resolve(name, device)
+    return precision.dtype if precision.autocast else None
+
+
+def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = True,
+                          compile: bool = False) -> nn.Module:
+    """What the Predictor does to a loaded model: the precision's dtype, then its preparation (int8
+    quantisation, or on the CPU pre-packed linear layers), then optionally torch.compile."""
+    device = next(model.parameters()).device
+    precision = resolve(name, device)
+    model = model.to(dtype=precision.dtype).eval()
+    if precision.prepare == "quantize":
+        fast.quantize_int8(model)
+    elif precision.prepare == "pack" and pack:
+        fast.pack_linear_layers(model)
+    if compile:
+        fast.compile_encoder(model)
+    return model

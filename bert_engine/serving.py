@@ -1,0 +1,164 @@
+"""Serving one task to many callers: load the model on first use, merge concurrent requests into one
+forward pass, and (cancel.py) cut off a request that runs past its time limit.
+
+The Predictor (inference.py) runs one model for one task; these wrap it for the playground.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .cancel import PredictionTimeout
+from .hookspecs import InputError
+from .inference import LastInput, Predictor, predict_in_batches
+from .registry import RegisteredTask
+
+logger = logging.getLogger(__name__)
+
+
+class LazyPredictor:
+    """A Predictor that loads its model on first use (thread-safe), so an app starts without loading any.
+
+    Has Predictor's interface (`predict`, `attention`, `provenance`, `last`); `loaded` says whether
+    the model is in memory. A load failure (HubError, CheckpointError) propagates to the caller to
+    show, and the load is tried again on the next call.
+    """
+
+    def __init__(self, task: RegisteredTask, checkpoint: str | None = None, **load_kwargs: Any) -> None:
+        self.task = task
+        self.checkpoint = checkpoint
+        self.load_kwargs = load_kwargs
+        self._predictor: Predictor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._predictor is not None
+
+    def switch(self, checkpoint: str | None) -> Predictor:
+        """Load another checkpoint (None: the task's default); on failure the current model stays."""
+        with self._lock:
+            predictor = Predictor.load(self.task, checkpoint or None, **self.load_kwargs)
+            self.checkpoint, self._predictor = checkpoint or None, predictor
+        return predictor
+
+    def get(self) -> Predictor:
+        if self._predictor is None:
+            with self._lock:
+                if self._predictor is None:
+                    logger.info("loading the model of task %s", self.task.spec.name)
+                    self._predictor = Predictor.load(self.task, self.checkpoint, **self.load_kwargs)
+        return self._predictor
+
+    def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        return self.get().predict(inputs, **options)
+
+    def attention(self) -> tuple[list[str], list[torch.Tensor]]:
+        if self._predictor is None:
+            raise InputError(f"no input yet in the {self.task.spec.title} tab: run a prediction there first")
+        return self._predictor.attention()
+
+    @property
+    def last(self) -> LastInput | None:
+        return self._predictor.last if self._predictor is not None else None
+
+    def provenance(self) -> dict[str, Any]:
+        return self.get().provenance()
+
+
+class BatchingPredictor(LazyPredictor):
+    """A LazyPredictor that merges concurrent requests into one batched forward pass.
+
+    For one-field tasks with a batched path (`predict_many`): a request waits up to `max_wait_ms`
+    for others with the same options, then the first of them runs the whole group through
+    `predict_in_batches`. A bad input never fails its neighbours: inputs are checked one by one
+    first, and if the group still raises InputError each request is run alone for its own answer.
+    Results carry `provenance.batch_size` (how many requests shared the pass).
+    """
+
+    def __init__(self, task: RegisteredTask, checkpoint: str | None = None, *, max_batch: int = 16,
+                 max_wait_ms: float = 10.0, **load_kwargs: Any) -> None:
+        super().__init__(task, checkpoint, **load_kwargs)
+        self.max_batch, self.max_wait = max_batch, max_wait_ms / 1000
+        self._pending: dict[str, list[dict[str, Any]]] = {}
+        self._cond = threading.Condition()
+
+    @property
+    def batchable(self) -> bool:
+        spec = self.task.spec
+        return spec.predict_many is not None and len(spec.input_fields) == 1
+
+    def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+        predictor = self.get()
+        merged = predictor.check_inputs(inputs, options)
+        field = self.task.spec.input_fields[0]
+        extra = any(inputs.get(f) is not None for f in self.task.spec.optional_fields)
+        if not self.batchable or extra or not str(inputs.get(field, "")).strip():
+            output = predictor.predict(inputs, **options)  # nothing to share (or the task's own error)
+            output["provenance"]["batch_size"] = 1
+            return output
+        key = json.dumps(merged, sort_keys=True, default=str)
+        request = {"inputs": dict(inputs), "done": False, "output": None, "error": None}
+        with self._cond:
+            group = self._pending.setdefault(key, [])
+            group.append(request)
+            leader = len(group) == 1
+            if len(group) >= self.max_batch:
+                self._cond.notify_all()
+        if leader:
+            try:
+                with self._cond:
+                    self._cond.wait_for(lambda: len(self._pending.get(key, ())) >= self.max_batch,
+                                        timeout=self.max_wait)
+                    group = self._pending.pop(key)
+                self._run_group(predictor, group, options)
+            finally:
+                with self._cond:
+                    self._cond.notify_all()
+        with self._cond:
+            while not request["done"]:  # short waits: this request's own cancellation reaches it
+                self._cond.wait(0.1)
+        if request["error"] is not None:
+            raise request["error"]
+        return request["output"]
+
+    def _run_group(self, predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        try:
+            if len(group) == 1:
+                self._run_alone(predictor, group, options)
+                return
+            results = predict_in_batches(predictor, [r["inputs"] for r in group], batch_size=len(group), **options)
+            latency_ms = (time.perf_counter() - start) * 1000
+            predictor.remember(group[-1]["inputs"], predictor.check_options(options))  # the attention view's input
+            for request, result in zip(group, results):
+                provenance = {**predictor.provenance(latency_ms), "batch_size": len(group)}
+                request["output"] = {"task": self.task.spec.name, "result": result, "provenance": provenance}
+        except InputError:
+            self._run_alone(predictor, group, options)  # one bad input: everyone gets their own answer
+        except Exception as err:
+            for request in group:
+                request["error"] = err
+        finally:
+            for request in group:
+                if request["output"] is None and request["error"] is None:  # the pass was cut off (Cancelled)
+                    request["error"] = PredictionTimeout("the batched forward pass this request shared was cut "
+                                                         "off by another request's time limit; try again")
+                request["done"] = True
+
+    @staticmethod
+    def _run_alone(predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
+        for request in group:
+            try:
+                output = predictor.predict(request["inputs"], **options)
+                output["provenance"]["batch_size"] = 1
+                request["output"] = output
+            except Exception as err:  # handed to that request's own caller
+                request["error"] = err

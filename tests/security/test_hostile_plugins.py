@@ -1,0 +1,199 @@
+"""Hostile or broken plugins cannot take the process down, hang it, or keep the CPU, a lock or memory.
+
+Each test is one attack from the hardening review: BaseExceptions (SystemExit, KeyboardInterrupt, a
+native panic's BaseException) at import, in the hook and at request time; a plugin that loops or
+sleeps forever; a MemoryError whose frames would keep gigabytes alive.
+"""
+
+import sys
+import textwrap
+import threading
+import time
+import weakref
+
+import gradio as gr
+import pytest
+import torch
+
+from bert_engine.cli import main as cli_main
+from bert_engine.conformance import tiny_predictor
+from bert_engine.hookspecs import TaskSpec, hookimpl
+from bert_engine.registry import Registry, load_registry
+from playground.app import guarded
+
+
+class PanicLike(BaseException):
+    """What pyo3 raises for a Rust panic (tokenizers' PanicException derives from BaseException)."""
+
+
+def _install(site, name, source):
+    module = name.replace("-", "_")
+    sys.modules.pop(module, None)  # an earlier test's module of the same name
+    (site / f"{module}.py").write_text(textwrap.dedent(source))
+    info = site / f"{module}-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text(f"[bert_engine]\n{name} = {module}\n")
+
+
+GOOD = """
+    import torch
+    from bert_engine.hookspecs import TaskSpec, hookimpl
+
+    @hookimpl
+    def register_tasks(register):
+        register(TaskSpec(name="good", title="Good", build_head=lambda c: torch.nn.Identity(),
+                          preprocess=lambda i, t, **o: t(i["text"]), postprocess=lambda o, b, **k: {}))
+"""
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    folder = tmp_path / "site"
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    _install(folder, "good-plugin", GOOD)
+    return folder
+
+
+@pytest.mark.parametrize("statement, stage, message", [
+    ("raise SystemExit(3)", "import", "SystemExit: 3"),
+    ("raise KeyboardInterrupt('from the plugin')", "import", "KeyboardInterrupt: from the plugin"),
+    ("import os; os._exit", "register", "implements no bert_engine hook"),
+])
+def test_base_exceptions_at_import_are_recorded_and_the_others_load(site, statement, stage, message):
+    _install(site, "hostile", statement + "\n")
+    registry = load_registry(builtins=())
+    assert [p.name for p in registry.plugins] == ["good-plugin"]
+    (failure,) = registry.failures
+    assert (failure.plugin, failure.stage, failure.source) == ("hostile", stage, "entry point")
+    assert failure.message.startswith(message)
+    assert not failure.message.startswith("_Violation")
+
+
+@pytest.mark.parametrize("raise_it", ["raise SystemExit(1)", "raise KeyboardInterrupt", "raise GeneratorExit"])
+def test_base_exceptions_in_the_hook_are_recorded_with_file_and_line(site, raise_it):
+    _install(site, "hostile", f"""
+        from bert_engine.hookspecs import hookimpl
+
+        @hookimpl
+        def register_tasks(register):
+            {raise_it}
+    """)
+    registry = load_registry(builtins=())
+    (failure,) = registry.failures
+    assert failure.stage == "hook" and failure.location == "site/hostile.py:6"
+    assert [p.name for p in registry.plugins] == ["good-plugin"]
+
+
+def test_a_plugin_that_hangs_at_import_is_cut_off_and_stops_using_the_cpu(site, monkeypatch):
+    _install(site, "spinner", "while True:\n    pass\n")
+    monkeypatch.setenv("BERT_ENGINE_PLUGIN_TIMEOUT", "1")
+    start = time.monotonic()
+    registry = load_registry(builtins=())
+    assert time.monotonic() - start < 10
+    (failure,) = registry.failures
+    assert failure.stage == "import (time limit)" and "did not finish within 1 s" in failure.message
+    assert [p.name for p in registry.plugins] == ["good-plugin"]
+    _assert_cpu_goes_quiet()
+
+
+def test_plugins_command_exits_1_with_a_failure_and_names_an_uninstalled_selection(site, monkeypatch, capsys):
+    _install(site, "hostile", "raise SystemExit(0)\n")
+    assert cli_main(["plugins"]) == 1
+    monkeypatch.setenv("BERT_ENGINE_PLUGINS", "good-plugin,not-installed")
+    registry = load_registry(builtins=())
+    (failure,) = registry.failures
+    assert failure.stage == "select"
+    assert "BERT_ENGINE_PLUGINS names 'not-installed', which is not installed" in failure.message
+    assert "good-plugin" in failure.message and "hostile" in failure.message
+
+
+# -- request time ----------------------------------------------------------------------------------
+
+FREED: list = []
+
+
+def _postprocess(behaviour):
+    def post(output, batch, **options):
+        if behaviour == "system-exit":
+            raise SystemExit(2)
+        if behaviour == "keyboard":
+            raise KeyboardInterrupt
+        if behaviour == "panic":
+            raise PanicLike("a Rust panic")
+        if behaviour == "spin":
+            while True:  # a pure-Python loop that also swallows ordinary exceptions
+                try:
+                    sum(range(1000))
+                except Exception:
+                    pass
+        if behaviour == "sleep":
+            time.sleep(30)
+        if behaviour == "memory":
+            big = torch.ones(50_000_000)  # 200 MB held by this frame
+            FREED.append(weakref.ref(big))
+            raise MemoryError
+        return {"ok": True}
+    return post
+
+
+def _serve(behaviour, timeout_s=1.0):
+    """A registered task with that postprocess on a tiny model, behind the playground's guard."""
+    class Plugin:
+        @hookimpl
+        def register_tasks(self, register):
+            register(TaskSpec(name="hostile", title="Hostile", build_head=lambda c: torch.nn.Identity(),
+                              preprocess=lambda i, t, **o: t(i["text"]), postprocess=_postprocess(behaviour)))
+
+    registry = Registry()
+    assert registry.load_plugin("hostile-plugin", "0.1", "test", lambda: Plugin())
+    predictor = tiny_predictor(registry.task("hostile"))
+    return registry, predictor, guarded(predictor.predict, "hostile", registry, timeout_s)
+
+
+@pytest.mark.parametrize("behaviour, message", [
+    ("system-exit", "SystemExit: 2"),
+    ("keyboard", "KeyboardInterrupt"),
+    ("panic", "PanicLike: a Rust panic"),
+])
+def test_base_exceptions_at_request_time_become_a_message_and_a_record(behaviour, message):
+    registry, predictor, call = _serve(behaviour)
+    with pytest.raises(gr.Error, match=f"hostile failed in postprocess \\(task hostile: {message}"):
+        call({"text": "hello"})
+    (failure,) = registry.failures
+    assert failure.stage == "postprocess" and failure.location.startswith("security/test_hostile_plugins.py:")
+    assert threading.main_thread().is_alive()
+
+
+@pytest.mark.parametrize("behaviour", ["spin", "sleep"])
+def test_a_cut_off_request_frees_its_model_and_the_cpu(behaviour):
+    registry, predictor, call = _serve(behaviour, timeout_s=0.5)
+    with pytest.raises(gr.Error, match="did not finish within 0.5 s and was cut off"):
+        call({"text": "hello"})
+    assert registry.failures[-1].stage == "time limit"
+    # The next request gets the model: the cut-off one let go of its lock, or was made to give it up.
+    start = time.monotonic()
+    with predictor._lock:
+        waited = time.monotonic() - start
+    assert waited < 5, f"the model's lock was held {waited:.1f} s after the time limit"
+    if behaviour == "spin":
+        _assert_cpu_goes_quiet()
+
+
+def test_memory_of_a_failed_request_is_released():
+    FREED.clear()
+    _, _, call = _serve("memory")
+    with pytest.raises(gr.Error, match="ran out of memory on this input") as caught:
+        call({"text": "hello"})
+    assert caught.value.__context__ is None and caught.value.__cause__ is None
+    assert FREED and FREED[0]() is None, "the 200 MB tensor of the failed call is still alive (without a gc pass)"
+
+
+def _assert_cpu_goes_quiet(limit=0.3):
+    """The process uses (almost) no CPU over a second once cancelled work has stopped."""
+    time.sleep(1.0)  # the cancellation lands within REINJECT_EVERY_S
+    before = time.process_time()
+    time.sleep(1.0)
+    used = time.process_time() - before
+    assert used < limit, f"the process still used {used:.2f} s of CPU in 1 s after the time limit"
