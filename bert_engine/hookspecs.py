@@ -30,6 +30,15 @@ def check_int(task: str, name: str, value: Any, low: int, high: int) -> None:
         raise InputError(f"{task}: {name} must be an integer in [{low}, {high}], got {value!r}")
 
 
+def length_option(task: str, name: str, value: Any, preferred: int, low: int, tokenizer: Any) -> int:
+    """A token-length option: None means `preferred`, capped at what the model takes (the tokenizer's
+    model_max_length); an explicit value must be an integer in [low, model_max_length]."""
+    if value is None:
+        value = min(preferred, tokenizer.model_max_length)
+    check_int(task, name, value, min(low, tokenizer.model_max_length), tokenizer.model_max_length)
+    return value
+
+
 class PluginError(RuntimeError):
     """A plugin broke the contract (import failure, hook raised, invalid or duplicate TaskSpec)."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -27,6 +28,25 @@ from .tokenizer import Batch, Tokenizer
 logger = logging.getLogger(__name__)
 
 MAX_INPUT_CHARS = 1_000_000  # per field; longer input is refused before tokenising
+# Per input, after tokenising: every window row's real tokens together. Bounds the forward work one
+# request can cause (65,536 tokens: ~128 windows of 512, about 6 s of MiniLM on 2 CPU cores).
+MAX_REQUEST_TOKENS = int(os.environ.get("BERT_ENGINE_MAX_TOKENS", "65536"))
+
+
+def check_request_cost(task: str, batch: Batch, limit: int | None = None) -> None:
+    """InputError when one input of `batch` needs more than `limit` tokens over all its window rows."""
+    limit = MAX_REQUEST_TOKENS if limit is None else limit
+    real = batch.attention_mask.sum(dim=1).tolist()
+    per_input: dict[int, list[int]] = {}
+    for tokens, index in zip(real, batch.sample_index):  # a task may keep fewer rows than it windowed
+        per_input.setdefault(index, []).append(tokens)
+    for index, rows in per_input.items():
+        tokens = sum(rows)
+        if tokens > limit:
+            which = "the input" if len(per_input) == 1 else f"input {index}"
+            raise InputError(f"{task}: {which} needs {len(rows):,} window(s) with {tokens:,} tokens in all; the "
+                             f"limit per request is {limit:,} tokens (roughly {limit * 4:,} characters of English). "
+                             "Shorten the text, or truncate it if the task offers that")
 
 
 @contextmanager
@@ -124,7 +144,12 @@ class Predictor:
         return self
 
     def run(self, batch: Batch, options: Mapping[str, Any]) -> Any:
-        """Model and postprocess over a preprocessed batch, under this model's lock and inference mode."""
+        """Model and postprocess over a preprocessed batch, under this model's lock and inference mode.
+
+        Raises:
+            InputError: an input needs more than MAX_REQUEST_TOKENS tokens (checked before any forward).
+        """
+        check_request_cost(self.task.spec.name, batch)
         with self._lock, torch.inference_mode():
             with request_stage("forward"):
                 output = self._forward(batch.to(self.device))

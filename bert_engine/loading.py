@@ -422,4 +422,11 @@ def load(name_or_path: str | Path, head: str | nn.Module | None = None, **kwargs
             f"{model.checkpoint.folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
             f"embedding table has only {vocab_size} rows (vocab_size in config.json); they do not belong together"
         )
+    positions = model.config.max_position_embeddings
+    if tokenizer.model_max_length > positions:
+        # A tokenizer_config.json may claim 512 for a model trained with fewer positions: tasks take
+        # their default length (and windows) from the tokenizer, so it must not exceed the model's.
+        logger.info("%s: the tokenizer's model_max_length %d exceeds max_position_embeddings %d; using %d",
+                    model.checkpoint.folder.name, tokenizer.model_max_length, positions, positions)
+        tokenizer.model_max_length = positions
     return model, tokenizer

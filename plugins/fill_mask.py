@@ -18,10 +18,13 @@ import torch
 from torch import Tensor
 
 from bert_engine.heads import MaskedLMHead
-from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl
+from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.inference import MAX_REQUEST_TOKENS
 from plugins.starter import starter_checkpoint
 
 MODES = ("independent", "joint")
+MAX_TARGETS = 100        # target words scored in one request
+MAX_TARGET_PIECES = 8    # word pieces of one target (a word, not a phrase)
 
 
 @dataclass
@@ -54,7 +57,7 @@ class FillMaskHead(MaskedLMHead):
 
 
 def preprocess(inputs, tokenizer, *, top_k=5, mode="independent", targets=None, beam_width=8, max_masks=5,
-               max_length=512):
+               max_length=None):
     text = inputs["text"]
     mask = tokenizer.mask_token
     check_int("fill_mask", "top_k", top_k, 1, 100)
@@ -62,8 +65,7 @@ def preprocess(inputs, tokenizer, *, top_k=5, mode="independent", targets=None, 
         raise InputError(f"fill_mask: mode {mode!r} is not one of {MODES}")
     if not isinstance(beam_width, int) or not 1 <= beam_width <= 64:
         raise InputError(f"fill_mask: beam_width must be an integer in [1, 64], got {beam_width!r}")
-    if not isinstance(max_length, int) or not 8 <= max_length <= tokenizer.model_max_length:
-        raise InputError(f"fill_mask: max_length {max_length!r} must lie in [8, {tokenizer.model_max_length}]")
+    max_length = length_option("fill_mask", "max_length", max_length, 512, 8, tokenizer)
     if targets is not None:
         targets = [targets] if isinstance(targets, str) else targets
         if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t.strip() for t in targets):
@@ -90,6 +92,8 @@ def preprocess(inputs, tokenizer, *, top_k=5, mode="independent", targets=None, 
         raise InputError(f"fill_mask: the {count} {mask} tokens lie further apart than {max_length} tokens; "
                          "shorten the text around them")
     batch = _select_row(batch, best)
+    if targets is not None:
+        _check_targets(list(targets), tokenizer, batch.input_ids.shape[1])
     batch.meta.update(text=text, tokenizer=tokenizer, targets=targets, windowed=len(batch.sample_index) > 1)
     return batch
 
@@ -118,7 +122,7 @@ def _fill(text: str, spans: list[tuple[int, int]], pieces: list[str]) -> str:
 
 
 def postprocess(output: FillMaskOutput, batch, *, top_k=5, mode="independent", targets=None, beam_width=8,
-                max_masks=5, max_length=512):
+                max_masks=5, max_length=None):
     tokenizer, text = batch.meta["tokenizer"], batch.meta["text"]
     ids = batch.input_ids[0]
     positions = (ids == tokenizer.mask_token_id).nonzero().squeeze(-1)
@@ -156,27 +160,55 @@ def _sig(value: float) -> float:
 
 
 def _score_targets(head, batch, position: Tensor, targets, tokenizer, text, span) -> list[dict[str, Any]]:
-    """Each target word's probability at the mask; several pieces are scored left to right by the chain rule."""
+    """Each target word's probability at the mask; a word of several pieces is scored left to right
+    by the chain rule over as many masks. Batched: words of n pieces share n forward passes, and the
+    first piece of every word is read from one pass (the widened inputs are identical until then)."""
+    p, ids = int(position), batch.input_ids[0].tolist()
+    pieces = {word: tokenizer.tokenize(word) for word in targets}
+    log_p = {word: 0.0 for word in targets}
+    for n in sorted({len(v) for v in pieces.values()}):
+        words = [w for w in targets if len(pieces[w]) == n]
+        piece_ids = torch.tensor([tokenizer.convert_tokens_to_ids(pieces[w]) for w in words])  # (W, n)
+        widened = torch.tensor([ids[:p] + [tokenizer.mask_token_id] * n + ids[p + 1:]])        # (1, T + n - 1)
+        for k in range(n):
+            rows = widened if k == 0 else widened.expand(len(words), -1).clone()
+            if k:
+                rows[:, p:p + k] = piece_ids[:, :k]  # the earlier pieces filled in
+            logits = head.log_probs_at(rows, torch.ones_like(rows), torch.zeros_like(rows),
+                                       torch.full((rows.shape[0],), p + k))                      # (1 or W, V)
+            scores = logits[0, piece_ids[:, k]] if k == 0 else logits.gather(1, piece_ids[:, k:k + 1])[:, 0]
+            for word, score in zip(words, scores.tolist()):
+                log_p[word] += score
     results = []
     for word in targets:
-        pieces = tokenizer.tokenize(word)
-        piece_ids = tokenizer.convert_tokens_to_ids(pieces)
-        # Widen the single mask into one mask per piece, then fill them in order.
-        ids = batch.input_ids[0].tolist()
-        p = int(position)
-        ids = ids[:p] + [tokenizer.mask_token_id] * len(pieces) + ids[p + 1:]
-        input_ids = torch.tensor([ids], device=batch.input_ids.device)
-        mask, types = torch.ones_like(input_ids), torch.zeros_like(input_ids)
-        log_p = 0.0
-        for k, piece_id in enumerate(piece_ids):
-            log_p += float(head.log_probs_at(input_ids, mask, types, torch.tensor([p + k]))[0, piece_id])
-            input_ids[0, p + k] = piece_id
-        entry = {"word": word, "token": " ".join(pieces), "score": _sig(math.exp(log_p)), "log_score": round(log_p, 6),
-                 "sequence": text[:span[0]] + word + text[span[1]:]}
-        if len(pieces) > 1:
-            entry["note"] = f"{word!r} is {len(pieces)} word pieces {pieces}; scored by the chain rule over {len(pieces)} masks"
+        entry = {"word": word, "token": " ".join(pieces[word]), "score": _sig(math.exp(log_p[word])),
+                 "log_score": round(log_p[word], 6), "sequence": text[:span[0]] + word + text[span[1]:]}
+        if len(pieces[word]) > 1:
+            entry["note"] = (f"{word!r} is {len(pieces[word])} word pieces {pieces[word]}; scored by the chain rule "
+                             f"over {len(pieces[word])} masks")
         results.append(entry)
     return sorted(results, key=lambda r: -r["score"])
+
+
+def _check_targets(targets: list[str], tokenizer, length: int) -> None:
+    """Targets that fit: at most MAX_TARGETS words of at most MAX_TARGET_PIECES pieces, the widened text
+    within the model's positions, and the scoring's forward work within the per-request token bound."""
+    if len(targets) > MAX_TARGETS:
+        raise InputError(f"fill_mask: {len(targets):,} target words; at most {MAX_TARGETS} can be scored at once")
+    counts = {}
+    for word in targets:
+        n = len(tokenizer.tokenize(word))
+        if n > MAX_TARGET_PIECES:
+            raise InputError(f"fill_mask: the target {word[:40]!r}{'...' if len(word) > 40 else ''} is {n} word pieces; "
+                             f"at most {MAX_TARGET_PIECES} (one word, not a phrase)")
+        if length + n - 1 > tokenizer.model_max_length:
+            raise InputError(f"fill_mask: with the target {word[:40]!r} the text would be {length + n - 1} tokens; "
+                             f"the model takes {tokenizer.model_max_length}: shorten the text")
+        counts[n] = counts.get(n, 0) + 1
+    work = sum((1 + words * (n - 1)) * (length + n - 1) for n, words in counts.items())
+    if work > MAX_REQUEST_TOKENS:
+        raise InputError(f"fill_mask: scoring these targets over a text of {length} tokens needs {work:,} tokens of "
+                         f"work; the limit per request is {MAX_REQUEST_TOKENS:,}: use fewer targets or a shorter text")
 
 
 def _beam(head, batch, positions: Tensor, spans, tokenizer, text, top_k: int, beam_width: int, specials):
@@ -331,7 +363,7 @@ def register_tasks(register):
         build_tab=build_tab,
         input_fields=("text",),
         options={"top_k": 5, "mode": "independent", "targets": None, "beam_width": 8, "max_masks": 5,
-                 "max_length": 512},
+                 "max_length": None},
         examples=EXAMPLES,
         read_data=read_data,
         training_batch=training_batch,

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from bert_engine.crf import CRF, SCHEMES, allowed_transitions, detect_scheme
 from bert_engine.heads import TokenClassificationHead
-from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl
+from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
 from plugins.starter import starter_checkpoint
 from bert_engine.inference import predict_texts
 
@@ -59,19 +59,22 @@ class NerHead(TokenClassificationHead):
 
 # -- preprocessing ---------------------------------------------------------------------------------
 
-def _check_options(tokenizer, max_length, stride, nbest, constrained, scheme) -> None:
-    check_int("ner", "max_length", max_length, 16, tokenizer.model_max_length)
+def _check_options(tokenizer, max_length, stride, nbest, constrained, scheme) -> tuple[int, int]:
+    """The checked options; returns max_length and stride with None resolved against the model."""
+    max_length = length_option("ner", "max_length", max_length, 256, 16, tokenizer)
+    stride = min(64, max_length // 4) if stride is None else stride
     check_int("ner", "stride", stride, 0, max_length // 2)
     check_int("ner", "nbest", nbest, 1, MAX_NBEST)
     if not isinstance(constrained, bool):
         raise InputError(f"ner: constrained must be true or false, got {constrained!r}")
     if scheme != "auto" and scheme not in SCHEMES:
         raise InputError(f"ner: scheme {scheme!r} is not 'auto' or one of {SCHEMES}")
+    return max_length, stride
 
 
-def preprocess(inputs, tokenizer, *, max_length=256, stride=64, nbest=3, constrained=True, scheme="auto"):
+def preprocess(inputs, tokenizer, *, max_length=None, stride=None, nbest=3, constrained=True, scheme="auto"):
     """One text (or a list, for batches) -> overlapping windows; first wordpieces are found after the model."""
-    _check_options(tokenizer, max_length, stride, nbest, constrained, scheme)
+    max_length, stride = _check_options(tokenizer, max_length, stride, nbest, constrained, scheme)
     texts = inputs["text"] if isinstance(inputs["text"], list) else [inputs["text"]]
     for text in texts:
         if not text.strip():
@@ -112,7 +115,7 @@ def word_layout(batch) -> tuple[Tensor, Tensor, Tensor, dict]:
 
 # -- postprocessing --------------------------------------------------------------------------------
 
-def postprocess(output: NerOutput, batch, *, max_length=256, stride=64, nbest=3, constrained=True, scheme="auto"):
+def postprocess(output: NerOutput, batch, *, max_length=None, stride=None, nbest=3, constrained=True, scheme="auto"):
     """Per input: entities (type, start, end, text, score, words), per-word tags (Viterbi and argmax),
     the n-best tag sequences of the first window with their probabilities."""
     head = output.head
@@ -360,7 +363,7 @@ def register_tasks(register):
         postprocess=postprocess,
         build_tab=build_tab,
         input_fields=("text",),
-        options={"max_length": 256, "stride": 64, "nbest": 3, "constrained": True, "scheme": "auto"},
+        options={"max_length": None, "stride": None, "nbest": 3, "constrained": True, "scheme": "auto"},
         examples=EXAMPLES,
         read_data=read_data,
         training_batch=training_batch,

@@ -18,22 +18,23 @@ from typing import Any
 import torch
 
 from bert_engine.heads import SpanHead, SpanOutput
-from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl
+from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
 from plugins.starter import starter_checkpoint
 
 N_BEST_PER_WINDOW = 20  # best spans kept per window before merging across windows
 MAX_WINDOWS = 256
 
 
-def preprocess(inputs, tokenizer, *, top_k=1, max_seq_len=384, doc_stride=128, max_question_len=64,
+def preprocess(inputs, tokenizer, *, top_k=1, max_seq_len=None, doc_stride=None, max_question_len=64,
                max_answer_len=30, null_threshold=None):
     question, context = inputs["question"], inputs["context"]
     if not question.strip():
         raise InputError("qa: the question is empty; ask something about the context")
     if not context.strip():
         raise InputError("qa: the context is empty; paste the text that holds the answer")
-    for name, value, low, high in (("top_k", top_k, 1, 50), ("max_seq_len", max_seq_len, 32, tokenizer.model_max_length),
-                                   ("max_question_len", max_question_len, 4, 256), ("max_answer_len", max_answer_len, 1, 512)):
+    max_seq_len = length_option("qa", "max_seq_len", max_seq_len, 384, 32, tokenizer)
+    for name, value, low, high in (("top_k", top_k, 1, 50), ("max_question_len", max_question_len, 4, 256),
+                                   ("max_answer_len", max_answer_len, 1, 512)):
         check_int("qa", name, value, low, high)
     if null_threshold is not None and not isinstance(null_threshold, (int, float)):
         raise InputError(f"qa: null_threshold must be a number or None, got {null_threshold!r}")
@@ -44,6 +45,10 @@ def preprocess(inputs, tokenizer, *, top_k=1, max_seq_len=384, doc_stride=128, m
     if question_cut:
         question = question[:pieces[max_question_len - 1][1]]
     room = max_seq_len - min(len(pieces), max_question_len) - 3
+    if room < 8:
+        raise InputError(f"qa: the question takes {min(len(pieces), max_question_len)} of the {max_seq_len} tokens "
+                         "a window holds, leaving no room for the context; ask a shorter question")
+    doc_stride = min(128, room // 2) if doc_stride is None else doc_stride
     if not isinstance(doc_stride, int) or not 0 <= doc_stride < room:
         raise InputError(f"qa: doc_stride must be an integer in [0, {room}) for max_seq_len {max_seq_len} "
                          f"and this question, got {doc_stride!r}")
@@ -75,7 +80,7 @@ def max_context_windows(batch) -> dict[tuple[int, int], int]:
     return {span: row for span, (_, row) in best.items()}
 
 
-def postprocess(output, batch, *, top_k=1, max_seq_len=384, doc_stride=128, max_question_len=64,
+def postprocess(output, batch, *, top_k=1, max_seq_len=None, doc_stride=None, max_question_len=64,
                 max_answer_len=30, null_threshold=None):
     context = batch.meta["context"]
     starts, ends = output.start_logits.float().cpu(), output.end_logits.float().cpu()  # (W, T)
@@ -318,7 +323,7 @@ def register_tasks(register):
         postprocess=postprocess,
         build_tab=build_tab,
         input_fields=("question", "context"),
-        options={"top_k": 1, "max_seq_len": 384, "doc_stride": 128, "max_question_len": 64, "max_answer_len": 30,
+        options={"top_k": 1, "max_seq_len": None, "doc_stride": None, "max_question_len": 64, "max_answer_len": 30,
                  "null_threshold": None},
         examples=EXAMPLES,
         read_data=read_data,

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from bert_engine.heads import SequenceClassificationHead
-from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from bert_engine.hookspecs import length_option, InputError, TaskSpec, hookimpl
 from plugins.starter import starter_checkpoint
 from bert_engine.inference import predict_texts
 
@@ -51,23 +51,25 @@ class SentimentHead(SequenceClassificationHead):
         return SentimentOutput(super().forward(encoded).logits, self.labels, self.problem_type)
 
 
-def _check_options(top_k, function, long_input, max_length, stride, tokenizer) -> None:
+def _check_options(top_k, function, long_input, max_length, stride, tokenizer) -> tuple[int, int]:
+    """The checked options; returns max_length and stride with None resolved against the model."""
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise InputError(f"sentiment: top_k must be a positive integer or None, got {top_k!r}")
     if function not in FUNCTIONS:
         raise InputError(f"sentiment: function {function!r} is not one of {FUNCTIONS}")
     if long_input not in POLICIES:
         raise InputError(f"sentiment: long_input {long_input!r} is not one of {POLICIES}")
-    if not isinstance(max_length, int) or not 8 <= max_length <= tokenizer.model_max_length:
-        raise InputError(f"sentiment: max_length {max_length!r} must lie in [8, {tokenizer.model_max_length}]")
+    max_length = length_option("sentiment", "max_length", max_length, 512, 8, tokenizer)
+    stride = min(64, max_length // 4) if stride is None else stride
     if not isinstance(stride, int) or not 0 <= stride <= max_length // 2:
         raise InputError(f"sentiment: stride {stride!r} must lie in [0, {max_length // 2}]")
+    return max_length, stride
 
 
-def preprocess(inputs, tokenizer, *, top_k=None, function="auto", long_input="truncate", max_length=512,
-               stride=64):
+def preprocess(inputs, tokenizer, *, top_k=None, function="auto", long_input="truncate", max_length=None,
+               stride=None):
     """One text (or a list of texts, for batches), optionally with a second text (`text_pair`)."""
-    _check_options(top_k, function, long_input, max_length, stride, tokenizer)
+    max_length, stride = _check_options(top_k, function, long_input, max_length, stride, tokenizer)
     texts = inputs["text"] if isinstance(inputs["text"], list) else [inputs["text"]]
     pairs = inputs.get("text_pair")
     if pairs is not None and not isinstance(pairs, list):
@@ -102,7 +104,7 @@ def probabilities(logits: Tensor, function: str, problem_type: str | None) -> tu
 
 
 def postprocess(output: SentimentOutput, batch, *, top_k=None, function="auto", long_input="truncate",
-                max_length=512, stride=64):
+                max_length=None, stride=None):
     """Per input: the top label and score, all labels ranked (or `top_k`), and the long-input policy."""
     scores, used = probabilities(output.logits, function, output.problem_type)  # (rows, L)
     sample = torch.tensor(batch.sample_index)
@@ -202,7 +204,7 @@ def register_tasks(register):
         build_tab=build_tab,
         input_fields=("text",),
         optional_fields=("text_pair",),
-        options={"top_k": None, "function": "auto", "long_input": "truncate", "max_length": 512, "stride": 64},
+        options={"top_k": None, "function": "auto", "long_input": "truncate", "max_length": None, "stride": None},
         examples=EXAMPLES,
         read_data=read_data,
         loss=loss,

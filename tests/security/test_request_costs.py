@@ -1,0 +1,136 @@
+"""No single request can cost unbounded time or memory: the slow requests of the hardening review are
+refused up front (InputError naming the figure) or run in bounded time, and the user is blamed only
+for the user's input."""
+
+import math
+import time
+
+import gradio as gr
+import pytest
+import torch
+
+from bert_engine.conformance import tiny_predictor
+from bert_engine.hookspecs import InputError
+from bert_engine.inference import MAX_REQUEST_TOKENS, Predictor
+from bert_engine.registry import Registry, load_registry
+from conftest import reference_checkpoint
+from playground.app import guarded
+from plugins.summary import mmr_select
+
+REGISTRY = load_registry(entry_points=False)
+
+
+def _plain_mmr(scores, embeddings, candidates, k, lam):
+    """The textbook loop, as the summary plugin ran it before (O(k^2 S) in Python)."""
+    unit = torch.nn.functional.normalize(embeddings.float(), dim=-1)
+    similarity = unit @ unit.T
+    chosen, remaining = [], list(candidates)
+    while remaining and len(chosen) < k:
+        def gain(i):
+            return lam * float(scores[i]) - (1 - lam) * max((float(similarity[i, j]) for j in chosen), default=0.0)
+        best = max(remaining, key=gain)
+        chosen.append(best)
+        remaining.remove(best)
+    return chosen
+
+
+def test_mmr_chooses_as_the_plain_loop_did_ties_included():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(1, 30, (), generator=generator))
+        embeddings = torch.randn(n, 6, generator=generator)
+        if trial % 3 == 0:
+            embeddings[n // 2:] = embeddings[0]  # duplicate sentences: tied gains
+        scores = torch.rand(n, generator=generator)
+        if trial % 4 == 0:
+            scores = torch.round(scores * 2) / 2
+        candidates = sorted(torch.randperm(n, generator=generator)[:max(1, n - 2)].tolist())
+        k, lam = int(torch.randint(1, n + 1, (), generator=generator)), float(torch.rand((), generator=generator))
+        assert mmr_select(scores, embeddings, candidates, k, lam) == _plain_mmr(scores, embeddings, candidates, k, lam)
+
+
+def test_mmr_over_2000_sentences_is_fast():
+    embeddings, scores = torch.randn(2000, 384), torch.rand(2000)
+    start = time.perf_counter()
+    chosen = mmr_select(scores, embeddings, list(range(2000)), 600, 0.7)
+    assert len(set(chosen)) == 600
+    assert time.perf_counter() - start < 10  # a bound, not a benchmark: the plain loop took over 460 s
+
+
+def test_a_summary_of_2000_sentences_finishes_in_bounded_time():
+    predictor = tiny_predictor(REGISTRY.task("summary"))
+    text = " ".join(f"Sentence number {i} talks about topic {i % 17} in some detail." for i in range(2000))
+    start = time.perf_counter()
+    result = predictor.predict({"text": text}, mode="centroid")["result"]
+    assert len(result["sentences"]) == math.ceil(0.3 * 2000) or result["sentences"]
+    assert time.perf_counter() - start < 120
+
+
+@pytest.mark.parametrize("targets, message", [
+    ([f"word{i}" for i in range(2000)], "2,000 target words; at most 100"),
+    (["the " * 600], "is 600 word pieces; at most 8"),
+])
+def test_fill_mask_targets_are_bounded_and_blamed_on_the_input(targets, message):
+    predictor = tiny_predictor(REGISTRY.task("fill_mask"))
+    with pytest.raises(InputError, match=message):
+        predictor.predict({"text": "The capital of France is [MASK]."}, targets=targets)
+
+
+def test_fill_mask_batched_targets_equal_one_at_a_time():
+    predictor = tiny_predictor(REGISTRY.task("fill_mask"))
+    text = "The capital of France is [MASK], on the Seine."
+    words = ["paris", "london", "antidisestablishmentarianism", "new york", "x"]
+    together = {c["word"]: c["log_score"] for c in predictor.predict({"text": text}, targets=words)["result"]["candidates"]}
+    for word in words:
+        alone = predictor.predict({"text": text}, targets=[word])["result"]["candidates"][0]["log_score"]
+        assert together[word] == pytest.approx(alone, abs=1e-5)
+
+
+@pytest.mark.parametrize("inputs", [
+    {"text": "good movie. " * 83_000},
+    {"text": "good movie. " * 41_000, "pair": "bad film. " * 50_000},
+])
+def test_a_megabyte_with_windows_is_refused_before_any_forward(inputs):
+    predictor = tiny_predictor(REGISTRY.task("sentiment"))
+    start = time.perf_counter()
+    with pytest.raises(InputError, match=f"the limit per request is {MAX_REQUEST_TOKENS:,} tokens"):
+        predictor.predict(inputs, long_input="windows")
+    assert time.perf_counter() - start < 30  # tokenising only (it was a 60 s forward)
+
+
+def test_the_bound_is_per_input_in_a_batch():
+    predictor = tiny_predictor(REGISTRY.task("sentiment"))
+    from bert_engine.inference import check_request_cost
+
+    batch = predictor.tokenizer(["short", "long " * 2000], max_length=64, stride=8, return_overflowing=True)
+    check_request_cost("sentiment", batch, limit=3000)  # each input alone fits
+    with pytest.raises(InputError, match="input 1 needs .* window"):
+        check_request_cost("sentiment", batch, limit=1000)
+
+
+def test_a_checkpoint_with_64_positions_answers_long_input(tmp_path):
+    folder = reference_checkpoint(tmp_path / "short", "BertForSequenceClassification", max_position_embeddings=64,
+                                  id2label={0: "NEG", 1: "POS"})
+    predictor = Predictor.load(REGISTRY.task("sentiment"), str(folder))
+    assert predictor.tokenizer.model_max_length == 64
+    long_text = "a fine film with a plot. " * 100
+    assert predictor.predict({"text": long_text})["result"]["long_input"]["truncated"]
+    assert predictor.predict({"text": long_text}, long_input="windows")["result"]["long_input"]["windows"] > 1
+
+
+def test_a_cut_off_forward_pass_stops_and_frees_the_model():
+    registry = Registry()
+    registry.tasks = dict(REGISTRY.tasks)
+    predictor = tiny_predictor(REGISTRY.task("summary"))
+    call = guarded(predictor.predict, "summary", registry, 0.3)
+    text = " ".join(f"Sentence {i} is about subject {i % 23} and more." for i in range(2000))
+    with pytest.raises(gr.Error, match="cut off"):
+        call({"text": text})
+    start = time.monotonic()
+    with predictor._lock:  # the cancelled request let go of the model
+        pass
+    assert time.monotonic() - start < 10
+    time.sleep(1.0)
+    before = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - before < 0.3, "the cancelled request still uses the CPU"
