@@ -85,6 +85,8 @@ class BertConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
             raise ValueError(f"classifier_dropout must be in [0, 1) or None, got {self.classifier_dropout!r}")
+        if not (isinstance(self.initializer_range, (int, float)) and 0 < self.initializer_range < 10):
+            raise ValueError(f"initializer_range must be a positive number below 10, got {self.initializer_range!r}")
         if not self.layer_norm_eps > 0:
             raise ValueError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
         if self.hidden_act not in ACTIVATIONS:
@@ -180,9 +182,19 @@ class BertConfig:
             raise ValueError(f"{path}: not valid JSON ({err})") from None
         except UnicodeDecodeError:
             raise ValueError(f"{path}: not a UTF-8 text file") from None
+        except RecursionError:
+            raise ValueError(f"{path}: JSON nested too deeply to be a config") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
         return cls.from_dict(data, source=str(path), **overrides)
+
+    def parameter_count(self) -> int:
+        """Parameters of the encoder this config describes (embeddings, layers, pooler), computed
+        without allocating anything; loading compares it with a limit and with the weights' size."""
+        H, I, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        embeddings = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size) * H + 2 * H
+        layer = 4 * H * H + 4 * H + 2 * H * I + I + H + 4 * H  # q, k, v, out; up, down; two LayerNorms
+        return embeddings + L * layer + H * H + H
 
     def to_json_file(self, path: str | Path, **extra: Any) -> None:
         """Write config.json; `extra` adds keys such as `architectures`."""

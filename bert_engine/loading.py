@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -131,12 +132,59 @@ def _parts(model: nn.Module) -> tuple[BertModel, str, str | None]:
 
 # -- reading weight files ----------------------------------------------------------------------------
 
+MAX_PARAMETERS = int(os.environ.get("BERT_ENGINE_MAX_PARAMETERS", str(2_000_000_000)))  # 8 GB in fp32
+
+
+def contained(folder: Path, name: str) -> Path:
+    """`folder / name`, refused unless it resolves (symlinks and .. followed) inside the checkpoint:
+    the folder itself, or for a Hub cache snapshot its repository's cache (whose files link to blobs).
+
+    Raises:
+        CheckpointError: naming the file, not where it points.
+    """
+    folder = Path(folder).resolve()
+    root = folder.parent.parent if folder.parent.name == "snapshots" else folder
+    target = (folder / name).resolve()
+    if not target.is_relative_to(root):
+        raise CheckpointError(f"{folder.name}/{name}: points outside the checkpoint folder; refused")
+    return target
+
+
 def find_weights(folder: Path) -> Path:
     """The weights file of a checkpoint folder, safetensors preferred; raises CheckpointError if none."""
     for name in WEIGHT_FILES:
         if (folder / name).is_file():
+            contained(folder, name)
             return folder / name
     raise CheckpointError(f"{folder}: no weights file found (looked for {', '.join(WEIGHT_FILES)})")
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The files a weights path stands for: itself, or for an index .json its shards (each checked
+    to lie inside the checkpoint)."""
+    if not path.name.endswith(".index.json"):
+        return [path]
+    try:
+        shards = sorted(set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        raise CheckpointError(f"{path.name}: not a valid checkpoint index ({type(err).__name__})") from None
+    if not all(isinstance(shard, str) for shard in shards):
+        raise CheckpointError(f"{path.name}: shard names must be strings")
+    return [contained(path.parent, shard) for shard in shards]
+
+
+def check_size(config: BertConfig, weights: Path, source: str) -> None:
+    """Refuse, before allocating, a config whose parameters exceed MAX_PARAMETERS or could not be in
+    the weights files (at 2 bytes each, the smallest dtype we load, with room for a missing head)."""
+    count = config.parameter_count()
+    if count > MAX_PARAMETERS:
+        raise CheckpointError(f"{source}: config.json describes {count:,} parameters; the limit is {MAX_PARAMETERS:,} "
+                              "(BERT_ENGINE_MAX_PARAMETERS)")
+    stored = sum(f.stat().st_size for f in weight_files(weights) if f.is_file())
+    room = 2 * config.vocab_size * config.hidden_size + 64 * 2**20  # an untrained MLM head, pooler or task head
+    if 2 * count > 2 * stored + room:
+        raise CheckpointError(f"{source}: config.json describes {count:,} parameters but the weights files hold "
+                              f"{stored:,} bytes; the config does not belong to these weights")
 
 
 def read_weights(path: str | Path) -> dict[str, Tensor]:
@@ -149,13 +197,9 @@ def read_weights(path: str | Path) -> dict[str, Tensor]:
     """
     path = Path(path)
     if path.name.endswith(".index.json"):
-        try:
-            shards = sorted(set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise CheckpointError(f"{path}: not a valid checkpoint index ({err})") from None
         state: dict[str, Tensor] = {}
-        for shard in shards:
-            state.update(read_weights(path.parent / shard))
+        for shard in weight_files(path):
+            state.update(read_weights(shard))
         return state
     if not path.is_file():
         raise CheckpointError(f"{path}: weights file does not exist")
@@ -338,7 +382,7 @@ def save_pretrained(model: nn.Module, folder: str | Path, tokenizer=None) -> Pat
 def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = None, *, labels: list[str] | None = None,
                     revision: str | None = None, local_files_only: bool = False, attn_backend: str = "sdpa",
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", strict: bool = False,
-                    warn_missing: bool = True, **hub_kwargs) -> nn.Module:
+                    warn_missing: bool = True, allowed_dirs: list[Path] | None = None, **hub_kwargs) -> nn.Module:
     """Load a checkpoint (folder or Hub id) as a BertModel, or a BertWithHead when `head` is given.
 
     Args:
@@ -347,6 +391,8 @@ def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = Non
         labels: label names for a new classification head (overrides the checkpoint's id2label).
         strict: also raise on unexpected keys and a missing (untrained) head.
         warn_missing: log missing head weights (off when an adapter supplies them next).
+        allowed_dirs: where a LoRA adapter's local base_model may lie (None: anywhere); the playground
+            passes the folders its model picker allows.
     Returns:
         The model in eval mode on `device`, with `.checkpoint` (a hub.Resolved) for provenance and
         `.load_report` (missing / unexpected keys).
@@ -364,16 +410,17 @@ def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = Non
         if head is None or head == "auto":
             raise CheckpointError(f"{resolved.folder}: a LoRA adapter folder needs its task's head to load")
         model = load_adapter(resolved.folder, head, attn_backend=attn_backend, dtype=dtype, device=device,
-                             strict=strict, local_files_only=local_files_only, **hub_kwargs)
+                             strict=strict, local_files_only=local_files_only, allowed_dirs=allowed_dirs, **hub_kwargs)
         model.checkpoint = resolved
         return model
-    config_file = resolved.folder / "config.json"
-    if not config_file.is_file():
+    if not (resolved.folder / "config.json").is_file():
         raise CheckpointError(f"{resolved.folder}: no config.json; not a checkpoint in the Hugging Face layout")
+    config_file = contained(resolved.folder, "config.json")
     config = BertConfig.from_json_file(config_file, attn_backend=attn_backend)
     if labels is not None:
         config = config.with_labels(list(labels))
     weights = find_weights(resolved.folder)
+    check_size(config, weights, resolved.folder.name)  # before any tensor is read or allocated
     checkpoint = read_weights(weights)
     if head == "auto":
         head = _head_from_architectures(config_file)
@@ -391,6 +438,8 @@ def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = Non
 
 def _head_from_architectures(config_file: Path) -> str | None:
     names = json.loads(config_file.read_text(encoding="utf-8")).get("architectures") or ["BertModel"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"{config_file.name}: architectures must be a list of class names, got {names!r:.80}")
     by_class = {cls: head for head, cls in ARCHITECTURES.items()}
     if names[0] not in by_class:
         raise CheckpointError(f"{config_file}: architecture {names[0]!r} is not one of {sorted(by_class)}")

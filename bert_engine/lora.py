@@ -181,6 +181,57 @@ def save_adapter(model: nn.Module, folder, config: LoraConfig, base_model: str, 
     (folder / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 
+def read_adapter_config(folder) -> dict:
+    """adapter_config.json, checked: a JSON object with rank, alpha, targets and base_model of the right types.
+
+    Raises:
+        CheckpointError: naming the file and the key that is missing or wrong.
+    """
+    import json
+    from pathlib import Path
+
+    from .loading import CheckpointError
+
+    path = Path(folder) / ADAPTER_CONFIG
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise CheckpointError(f"{Path(folder).name}/{ADAPTER_CONFIG}: not valid JSON ({type(err).__name__})") from None
+    expected = {"rank": int, "alpha": (int, float), "targets": list, "base_model": str}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{Path(folder).name}/{ADAPTER_CONFIG}: expected a JSON object")
+    for key, kind in expected.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise CheckpointError(f"{Path(folder).name}/{ADAPTER_CONFIG}: {key!r} is missing or not a "
+                                  f"{getattr(kind, '__name__', 'number')} (got {meta.get(key)!r:.60})")
+    if meta["rank"] < 1 or not all(isinstance(t, str) for t in meta["targets"]):
+        raise CheckpointError(f"{Path(folder).name}/{ADAPTER_CONFIG}: rank must be >= 1 and targets a list of names")
+    return meta
+
+
+def looks_local(name: str) -> bool:
+    """Whether a model name is meant as a local path rather than a Hub id (owner/name)."""
+    from pathlib import Path
+
+    parts = name.replace("\\", "/").split("/")
+    return name.startswith(("/", "~", ".")) or "\\" in name or ".." in parts or len(parts) > 2 or Path(name).exists()
+
+
+def check_local_base(base: str, adapter_folder, allowed_dirs) -> None:
+    """An adapter's base_model that is a local folder must lie inside `allowed_dirs` (None: anywhere);
+    checked before anything is opened, so the error says nothing of what exists on the server."""
+    from pathlib import Path
+
+    from .loading import CheckpointError
+
+    if allowed_dirs is None or not looks_local(base):
+        return
+    resolved = Path(base).expanduser().resolve()
+    if not any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in allowed_dirs):
+        raise CheckpointError(f"{Path(adapter_folder).name}: the adapter's base_model is a local folder outside the "
+                              "folders models may be loaded from; refused")
+
+
 def load_adapter(folder, head, *, merge: bool = True, **kwargs) -> nn.Module:
     """The base model named in the adapter's config, with the task head, LoRA tensors applied.
 
@@ -200,9 +251,12 @@ def load_adapter(folder, head, *, merge: bool = True, **kwargs) -> nn.Module:
     from .loading import CheckpointError, find_weights, load_pretrained
 
     folder = Path(folder)
-    meta = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    meta = read_adapter_config(folder)
     config = LoraConfig(rank=meta["rank"], alpha=meta["alpha"], targets=tuple(meta["targets"]),
                         dropout=meta.get("dropout", 0.0))
+    allowed_dirs = kwargs.pop("allowed_dirs", None)
+    if meta["base_model"] != "default":  # "default" is the installed backbone, the operator's choice
+        check_local_base(meta["base_model"], folder, allowed_dirs)
     base = default_backbone() if meta["base_model"] == "default" else meta["base_model"]
     labels_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     id2label = labels_config.get("id2label") or {}

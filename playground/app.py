@@ -15,6 +15,7 @@ from typing import Any
 
 from bert_engine.hookspecs import InputError
 from bert_engine.cancel import PredictionTimeout, call_with_timeout
+from bert_engine.lora import looks_local
 from bert_engine.serving import BatchingPredictor, LazyPredictor
 from bert_engine.precision import pick_device
 from bert_engine.precision import resolve as resolve_precision
@@ -49,7 +50,8 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     checkpoints = checkpoints or {}
     model_dirs = allowed_model_dirs()  # a list the picker reads at each use (tests may extend it)
     # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor).
-    predictors = {name: BatchingPredictor(task, checkpoints.get(name), device=device, precision=precision)
+    predictors = {name: BatchingPredictor(task, checkpoints.get(name), device=device, precision=precision,
+                                          allowed_dirs=model_dirs)
                   for name, task in registry.tasks.items()}
     for name, predictor in predictors.items():
         predictor.predict = guarded(on_gpu(predictor.predict), name, registry, timeout_s)
@@ -168,15 +170,31 @@ def check_model_choice(value: str, allowed: list[Path]) -> str | None:
     value = value.strip()
     if not value:
         return None
-    parts = value.replace("\\", "/").split("/")
-    looks_local = value.startswith(("/", "~", ".")) or "\\" in value or ".." in parts or Path(value).exists()
-    if not looks_local:
+    if not looks_local(value):
         return value
     resolved = Path(value).expanduser().resolve()
     if any(resolved.is_relative_to(root.expanduser().resolve()) for root in allowed):
-        return str(resolved)
+        # relative to the working folder where possible, so provenance does not show the server's folders
+        inside = resolved.is_relative_to(Path.cwd().resolve())
+        return str(resolved.relative_to(Path.cwd().resolve())) if inside else str(resolved)
     raise InputError(f"the local folder {value!r} is outside the folders models may be loaded from "
-                     f"({', '.join(str(root) for root in allowed)}); set BERT_ENGINE_MODEL_DIRS to allow another")
+                     f"({', '.join(short_path(root) for root in allowed)}); set BERT_ENGINE_MODEL_DIRS to allow another")
+
+
+def short_path(path: Path | str) -> str:
+    """A path as users may see it: relative to the working folder when inside it, else its last two parts."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return "/".join(path.parts[-2:])
+
+
+def public_message(message: str) -> str:
+    """An error message with the server's folders taken out (they tell a visitor nothing they need)."""
+    for folder in sorted({str(Path.cwd().resolve()), str(Path.home())}, key=len, reverse=True):
+        message = message.replace(folder + os.sep, "").replace(folder, ".")
+    return message
 
 
 def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: list[Path]) -> None:
@@ -194,10 +212,12 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
         try:
             predictor.switch(check_model_choice(value, model_dirs))
         except InputError as err:
-            raise gr.Error(str(err)) from None
+            message = str(err)
         except (HubError, CheckpointError, ValueError, OSError) as err:
-            raise gr.Error(f"could not load {value.strip() or 'the default'}: {err}") from None
-        return describe(predictor)
+            message = f"could not load {value.strip() or 'the default'}: {public_message(str(err))}"
+        else:
+            return describe(predictor)
+        raise gr.Error(html.escape(message))  # the toast renders HTML: what the visitor typed is shown as text
 
     load.click(switch, choice, status, api_name=f"{name}_model")
 

@@ -152,7 +152,7 @@ def test_model_picker_switches_and_reports_errors(served, tmp_path):
 
 def test_local_paths_resolve_inside_the_allowed_folders_only(tmp_path):
     from bert_engine.hookspecs import InputError
-    from playground.app import check_model_choice
+    from playground.app import check_model_choice, short_path
 
     allowed, outside = tmp_path / "models", tmp_path / "secret"
     (allowed / "good").mkdir(parents=True)
@@ -160,7 +160,8 @@ def test_local_paths_resolve_inside_the_allowed_folders_only(tmp_path):
     (allowed / "escape").symlink_to(outside, target_is_directory=True)
     assert check_model_choice("  ", [allowed]) is None
     assert check_model_choice("owner/name", [allowed]) == "owner/name"  # a Hub id
-    assert check_model_choice(str(allowed / "good"), [allowed]) == str((allowed / "good").resolve())
+    assert check_model_choice(str(allowed / "good"), [allowed]) == str((allowed / "good").resolve())  # outside cwd
+    assert short_path(allowed / "good") == f"{allowed.name}/good"  # what a visitor is shown
     for bad in (str(outside), str(allowed / "escape"), str(allowed / "good" / ".." / ".." / "secret"), "~/.ssh",
                 "../secret", "./x"):
         with pytest.raises(InputError, match="outside the folders"):

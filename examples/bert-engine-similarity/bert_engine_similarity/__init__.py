@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from bert_engine.hookspecs import InputError, TaskSpec, hookimpl, length_option
 
 
 class MeanPoolingHead(nn.Module):
@@ -32,19 +32,19 @@ class MeanPoolingHead(nn.Module):
         return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)  # (B, H)
 
 
-def preprocess(inputs, tokenizer, max_length: int = 256):
+def preprocess(inputs, tokenizer, max_length: int | None = None):
     texts = [inputs["text_a"], inputs["text_b"]]
     for field, text in zip(("text_a", "text_b"), texts):
         if not text.strip():
             raise InputError(f"similarity: {field} is empty; type some text")
-    if not 8 <= int(max_length) <= tokenizer.model_max_length:
-        raise InputError(f"similarity: max_length {max_length} must lie in [8, {tokenizer.model_max_length}]")
-    batch = tokenizer(texts, max_length=int(max_length), truncation="longest_first")
+    # None: 256 tokens, or fewer if the model has fewer positions; an explicit value is checked
+    max_length = length_option("similarity", "max_length", max_length, 256, 8, tokenizer)
+    batch = tokenizer(texts, max_length=max_length, truncation="longest_first")
     batch.meta["texts"] = texts
     return batch
 
 
-def postprocess(embeddings: Tensor, batch, max_length: int = 256):
+def postprocess(embeddings: Tensor, batch, max_length: int | None = None):
     a, b = embeddings.float()
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).clamp(-1.0, 1.0).item()
     truncated = [name for name, cut in zip(("text_a", "text_b"), batch.truncated) if cut]
@@ -72,7 +72,7 @@ def loss(embeddings: Tensor, targets: list[float]) -> Tensor:
 def training_batch(examples, tokenizer, generator=None, max_length: int = 256):
     """Both texts of each pair as consecutive rows (the layout `loss` reads), and the gold scores."""
     texts = [text for inputs, _ in examples for text in (inputs["text_a"], inputs["text_b"])]
-    return tokenizer(texts, max_length=max_length), [score for _, score in examples]
+    return tokenizer(texts, max_length=min(max_length, tokenizer.model_max_length)), [score for _, score in examples]
 
 
 def metric(results: list[dict], targets: list[float]) -> dict[str, float]:
@@ -131,7 +131,7 @@ def register_tasks(register):
         postprocess=postprocess,
         build_tab=build_tab,
         input_fields=("text_a", "text_b"),
-        options={"max_length": 256},
+        options={"max_length": None},
         examples=EXAMPLES,
         read_data=read_data,
         training_batch=training_batch,

@@ -1,0 +1,111 @@
+"""Checkpoints and adapters are untrusted: nothing they point to outside their folder (or the allowed
+folders) is opened, a config is sized before anything is allocated, and malformed files give an error
+that names the file instead of a traceback. Every checkpoint here is built by the test."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from bert_engine.loading import CheckpointError, load, load_pretrained
+from conftest import reference_checkpoint
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return reference_checkpoint(tmp_path / "tiny", "BertModel")
+
+
+def test_a_config_symlinked_outside_the_folder_is_refused(tiny, tmp_path):
+    outside = tmp_path / "secret.json"
+    outside.write_text((tiny / "config.json").read_text())
+    (tiny / "config.json").unlink()
+    os.symlink(outside, tiny / "config.json")
+    with pytest.raises(CheckpointError, match="tiny/config.json: points outside the checkpoint folder; refused"):
+        load_pretrained(tiny)
+
+
+def test_an_index_shard_named_outside_the_folder_is_never_opened(tiny):
+    (tiny / "model.safetensors").rename(tiny / "shard-1.safetensors")
+    index = {"weight_map": {"embeddings.word_embeddings.weight": "../../../../proc/self/environ"}}
+    (tiny / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="points outside the checkpoint folder; refused") as caught:
+        load_pretrained(tiny)
+    # The same answer for a target that does not exist: the error tells nothing about the server's files
+    index["weight_map"]["embeddings.word_embeddings.weight"] = "../../../../proc/self/no-such-file"
+    (tiny / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as missing:
+        load_pretrained(tiny)
+    assert str(missing.value).replace("no-such-file", "environ") == str(caught.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 1_000_000}, "describes .* parameters; the limit is"),
+    ({"hidden_size": 32768, "num_attention_heads": 4}, "describes 10,686,.* parameters; the limit is"),
+    ({"intermediate_size": 10**7}, "parameters but the weights files hold .* bytes; the config does not belong"),
+    ({"intermediate_size": 10**9}, "parameters"),
+])
+def test_a_huge_config_is_refused_before_allocating(tiny, change, message):
+    config = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError, match=message):
+        load_pretrained(tiny)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"initializer_range": -1}, "initializer_range must be a positive number"),
+    ({"initializer_range": float("nan")}, "initializer_range must be a positive number"),
+])
+def test_impossible_config_values_are_named(tiny, change, message):
+    config = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        load_pretrained(tiny)
+
+
+def test_deeply_nested_json_is_a_clear_error(tiny):
+    (tiny / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        load_pretrained(tiny)
+
+
+def test_architectures_must_be_names(tiny):
+    config = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**config, "architectures": [[]]}))
+    with pytest.raises(CheckpointError, match="architectures must be a list of class names"):
+        load_pretrained(tiny, "auto")
+
+
+def _adapter(folder, **meta):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"id2label": {"0": "NEG", "1": "POS"}}))
+    (folder / "adapter_config.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({}, "'rank' is missing or not a int"),
+    ({"rank": 4, "alpha": 8, "targets": ["query"]}, "'base_model' is missing"),
+    ({"rank": 0, "alpha": 8, "targets": ["query"], "base_model": "default"}, "rank must be >= 1"),
+])
+def test_a_malformed_adapter_config_names_the_key(tmp_path, meta, message):
+    folder = _adapter(tmp_path / "adapter", **meta)
+    with pytest.raises(CheckpointError, match=message):
+        load(folder, "sequence")
+
+
+def test_an_adapter_cannot_point_its_base_outside_the_allowed_folders(tmp_path, tiny):
+    allowed = tmp_path / "models"
+    allowed.mkdir()
+    secret = tmp_path / "elsewhere"
+    shutil.copytree(tiny, secret)
+    adapter = _adapter(allowed / "adapter", rank=4, alpha=8.0, targets=["query"], base_model=str(secret))
+    with pytest.raises(CheckpointError, match="base_model is a local folder outside the folders models may be "
+                                              "loaded from; refused") as caught:
+        load(adapter, "sequence", allowed_dirs=[allowed])
+    assert str(secret) not in str(caught.value)
+    missing = _adapter(allowed / "adapter2", rank=4, alpha=8.0, targets=["query"], base_model="/no/such/folder")
+    with pytest.raises(CheckpointError) as same:  # an existing and a missing folder read the same
+        load(missing, "sequence", allowed_dirs=[allowed])
+    assert str(same.value).replace("adapter2", "adapter") == str(caught.value)
