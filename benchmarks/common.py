@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from bert_engine.precision import cpu_capability
+
 
 def sync(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
@@ -63,7 +65,7 @@ def matmul_peak_gflops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
 
 def machine() -> dict[str, Any]:
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": _cpu_name(), "platform": platform.platform()}
+            "cpu": _cpu_name(), "cpu_capability": cpu_capability().describe(), "platform": platform.platform()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     try:

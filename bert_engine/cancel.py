@@ -11,6 +11,7 @@ holding its model: once it has been cancelled for `grace_s`, the waiters take a 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -105,10 +106,8 @@ def call_with_timeout(function: Callable[..., Any], timeout_s: float | None, *ar
         raise PredictionTimeout(f"{what} did not finish within {timeout_s:g} s and was cut off")
     if "error" in box:
         error = box.pop("error")
-        try:
+        with contextlib.suppress(AttributeError, TypeError):  # an exception type without a __dict__
             error.raised_by_call = True  # tells a KeyboardInterrupt the call raised from a real Ctrl-C
-        except (AttributeError, TypeError):
-            pass
         try:
             raise error
         finally:

@@ -65,9 +65,8 @@ def _plugins(args: argparse.Namespace) -> dict:
         args.exit_code = 1
     if not args.smoke:
         return registry.to_json()
-    from .cancel import PredictionTimeout, call_with_timeout, raised_by_call
+    from .cancel import call_with_timeout, raised_by_call
     from .inference import Predictor
-    from .registry import failure_location
 
     smoke = {}
     for name, task in registry.tasks.items():
@@ -81,9 +80,7 @@ def _plugins(args: argparse.Namespace) -> dict:
         except BaseException as err:  # any failure of a task's code is reported, and the next task runs
             if isinstance(err, KeyboardInterrupt) and not raised_by_call(err):
                 raise
-            stage = "time limit" if isinstance(err, PredictionTimeout) else getattr(err, "request_stage", None)
-            smoke[name] = registry.record_request_failure(name, f"{type(err).__name__}: {err}", stage=stage or "request",
-                                                          location=failure_location(err)).message
+            smoke[name] = registry.record_exception(name, err).message
             args.exit_code = 1
     return {**registry.to_json(), "smoke": smoke}
 

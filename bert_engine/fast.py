@@ -22,6 +22,7 @@ from .model import gelu_tanh
 
 logger = logging.getLogger(__name__)
 
+
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replace the encoder layers' nn.Linear modules by dynamically quantised int8 ones, in place."""
     encoder = getattr(model, "encoder", model)

@@ -7,6 +7,7 @@ Serving many callers (lazy loading, merging concurrent requests, time limits) is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -57,10 +58,8 @@ def request_stage(stage: str):
         yield
     except BaseException as err:
         if getattr(err, "request_stage", None) is None:
-            try:
+            with contextlib.suppress(AttributeError, TypeError):  # an exception type without a __dict__
                 err.request_stage = stage
-            except (AttributeError, TypeError):  # an exception type without a __dict__
-                pass
         raise
 
 

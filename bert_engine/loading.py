@@ -135,6 +135,12 @@ def _parts(model: nn.Module) -> tuple[BertModel, str, str | None]:
 MAX_PARAMETERS = int(os.environ.get("BERT_ENGINE_MAX_PARAMETERS", str(2_000_000_000)))  # 8 GB in fp32
 
 
+def inside_any(path: str | Path, roots) -> bool:
+    """Whether `path`, resolved (symlinks and .. followed), lies inside one of `roots` (resolved too)."""
+    resolved = Path(path).expanduser().resolve()
+    return any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in roots)
+
+
 def contained(folder: Path, name: str) -> Path:
     """`folder / name`, refused unless it resolves (symlinks and .. followed) inside the checkpoint:
     the folder itself, or for a Hub cache snapshot its repository's cache (whose files link to blobs).
@@ -144,10 +150,9 @@ def contained(folder: Path, name: str) -> Path:
     """
     folder = Path(folder).resolve()
     root = folder.parent.parent if folder.parent.name == "snapshots" else folder
-    target = (folder / name).resolve()
-    if not target.is_relative_to(root):
+    if not inside_any(folder / name, [root]):
         raise CheckpointError(f"{folder.name}/{name}: points outside the checkpoint folder; refused")
-    return target
+    return (folder / name).resolve()
 
 
 def find_weights(folder: Path) -> Path:

@@ -222,12 +222,11 @@ def check_local_base(base: str, adapter_folder, allowed_dirs) -> None:
     checked before anything is opened, so the error says nothing of what exists on the server."""
     from pathlib import Path
 
-    from .loading import CheckpointError
+    from .loading import CheckpointError, inside_any
 
     if allowed_dirs is None or not looks_local(base):
         return
-    resolved = Path(base).expanduser().resolve()
-    if not any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in allowed_dirs):
+    if not inside_any(base, allowed_dirs):
         raise CheckpointError(f"{Path(adapter_folder).name}: the adapter's base_model is a local folder outside the "
                               "folders models may be loaded from; refused")
 

@@ -105,6 +105,13 @@ class Registry:
         logger.warning("plugin %s, task %s failed at %s: %s", failure.plugin, task, stage, message)
         return failure
 
+    def record_exception(self, task: str, err: BaseException) -> PluginFailure:
+        """`record_request_failure` for an exception a task's request raised: the stage is "time limit"
+        for a PredictionTimeout, else the one Predictor noted (inference.request_stage), else "request"."""
+        stage = "time limit" if isinstance(err, PredictionTimeout) else getattr(err, "request_stage", None) or "request"
+        message = str(err) if isinstance(err, PredictionTimeout) else f"{type(err).__name__}: {err}"
+        return self.record_request_failure(task, message, stage=stage, location=failure_location(err))
+
     def record_failure(self, failure: PluginFailure) -> None:
         with self._lock:
             self.failures.append(failure)

@@ -15,6 +15,7 @@ from typing import Any
 
 from bert_engine.hookspecs import InputError
 from bert_engine.cancel import PredictionTimeout, call_with_timeout
+from bert_engine.loading import inside_any
 from bert_engine.lora import looks_local
 from bert_engine.serving import BatchingPredictor, LazyPredictor
 from bert_engine.precision import pick_device
@@ -107,27 +108,24 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None):
         except (HubError, CheckpointError) as err:  # the model could not be loaded: say which and why
             message = f"{task}: the model could not be loaded: {err}"
         except PredictionTimeout as err:
-            registry.record_request_failure(task, str(err), stage="time limit")
+            registry.record_exception(task, err)
             message = f"{err}. The task may be stuck or the machine overloaded; try again later."
         except BaseException as err:  # a bug in a task's code: the app and the other tabs carry on
             message = _task_failure(task, registry, err)
         # Raised here, outside the except blocks, so the error carries no __context__: the failed call's
         # frames (and whatever memory they hold, e.g. after a MemoryError) are freed now.
-        raise gr.Error(message)
+        raise gr.Error(public_message(message))
 
     return call
 
 
 def _task_failure(task: str, registry: Registry, err: BaseException) -> str:
-    stage = getattr(err, "request_stage", None) or "request"
-    where = failure_location(err)
-    # str(err), never err itself, in the record: a handler that keeps records must not keep the frames
-    logger.error("task %s failed at %s%s: %s: %s", task, stage, f" ({where})" if where else "", type(err).__name__,
-                 str(err), exc_info=not isinstance(err, MemoryError))
-    failure = registry.record_request_failure(task, f"{type(err).__name__}: {err}", stage=stage, location=where)
+    failure = registry.record_exception(task, err)  # logs one warning line with the stage
+    if not isinstance(err, MemoryError):  # the traceback, for the operator; err itself is not kept in a record
+        logger.error("task %s failed at %s", task, failure.stage, exc_info=(type(err), err, err.__traceback__))
     if isinstance(err, MemoryError):
         return f"{task} ran out of memory on this input; try a shorter one. The other tabs still work."
-    return (f"{task} failed in {stage} ({failure.message}); this is a bug in plugin {failure.plugin}, "
+    return (f"{task} failed in {failure.stage} ({failure.message}); this is a bug in plugin {failure.plugin}, "
             "not in your input. The other tabs still work.")
 
 
@@ -172,11 +170,10 @@ def check_model_choice(value: str, allowed: list[Path]) -> str | None:
         return None
     if not looks_local(value):
         return value
-    resolved = Path(value).expanduser().resolve()
-    if any(resolved.is_relative_to(root.expanduser().resolve()) for root in allowed):
+    if inside_any(value, allowed):
         # relative to the working folder where possible, so provenance does not show the server's folders
-        inside = resolved.is_relative_to(Path.cwd().resolve())
-        return str(resolved.relative_to(Path.cwd().resolve())) if inside else str(resolved)
+        resolved, cwd = Path(value).expanduser().resolve(), Path.cwd().resolve()
+        return str(resolved.relative_to(cwd)) if resolved.is_relative_to(cwd) else str(resolved)
     raise InputError(f"the local folder {value!r} is outside the folders models may be loaded from "
                      f"({', '.join(short_path(root) for root in allowed)}); set BERT_ENGINE_MODEL_DIRS to allow another")
 

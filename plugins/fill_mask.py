@@ -93,7 +93,7 @@ def preprocess(inputs, tokenizer, *, top_k=5, mode="independent", targets=None, 
                          "shorten the text around them")
     batch = _select_row(batch, best)
     if targets is not None:
-        _check_targets(list(targets), tokenizer, batch.input_ids.shape[1])
+        batch.meta["target_pieces"] = _target_pieces(list(targets), tokenizer, batch.input_ids.shape[1])
     batch.meta.update(text=text, tokenizer=tokenizer, targets=targets, windowed=len(batch.sample_index) > 1)
     return batch
 
@@ -164,7 +164,7 @@ def _score_targets(head, batch, position: Tensor, targets, tokenizer, text, span
     by the chain rule over as many masks. Batched: words of n pieces share n forward passes, and the
     first piece of every word is read from one pass (the widened inputs are identical until then)."""
     p, ids = int(position), batch.input_ids[0].tolist()
-    pieces = {word: tokenizer.tokenize(word) for word in targets}
+    pieces = batch.meta["target_pieces"]  # word -> its pieces, from preprocess
     log_p = {word: 0.0 for word in targets}
     for n in sorted({len(v) for v in pieces.values()}):
         words = [w for w in targets if len(pieces[w]) == n]
@@ -190,14 +190,15 @@ def _score_targets(head, batch, position: Tensor, targets, tokenizer, text, span
     return sorted(results, key=lambda r: -r["score"])
 
 
-def _check_targets(targets: list[str], tokenizer, length: int) -> None:
-    """Targets that fit: at most MAX_TARGETS words of at most MAX_TARGET_PIECES pieces, the widened text
-    within the model's positions, and the scoring's forward work within the per-request token bound."""
+def _target_pieces(targets: list[str], tokenizer, length: int) -> dict[str, list[str]]:
+    """Each target's word pieces, checked: at most MAX_TARGETS words of at most MAX_TARGET_PIECES pieces,
+    the widened text within the model's positions, the scoring's forward work within the request bound."""
     if len(targets) > MAX_TARGETS:
         raise InputError(f"fill_mask: {len(targets):,} target words; at most {MAX_TARGETS} can be scored at once")
+    pieces = {word: tokenizer.tokenize(word) for word in targets}
     counts = {}
     for word in targets:
-        n = len(tokenizer.tokenize(word))
+        n = len(pieces[word])
         if n > MAX_TARGET_PIECES:
             raise InputError(f"fill_mask: the target {word[:40]!r}{'...' if len(word) > 40 else ''} is {n} word pieces; "
                              f"at most {MAX_TARGET_PIECES} (one word, not a phrase)")
@@ -209,6 +210,7 @@ def _check_targets(targets: list[str], tokenizer, length: int) -> None:
     if work > MAX_REQUEST_TOKENS:
         raise InputError(f"fill_mask: scoring these targets over a text of {length} tokens needs {work:,} tokens of "
                          f"work; the limit per request is {MAX_REQUEST_TOKENS:,}: use fewer targets or a shorter text")
+    return pieces
 
 
 def _beam(head, batch, positions: Tensor, spans, tokenizer, text, top_k: int, beam_width: int, specials):

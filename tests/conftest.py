@@ -166,6 +166,30 @@ def installed_example(tmp_path_factory):
     return target
 
 
+def install_dist(site: Path, name: str, module_source: str, entry_point: str | None = None) -> None:
+    """An installed distribution as pip lays it out: a module plus its dist-info with entry points."""
+    import textwrap
+
+    module = name.replace("-", "_")
+    sys.modules.pop(module, None)  # an earlier test's module of the same name
+    (site / f"{module}.py").write_text(textwrap.dedent(module_source))
+    info = site / f"{module}-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text(f"[bert_engine]\n{entry_point or name} = {module}\n")
+
+
+def assert_cpu_goes_quiet(limit: float = 0.3) -> None:
+    """The process uses (almost) no CPU over a second once cancelled work has stopped."""
+    import time
+
+    time.sleep(1.0)  # a cancellation lands within cancel.REINJECT_EVERY_S
+    before = time.process_time()
+    time.sleep(1.0)
+    used = time.process_time() - before
+    assert used < limit, f"the process still used {used:.2f} s of CPU in 1 s after the time limit"
+
+
 def reference_checkpoint(folder: Path, model_class: str, **config) -> Path:
     """A small random checkpoint saved by transformers itself, with the real MiniLM tokenizer files.
 

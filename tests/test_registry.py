@@ -2,7 +2,6 @@
 
 import json
 import logging
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from bert_engine.cli import main as cli_main
 from bert_engine.conformance import check_task, tiny_predictor
 from bert_engine.hookspecs import InputError, PluginError, TaskSpec, hookimpl
 from bert_engine.registry import Registry, load_registry
+from conftest import install_dist
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,16 +191,6 @@ def test_conformance_kit_names_probabilities_labels_and_crashes():
 
 # -- third-party packages through entry points ---------------------------------------------------------
 
-def _install_dist(site: Path, name: str, module_source: str, entry_point: str = None) -> None:
-    """An installed distribution as pip lays it out: a module plus its dist-info with entry points."""
-    module = name.replace("-", "_")
-    (site / f"{module}.py").write_text(textwrap.dedent(module_source))
-    info = site / f"{module}-0.3.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.3\n")
-    (info / "entry_points.txt").write_text(f"[bert_engine]\n{entry_point or name} = {module}\n")
-
-
 @pytest.fixture
 def site(tmp_path, monkeypatch):
     folder = tmp_path / "site"
@@ -221,10 +211,10 @@ GOOD_PLUGIN = """
 
 
 def test_entry_points_load_in_isolation_and_env_selects(site, monkeypatch):
-    _install_dist(site, "good-one", GOOD_PLUGIN.format(task="good_one"))
-    _install_dist(site, "good-two", GOOD_PLUGIN.format(task="good_two"))
-    _install_dist(site, "broken-import", "import this_module_does_not_exist\n")
-    _install_dist(site, "broken-hook", """
+    install_dist(site, "good-one", GOOD_PLUGIN.format(task="good_one"))
+    install_dist(site, "good-two", GOOD_PLUGIN.format(task="good_two"))
+    install_dist(site, "broken-import", "import this_module_does_not_exist\n")
+    install_dist(site, "broken-hook", """
         from bert_engine.hookspecs import hookimpl
         @hookimpl
         def register_tasks(register):
@@ -245,8 +235,8 @@ def test_entry_points_load_in_isolation_and_env_selects(site, monkeypatch):
 
 
 def test_cli_plugins_prints_json(site, capsys):
-    _install_dist(site, "good-one", GOOD_PLUGIN.format(task="good_one"))
-    _install_dist(site, "broken-import", "import this_module_does_not_exist\n")
+    install_dist(site, "good-one", GOOD_PLUGIN.format(task="good_one"))
+    install_dist(site, "broken-import", "import this_module_does_not_exist\n")
     assert cli_main(["plugins"]) == 1  # a failed plugin fails the command, and the JSON still lists everything
     report = json.loads(capsys.readouterr().out)
     assert {"name": "good-one", "version": "0.3", "source": "entry point", "tasks": ["good_one"]} in report["plugins"]
@@ -254,7 +244,7 @@ def test_cli_plugins_prints_json(site, capsys):
 
 
 def test_cli_plugin_check_fails_naming_the_rule(site, capsys):
-    _install_dist(site, "outofrange", """
+    install_dist(site, "outofrange", """
         import torch
         from bert_engine.hookspecs import TaskSpec, hookimpl
 
@@ -308,7 +298,7 @@ def test_cli_plugins_smoke_runs_every_task_and_names_the_failing_one(site, capsy
     from conftest import reference_checkpoint
 
     tiny = reference_checkpoint(site / "tiny", "BertForSequenceClassification")
-    _install_dist(site, "late-failure", f"""
+    install_dist(site, "late-failure", f"""
         import torch
         from bert_engine.hookspecs import TaskSpec, hookimpl
 
@@ -321,7 +311,7 @@ def test_cli_plugins_smoke_runs_every_task_and_names_the_failing_one(site, capsy
                               preprocess=lambda i, t, **o: t(i["text"]), postprocess=post,
                               default_checkpoint={str(tiny)!r}, examples=({{"text": "hi"}},)))
     """)
-    _install_dist(site, "good-one", GOOD_PLUGIN.format(task="good_one"))
+    install_dist(site, "good-one", GOOD_PLUGIN.format(task="good_one"))
     monkeypatch.setattr("bert_engine.registry.BUILTIN_PLUGINS", ())
     assert cli_main(["plugins", "--smoke", "--timeout", "30"]) == 1
     report = json.loads(capsys.readouterr().out)
