@@ -339,8 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RANK", "0") != "0":  # under torchrun only the first process reports
         return getattr(args, "exit_code", 0)
     try:
-        json.dump(result, sys.stdout, indent=2, ensure_ascii=False)
-        sys.stdout.write("\n")
+        text = json.dumps(result, indent=2, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # NaN is not JSON: a reader would choke on what we print
+        print(f"bert-engine {args.command}: error: the result holds NaN or infinity (the model overflowed at this "
+              "precision, or its weights are broken); nothing printed", file=sys.stderr)
+        return 2
+    try:
+        sys.stdout.write(text + "\n")
         sys.stdout.flush()
     except BrokenPipeError:  # `bert-engine ... | head`: the reader left; that is not an error
         sys.stdout = open(os.devnull, "w")

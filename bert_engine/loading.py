@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import re
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,22 +211,75 @@ def read_weights(path: str | Path) -> dict[str, Tensor]:
         raise CheckpointError(f"{path}: weights file does not exist")
     if path.suffix == ".safetensors":
         try:
-            return load_file(path)
+            state = load_file(path)
         except (SafetensorError, OSError, ValueError) as err:
             raise CheckpointError(f"{path}: unreadable safetensors file, truncated or corrupt ({err})") from None
+    else:
+        state = read_pickle(path)
+    return check_finite(state, path)
+
+
+def check_finite(state: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
+    """Refuse weights holding NaN or infinity: every answer of such a model would be NaN."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; the checkpoint is broken")
+    return state
+
+
+def read_pickle(path: Path) -> dict[str, Tensor]:
+    """A .bin state dict, unpickled with weights_only=True after the zip-bomb check."""
+    check_not_compressed(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        first_line = str(err).strip().splitlines()[0]
         raise CheckpointError(
             f"{path}: refused to load; the pickle holds objects other than tensors, which could run code "
-            f"({first_line}). Convert the checkpoint to safetensors from a trusted source."
+            f"({pickle_refusal_reason(err)}). Convert the checkpoint to safetensors from a trusted source."
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable .bin file, truncated or corrupt ({err})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+    except Exception as err:  # noqa: BLE001 - an untrusted file: every way it fails to unpickle is "corrupt"
+        raise CheckpointError(f"{path}: unreadable .bin file, truncated or corrupt "
+                              f"({type(err).__name__}: {printable(str(err))[:200]})") from None
+    if not isinstance(state, dict):
         raise CheckpointError(f"{path}: expected a dict of tensors (a state dict), got {type(state).__name__}")
+    for key, value in state.items():
+        if not isinstance(key, str) or not isinstance(value, Tensor):
+            raise CheckpointError(f"{path}: expected a dict of tensors (a state dict) with names as keys; "
+                                  f"entry {printable(repr(key))[:80]} holds {type(value).__name__}")
     return state
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def printable(text: str) -> str:
+    """`text` without terminal escape codes or control characters (a message must not repaint a terminal)."""
+    return "".join(c if c.isprintable() else " " for c in _ANSI.sub("", text)).strip()
+
+
+def pickle_refusal_reason(err: Exception) -> str:
+    """The line of torch's weights_only refusal that names what was refused (e.g. "unsupported GLOBAL
+    posix.system"), without its advice to re-run with weights_only=False."""
+    lines = [printable(line) for line in str(err).splitlines()]
+    reasons = [line for line in lines if line and not line.startswith(("Weights only load failed", "Check the doc"))]
+    return (reasons[0] if reasons else "unsupported object")[:200]
+
+
+def check_not_compressed(path: Path) -> None:
+    """Refuse a .bin zip archive with compressed entries before torch inflates them: torch.save writes
+    them stored, so compression only serves a zip bomb (2 MB that inflates to gigabytes)."""
+    if not zipfile.is_zipfile(path):
+        return  # the legacy pickle format reads tensors straight from the file: bounded by its size
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: unreadable .bin file, truncated or corrupt ({err})") from None
+    packed = [e.filename for e in entries if e.compress_type != zipfile.ZIP_STORED]
+    if packed:
+        raise CheckpointError(f"{path}: refused to load; {len(packed)} entries are compressed (e.g. "
+                              f"{printable(packed[0])[:80]!r}), which torch.save never writes. Convert the "
+                              "checkpoint to safetensors from a trusted source.")
 
 
 # -- mapping checkpoint names to ours ------------------------------------------------------------------

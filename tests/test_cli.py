@@ -57,3 +57,18 @@ def test_builtins_are_listed(capsys):
     assert main(["plugins"]) == 0
     names = [p["name"] for p in json.loads(capsys.readouterr().out)["plugins"]]
     assert names[:5] == ["sentiment", "ner", "qa", "summary", "fill_mask"]
+
+
+def test_a_result_holding_nan_is_an_error_not_invalid_json(tmp_path, capsys):
+    """Finite weights can still overflow: a LayerNorm scale of 3e38 turns the embeddings into inf/NaN.
+    NaN is not JSON, so nothing is printed and the error says why."""
+    from safetensors.torch import load_file, save_file
+
+    folder = reference_checkpoint(tmp_path / "overflows", "BertModel")
+    state = load_file(folder / "model.safetensors")
+    name = next(k for k in state if k.endswith("embeddings.LayerNorm.weight"))
+    state[name] *= 3e38
+    save_file(state, folder / "model.safetensors")
+    assert main(["encode", "--model", str(folder), "hello world"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "the result holds NaN or infinity" in captured.err

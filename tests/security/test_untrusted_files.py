@@ -5,10 +5,12 @@ that names the file instead of a traceback. Every checkpoint here is built by th
 import json
 import os
 import shutil
+import zipfile
 
 import pytest
+import torch
 
-from bert_engine.loading import CheckpointError, load, load_pretrained
+from bert_engine.loading import CheckpointError, load, load_pretrained, read_weights
 from conftest import reference_checkpoint
 
 
@@ -109,3 +111,63 @@ def test_an_adapter_cannot_point_its_base_outside_the_allowed_folders(tmp_path, 
     with pytest.raises(CheckpointError) as same:  # an existing and a missing folder read the same
         load(missing, "sequence", allowed_dirs=[allowed])
     assert str(same.value).replace("adapter2", "adapter") == str(caught.value)
+
+
+# -- .bin pickles: every malformed file is a CheckpointError naming it ---------------------------------
+
+def test_a_six_byte_bin_is_a_clear_error(tmp_path):
+    path = tmp_path / "pytorch_model.bin"
+    path.write_bytes(b"abcdef")
+    with pytest.raises(CheckpointError, match=r"pytorch_model.bin: unreadable .bin file"):
+        read_weights(path)
+
+
+@pytest.mark.parametrize("state, entry", [({1: torch.zeros(2)}, "entry 1"), ({"a": {"b": torch.zeros(2)}}, "entry 'a'")])
+def test_a_bin_must_map_names_to_tensors(tmp_path, state, entry):
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=entry):
+        read_weights(path)
+
+
+def test_the_pickle_refusal_names_the_global_without_terminal_codes_or_bad_advice(tmp_path):
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"a": _RunsCode()}, path)
+    with pytest.raises(CheckpointError) as caught:
+        read_weights(path)
+    message = str(caught.value)
+    assert "GLOBAL posix.system" in message or "GLOBAL os.system" in message, message
+    assert "weights_only` set to `False`" not in message and message.isprintable(), message
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo owned",))
+
+
+def test_a_zip_bomb_bin_is_refused_before_it_inflates(tmp_path):
+    """torch.save writes stored zip entries; one deflated entry of 64 MB of zeros is ~64 KB on disk and
+    torch.load would inflate it. The refusal must come from the archive's directory, before any read."""
+    plain = tmp_path / "plain.bin"
+    torch.save({"w": torch.zeros(16 * 2**20)}, plain)
+    bomb = tmp_path / "pytorch_model.bin"
+    with zipfile.ZipFile(plain) as source, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as target:
+        for info in source.infolist():
+            target.writestr(info.filename, source.read(info.filename))
+    assert bomb.stat().st_size < 2**20 < 64 * 2**20
+    assert torch.load(bomb, weights_only=True)["w"].numel() == 16 * 2**20  # torch itself would inflate it
+    with pytest.raises(CheckpointError, match="compressed"):
+        read_weights(bomb)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_weights_holding_nan_or_infinity_are_refused_by_name(tiny, value):
+    """Such a model answers NaN to everything, and NaN is not JSON: refuse it at load, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tiny / "model.safetensors")
+    name = next(k for k in state if k.endswith("attention.self.query.weight"))
+    state[name][0, 0] = value
+    save_file(state, tiny / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' holds NaN or infinite values"):
+        load_pretrained(tiny)
