@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -71,6 +72,18 @@ class LastInput:
     batch: Batch
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(task: str, field: str, value: str) -> None:
+    """Refuse text holding a lone surrogate (JSON can carry "\\ud800"; no UTF-8 text can): it would
+    reach the output, and no response holding it can be encoded."""
+    found = _LONE_SURROGATE.search(value)
+    if found:
+        raise InputError(f"{task}: input {field!r} holds a lone surrogate {found.group()!r} at character "
+                         f"{found.start():,}; text must be valid Unicode")
+
+
 class Predictor:
     """Runs one registered task. `predict` returns {"task", "result", "provenance"}."""
 
@@ -128,6 +141,7 @@ class Predictor:
             if len(value) > MAX_INPUT_CHARS:
                 raise InputError(f"{spec.name}: input {field!r} has {len(value):,} characters; "
                                  f"the limit is {MAX_INPUT_CHARS:,}")
+            check_unicode(spec.name, field, value)
         return self.check_options(options)
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -136,6 +150,10 @@ class Predictor:
         unknown = sorted(set(options) - set(spec.options))
         if unknown:
             raise InputError(f"{spec.name}: unknown option(s) {', '.join(unknown)}; known: {', '.join(spec.options) or 'none'}")
+        for name, value in options.items():
+            for text in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(text, str):
+                    check_unicode(spec.name, name, text)
         return {**spec.options, **options}
 
     def get(self) -> Predictor:

@@ -10,7 +10,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -31,9 +31,13 @@ class LazyPredictor:
     show, and the load is tried again on the next call.
     """
 
-    def __init__(self, task: RegisteredTask, checkpoint: str | None = None, **load_kwargs: Any) -> None:
+    def __init__(self, task: RegisteredTask, checkpoint: str | None = None, *,
+                 shown_name: Callable[[str], str] | None = None, **load_kwargs: Any) -> None:
+        """`shown_name` turns the checkpoint's name into the one provenance shows (a server hides its
+        folders); the default shows it as given."""
         self.task = task
         self.checkpoint = checkpoint
+        self.shown_name = shown_name or str
         self.load_kwargs = load_kwargs
         self._predictor: Predictor | None = None
         self._lock = threading.Lock()
@@ -45,8 +49,13 @@ class LazyPredictor:
     def switch(self, checkpoint: str | None) -> Predictor:
         """Load another checkpoint (None: the task's default); on failure the current model stays."""
         with self._lock:
-            predictor = Predictor.load(self.task, checkpoint or None, **self.load_kwargs)
+            predictor = self._load(checkpoint or None)
             self.checkpoint, self._predictor = checkpoint or None, predictor
+        return predictor
+
+    def _load(self, checkpoint: str | None) -> Predictor:
+        predictor = Predictor.load(self.task, checkpoint, **self.load_kwargs)
+        predictor.model_id = self.shown_name(predictor.model_id)
         return predictor
 
     def get(self) -> Predictor:
@@ -54,7 +63,7 @@ class LazyPredictor:
             with self._lock:
                 if self._predictor is None:
                     logger.info("loading the model of task %s", self.task.spec.name)
-                    self._predictor = Predictor.load(self.task, self.checkpoint, **self.load_kwargs)
+                    self._predictor = self._load(self.checkpoint)
         return self._predictor
 
     def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:

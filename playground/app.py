@@ -52,7 +52,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     model_dirs = allowed_model_dirs()  # a list the picker reads at each use (tests may extend it)
     # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor).
     predictors = {name: BatchingPredictor(task, checkpoints.get(name), device=device, precision=precision,
-                                          allowed_dirs=model_dirs)
+                                          allowed_dirs=model_dirs, shown_name=shown_model_name)
                   for name, task in registry.tasks.items()}
     for name, predictor in predictors.items():
         predictor.predict = guarded(on_gpu(predictor.predict), name, registry, timeout_s)
@@ -141,7 +141,8 @@ def on_gpu(function):
 
 def describe(predictor: LazyPredictor) -> str:
     """One discreet line: which model the tab uses, and where it runs once loaded."""
-    name = predictor.checkpoint or predictor.task.spec.default_checkpoint or "the default backbone (MiniLM)"
+    name = predictor.checkpoint or predictor.task.spec.default_checkpoint
+    name = shown_model_name(name) if name else "the default backbone (MiniLM)"
     if not predictor.loaded:
         return f"Model: `{name}` (loads on first use)"
     info = predictor.get().provenance()
@@ -185,6 +186,12 @@ def short_path(path: Path | str) -> str:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return "/".join(path.parts[-2:])
+
+
+def shown_model_name(name: str) -> str:
+    """A checkpoint's name as visitors see it (provenance, the model line): a Hub id as is, a local
+    folder without the server's folders (see short_path)."""
+    return short_path(name) if Path(name).is_absolute() or looks_local(name) else name
 
 
 def public_message(message: str) -> str:

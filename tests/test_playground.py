@@ -1,6 +1,9 @@
 """The playground: tabs from the registry, the Plugins and Attention views, and a real server."""
 
+import json
+import re
 import socket
+import urllib.request
 from pathlib import Path
 
 import gradio as gr
@@ -130,6 +133,30 @@ def test_bad_input_is_a_message_not_a_stack_trace(served):
         client.predict("qa", 0, 0, False, api_name="/attention")
 
 
+def _raw_call(url: str, endpoint: str, data: list) -> tuple[str, dict]:
+    """POST through Gradio's HTTP API as any client may (JSON can carry lone surrogates, which
+    gradio_client cannot send), then read the event stream: (event, its data)."""
+    body = json.dumps({"data": data}).encode()  # ensure_ascii: "\\ud800" travels as an escape
+    request = urllib.request.Request(f"{url}gradio_api/call{endpoint}", body, {"Content-Type": "application/json"})
+    event_id = json.load(urllib.request.urlopen(request, timeout=30))["event_id"]
+    stream = urllib.request.urlopen(f"{url}gradio_api/call{endpoint}/{event_id}", timeout=60).read().decode()
+    event = re.search(r"event: (\w+)", stream).group(1)
+    return event, json.loads(stream.split("data:", 1)[1])
+
+
+def test_lone_surrogates_over_raw_http_get_a_message_naming_them(served, registry):
+    """Every task endpoint, with a lone surrogate in each text field: a clear error, never {"error": null}."""
+    app, url = served
+    info = json.load(urllib.request.urlopen(f"{url}gradio_api/info", timeout=30))["named_endpoints"]
+    tasks = {e for e in info if e.lstrip("/") in registry.tasks}
+    assert tasks, info.keys()
+    for endpoint in sorted(tasks):
+        data = ["a \ud800 text. [MASK] more." if p["type"].get("type") == "string" and "enum" not in p["type"]
+                else p["parameter_default"] for p in info[endpoint]["parameters"]]
+        event, payload = _raw_call(url, endpoint, data)
+        assert event == "error" and "lone surrogate '\\ud800'" in payload["error"], (endpoint, payload)
+
+
 def test_model_picker_switches_and_reports_errors(served, tmp_path):
     from conftest import reference_checkpoint
 
@@ -191,6 +218,8 @@ def tiny_app(tmp_path_factory):
 def test_tab_functions_called_directly_with_tiny_models(tiny_app):
     bars, output = _event(tiny_app, "sentiment")("Great film.", "", "truncate")
     assert set(bars) == {"NEG", "POS"} and output["provenance"]["untrained_head"] is False
+    # the model lies outside the working folder: a visitor sees its last two parts, not the server's folders
+    assert output["provenance"]["model"].endswith("/sentiment") and not output["provenance"]["model"].startswith("/")
     marks, rows, output = _event(tiny_app, "qa")("Who wrote it?", "It was written by Herman Melville.", 2)
     answer = output["result"]["answers"][0]
     assert [m for m in marks if m[1] == "answer"][0][0] == answer["answer"] and len(rows) == 2
