@@ -171,10 +171,11 @@ def test_model_picker_switches_and_reports_errors(served, tmp_path):
     folder = reference_checkpoint(tmp_path / "stars", "BertForSequenceClassification",
                                   id2label={i: f"{i + 1} stars" for i in range(5)})
     status = client.predict(str(folder), api_name="/sentiment_model")
-    assert str(folder) in status and "head not trained" not in status
+    shown = f"{tmp_path.name}/stars"  # outside the working folder: without the server's folders
+    assert f"`{shown}`" in status and "head not trained" not in status
     bars, output = client.predict("Great value.", "", "truncate", api_name="/sentiment")
     assert {c["label"] for c in bars["confidences"]} == {f"{i + 1} stars" for i in range(5)}
-    assert output["provenance"]["model"] == str(folder)
+    assert output["provenance"]["model"] == shown
 
 
 def test_local_paths_resolve_inside_the_allowed_folders_only(tmp_path):
