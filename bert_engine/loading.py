@@ -419,6 +419,24 @@ def saved_config(model: nn.Module) -> BertConfig:
     return config
 
 
+def save_weights(state: dict[str, Tensor], path: Path) -> Path:
+    """A safetensors file with the permissions of any other file we write (safetensors writes through a
+    private temporary file, 0600: a model others could not read beside a config they could)."""
+    save_file(state, path, metadata={"format": "pt"})
+    path.chmod(0o666 & ~_umask())
+    return path
+
+
+def _umask() -> int:
+    try:  # Linux says it without changing it (os.umask must set one to read it: racy with threads)
+        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("Umask:"))
+        return int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        current = os.umask(0o022)
+        os.umask(current)
+        return current
+
+
 def save_pretrained(model: nn.Module, folder: str | Path, tokenizer=None) -> Path:
     """Write config.json + model.safetensors (+ the tokenizer) so transformers and we can load them."""
     folder = Path(folder)
@@ -430,7 +448,7 @@ def save_pretrained(model: nn.Module, folder: str | Path, tokenizer=None) -> Pat
         # transformers sizes qa_outputs from num_labels; a span head always has two (start, end).
         config = config.with_labels(["start", "end"])
     config.to_json_file(folder / "config.json", architectures=[architecture])
-    save_file(to_checkpoint_state(model), folder / "model.safetensors", metadata={"format": "pt"})
+    save_weights(to_checkpoint_state(model), folder / "model.safetensors")
     if tokenizer is not None:
         tokenizer.save(folder)
     return folder

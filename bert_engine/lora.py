@@ -162,9 +162,7 @@ def save_adapter(model: nn.Module, folder, config: LoraConfig, base_model: str, 
     import json
     from pathlib import Path
 
-    from safetensors.torch import save_file
-
-    from .loading import find_weights, saved_config
+    from .loading import find_weights, save_weights, saved_config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -173,8 +171,7 @@ def save_adapter(model: nn.Module, folder, config: LoraConfig, base_model: str, 
     for name, param in model.named_parameters():
         if (name.startswith("head.") or name.startswith("encoder.pooler.")) and id(param) not in tied:
             tensors[name] = param
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, folder / ADAPTER_WEIGHTS,
-              metadata={"format": "pt"})
+    save_weights({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, folder / ADAPTER_WEIGHTS)
     saved_config(model).to_json_file(folder / "config.json", architectures=["BertModel"])
     meta = {"format": "bert_engine.lora", **config.to_dict(), "base_model": base_model,
             "base_sha256": file_sha256(find_weights(Path(base_folder))), "head": type(model.head).__name__}

@@ -213,3 +213,21 @@ def test_dtype_and_provenance(tiny_checkpoint):
     model = load_pretrained(folder, "sequence", dtype=torch.bfloat16)
     assert next(model.parameters()).dtype == torch.bfloat16
     assert model.checkpoint.folder == folder and not model.training
+
+
+def test_saved_model_files_are_as_readable_as_the_rest(tiny_config, tmp_path):
+    """safetensors writes through a private 0600 temporary file; a saved model must follow the umask
+    like its config.json, or a model folder shared with a server or a group is half unreadable."""
+    from bert_engine.lora import LoraConfig, add_lora, save_adapter
+
+    previous = os.umask(0o022)
+    try:
+        model = BertWithHead(tiny_config.with_labels(["no", "yes"]), "sequence")
+        save_pretrained(model, tmp_path / "model")
+        add_lora(model.encoder, LoraConfig(rank=2))
+        save_adapter(model, tmp_path / "adapter", LoraConfig(rank=2), str(tmp_path / "model"), tmp_path / "model")
+    finally:
+        os.umask(previous)
+    modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
+    assert set(modes.values()) == {"0o644"}, modes
+    assert {"model/model.safetensors", "adapter/adapter.safetensors"} <= set(modes)
