@@ -8,7 +8,7 @@ part of the contract is the TaskSpec, validated by the host when it is registere
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping
 
 import pluggy
 
@@ -74,6 +74,14 @@ class TaskSpec:
             accuracy needs its own masking; a summary table adds baselines).
         predict_many: (predictor, texts: list[str], **options) -> results in order; a batched path
             (length-sorted, dynamically padded) for files and lists. Without it, inputs run one by one.
+        labels: the label names a new head gets on a checkpoint without any (config.id2label empty),
+            for a task that predicts labels. Its head must then expose them as `head.labels`, in id
+            order; on a checkpoint with id2label, the head takes the checkpoint's. None: no labels.
+        target_labels: (target as read) -> the labels it uses, as ids (positions in head.labels) or
+            names; the trainer checks them against the head before training starts.
+        best_metric: the metric (a key of `metric`'s or `evaluate`'s result) that picks the best
+            checkpoint during training, and best_metric_goal whether higher ("max") or lower ("min")
+            is better. None: the first of f1, accuracy, rouge2, ... the evaluation reports.
     """
 
     name: str
@@ -94,6 +102,10 @@ class TaskSpec:
     metric: Callable[..., Any] | None = None
     evaluate: Callable[..., Any] | None = None
     predict_many: Callable[..., Any] | None = None
+    labels: tuple[str, ...] | None = None
+    target_labels: Callable[[Any], Iterable[int | str]] | None = None
+    best_metric: str | None = None
+    best_metric_goal: Literal["max", "min"] = "max"
 
 
 class TaskHooks:

@@ -18,7 +18,7 @@ from torch import nn
 
 from .hookspecs import TaskSpec
 from .registry import RegisteredTask
-from .training import Distributed, TrainConfig, gather_objects, seed_everything
+from .training import Distributed, TrainConfig, gather_objects, parse_best_metric, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,36 @@ def evaluate_task(spec: TaskSpec, predictor, examples: list, *, rank: int = 0, w
     return spec.metric([r for _, r in ordered], [examples[i][1] for i, _ in ordered])
 
 
+def read_examples(spec: TaskSpec, path: str, split: str, limit: int | None) -> list:
+    """The task's examples from `path`; every way a reader can fail on a bad file is a ValueError
+    naming the file (a binary file, a reader's own KeyError), not a traceback from inside the task."""
+    try:
+        return list(islice(spec.read_data(path, split), limit))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start:err.start + 1]!r}); "
+                         f"task {spec.name!r} reads text files") from None
+    except (ValueError, OSError):
+        raise
+    except Exception as err:  # noqa: BLE001 - a third-party reader's failure on this file
+        raise ValueError(f"{path}: task {spec.name!r} could not read its {split!r} split "
+                         f"({type(err).__name__}: {err})") from None
+
+
+def check_targets(spec: TaskSpec, labels, examples: list, path: str) -> None:
+    """Every label the data uses must be one of the head's, checked before training starts (an
+    out-of-range id would otherwise stop the run mid-way). Label ids are positions, names are names."""
+    if spec.target_labels is None or not labels:
+        return
+    labels = list(labels)
+    for number, (_, target) in enumerate(examples, 1):
+        for label in spec.target_labels(target):
+            known = 0 <= label < len(labels) if isinstance(label, int) else label in labels
+            if not known:
+                raise ValueError(f"{path}: example {number} has label {label!r}, but the head's labels are "
+                                 f"{labels} (ids 0-{len(labels) - 1}); start from a checkpoint with these labels "
+                                 "or fix the data")
+
+
 class TaskJob:
     """Fine-tune a registered task: its head on a checkpoint, optionally with LoRA adapters."""
 
@@ -68,17 +98,26 @@ class TaskJob:
         seed_everything(cfg.seed)  # the new head's initialisation is part of the run
         self.base_name = cfg.model or "default"  # never the starter model: runs must not build on each other
         self.model, self.tokenizer = load(resolve_model_name(self.base_name), spec.build_head)
-        self.examples = list(islice(spec.read_data(cfg.train_file, cfg.train_split), cfg.train_limit))
+        self.examples = read_examples(spec, cfg.train_file, cfg.train_split, cfg.train_limit)
         if not self.examples:
             raise ValueError(f"{cfg.train_file}: no {cfg.train_split!r} examples for task {spec.name!r}")
+        check_targets(spec, getattr(self.model.head, "labels", None), self.examples, cfg.train_file)
         eval_file = cfg.eval_file or cfg.train_file
         self.eval_examples = []
         if cfg.eval_file or cfg.eval_split != cfg.train_split:
             try:
-                self.eval_examples = list(islice(spec.read_data(eval_file, cfg.eval_split), cfg.eval_limit))
+                self.eval_examples = read_examples(spec, eval_file, cfg.eval_split, cfg.eval_limit)
             except ValueError as err:
+                if cfg.eval_file:  # asked for by name: its errors are the user's to fix
+                    raise
                 logger.warning("no evaluation data (%s); the final weights will be kept", err)
+            check_targets(spec, getattr(self.model.head, "labels", None), self.eval_examples, eval_file)
         self.lora = _prepare_lora(self.model, cfg)
+
+    @property
+    def best_metric(self) -> tuple[str | None, str]:
+        """The metric that picks the best checkpoint and its goal: the config's, else the task's."""
+        return parse_best_metric(self.cfg.best_metric, self.spec)
 
     def collate(self, examples: list, generator: torch.Generator):
         spec = self.spec

@@ -176,7 +176,8 @@ class Registry:
         for field in ("build_head", "preprocess", "postprocess"):
             if not callable(getattr(spec, field)):
                 problems.append(f"{field} must be callable, got {type(getattr(spec, field)).__name__}")
-        for field in ("build_tab", "read_data", "training_batch", "loss", "metric", "evaluate", "predict_many"):
+        for field in ("build_tab", "read_data", "training_batch", "loss", "metric", "evaluate", "predict_many",
+                      "target_labels"):
             value = getattr(spec, field)
             if value is not None and not callable(value):
                 problems.append(f"{field} must be callable or None, got {type(value).__name__}")
@@ -195,6 +196,15 @@ class Registry:
             problems.append(f"examples must be a tuple, got {type(spec.examples).__name__}")
         if spec.default_checkpoint is not None and not isinstance(spec.default_checkpoint, str):
             problems.append(f"default_checkpoint must be a string or None, got {spec.default_checkpoint!r}")
+        labels = spec.labels
+        if labels is not None and (not isinstance(labels, tuple) or not labels
+                                   or not all(isinstance(label, str) and label for label in labels)
+                                   or len(set(labels)) != len(labels)):
+            problems.append(f"labels must be None or a non-empty tuple of distinct names, got {labels!r:.80}")
+        if spec.best_metric is not None and not isinstance(spec.best_metric, str):
+            problems.append(f"best_metric must be a metric's name or None, got {spec.best_metric!r}")
+        if spec.best_metric_goal not in ("max", "min"):
+            problems.append(f"best_metric_goal must be 'max' or 'min', got {spec.best_metric_goal!r}")
         if problems:
             raise _Violation("validate", f"task {spec.name!r}: " + "; ".join(problems))
         owner = self.tasks.get(spec.name)

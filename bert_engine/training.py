@@ -79,7 +79,8 @@ class TrainConfig:
     resume: bool = _help("continue from output_dir/last (weights, optimizer, scheduler, data position)",
                          default=False)
     log_every: int = _help("log the running loss every N steps", default=10)
-    best_metric: str | None = _help("metric that picks the best checkpoint (default: the task's F1/accuracy/...)",
+    best_metric: str | None = _help("metric that picks the best checkpoint, as name, name:max or name:min (default: "
+                                    "the task's declared one, else F1/accuracy/...; names with 'loss' are minimised)",
                                     default=None)
     device: str | None = _help("cuda, mps or cpu (default: the best available)", default=None)
     max_seq_len: int = _help("pretraining: tokens per sentence pair", default=128)
@@ -93,8 +94,11 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "log_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.epochs <= 0 and not self.max_steps:
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or self.max_steps < 1):
+            raise ValueError(f"max_steps must be at least 1 (or left out to train for `epochs`), got {self.max_steps}")
+        if self.epochs <= 0 and self.max_steps is None:
             raise ValueError(f"epochs must be positive, got {self.epochs}")
+        parse_best_metric(self.best_metric)  # a malformed name:goal fails now, not at the first evaluation
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
 
@@ -213,6 +217,8 @@ def linear_schedule(warmup: int, total: int) -> Callable[[int], float]:
 
 
 def pick_best_metric(metrics: dict[str, Any], preferred: str | None) -> str | None:
+    """`preferred` (it must be among `metrics`), else the first of BEST_METRIC_PREFERENCE reported,
+    else the first number that is not a loss."""
     if preferred:
         if preferred not in metrics:
             raise ValueError(f"best_metric {preferred!r} is not among the evaluation's metrics {sorted(metrics)}")
@@ -223,11 +229,45 @@ def pick_best_metric(metrics: dict[str, Any], preferred: str | None) -> str | No
     return next((k for k, v in metrics.items() if isinstance(v, (int, float)) and "loss" not in k), None)
 
 
+def parse_best_metric(value: str | None, spec: Any = None) -> tuple[str | None, str]:
+    """`name`, `name:max` or `name:min` (None: the task's declared best metric) -> (name, goal).
+    A name without a goal takes the task's goal when it is the task's metric, else "min" for a
+    loss-like name (loss, perplexity) and "max" otherwise."""
+    if value is None:
+        return (spec.best_metric, spec.best_metric_goal) if spec is not None else (None, "max")
+    name, _, goal = value.partition(":")
+    if goal and goal not in ("max", "min"):
+        raise ValueError(f"best_metric {value!r}: the goal after ':' must be max or min")
+    if not goal:
+        if spec is not None and name == spec.best_metric:
+            goal = spec.best_metric_goal
+        else:
+            goal = "min" if "loss" in name or "perplexity" in name else "max"
+    return name, goal
+
+
 class MetricsLog:
     """Appends one JSON object per line to output_dir/metrics.jsonl (rank 0 only)."""
 
     def __init__(self, path: Path, enabled: bool) -> None:
         self.path, self.enabled = path, enabled
+
+    def keep_until(self, step: int) -> None:
+        """Drop the records after `step`: a run resumed from its checkpoint at `step` logs those steps
+        again, and each step must appear once. Lines that are not JSON (a crash mid-write) go too."""
+        if not self.enabled or not self.path.is_file():
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line)
+        scratch = self.path.with_name(self.path.name + ".partial")
+        scratch.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        scratch.replace(self.path)
 
     def write(self, **record: Any) -> None:
         if not self.enabled:
@@ -271,6 +311,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
     seed_everything(cfg.seed + dist_info.rank)  # dropout; a resumed run restores the saved RNG states instead
     if cfg.resume:
         state = _restore(out / "last", model, optimizer, scheduler, scaler, state)
+        log.keep_until(state["step"])
     if dist_info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n", encoding="utf-8")
@@ -371,11 +412,13 @@ def _evaluate_and_keep_best(job, cfg, model, step, state, dist_info, log, out) -
         return
     state["last_eval"] = metrics
     log.write(step=step, eval=metrics)
-    name = pick_best_metric(metrics, cfg.best_metric)
+    preferred, goal = getattr(job, "best_metric", None) or parse_best_metric(cfg.best_metric)
+    name = pick_best_metric(metrics, preferred)
     if name is None:
         return
+    goal = goal if name == preferred else "max"
     value = float(metrics[name])
-    if state["best"] is None or value > state["best"]:
+    if state["best"] is None or (value < state["best"] if goal == "min" else value > state["best"]):
         state["best"], state["best_metric"] = value, name
         if dist_info.is_main:
             with atomic_folder(out / "best") as scratch:

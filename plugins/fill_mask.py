@@ -371,4 +371,5 @@ def register_tasks(register):
         training_batch=training_batch,
         loss=loss,
         evaluate=evaluate,
+        best_metric="top1",
     ))

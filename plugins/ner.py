@@ -369,5 +369,8 @@ def register_tasks(register):
         training_batch=training_batch,
         loss=loss,
         metric=metric,
+        labels=CONLL_TAGS,
+        target_labels=lambda target: target["tags"],
+        best_metric="f1",
         predict_many=predict_texts,
     ))

@@ -330,6 +330,7 @@ def register_tasks(register):
         loss=loss,
         training_batch=training_batch,
         metric=metric,
+        best_metric="f1",
         evaluate=evaluate,
     ))
 

@@ -161,12 +161,33 @@ EXAMPLES = (
 
 
 def read_data(path, split: str = "train"):
-    """GLUE SST-2 style TSV (`sentence<TAB>label`, header line); yields ({"text": ...}, label id)."""
+    """GLUE SST-2 style TSV (`sentence<TAB>label`, header line); yields ({"text": ...}, label id).
+
+    Raises:
+        ValueError: naming the file and line, for a missing header, a missing or non-integer label
+            or an empty sentence.
+    """
     import csv
 
     with open(path, encoding="utf-8", newline="") as handle:
-        for row in csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE):
-            yield {"text": row["sentence"].strip()}, int(row["label"])
+        rows = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
+        if not {"sentence", "label"} <= set(rows.fieldnames or ()):
+            raise ValueError(f"{path}:1: expected a header line naming the columns 'sentence' and 'label' "
+                             f"(tab-separated), got {printable_line(rows.fieldnames)!r}")
+        for row in rows:
+            line = rows.line_num
+            text, label = (row.get("sentence") or "").strip(), (row.get("label") or "").strip()
+            if not label:
+                raise ValueError(f"{path}:{line}: no label")
+            if not label.lstrip("-").isdigit():
+                raise ValueError(f"{path}:{line}: label {label[:40]!r} is not an integer label id")
+            if not text:
+                raise ValueError(f"{path}:{line}: the sentence is empty")
+            yield {"text": text}, int(label)
+
+
+def printable_line(fields) -> str:
+    return "\t".join(fields or ())[:80]
 
 
 def loss(output: SentimentOutput, targets: list[int]) -> Tensor:
@@ -209,5 +230,8 @@ def register_tasks(register):
         read_data=read_data,
         loss=loss,
         metric=metric,
+        labels=DEFAULT_LABELS,
+        target_labels=lambda label_id: (label_id,),
+        best_metric="accuracy",
         predict_many=classify_many,
     ))

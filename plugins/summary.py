@@ -535,6 +535,7 @@ def register_tasks(register):
         training_batch=training_batch,
         loss=loss,
         metric=metric,
+        best_metric="rouge2",
         evaluate=evaluate,
         predict_many=predict_texts,
     ))

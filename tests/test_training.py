@@ -21,7 +21,7 @@ from bert_engine.lora import LoraConfig, add_lora, merge_lora, save_adapter
 from bert_engine.model import BertModel
 from bert_engine.pretraining import PairBuilder, collate_pairs, mask_tokens, special_mask, tokenize_documents
 from bert_engine.registry import load_registry
-from bert_engine.training import TrainConfig, linear_schedule, parameter_groups, train
+from bert_engine.training import TrainConfig, linear_schedule, parameter_groups, parse_best_metric, train
 
 from conftest import SENTENCES
 
@@ -221,6 +221,9 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_result(tiny_checkpoint, tmp_
     steps_seen = []
     train(TaskJob(task, resumed_cfg), resumed_cfg, on_step=lambda step, logs: steps_seen.append(step))
     assert steps_seen == [5, 6, 7, 8]
+    logged = [[(r["step"], "eval" in r) for r in map(json.loads, (tmp_path / run / "metrics.jsonl").open())]
+              for run in ("full", "cut")]
+    assert logged[1] == logged[0], "the resumed run's log repeats or misses steps"  # step 5 was logged, then redone
     full = load_file(tmp_path / "full" / "last" / "model.safetensors")
     cut = load_file(tmp_path / "cut" / "last" / "model.safetensors")
     for key in full:
@@ -251,6 +254,47 @@ def test_a_checkpoint_that_fails_mid_write_leaves_the_previous_one_whole(tiny_ch
     resumed = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", save_every=2, resume=True)
     assert train(TaskJob(task, resumed), resumed)["steps"] == 8
     assert not (tmp_path / "run" / ".last.partial").exists()
+
+
+def test_the_best_checkpoint_follows_the_metric_goal(tiny_checkpoint, tmp_path):
+    """A metric to minimise keeps its lowest evaluation, not its highest."""
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", max_steps=12, eval_every=2, lr=1e-2,
+                         best_metric="macro_f1:min")
+    result = train(TaskJob(task, cfg), cfg)
+    evals = [r["eval"]["macro_f1"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open()) if "eval" in r]
+    assert len(set(evals)) > 1 and result["best"] == min(evals) and result["best_metric"] == "macro_f1"
+    assert json.loads((tmp_path / "run" / "best" / "eval.json").read_text())["macro_f1"] == min(evals)
+
+
+@pytest.mark.parametrize("value, goal", [(None, "max"), ("accuracy", "max"), ("eval_loss", "min"), ("perplexity", "min"),
+                                         ("accuracy:min", "min"), ("loss:max", "max")])
+def test_best_metric_goals(value, goal):
+    assert parse_best_metric(value)[1] == goal
+    with pytest.raises(ValueError, match="must be max or min"):
+        TrainConfig(best_metric="accuracy:up")
+
+
+@pytest.mark.parametrize("steps", [0, -5])
+def test_max_steps_must_be_positive(steps):
+    with pytest.raises(ValueError, match=f"max_steps must be at least 1 .*got {steps}"):
+        TrainConfig(max_steps=steps)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("sentence\tlabel\ngood\t1\nbad\t5\n", "example 2 has label 5, but the head's labels are"),
+    ("sentence\tlabel\ngood\t1\nbad\tx\n", ":3: label 'x' is not an integer label id"),
+    ("sentence\tlabel\ngood\n", ":2: no label"),
+    ("text\tlabel\ngood\t1\n", ":1: expected a header line naming the columns 'sentence' and 'label'"),
+    (b"\x80\x00\xffPK binary", "not UTF-8 text \\(byte 0"),
+])
+def test_bad_training_data_is_named_before_training(tiny_checkpoint, tmp_path, content, message):
+    data = tmp_path / "train.tsv"
+    data.write_bytes(content if isinstance(content, bytes) else content.encode())
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", train_file=str(data), eval_file=None)
+    with pytest.raises(ValueError, match=message):
+        TaskJob(load_registry(entry_points=False).task("sentiment"), cfg)
+    assert not (tmp_path / "run").exists()
 
 
 def test_fine_tuning_learns_the_fixture(tiny_checkpoint, tmp_path):
