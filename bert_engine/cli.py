@@ -88,7 +88,7 @@ def _plugins(args: argparse.Namespace) -> dict:
 def _plugin_check(args: argparse.Namespace) -> dict:
     from .conformance import check_plugin
 
-    report = check_plugin(args.name)
+    report = check_plugin(args.name, data=args.data, split=args.split, case_timeout_s=args.case_timeout)
     if not report["ok"]:
         args.exit_code = 1
     return report
@@ -321,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
     plugin_sub = plugin.add_subparsers(dest="plugin_command", required=True)
     check = plugin_sub.add_parser("check", help="load one plugin alone and run the conformance kit on its tasks")
     check.add_argument("name", help="plugin name (a built-in module or an entry-point name)")
+    check.add_argument("--data", help="a few examples in the task's read_data format: also check training "
+                                      "(read_data -> training batch -> loss with a gradient -> metric)")
+    check.add_argument("--split", default=None, help="the split of --data to read (default: train)")
+    check.add_argument("--case-timeout", type=float, default=60.0,
+                       help="seconds each case (prediction, tab event, training check) may take (default 60)")
     check.set_defaults(run=_plugin_check)
     return parser
 

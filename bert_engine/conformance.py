@@ -9,8 +9,16 @@ Rules checked on every result (the names appear in violations):
 - `distribution`: a list of dicts with "label" and "score" under a key "labels" sums to 1.
 - `label`: "label" values belong to the head's label set (when the head has one).
 - `input-error`: bad input may only raise the documented InputError.
-- `tab`: build_tab builds inside a gr.Blocks.
-Plugin authors call `assert_task_conforms(task)` from their own tests.
+- `time`: every case (a prediction, a tab event, the training check) finishes within `case_timeout_s`.
+- `labels`: a task declaring `labels` gets a head exposing them as `head.labels` on a checkpoint without any.
+- `tab`: build_tab builds inside a gr.Blocks and registers an event with api_name equal to the task's
+  name (the app's API endpoint; no other api_name), whose first inputs are the task's input_fields.
+- `tab-event`: that event, fired through Gradio (its pre- and postprocessing) with each example, answers.
+- `training` (with sample data in read_data's format): read_data yields (inputs, target) pairs,
+  training_batch (or preprocess) -> forward -> loss is a finite scalar whose gradient reaches the model,
+  and the metric (or evaluate) returns finite numbers including the declared best_metric.
+- `name` (check_plugin): no task name is already taken in the full registry (built-ins and installed plugins).
+Plugin authors call `assert_task_conforms(task, data=...)` from their own tests.
 """
 
 from __future__ import annotations
@@ -20,10 +28,12 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
+from .cancel import PredictionTimeout, call_with_timeout
 from .config import PRESETS
 from .heads import BertWithHead
 from .hookspecs import InputError
@@ -91,6 +101,10 @@ def check_result(task: RegisteredTask, case: str, inputs: Mapping[str, str], res
         json.dumps(result, allow_nan=False)
     except (TypeError, ValueError) as err:
         fail("json", f"result is not JSON-serialisable: {err}")
+    else:
+        if json.loads(json.dumps(result)) != result:  # a tuple or a non-string key changes on the way
+            fail("json", f"result is not plain JSON data (dicts with string keys, lists, strings, numbers): "
+                         f"it comes back from JSON changed ({type(result).__name__} at the top)")
     default_field = task.spec.input_fields[-1]
 
     def walk(node: Any, path: str) -> None:
@@ -127,40 +141,168 @@ def check_result(task: RegisteredTask, case: str, inputs: Mapping[str, str], res
     return violations
 
 
-def check_task(task: RegisteredTask, predictor: Predictor | None = None, *, build_tab: bool = True) -> list[Violation]:
-    """Run the task on every golden case (and its examples) and return the violations found."""
+CASE_TIMEOUT_S = 60.0
+
+
+def check_task(task: RegisteredTask, predictor: Predictor | None = None, *, build_tab: bool = True,
+               data: str | Path | None = None, split: str | None = None,
+               case_timeout_s: float = CASE_TIMEOUT_S) -> list[Violation]:
+    """Run the task on every golden case (and its examples), its tab's event, and with `data` (a small
+    file in read_data's format) the training side; return the violations found."""
     predictor = predictor or tiny_predictor(task)
     head = getattr(predictor.model, "head", None)
     labels = set(getattr(head, "labels", None) or predictor.model.config.id2label.values()) or None
-    violations: list[Violation] = []
+    violations = _check_labels(task, predictor)
+
+    def timed(case: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return call_with_timeout(function, case_timeout_s, *args, what=f"{task.spec.name} {case}", **kwargs)
+        except PredictionTimeout as err:
+            violations.append(Violation(task.spec.name, case, "time", str(err)))
+            raise _Skip from None
+
     for case, inputs in golden_cases(task):
         try:
-            output = predictor.predict(inputs)
-        except InputError:
-            continue  # the documented answer to bad input
+            output = timed(case, predictor.predict, inputs)
+        except (InputError, _Skip):
+            continue  # InputError: the documented answer to bad input
         except Exception as err:  # anything else is a crash the user would see
             violations.append(Violation(task.spec.name, case, "input-error",
                                         f"raised {type(err).__name__}: {str(err)[:200]} (only InputError is allowed)"))
             continue
         violations += check_result(task, case, inputs, output["result"], labels)
     if build_tab and task.spec.build_tab is not None:
-        violations += _check_tab(task, predictor)
+        violations += _check_tab(task, predictor, timed)
+    if data is not None:
+        violations += _check_training(task, predictor, Path(data), split, timed)
     return violations
 
 
-def _check_tab(task: RegisteredTask, predictor: Predictor) -> list[Violation]:
-    try:
-        import gradio as gr
+class _Skip(Exception):
+    """A case already recorded as a violation (it hit the time limit)."""
 
-        with gr.Blocks():
-            task.spec.build_tab(predictor)
+
+def _check_labels(task: RegisteredTask, predictor: Predictor) -> list[Violation]:
+    declared = task.spec.labels
+    if declared is None:
+        return []
+    config = dataclasses.replace(predictor.model.config, id2label={}, label2id={})
+    try:
+        head = task.spec.build_head(config)
     except Exception as err:
-        return [Violation(task.spec.name, "tab", "tab", f"build_tab raised {type(err).__name__}: {str(err)[:200]}")]
+        return [Violation(task.spec.name, "labels", "labels", f"build_head on a checkpoint without labels raised "
+                                                              f"{type(err).__name__}: {str(err)[:200]}")]
+    found = getattr(head, "labels", None)
+    if found is None or tuple(found) != tuple(declared):
+        return [Violation(task.spec.name, "labels", "labels", f"the task declares labels {declared} but a new head "
+                                                              f"has head.labels = {found!r}")]
     return []
 
 
-def check_plugin(name: str) -> dict[str, Any]:
-    """Load one plugin in isolation (built-in or entry point) and check each of its tasks."""
+def _check_tab(task: RegisteredTask, predictor: Predictor, timed) -> list[Violation]:
+    import gradio as gr
+
+    name = task.spec.name
+
+    def fail(rule: str, case: str, message: str) -> list[Violation]:
+        return [Violation(name, case, rule, message)]
+
+    try:
+        with gr.Blocks() as blocks:
+            task.spec.build_tab(predictor)
+    except Exception as err:
+        return fail("tab", "tab", f"build_tab raised {type(err).__name__}: {str(err)[:200]}")
+    named = [fn.api_name for fn in blocks.fns.values() if fn.api_visibility == "public" and fn.api_name]
+    others = [api for api in named if api != name]
+    if name not in named or others:
+        return fail("tab", "tab", f"the tab's events have api_name {named}; exactly one must be {name!r} (the task's "
+                                  "name, the app's API endpoint), the others with api_visibility='private'")
+    event = next(fn for fn in blocks.fns.values() if fn.api_name == name)
+    fields = task.spec.input_fields
+    if len(event.inputs) < len(fields):
+        return fail("tab", "tab", f"event {name!r} takes {len(event.inputs)} inputs; its first must be the task's "
+                                  f"input_fields {fields}")
+    violations: list[Violation] = []
+    for i, example in enumerate(task.spec.examples):
+        values = [example[f] for f in fields] + [getattr(c, "value", None) for c in event.inputs[len(fields):]]
+        case = f"tab event, example {i}"
+        try:
+            timed(case, blocks, *values, api_name=name)
+        except _Skip:
+            continue
+        except Exception as err:  # gr.Error included: an example must answer, not show an error
+            violations += fail("tab-event", case, f"firing {name!r} through Gradio raised {type(err).__name__}: "
+                                                  f"{str(err)[:200]}")
+    return violations
+
+
+def _check_training(task: RegisteredTask, predictor: Predictor, data: Path, split: str | None,
+                    timed) -> list[Violation]:
+    spec = task.spec
+    case = f"training on {data.name}"
+
+    def fail(message: str) -> list[Violation]:
+        return [Violation(spec.name, case, "training", message)]
+
+    if spec.read_data is None:
+        return fail("sample data was given but the task declares no read_data")
+    try:
+        return timed(case, _training_steps, task, predictor, data, split, fail)
+    except _Skip:
+        return []
+    except Exception as err:
+        return fail(f"raised {type(err).__name__}: {str(err)[:300]}")
+
+
+def _training_steps(task: RegisteredTask, predictor: Predictor, data: Path, split: str | None, fail) -> list[Violation]:
+    from itertools import islice
+
+    from .jobs import evaluate_task
+
+    spec = task.spec
+    pairs = list(islice(spec.read_data(str(data), split or "train"), 4))
+    if not pairs or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], Mapping) for p in pairs):
+        return fail(f"read_data({data.name!r}, {split or 'train'!r}) must yield (inputs, target) pairs, got "
+                    f"{pairs[:1]!r:.120}")
+    violations: list[Violation] = []
+    if spec.loss is not None:
+        model = predictor.model.train()
+        try:
+            if spec.training_batch is not None:
+                batch, targets = spec.training_batch(pairs, predictor.tokenizer, generator=torch.Generator().manual_seed(0))
+            else:
+                fields = spec.input_fields + spec.optional_fields
+                inputs = {f: [x.get(f) for x, _ in pairs] for f in fields if any(x.get(f) is not None for x, _ in pairs)}
+                batch, targets = spec.preprocess(inputs, predictor.tokenizer, **spec.options), [t for _, t in pairs]
+            model.zero_grad(set_to_none=True)
+            loss = spec.loss(model(**batch.model_inputs()), targets)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not torch.isfinite(loss):
+                violations += fail(f"loss must be a finite scalar tensor, got {loss!r:.120}")
+            elif not loss.requires_grad:
+                violations += fail("the loss has no gradient: it does not depend on the model's parameters")
+            else:
+                loss.backward()
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                if not grads or not all(torch.isfinite(g).all() for g in grads) or not any(g.abs().sum() > 0 for g in grads):
+                    violations += fail("the loss's gradient does not reach the model's parameters, or is not finite")
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.eval()
+    if spec.metric is not None or spec.evaluate is not None:
+        metrics = evaluate_task(spec, predictor, pairs)
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if not numbers or not all(math.isfinite(v) for v in numbers.values()):
+            violations += fail(f"the metric must return finite numbers by name, got {metrics!r:.200}")
+        elif spec.best_metric is not None and spec.best_metric not in numbers:
+            violations += fail(f"best_metric {spec.best_metric!r} is not among the metric's numbers {sorted(numbers)}")
+    return violations
+
+
+def check_plugin(name: str, *, data: str | Path | None = None, split: str | None = None,
+                 case_timeout_s: float = CASE_TIMEOUT_S) -> dict[str, Any]:
+    """Load one plugin in isolation (built-in or entry point) and check each of its tasks; then load
+    the full registry as the app would, and name any of its tasks another plugin already registers
+    (the registry would refuse the whole plugin). `data` feeds the training check (one task)."""
     from .registry import BUILTIN_PLUGINS
 
     builtins = tuple(m for m in BUILTIN_PLUGINS if m.rsplit(".", 1)[-1] == name)
@@ -171,14 +313,33 @@ def check_plugin(name: str) -> dict[str, Any]:
     if not registry.plugins:
         return {"plugin": name, "ok": False, "failures": [{"plugin": name, "stage": "import",
                                                            "message": "no such plugin installed"}], "tasks": {}}
+    if data is not None and len(registry.tasks) != 1:
+        raise ValueError(f"--data feeds one task's training check; plugin {name} has {len(registry.tasks)} "
+                         f"({', '.join(registry.tasks)}): check them from a test with assert_task_conforms(task, data=...)")
+    owners = _owners_elsewhere(name)
     tasks = {}
     for task_name, task in registry.tasks.items():
-        found = check_task(task)
-        tasks[task_name] = {"cases": len(golden_cases(task)), "violations": [str(v) for v in found]}
+        found = check_task(task, data=data, split=split, case_timeout_s=case_timeout_s)
+        if task_name in owners:
+            found.insert(0, Violation(task_name, "registry", "name", f"task name {task_name!r} is already registered "
+                                      f"by plugin {owners[task_name]!r}; the app would refuse plugin {name} whole"))
+        tasks[task_name] = {"cases": len(golden_cases(task)), "violations": [str(v) for v in found],
+                            "training": "checked" if data is not None else "not checked (no sample data: --data FILE)"}
     return {"plugin": name, "ok": all(not t["violations"] for t in tasks.values()), "failures": [], "tasks": tasks}
 
 
-def assert_task_conforms(task: RegisteredTask, predictor: Predictor | None = None) -> None:
-    """pytest helper for plugin authors: fails listing every violated rule."""
-    violations = check_task(task, predictor)
+def _owners_elsewhere(name: str) -> dict[str, str]:
+    """Task name -> plugin, for every task the other plugins (built-in and installed) register."""
+    from .registry import BUILTIN_PLUGINS
+
+    others = tuple(m for m in BUILTIN_PLUGINS if m.rsplit(".", 1)[-1] != name)
+    full = load_registry(builtins=others, entry_points=True, excluded={name}, strict=False)
+    return {task_name: task.plugin for task_name, task in full.tasks.items()}
+
+
+def assert_task_conforms(task: RegisteredTask, predictor: Predictor | None = None, *,
+                         data: str | Path | None = None, split: str | None = None) -> None:
+    """pytest helper for plugin authors: fails listing every violated rule. Give `data` (a few examples
+    in read_data's format) to check the training side too."""
+    violations = check_task(task, predictor, data=data, split=split)
     assert not violations, "task does not conform:\n" + "\n".join(str(v) for v in violations)

@@ -239,13 +239,16 @@ def _env_flag(name: str) -> bool:
 
 
 def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool = True,
-                  selected: set[str] | None = None, strict: bool | None = None) -> Registry:
+                  selected: set[str] | None = None, excluded: set[str] | None = None,
+                  strict: bool | None = None) -> Registry:
     """Load built-in task modules, then third-party entry points (sorted by name), each in isolation.
 
     Args:
         builtins: module names (default BUILTIN_PLUGINS).
         entry_points: also load the `bert_engine` entry-point group.
         selected: third-party plugin names to load (default: BERT_ENGINE_PLUGINS if set, else all).
+        excluded: third-party plugin names not to load (the conformance kit compares one plugin
+            against all the others).
         strict: re-raise the first failure (default: BERT_ENGINE_STRICT_PLUGINS).
     """
     from . import __version__
@@ -263,7 +266,7 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
     seen = set()
     installed = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
     for ep in installed:
-        if ep.name in seen or (selected is not None and ep.name not in selected):
+        if ep.name in seen or (selected is not None and ep.name not in selected) or ep.name in (excluded or ()):
             continue
         seen.add(ep.name)
         version = ep.dist.version if ep.dist is not None else "unknown"

@@ -251,8 +251,8 @@ def build_tab(predictor) -> None:
     table = gr.Dataframe(headers=["mask", "rank", "candidate", "score", "sentence"], interactive=False, wrap=True)
     details = gr.JSON(label="Result and provenance")
 
-    def run(text_value: str, k: float, mode_value: str, target_text: str):
-        words = [w.strip() for w in target_text.split(",") if w.strip()] or None
+    def run(text_value: str, k: float, mode_value: str, target_text: str | None):
+        words = [w.strip() for w in (target_text or "").split(",") if w.strip()] or None  # API clients may send null
         try:
             output = predictor.predict({"text": text_value}, top_k=int(k), mode=mode_value, targets=words)
         except InputError as err:

@@ -320,3 +320,36 @@ def test_cli_plugins_smoke_runs_every_task_and_names_the_failing_one(site, capsy
     assert {"plugin": "late-failure", "version": "0.3", "stage": "postprocess", "source": "",
             "message": "task late: ValueError: broken at request time",
             "location": "site/late_failure.py:6"} in report["failures"]
+
+
+def test_plugin_check_names_a_task_name_another_plugin_owns(site, capsys):
+    """Alone the plugin works; beside the built-ins the registry would refuse it whole."""
+    install_dist(site, "clash", GOOD_PLUGIN.format(task="sentiment"))
+    assert cli_main(["plugin", "check", "clash"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    violations = report["tasks"]["sentiment"]["violations"]
+    assert any("name: task name 'sentiment' is already registered by plugin 'sentiment'" in v for v in violations)
+
+
+def test_plugin_check_with_data_checks_training(site, tmp_path, capsys):
+    install_dist(site, "brokenloss", """
+        import torch
+        from bert_engine.hookspecs import TaskSpec, hookimpl
+
+        def read_data(path, split):
+            for line in open(path):
+                yield {"text": line.strip()}, 1
+
+        @hookimpl
+        def register_tasks(register):
+            register(TaskSpec(name="brokenloss", title="Broken loss", build_head=lambda c: torch.nn.Identity(),
+                              preprocess=lambda i, t, **o: t(i["text"]), postprocess=lambda o, b, **k: {},
+                              read_data=read_data, loss=lambda output, targets: torch.tensor(float("nan"))))
+    """)
+    data = tmp_path / "lines.txt"
+    data.write_text("one line\nanother line\n")
+    assert cli_main(["plugin", "check", "brokenloss"]) == 0  # without data the training side is not checked...
+    assert json.loads(capsys.readouterr().out)["tasks"]["brokenloss"]["training"].startswith("not checked")
+    assert cli_main(["plugin", "check", "brokenloss", "--data", str(data)]) == 1  # ...with it, it is
+    violations = json.loads(capsys.readouterr().out)["tasks"]["brokenloss"]["violations"]
+    assert any("training: loss must be a finite scalar tensor" in v for v in violations), violations

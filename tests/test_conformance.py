@@ -1,0 +1,169 @@
+"""The conformance kit on every registered task (a new built-in task is checked without editing this
+file), and on plugins that break each of its rules."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bert_engine.conformance import check_task, tiny_predictor
+from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from bert_engine.registry import Registry, load_registry
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# Sample data in each built-in task's read_data format, and the split to read; the training check
+# runs on these. A task missing here is still checked on everything else.
+SAMPLE_DATA = {
+    "sentiment": (FIXTURES / "sst_tiny.tsv", "train"),
+    "ner": (FIXTURES / "conll_tiny.txt", "train"),
+    "qa": (FIXTURES / "squad_tiny.json", "dev"),
+    "summary": (FIXTURES / "bbc_tiny.jsonl", "all"),
+    "fill_mask": (FIXTURES / "bbc_tiny.jsonl", "all"),  # plain text: any file of sentences
+}
+BUILTIN = load_registry(entry_points=False)
+
+
+@pytest.mark.parametrize("name", list(BUILTIN.tasks))
+def test_every_builtin_task_conforms(name):
+    data, split = SAMPLE_DATA.get(name, (None, None))
+    assert check_task(BUILTIN.task(name), data=data, split=split) == []
+
+
+def _registry_with(*specs: TaskSpec) -> Registry:
+    class Plugin:
+        @hookimpl
+        def register_tasks(self, register):
+            for spec in specs:
+                register(spec)
+
+    registry = Registry(strict=True)
+    registry.load_plugin("under-test", "0.0.1", "test", Plugin)
+    return registry
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, config, labels=("no", "yes")):
+        super().__init__()
+        self.labels = labels
+        self.linear = torch.nn.Linear(config.hidden_size, len(labels))
+
+    def forward(self, encoded):
+        return self.linear(encoded.last_hidden_state[:, 0])
+
+
+def _preprocess(inputs, tokenizer, **options):
+    if not str(inputs["text"]).strip():
+        raise InputError("empty")
+    return tokenizer(inputs["text"], max_length=64)
+
+
+def _postprocess(logits, batch, **options):
+    return {"label": "yes", "score": float(torch.softmax(logits[0], -1)[1])}
+
+
+def _tab(api_name):
+    def build_tab(predictor):
+        import gradio as gr
+
+        text = gr.Textbox()
+        out = gr.JSON()
+        button = gr.Button()
+        button.click(lambda t: predictor.predict({"text": t})["result"], [text], [out], api_name=api_name)
+    return build_tab
+
+
+def _spec(**changes) -> TaskSpec:
+    values = dict(name="yesno", title="Yes/no", build_head=_Head, preprocess=_preprocess, postprocess=_postprocess,
+                  examples=({"text": "is it?"},), build_tab=_tab("yesno"))
+    values.update(changes)
+    return TaskSpec(**values)
+
+
+def _rules(spec: TaskSpec, **kwargs) -> dict[str, str]:
+    task = _registry_with(spec).task(spec.name)
+    return {v.rule: v.message for v in check_task(task, **kwargs)}
+
+
+def test_a_conforming_toy_task_has_no_violations(tmp_path):
+    data = tmp_path / "d.tsv"
+    data.write_text("yes\t1\nno\t0\n")
+    spec = _spec(labels=("no", "yes"), read_data=_read_tsv, loss=_loss, metric=_metric, best_metric="accuracy")
+    assert _rules(spec, data=data) == {}
+
+
+def _read_tsv(path, split):
+    for line in Path(path).read_text().splitlines():
+        text, label = line.split("\t")
+        yield {"text": text}, int(label)
+
+
+def _loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits, torch.tensor(targets))
+
+
+def _metric(results, targets):
+    return {"accuracy": sum((r["label"] == "yes") == bool(t) for r, t in zip(results, targets)) / len(targets)}
+
+
+def test_a_tab_whose_api_name_differs_from_the_task_is_named():
+    assert "exactly one must be 'yesno'" in _rules(_spec(build_tab=_tab("yes_no")))["tab"]
+
+
+def test_a_postprocess_returning_a_tuple_is_named():
+    rules = _rules(_spec(postprocess=lambda logits, batch, **o: ("yes", 0.5)))
+    assert "comes back from JSON changed (tuple" in rules["json"]
+
+
+def test_a_tab_event_that_fails_through_gradio_is_named():
+    """The prediction itself works; the tab's output breaks in Gradio's postprocessing."""
+    def build_tab(predictor):
+        import gradio as gr
+
+        text, label = gr.Textbox(), gr.Label()  # Label wants {label: confidence}; the result is not that
+        gr.Button().click(lambda t: predictor.predict({"text": t})["result"], [text], [label], api_name="yesno")
+
+    assert "firing 'yesno' through Gradio raised" in _rules(_spec(build_tab=build_tab))["tab-event"]
+
+
+def test_declared_labels_must_be_the_heads():
+    assert "declares labels ('no', 'maybe')" in _rules(_spec(labels=("no", "maybe")))["labels"]
+
+    class Unlabelled(_Head):
+        def __init__(self, config):
+            super().__init__(config)
+            del self.labels
+
+    assert "head.labels = None" in _rules(_spec(labels=("no", "yes"), build_head=Unlabelled))["labels"]
+
+
+def test_a_slow_case_is_cut_off_and_named():
+    import time
+
+    def slow(logits, batch, **options):
+        time.sleep(5)
+        return {"label": "yes", "score": 0.5}
+
+    rules = _rules(_spec(postprocess=slow, build_tab=None, examples=()), case_timeout_s=0.3)
+    assert "yesno plain did not finish within 0.3 s" in rules["time"], rules
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(loss=lambda logits, targets: torch.tensor(float("nan"))), "loss must be a finite scalar tensor"),
+    (dict(loss=lambda logits, targets: torch.tensor(1.0)), "the loss has no gradient"),
+    (dict(loss=lambda logits, targets: (logits * 0).sum()), "gradient does not reach"),
+    (dict(metric=lambda results, targets: {"accuracy": "high"}), "the metric must return finite numbers"),
+    (dict(best_metric="f1"), "best_metric 'f1' is not among the metric's numbers ['accuracy']"),
+    (dict(read_data=lambda path, split: iter([("text", 1)])), "must yield (inputs, target) pairs"),
+    (dict(read_data=lambda path, split: iter([{}["text"]])), "raised KeyError"),
+])
+def test_a_broken_training_side_is_named(tmp_path, changes, message):
+    data = tmp_path / "d.tsv"
+    data.write_text("yes\t1\nno\t0\n")
+    values = dict(read_data=_read_tsv, loss=_loss, metric=_metric, best_metric="accuracy")
+    values.update(changes)
+    assert message in _rules(_spec(**values), data=data)["training"]
+
+
+def test_the_tiny_predictor_uses_the_real_tokenizer():
+    predictor = tiny_predictor(BUILTIN.task("sentiment"))
+    assert predictor.tokenizer.vocab_size == 30522 and predictor.untrained_head
