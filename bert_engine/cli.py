@@ -130,6 +130,8 @@ def _training_config(args: argparse.Namespace, **fixed) -> "TrainConfig":
     from .training import TrainConfig
 
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    if "options" in given:  # -o NAME=VALUE pairs, in order; a later one wins
+        given["options"] = dict(given["options"])
     given.update(fixed)
     return TrainConfig.from_file(args.config, **given) if args.config else TrainConfig(**given)
 
@@ -223,16 +225,21 @@ def _pack(args: argparse.Namespace) -> dict:
 
 
 def _parse_options(items: list[str]) -> dict:
-    options = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--option {item!r}: expected NAME=VALUE")
-        try:
-            options[name] = json.loads(value)
-        except ValueError:
-            options[name] = value  # a bare word, e.g. long_input=windows
-    return options
+    try:
+        return dict(_one_option(item) for item in items)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(str(err)) from None
+
+
+def _one_option(item: str) -> tuple[str, object]:
+    """NAME=VALUE, the value read as JSON (numbers, true, lists) or else kept as a bare word."""
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--option {item!r}: expected NAME=VALUE")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value  # a bare word, e.g. long_input=windows
 
 
 def _add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -251,7 +258,10 @@ def _add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
         kind = hints[f.name]
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         text = f"{f.metadata.get('help', '')} (default: {f.default})"
-        if base is bool:
+        if typing.get_origin(kind) is dict:
+            parser.add_argument("-o", "--option", dest=f.name, action="append", type=_one_option,
+                                default=argparse.SUPPRESS, help=f.metadata.get("help", ""))
+        elif base is bool:
             parser.add_argument(flag, dest=f.name, action="store_true", default=argparse.SUPPRESS, help=text)
         else:
             parser.add_argument(flag, dest=f.name, type=base, default=argparse.SUPPRESS, help=text)

@@ -82,6 +82,27 @@ def check_targets(spec: TaskSpec, labels, examples: list, path: str) -> None:
                                  "or fix the data")
 
 
+def split_task_options(spec: TaskSpec, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Training options -> (for training batches, for evaluation). With a training_batch, its keyword
+    arguments take them; without one, preprocess does (the task's declared options). Evaluation takes
+    the declared ones. An option neither accepts is refused, naming what is accepted."""
+    import inspect
+
+    declared = set(spec.options)
+    if spec.training_batch is not None:
+        parameters = inspect.signature(spec.training_batch).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+        accepted = {n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY or p.default is not p.empty} - {"generator"}
+        batch = {k: v for k, v in options.items() if takes_any or k in accepted}
+    else:
+        accepted, batch = declared, {k: v for k, v in options.items() if k in declared}
+    unknown = sorted(set(options) - set(batch) - declared)
+    if unknown:
+        raise ValueError(f"task {spec.name!r} has no training option {', '.join(map(repr, unknown))}; "
+                         f"its options: {', '.join(sorted(accepted | declared)) or 'none'}")
+    return batch, {k: v for k, v in options.items() if k in declared}
+
+
 class TaskJob:
     """Fine-tune a registered task: its head on a checkpoint, optionally with LoRA adapters."""
 
@@ -113,6 +134,7 @@ class TaskJob:
                 logger.warning("no evaluation data (%s); the final weights will be kept", err)
             check_targets(spec, getattr(self.model.head, "labels", None), self.eval_examples, eval_file)
         self.lora = _prepare_lora(self.model, cfg)
+        self.batch_options, self.eval_options = split_task_options(spec, cfg.options)
 
     @property
     def best_metric(self) -> tuple[str | None, str]:
@@ -122,10 +144,10 @@ class TaskJob:
     def collate(self, examples: list, generator: torch.Generator):
         spec = self.spec
         if spec.training_batch is not None:
-            return spec.training_batch(examples, self.tokenizer, generator=generator)
+            return spec.training_batch(examples, self.tokenizer, generator=generator, **self.batch_options)
         fields = spec.input_fields + spec.optional_fields
         inputs = {f: [x.get(f) for x, _ in examples] for f in fields if any(x.get(f) is not None for x, _ in examples)}
-        batch = spec.preprocess(inputs, self.tokenizer, **spec.options)
+        batch = spec.preprocess(inputs, self.tokenizer, **{**spec.options, **self.batch_options})
         return batch, [target for _, target in examples]
 
     def loss(self, model: nn.Module, batch, targets):
@@ -139,7 +161,7 @@ class TaskJob:
         from .inference import Predictor
 
         predictor = Predictor(self.task, model, self.tokenizer, model_id=f"{self.cfg.output_dir} (training)")
-        return evaluate_task(self.spec, predictor, self.eval_examples, rank=rank, world=world)
+        return evaluate_task(self.spec, predictor, self.eval_examples, rank=rank, world=world, **self.eval_options)
 
     def save(self, model: nn.Module, folder: Path) -> None:
         save_model(model, folder, self.tokenizer, self.lora, self.base_name, self.cfg)

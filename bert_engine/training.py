@@ -82,6 +82,9 @@ class TrainConfig:
     best_metric: str | None = _help("metric that picks the best checkpoint, as name, name:max or name:min (default: "
                                     "the task's declared one, else F1/accuracy/...; names with 'loss' are minimised)",
                                     default=None)
+    options: dict[str, Any] = _help("task options (-o NAME=VALUE, repeatable): keywords of the task's training_batch "
+                                    "(e.g. ner max_length=128), also used for evaluation where the task declares them",
+                                    default_factory=dict)
     device: str | None = _help("cuda, mps or cpu (default: the best available)", default=None)
     max_seq_len: int = _help("pretraining: tokens per sentence pair", default=128)
     mlm_prob: float = _help("pretraining and fill-mask: fraction of tokens chosen for MLM", default=0.15)

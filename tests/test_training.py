@@ -27,6 +27,7 @@ from conftest import SENTENCES
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SST = FIXTURES / "sst_tiny.tsv"
+CONLL = FIXTURES / "conll_tiny.txt"
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the river ran past old stone houses while children played near the bridge and their parents "
          "talked about the harvest , the weather , and the prices at the market in town").split()
@@ -450,3 +451,18 @@ def test_a_third_party_task_trains_with_the_same_command(installed_example, tiny
     report = json.loads(out.stdout)
     assert report["steps"] == 4 and {"spearman", "pearson"} <= set(report["last_eval"])
     assert (tmp_path / "sts" / "best" / "model.safetensors").is_file()
+
+
+def test_task_options_reach_training_batches_and_unknown_ones_are_named(tiny_checkpoint, tmp_path):
+    from bert_engine.cli import build_parser, _training_config
+
+    task = load_registry(entry_points=False).task("ner")
+    args = build_parser().parse_args(["train", "ner", "--model", str(tiny_checkpoint), "--train-file", str(CONLL),
+                                      "-o", "max_length=16", "-o", "stride=4", "--output-dir", str(tmp_path / "run")])
+    cfg = _training_config(args, task="ner")
+    assert cfg.options == {"max_length": 16, "stride": 4}
+    job = TaskJob(task, cfg)
+    batch, _ = job.collate(job.examples[:4], torch.Generator().manual_seed(0))
+    assert batch.input_ids.shape[1] <= 16 and job.eval_options == {"max_length": 16, "stride": 4}
+    with pytest.raises(ValueError, match="task 'ner' has no training option 'bogus'; its options: .*max_length"):
+        TaskJob(task, dataclasses.replace(cfg, options={"bogus": 1}))
