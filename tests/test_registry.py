@@ -15,6 +15,7 @@ from bert_engine.registry import Registry, load_registry
 from conftest import install_dist
 
 ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
 
 
 class LengthHead(torch.nn.Module):
@@ -267,7 +268,7 @@ def test_installed_example_plugin_appears_with_its_tab(installed_example, monkey
     info = next(p for p in registry.plugins if p.name == "similarity")
     assert info.version == "0.1.0" and info.tasks == ("similarity",)
     task = registry.task("similarity")
-    assert check_task(task) == []  # includes building its tab
+    assert check_task(task, data=FIXTURES / "sts_tiny.tsv") == []  # its tab and training side too
 
 
 def test_installed_example_plugin_gives_real_similarities(installed_example, monkeypatch):

@@ -137,4 +137,5 @@ def register_tasks(register):
         training_batch=training_batch,
         loss=loss,
         metric=metric,
+        best_metric="spearman",
     ))
