@@ -2,12 +2,19 @@
 
     python -m benchmarks.load_test                       # 32 clients for 120 s, then a table
     python -m benchmarks.load_test --clients 8 --seconds 30 --max-requests 500 --json load.json
+    python -m benchmarks.load_test --clients 15 --seconds 60 --attacker   # quiet, then with one attacker
 
 Bounded in time (`--seconds`) and count (`--max-requests`), loopback only. Each client loops over
 the tabs (sentiment, NER, QA, summary, fill-mask, and now and then an empty input, which must come
 back as the task's message). Reported: requests, errors (anything but the expected messages),
 p50/p95/p99 latency per tab and overall, and the server's resident memory after warm-up, at the end
 and its peak. The app runs as a separate process (`python app.py`), exactly as users start it.
+
+With `--attacker`, the clients run twice for `--seconds` each: first alone (quiet), then beside one
+attacker: a single visitor (one session) sending, from `--attacker-threads` parallel requests, the
+slowest requests the limits allow (sentiment with windows at the token limit, a 1,990-sentence
+summary, fill-mask with 100 targets, QA over a long context). Reported: the normal clients'
+requests/s in each phase and their ratio, and what the attacker got (answers, refusals).
 """
 
 from __future__ import annotations
@@ -57,10 +64,22 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
 
 
 def start_app(port: int, concurrency: int) -> subprocess.Popen:
+    """`python app.py` on loopback; its log goes to a temporary file (a pipe nobody reads would fill
+    up and freeze the server mid-test)."""
+    import tempfile
+
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
            "BERT_ENGINE_CONCURRENCY": str(concurrency), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                               stderr=log, text=True)
+    process.log = log
+    return process
+
+
+def app_log_tail(process: subprocess.Popen, chars: int = 2000) -> str:
+    process.log.seek(0)
+    return process.log.read()[-chars:]
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 180) -> None:
@@ -69,13 +88,47 @@ def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 180) -> N
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"the app exited with {process.returncode}: {process.stderr.read()[-2000:]}")
+            raise SystemExit(f"the app exited with {process.returncode}: {app_log_tail(process)}")
         try:
             with urllib.request.urlopen(url + "config", timeout=5):
                 return
         except OSError:
             time.sleep(1)
     raise SystemExit(f"the app did not answer on {url} within {timeout_s} s")
+
+
+def attack_calls() -> list[tuple[str, tuple]]:
+    """The slowest requests the app's limits allow (each must be answered or refused, quickly)."""
+    words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
+             "tau upsilon phi chi psi omega").split()
+    rng = random.Random(0)
+    prose = " ".join(rng.choice(words) for _ in range(44_000))  # ~63,000 tokens: just under the request limit
+    sentences = " ".join(f"Sentence {i} tells of {rng.choice(words)} and {rng.choice(words)}." for i in range(1_990))
+    targets = ", ".join(words[:20] * 5)
+    return [("sentiment", (prose, "", "windows")),
+            ("summary", (sentences, 5, 0.3, 4, "auto")),
+            ("fill_mask", ("The [MASK] " + " ".join(words * 4), 5, "independent", targets)),
+            ("qa", ("Which letter comes after eta?", prose[:170_000], 1))]
+
+
+def attacker_loop(url: str, stop: threading.Event, client, results: list, lock: threading.Lock, offset: int):
+    """Slow requests back to back; `client` None: a new session for every request (the per-visitor
+    in-flight limit never sees the same visitor twice; only the compute gate's scheduling is left)."""
+    from gradio_client import Client
+
+    calls = attack_calls()
+    i = offset
+    while not stop.is_set():
+        name, args = calls[i % len(calls)]
+        i += 1
+        start = time.perf_counter()
+        try:
+            (client or Client(url, verbose=False)).predict(*args, api_name=f"/{name}")
+            outcome = "answered"
+        except Exception as err:  # noqa: BLE001 - a refusal is an answer too
+            outcome = "refused: " + str(err)[:120]
+        with lock:
+            results.append((name, time.perf_counter() - start, outcome))
 
 
 def client_loop(url: str, seed: int, stop: threading.Event, budget: list[int], results: list, lock: threading.Lock):
@@ -119,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-requests", type=int, default=20_000, help="stop after this many requests in all")
     parser.add_argument("--concurrency", type=int, default=4, help="the app's per-event concurrency limit")
     parser.add_argument("--drain", type=float, default=120, help="seconds in-flight requests get after the end")
+    parser.add_argument("--attacker", action="store_true", help="run quiet, then beside one attacker; compare")
+    parser.add_argument("--attacker-threads", type=int, default=4, help="the attacker's parallel requests")
+    parser.add_argument("--rotate-sessions", action="store_true",
+                        help="the attacker opens a new session for every request (dodging per-visitor limits)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     port = free_port()
@@ -132,49 +189,91 @@ def main(argv: list[str] | None = None) -> int:
         for name, calls in CALLS.items():
             warm.predict(*calls[0], api_name=f"/{name}")
         rss_start = rss_mb(process.pid)
-        stop, lock, budget, results = threading.Event(), threading.Lock(), [args.max_requests], []
-        threads = [threading.Thread(target=client_loop, args=(url, i, stop, budget, results, lock), daemon=True)
-                   for i in range(args.clients)]
-        began = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        next_report = began + 10
-        while time.perf_counter() - began < args.seconds and any(t.is_alive() for t in threads):
-            time.sleep(0.5)
-            if time.perf_counter() >= next_report:
-                next_report += 10
-                print(f"{time.perf_counter() - began:.0f} s: {len(results)} requests, "
-                      f"{sum(r[2] is not None for r in results)} errors", file=sys.stderr, flush=True)
-        stop.set()
-        deadline = time.perf_counter() + args.drain  # requests in flight may finish; then they count as errors
-        for thread in threads:
-            thread.join(timeout=max(0.0, deadline - time.perf_counter()))
-        stuck = sum(t.is_alive() for t in threads)
-        results += [("?", float("nan"), f"no answer {args.drain:g} s after the end")] * stuck
-        elapsed = time.perf_counter() - began
+        phases = {}
+        for phase in (["quiet", "attacked"] if args.attacker else ["run"]):
+            phases[phase] = run_phase(url, args, attacked=phase == "attacked")
         rss_end, rss_peak = rss_mb(process.pid), rss_mb(process.pid, "VmHWM")
     finally:
         process.terminate()
         process.wait(timeout=60)
-    rows = []
-    for name in [*CALLS, "all"]:
-        mine = [r for r in results if name in ("all", r[0])]
-        latencies = [r[1] for r in mine if r[1] == r[1]]  # not the NaN of requests never answered
-        rows.append({"tab": name, "requests": len(mine), "errors": sum(r[2] is not None for r in mine),
-                     "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95),
-                     "p99_s": percentile(latencies, 99), "mean_s": statistics.fmean(latencies) if latencies else None})
-    errors = sorted({r[2] for r in results if r[2]})
     info = machine()
-    print(f"# load test: {args.clients} clients, {elapsed:.0f} s, {info['cpu']}, {info['threads']} threads; "
-          f"{len(results) / elapsed:.1f} requests/s; server RSS {rss_start:.0f} MB after warm-up, "
-          f"{rss_end:.0f} MB at the end, peak {rss_peak:.0f} MB")
-    print_table(rows, ["tab", "requests", "errors", "p50_s", "p95_s", "p99_s", "mean_s"])
-    for error in errors[:10]:
+    errors: list[str] = []
+    for phase, (results, elapsed, attacks) in phases.items():
+        rows = []
+        for name in [*CALLS, "all"]:
+            mine = [r for r in results if name in ("all", r[0])]
+            latencies = [r[1] for r in mine if r[1] == r[1]]  # not the NaN of requests never answered
+            rows.append({"tab": name, "requests": len(mine), "errors": sum(r[2] is not None for r in mine),
+                         "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95),
+                         "p99_s": percentile(latencies, 99), "mean_s": statistics.fmean(latencies) if latencies else None})
+        errors += sorted({r[2] for r in results if r[2]})
+        print(f"# load test, {phase}: {args.clients} clients, {elapsed:.0f} s, {info['cpu']} "
+              f"({info.get('cpu_capability', '?')}), {info['threads']} threads; {len(results) / elapsed:.1f} requests/s")
+        print_table(rows, ["tab", "requests", "errors", "p50_s", "p95_s", "p99_s", "mean_s"])
+        if attacks:
+            outcomes: dict[str, int] = {}
+            for name, _, outcome in attacks:
+                key = f"{name}: {outcome.split(':')[0]}"
+                outcomes[key] = outcomes.get(key, 0) + 1
+            sessions = "a new session per request" if args.rotate_sessions else "one session"
+            print(f"# the attacker ({args.attacker_threads} parallel requests, {sessions}): "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
+            for reason in sorted({o for _, _, o in attacks if o != "answered"})[:5]:
+                print("#   ", reason)
+    if args.attacker:
+        quiet = len(phases["quiet"][0]) / phases["quiet"][1]
+        attacked = len(phases["attacked"][0]) / phases["attacked"][1]
+        print(f"# normal clients: {quiet:.1f} requests/s quiet, {attacked:.1f} with the attacker "
+              f"({100 * attacked / quiet:.0f} % of quiet; the target is at least 80 %)")
+    print(f"# server RSS {rss_start:.0f} MB after warm-up, {rss_end:.0f} MB at the end, peak {rss_peak:.0f} MB")
+    for error in sorted(set(errors))[:10]:
         print("error:", error)
-    write_json(args.json, {"machine": info, "clients": args.clients, "seconds": elapsed, "rows": rows,
+    write_json(args.json, {"machine": info, "clients": args.clients,
+                           "phases": {k: {"requests": len(v[0]), "seconds": v[1], "attacks": len(v[2])}
+                                      for k, v in phases.items()},
                            "rss_mb": {"after_warm_up": rss_start, "end": rss_end, "peak": rss_peak},
-                           "errors": errors})
+                           "errors": sorted(set(errors))})
     return 1 if errors else 0
+
+
+def run_phase(url: str, args, *, attacked: bool) -> tuple[list, float, list]:
+    """The normal clients for `args.seconds` (with the attacker beside them when `attacked`):
+    (their results, the seconds it took, the attacker's results)."""
+    from gradio_client import Client
+
+    stop, lock, budget, results, attacks = threading.Event(), threading.Lock(), [args.max_requests], [], []
+    threads = [threading.Thread(target=client_loop, args=(url, i, stop, budget, results, lock), daemon=True)
+               for i in range(args.clients)]
+    attackers = []
+    if attacked:
+        # one visitor: one session for every attacking request (or, rotating, a new session each time)
+        client = None if args.rotate_sessions else Client(url, verbose=False)
+        attackers = [threading.Thread(target=attacker_loop, args=(url, stop, client, attacks, lock, i), daemon=True)
+                     for i in range(args.attacker_threads)]
+    for thread in attackers:
+        thread.start()
+    if attackers:
+        time.sleep(2)  # the attack is under way before the clock starts
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    next_report = began + 10
+    while time.perf_counter() - began < args.seconds and any(t.is_alive() for t in threads):
+        time.sleep(0.5)
+        if time.perf_counter() >= next_report:
+            next_report += 10
+            print(f"{time.perf_counter() - began:.0f} s: {len(results)} requests, "
+                  f"{sum(r[2] is not None for r in results)} errors, {len(attacks)} attacks", file=sys.stderr, flush=True)
+    stop.set()
+    elapsed = time.perf_counter() - began
+    deadline = time.perf_counter() + args.drain  # requests in flight may finish; then they count as errors
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.perf_counter()))
+    stuck = sum(t.is_alive() for t in threads)
+    results += [("?", float("nan"), f"no answer {args.drain:g} s after the end")] * stuck
+    for thread in attackers:
+        thread.join(timeout=max(0.0, deadline - time.perf_counter()))
+    return results, elapsed, attacks
 
 
 if __name__ == "__main__":

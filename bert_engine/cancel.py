@@ -12,6 +12,7 @@ holding its model: once it has been cancelled for `grace_s`, the waiters take a 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import logging
 import threading
@@ -82,11 +83,12 @@ def call_with_timeout(function: Callable[..., Any], timeout_s: float | None, *ar
         return function(*args, **kwargs)
     box: dict[str, Any] = {}
     done = threading.Event()
+    context = contextvars.copy_context()  # the caller's context variables (fairness.VISITOR) go along
 
     def target() -> None:
         try:
             try:
-                box["value"] = function(*args, **kwargs)
+                box["value"] = context.run(function, *args, **kwargs)
             except BaseException as err:  # handed to the caller below
                 box["error"] = err
             finally:

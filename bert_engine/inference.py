@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from .cancel import ModelLock
+from .fairness import CHUNK_TOKENS, GATE, VISITOR, ComputeGate
 from .hookspecs import InputError
 from .precision import parameter_dtype, pick_device, prepare_for_inference
 from .registry import RegisteredTask
@@ -97,7 +99,7 @@ class Predictor:
         self.untrained_head = untrained_head
         self.precision: str | None = None  # "int8" etc. when chosen; else the parameters' dtype says it
         self.device = next(model.parameters()).device
-        self.last: LastInput | None = None
+        self._last: OrderedDict[str | None, LastInput] = OrderedDict()  # per visitor, for the attention view
         self.max_rows = 32  # rows (windows) per forward pass
         self._lock = ModelLock()  # one forward pass at a time per model; callers queue, a cut-off one lets go
 
@@ -167,17 +169,17 @@ class Predictor:
             InputError: an input needs more than MAX_REQUEST_TOKENS tokens (checked before any forward).
         """
         check_request_cost(self.task.spec.name, batch)
-        with self._lock, torch.inference_mode():
+        with torch.inference_mode():
             with request_stage("forward"):
                 output = self._forward(batch.to(self.device))
-            with request_stage("postprocess"):
+            with request_stage("postprocess"), self._lock:
                 # Postprocessing may use the model too (logits at chosen positions, beam search).
                 return self.task.spec.postprocess(output, batch.to("cpu"), **options)
 
     def forward_rows(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         """The model's output for already-tokenised rows, for a task that batches inputs its own way
-        (e.g. qa.predict_many); chunked like every forward, under this model's lock."""
-        with self._lock, torch.inference_mode():
+        (e.g. qa.predict_many); chunked and scheduled like every forward."""
+        with torch.inference_mode():
             return self._forward_inputs({k: v.to(self.device) for k, v in inputs.items()})
 
     def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
@@ -196,19 +198,36 @@ class Predictor:
         self._remember(batch)
         return {"task": spec.name, "result": result, "provenance": self.provenance(latency_ms)}
 
+    MAX_REMEMBERED = 256  # visitors whose last input the attention view keeps
+
+    @property
+    def last(self) -> LastInput | None:
+        """The current visitor's last input (fairness.VISITOR; None: the anonymous caller's)."""
+        return self._last.get(VISITOR.get())
+
     def remember(self, inputs: Mapping[str, Any], options: Mapping[str, Any]) -> None:
-        """Make `inputs` the last input (for the attention view) without predicting: tokenising only."""
+        """Make `inputs` the current visitor's last input (for the attention view) without predicting."""
         self._remember(self.task.spec.preprocess(inputs, self.tokenizer, **options))
 
     def _remember(self, batch: Batch) -> None:
-        first = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
-        self.last = LastInput(self.tokenizer.convert_ids_to_tokens(first), batch)
+        """Keep the first row of `batch` as the current visitor's last input: each visitor sees only
+        their own in the attention view."""
+        n = int(batch.attention_mask[0].sum())
+        first = batch.input_ids[0, :n].tolist()
+        keep = Batch(batch.input_ids[:1, :n].cpu().clone(), batch.attention_mask[:1, :n].cpu().clone(),
+                     batch.token_type_ids[:1, :n].cpu().clone(), batch.offsets[:1], batch.sequence_ids[:1],
+                     batch.word_ids[:1], batch.sample_index[:1], batch.truncated[:1])  # one row, not the windows
+        visitor = VISITOR.get()
+        self._last[visitor] = LastInput(self.tokenizer.convert_ids_to_tokens(first), keep)
+        self._last.move_to_end(visitor)
+        while len(self._last) > self.MAX_REMEMBERED:
+            self._last.popitem(last=False)
 
     def _forward(self, batch: Batch):
         return self._forward_inputs(batch.model_inputs())
 
     def _forward_inputs(self, inputs: Mapping[str, Any]):
-        return forward_in_chunks(self.model, inputs, self.max_rows)
+        return forward_in_chunks(self.model, inputs, self.max_rows, lock=self._lock, gate=GATE)
 
     def provenance(self, latency_ms: float | None = None) -> dict[str, Any]:
         dtype = self.precision or str(next(self.model.parameters()).dtype).removeprefix("torch.")
@@ -221,26 +240,32 @@ class Predictor:
 
     def attention(self) -> tuple[list[str], list[torch.Tensor]]:
         """Tokens of the last input's first row and every layer's (N, T, T) attention over them."""
-        if self.last is None:
+        last = self.last
+        if last is None:
             raise InputError("no input yet: run a prediction in any tab first")
-        batch = self.last.batch
-        n = len(self.last.tokens)
+        batch, n = last.batch, len(last.tokens)
         encoder = getattr(self.model, "encoder", self.model)
-        with self._lock, torch.inference_mode():
+        with GATE.turn(n), self._lock, torch.inference_mode():
             out = encoder(batch.input_ids[:1, :n].to(self.device), None,
                           batch.token_type_ids[:1, :n].to(self.device), output_attentions=True)
-        return self.last.tokens, [a[0].float().cpu() for a in out.attentions]
+        return last.tokens, [a[0].float().cpu() for a in out.attentions]
 
 
-def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int = 32) -> Any:
-    """`model(**inputs)` over at most `max_rows` rows at a time, so many windows cannot exhaust
-    memory; tensor inputs are sliced along the batch, other keywords passed whole, outputs concatenated."""
-    rows = inputs["input_ids"].shape[0]
-    if rows <= max_rows:
-        return model(**inputs)
-    parts = [model(**{k: v[i:i + max_rows] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
-             for i in range(0, rows, max_rows)]
-    return _concat(parts)
+def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int = 32, *,
+                      max_tokens: int = CHUNK_TOKENS, lock: Any = None, gate: ComputeGate | None = None) -> Any:
+    """`model(**inputs)` over chunks of at most `max_rows` rows and `max_tokens` padded tokens (at
+    least one row), so many windows cannot exhaust memory and no chunk holds the machine long; each
+    chunk waits for its turn at `gate` (fairness.py) and holds `lock` (the model's) while it runs.
+    Tensor inputs are sliced along the batch, other keywords passed whole, outputs concatenated."""
+    rows, length = inputs["input_ids"].shape[:2]
+    step = max(1, min(max_rows, max_tokens // max(1, length)))
+    parts = []
+    for i in range(0, rows, step):
+        chunk = {k: v[i:i + step] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        with gate.turn(chunk["input_ids"].numel()) if gate is not None else contextlib.nullcontext(), \
+                lock if lock is not None else contextlib.nullcontext():
+            parts.append(model(**chunk))
+    return parts[0] if len(parts) == 1 else _concat(parts)
 
 
 def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size: int = 32,

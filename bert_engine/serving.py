@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .cancel import PredictionTimeout
+from .fairness import VISITOR, visitor_scope
 from .hookspecs import InputError
 from .inference import LastInput, Predictor, predict_in_batches
 from .registry import RegisteredTask
@@ -114,7 +115,7 @@ class BatchingPredictor(LazyPredictor):
             output["provenance"]["batch_size"] = 1
             return output
         key = json.dumps(merged, sort_keys=True, default=str)
-        request = {"inputs": dict(inputs), "done": False, "output": None, "error": None}
+        request = {"inputs": dict(inputs), "visitor": VISITOR.get(), "done": False, "output": None, "error": None}
         with self._cond:
             group = self._pending.setdefault(key, [])
             group.append(request)
@@ -146,7 +147,9 @@ class BatchingPredictor(LazyPredictor):
                 return
             results = predict_in_batches(predictor, [r["inputs"] for r in group], batch_size=len(group), **options)
             latency_ms = (time.perf_counter() - start) * 1000
-            predictor.remember(group[-1]["inputs"], predictor.check_options(options))  # the attention view's input
+            for request in group:  # each visitor's own input for their attention view
+                with visitor_scope(request["visitor"]):
+                    predictor.remember(request["inputs"], predictor.check_options(options))
             for request, result in zip(group, results):
                 provenance = {**predictor.provenance(latency_ms), "batch_size": len(group)}
                 request["output"] = {"task": self.task.spec.name, "result": result, "provenance": provenance}
@@ -166,7 +169,8 @@ class BatchingPredictor(LazyPredictor):
     def _run_alone(predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
         for request in group:
             try:
-                output = predictor.predict(request["inputs"], **options)
+                with visitor_scope(request["visitor"]):  # its compute and its attention view are its visitor's
+                    output = predictor.predict(request["inputs"], **options)
                 output["provenance"]["batch_size"] = 1
                 request["output"] = output
             except Exception as err:  # handed to that request's own caller

@@ -15,6 +15,7 @@ from typing import Any
 
 from bert_engine.hookspecs import InputError
 from bert_engine.cancel import PredictionTimeout, call_with_timeout
+from bert_engine.fairness import InFlight, TooManyRequests, visitor_scope
 from bert_engine.loading import inside_any
 from bert_engine.lora import looks_local
 from bert_engine.serving import BatchingPredictor, LazyPredictor
@@ -54,8 +55,9 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     predictors = {name: BatchingPredictor(task, checkpoints.get(name), device=device, precision=precision,
                                           allowed_dirs=model_dirs, shown_name=shown_model_name)
                   for name, task in registry.tasks.items()}
+    in_flight = InFlight()  # per visitor, across the tabs (bert_engine.fairness)
     for name, predictor in predictors.items():
-        predictor.predict = guarded(on_gpu(predictor.predict), name, registry, timeout_s)
+        predictor.predict = guarded(on_gpu(predictor.predict), name, registry, timeout_s, in_flight)
     with gr.Blocks(title="bert_engine playground") as app:
         gr.Markdown("# bert_engine playground\nBERT from scratch in PyTorch. "
                     f"{len(registry.tasks)} task(s) from {len(registry.plugins)} plugin(s).")
@@ -90,7 +92,15 @@ def warm_up(predictors: dict[str, LazyPredictor]) -> threading.Thread:
     return thread
 
 
-def guarded(predict, task: str, registry: Registry, timeout_s: float | None):
+def current_visitor() -> str | None:
+    """The Gradio session of the request being served (None outside a Gradio event)."""
+    from gradio.context import LocalContext
+
+    request = LocalContext.request.get(None)
+    return getattr(request, "session_hash", None) if request is not None else None
+
+
+def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_flight: InFlight | None = None):
     """`predict` with a time limit (cut off and cancelled, see bert_engine.cancel), and a task's own
     failures turned into a clear message in the UI (recorded for the Plugins tab) instead of a stack
     trace; bad input stays the task's InputError. Contains every BaseException a task can raise
@@ -100,11 +110,17 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None):
     from bert_engine.hub import HubError
     from bert_engine.loading import CheckpointError
 
+    in_flight = in_flight or InFlight()
+
     def call(*args, **kwargs):
+        visitor = current_visitor()
         try:
-            return call_with_timeout(predict, timeout_s, *args, what=f"task {task!r}", **kwargs)
+            with in_flight.admit(visitor), visitor_scope(visitor):  # the visitor's share (fairness.py)
+                return call_with_timeout(predict, timeout_s, *args, what=f"task {task!r}", **kwargs)
         except (InputError, gr.Error):
             raise
+        except TooManyRequests as err:
+            message = str(err)
         except (HubError, CheckpointError) as err:  # the model could not be loaded: say which and why
             message = f"{task}: the model could not be loaded: {err}"
         except PredictionTimeout as err:
@@ -307,7 +323,8 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
         if not task_name or task_name not in predictors:
             raise gr.Error("pick a task tab first")
         try:
-            tokens, weights = predictors[task_name].attention()
+            with visitor_scope(current_visitor()):  # this visitor's own last input, never another's
+                tokens, weights = predictors[task_name].attention()
         except InputError as err:
             raise gr.Error(str(err)) from None
         num_layers, num_heads = len(weights), weights[0].shape[0]

@@ -157,6 +157,18 @@ def test_lone_surrogates_over_raw_http_get_a_message_naming_them(served, registr
         assert event == "error" and "lone surrogate '\\ud800'" in payload["error"], (endpoint, payload)
 
 
+def test_the_attention_view_shows_each_visitor_only_their_own_input(served):
+    """Two browser sessions on one server: neither sees the other's text in the attention view."""
+    app, url = served
+    alice, bob = Client(url, verbose=False), Client(url, verbose=False)
+    alice.predict("alice wrote a private diary entry", "", "truncate", api_name="/sentiment")
+    with pytest.raises(Exception, match="no input yet"):
+        bob.predict("sentiment", 0, 0, True, api_name="/attention")
+    bob.predict("bob's shopping list", "", "truncate", api_name="/sentiment")
+    assert "diary" not in bob.predict("sentiment", 0, 0, True, api_name="/attention")
+    assert "diary" in alice.predict("sentiment", 0, 0, True, api_name="/attention")
+
+
 def test_model_picker_switches_and_reports_errors(served, tmp_path):
     from conftest import reference_checkpoint
 

@@ -407,7 +407,8 @@ def test_train_help_explains_every_setting():
                          check=True).stdout
     for f in dataclasses.fields(TrainConfig):
         if f.name not in ("task", "preset", "max_seq_len", "whole_word_mask", "short_seq_prob"):
-            assert "--" + f.name.replace("_", "-") in out
+            flag = "--option" if f.name == "options" else "--" + f.name.replace("_", "-")  # -o NAME=VALUE, as predict
+            assert flag in out, flag
     assert "--lora-rank" in out and "LoRA adapters" in " ".join(out.split())
 
 

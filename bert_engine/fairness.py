@@ -1,0 +1,154 @@
+"""Sharing one machine between visitors: who is asking, how much each may have in flight, and whose
+forward pass runs next.
+
+A public Space serves many visitors from one CPU or GPU. The per-request limits (inference.py: text
+length, tokens over all windows; cancel.py: the time limit) bound what one request costs, but one
+visitor sending many of the costliest requests allowed would still take the machine from the rest.
+Two rules keep the others' share:
+
+- **In flight.** A visitor (a browser session) may have `MAX_IN_FLIGHT` requests running at once;
+  one more is refused at once with a message, so it never holds one of the app's workers.
+- **Least recent compute first.** Every forward pass goes through one `ComputeGate`, in chunks of
+  about `CHUNK_TOKENS` tokens. When the gate frees, the waiting chunk whose visitor has used the
+  least compute recently (tokens, decaying with a half-life of `HALF_LIFE_S`) goes next. A visitor
+  asking for a sentence waits for at most one chunk of a visitor summarising a book; the book's
+  chunks run when nobody lighter waits. Without a visitor (the CLI, Python), each request counts
+  as its own visitor, which is plain least-attained-service scheduling.
+
+The visitor of the running code is a context variable (`VISITOR`), set by the playground from
+Gradio's request; cancel.call_with_timeout carries it into the thread that runs the request.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from .cancel import cancelled_for
+
+CHUNK_TOKENS = int(os.environ.get("BERT_ENGINE_CHUNK_TOKENS", "4096"))  # per forward chunk (padded rows x length)
+MAX_IN_FLIGHT = int(os.environ.get("BERT_ENGINE_MAX_IN_FLIGHT", "2"))  # requests per visitor at once
+HALF_LIFE_S = 30.0  # a visitor's recent compute halves every 30 s
+STUCK_GRACE_S = 2.0  # a cancelled holder stuck in native code this long no longer blocks the gate
+
+VISITOR: ContextVar[str | None] = ContextVar("bert_engine_visitor", default=None)
+
+
+class TooManyRequests(Exception):  # noqa: N818 - the HTTP name says what it is
+    """A visitor asked for more than MAX_IN_FLIGHT requests at once."""
+
+
+class InFlight:
+    """How many requests each visitor has running; `admit` refuses one beyond the limit."""
+
+    def __init__(self, limit: int = MAX_IN_FLIGHT) -> None:
+        self.limit = limit
+        self._running: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def admit(self, visitor: str | None) -> Iterator[None]:
+        """Count the request while it runs. Raises TooManyRequests (before anything runs) when the
+        visitor already has `limit` running; a request without a visitor is not counted."""
+        if visitor is None or self.limit <= 0:
+            yield
+            return
+        with self._lock:
+            if self._running.get(visitor, 0) >= self.limit:
+                raise TooManyRequests(f"you already have {self.limit} requests running; wait for their answers "
+                                      "before sending more")
+            self._running[visitor] = self._running.get(visitor, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._running[visitor] - 1
+                if left:
+                    self._running[visitor] = left
+                else:
+                    del self._running[visitor]
+
+    def running(self, visitor: str) -> int:
+        with self._lock:
+            return self._running.get(visitor, 0)
+
+
+class _Waiter:
+    __slots__ = ("key", "seq")
+
+    def __init__(self, key: object, seq: int) -> None:
+        self.key, self.seq = key, seq
+
+
+class ComputeGate:
+    """`slots` forward chunks at a time; the next slot goes to the waiter whose visitor has the least
+    recent compute (ties: first come). Waiting polls, so a request's cancellation reaches it."""
+
+    def __init__(self, slots: int = 1, half_life_s: float = HALF_LIFE_S) -> None:
+        self.slots = slots
+        self.decay = math.log(2) / half_life_s
+        self._cond = threading.Condition()
+        self._holders: list[threading.Thread] = []
+        self._waiting: list[_Waiter] = []
+        self._usage: dict[object, tuple[float, float]] = {}  # key -> (tokens, when)
+        self._seq = 0
+
+    def usage(self, key: object, now: float | None = None) -> float:
+        """The key's recent compute in tokens, decayed to now."""
+        tokens, when = self._usage.get(key, (0.0, 0.0))
+        now = time.monotonic() if now is None else now
+        return tokens * math.exp(-self.decay * (now - when))
+
+    @contextmanager
+    def turn(self, tokens: int, key: object | None = None) -> Iterator[None]:
+        """Wait for a slot, run the block, then charge `tokens` to `key` (default: the current
+        VISITOR, else a key for this one call)."""
+        key = key if key is not None else VISITOR.get() or object()
+        with self._cond:
+            self._seq += 1
+            waiter = _Waiter(key, self._seq)
+            self._waiting.append(waiter)
+            try:
+                while not self._my_turn(waiter):
+                    self._cond.wait(0.05)
+            finally:
+                self._waiting.remove(waiter)
+            me = threading.current_thread()
+            self._holders.append(me)
+        try:
+            yield
+        finally:
+            with self._cond:
+                if me in self._holders:
+                    self._holders.remove(me)
+                now = time.monotonic()
+                self._usage[key] = (self.usage(key, now) + tokens, now)
+                if len(self._usage) > 4096:  # forget the visitors whose compute has decayed away
+                    self._usage = {k: v for k, v in self._usage.items() if self.usage(k, now) > 1.0}
+                self._cond.notify_all()
+
+    def _my_turn(self, waiter: _Waiter) -> bool:
+        self._holders = [t for t in self._holders if t.is_alive() and (cancelled_for(t) or 0.0) < STUCK_GRACE_S]
+        if len(self._holders) >= self.slots:
+            return False
+        now = time.monotonic()
+        best = min(self._waiting, key=lambda w: (self.usage(w.key, now), w.seq))
+        return best is waiter
+
+
+GATE = ComputeGate(slots=1)  # one forward chunk at a time per process: each already uses every core
+
+
+@contextmanager
+def visitor_scope(visitor: str | None) -> Iterator[None]:
+    """Run the block as `visitor` (None: anonymous)."""
+    token = VISITOR.set(visitor)
+    try:
+        yield
+    finally:
+        VISITOR.reset(token)

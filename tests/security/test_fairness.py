@@ -1,0 +1,124 @@
+"""One visitor cannot take the machine from the others: a visitor's requests in flight are capped, the
+next forward chunk goes to whoever used least compute lately, and no visitor sees another's input.
+The throughput figure under attack is benchmarks/load_test.py --attacker (see docs/reliability.md)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from bert_engine.fairness import ComputeGate, InFlight, TooManyRequests, visitor_scope
+from bert_engine.inference import forward_in_chunks
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def test_the_next_chunk_goes_to_the_visitor_with_least_recent_compute():
+    gate = ComputeGate(slots=1)
+    with gate.turn(50_000, key="heavy"):  # the heavy visitor has just used a lot
+        pass
+    order, release = [], threading.Event()
+
+    def holder():
+        with gate.turn(4096, key="heavy"):
+            release.wait(10)
+
+    def waiter(key):
+        with gate.turn(10, key=key):
+            order.append(key)
+
+    threads = [threading.Thread(target=holder)]
+    threads[0].start()
+    _wait_until(lambda: gate._holders)
+    for key in ("heavy", "light"):  # the heavy visitor's next chunk was queued first
+        threads.append(threading.Thread(target=waiter, args=(key,)))
+        threads[-1].start()
+        _wait_until(lambda n=len(threads) - 1: len(gate._waiting) == n)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert order == ["light", "heavy"]
+    assert gate.usage("heavy") > 50_000 > gate.usage("light") > 0
+
+
+def test_a_cancelled_holder_stuck_in_native_code_does_not_block_the_gate(monkeypatch):
+    import bert_engine.fairness as fairness
+
+    gate = ComputeGate(slots=1)
+    stuck = threading.Event()
+
+    def holder():
+        with gate.turn(1, key="a"):
+            stuck.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    _wait_until(lambda: gate._holders)
+    monkeypatch.setattr(fairness, "cancelled_for", lambda t: 5.0 if t is thread else None)  # cut off 5 s ago
+    start = time.monotonic()
+    with gate.turn(1, key="b"):
+        waited = time.monotonic() - start
+    stuck.set()
+    thread.join(10)
+    assert waited < 1.0
+
+
+def test_a_visitor_may_have_only_so_many_requests_in_flight():
+    in_flight = InFlight(limit=2)
+    with in_flight.admit("a"), in_flight.admit("a"):
+        with pytest.raises(TooManyRequests, match="you already have 2 requests running"):
+            with in_flight.admit("a"):
+                pass
+        with in_flight.admit("b"):  # another visitor is not affected
+            assert in_flight.running("b") == 1
+        assert in_flight.running("a") == 2
+    assert in_flight.running("a") == 0
+    with in_flight.admit(None), in_flight.admit(None), in_flight.admit(None):  # no visitor: not counted
+        pass
+
+
+def test_forward_chunks_are_bounded_in_tokens_and_equal_one_pass(tiny_config):
+    from bert_engine import BertModel
+
+    model = BertModel(tiny_config).eval()
+    ids = torch.randint(5, tiny_config.vocab_size, (12, 64))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+    seen = []
+    gate = ComputeGate(slots=1)
+    original = gate.turn
+
+    def counting(tokens, key=None):
+        seen.append(tokens)
+        return original(tokens, key)
+
+    gate.turn = counting
+    with torch.inference_mode():
+        whole = model(**inputs).last_hidden_state
+        chunked = forward_in_chunks(model, inputs, 32, max_tokens=256, gate=gate).last_hidden_state
+    assert seen == [256] * 3  # 4 rows of 64 tokens per chunk
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_each_visitor_sees_only_their_own_last_input(tmp_path):
+    from bert_engine.inference import Predictor
+    from bert_engine.registry import load_registry
+    from conftest import reference_checkpoint
+
+    folder = reference_checkpoint(tmp_path / "sst", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"})
+    predictor = Predictor.load(load_registry(entry_points=False).task("sentiment"), str(folder))
+    with visitor_scope("alice"):
+        predictor.predict({"text": "alice's private diary entry"})
+    with visitor_scope("bob"):
+        predictor.predict({"text": "bob's note"})
+        tokens, _ = predictor.attention()
+        assert "diary" not in tokens and "note" in tokens
+    with visitor_scope("alice"):
+        assert "diary" in predictor.attention()[0]
+    with visitor_scope("carol"), pytest.raises(Exception, match="no input yet"):
+        predictor.attention()
