@@ -93,11 +93,11 @@ def run(names: list[str], shapes: list[tuple[int, int]], precisions: list[str], 
                 if precision == "fp32" and diff > AGREEMENT:  # lower precisions: reported, not required
                     raise SystemExit(f"{name} {batch}x{tokens}: outputs differ by {diff:.2e} > {AGREEMENT}; not timing")
 
-                def engine():
+                def engine(ours=ours, inputs=inputs):
                     with torch.inference_mode():
                         ours(**inputs)
 
-                def transformers_sdpa():
+                def transformers_sdpa(reference=reference, inputs=inputs):
                     with torch.inference_mode():
                         reference(**inputs)
 

@@ -9,6 +9,7 @@ import os
 import sys
 from itertools import islice
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,8 @@ from .hub import HubError, default_backbone
 from .loading import CheckpointError, load
 from .precision import NAMES as PRECISIONS
 
+if TYPE_CHECKING:  # the training modules load only for the commands that train
+    from .training import TrainConfig
 
 PRECISION_HELP = ("auto: fp32 on CPU, bf16/fp16 on GPU; bf16 on a CPU with AVX512-BF16 or AMX; int8: dynamic "
                   "quantisation of the encoder's linear layers (CPU); see benchmarks/README.md for the speed and "
@@ -124,7 +127,7 @@ def _predict(args: argparse.Namespace) -> dict:
     return results[0] if args.file is None else {"results": results}
 
 
-def _training_config(args: argparse.Namespace, **fixed) -> "TrainConfig":
+def _training_config(args: argparse.Namespace, **fixed) -> TrainConfig:
     import dataclasses
 
     from .training import TrainConfig

@@ -7,8 +7,9 @@ part of the contract is the TaskSpec, validated by the host when it is registere
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, Mapping
+from typing import Any, Literal
 
 import pluggy
 

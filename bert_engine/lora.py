@@ -123,7 +123,7 @@ def add_lora(encoder: nn.Module, config: LoraConfig) -> list[str]:
 def merge_lora(module: nn.Module) -> int:
     """Fold every LoRALinear under `module` back into a plain nn.Linear; returns how many were merged."""
     count = 0
-    for name, child in list(module.named_modules()):
+    for _, child in list(module.named_modules()):
         for attr, sub in list(child.named_children()):
             if isinstance(sub, LoRALinear):
                 setattr(child, attr, sub.merged())

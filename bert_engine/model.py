@@ -8,8 +8,8 @@ Shape legend: B batch, T tokens, H hidden size, N heads, D head size (H = N·D),
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

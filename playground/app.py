@@ -13,15 +13,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from bert_engine.hookspecs import InputError
 from bert_engine.cancel import PredictionTimeout, call_with_timeout
 from bert_engine.fairness import InFlight, TooManyRequests, visitor_scope
+from bert_engine.hookspecs import InputError
 from bert_engine.loading import inside_any
 from bert_engine.lora import looks_local
-from bert_engine.serving import BatchingPredictor, LazyPredictor
 from bert_engine.precision import pick_device
 from bert_engine.precision import resolve as resolve_precision
 from bert_engine.registry import REQUEST_STAGES, PluginFailure, Registry, failure_location, load_registry
+from bert_engine.serving import BatchingPredictor, LazyPredictor
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ class FillMaskOutput:
     """Hidden states, and the head to finish the job: logits are computed only where needed."""
 
     hidden_states: Tensor  # (B, T, H)
-    head: "FillMaskHead"
+    head: FillMaskHead
     encoder: Any = None
 
 

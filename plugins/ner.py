@@ -18,8 +18,8 @@ from torch import Tensor
 from bert_engine.crf import CRF, SCHEMES, allowed_transitions, detect_scheme
 from bert_engine.heads import TokenClassificationHead
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
-from plugins.starter import starter_checkpoint
 from bert_engine.inference import predict_texts
+from plugins.starter import starter_checkpoint
 
 from .tagging import chunks, convert, entity_scores, read_conll
 

@@ -175,6 +175,13 @@ def read_data(path, split: str = "dev"):
                         "starts": [a["answer_start"] for a in answers] or [-1]})
 
 
+def _padded(batches: list, name: str, value: int) -> torch.Tensor:
+    """The `name` tensors of several batches, right-padded with `value` to the widest, stacked: (rows, width)."""
+    width = max(b.input_ids.shape[1] for b in batches)
+    return torch.cat([torch.nn.functional.pad(getattr(b, name), (0, width - b.input_ids.shape[1]), value=value)
+                      for b in batches])
+
+
 def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: bool = False, **options) -> list[dict]:
     """Answers for many (question, context) inputs, in order: each is windowed alone, then the windows
     of neighbouring inputs (sorted by length, so padding stays small) share forward passes of up to
@@ -206,14 +213,9 @@ def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: 
     results: list[Any] = [None] * len(items)
     pad = predictor.tokenizer.pad_token_id
     for group in tqdm(groups, disable=not progress, desc="qa", unit="batch"):
-        width = max(batches[i].input_ids.shape[1] for i in group)
-
-        def padded(name, value):
-            return torch.cat([torch.nn.functional.pad(getattr(batches[i], name), (0, width - batches[i].input_ids.shape[1]),
-                                                      value=value) for i in group])  # (rows, width)
-
-        inputs = {"input_ids": padded("input_ids", pad), "attention_mask": padded("attention_mask", 0),
-                  "token_type_ids": padded("token_type_ids", 0)}
+        rows = [batches[i] for i in group]
+        inputs = {"input_ids": _padded(rows, "input_ids", pad), "attention_mask": _padded(rows, "attention_mask", 0),
+                  "token_type_ids": _padded(rows, "token_type_ids", 0)}
         output = predictor.forward_rows(inputs)
         starts, ends = output.start_logits.float().cpu(), output.end_logits.float().cpu()  # (rows, width)
         row = 0

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from bert_engine.heads import SequenceClassificationHead
-from bert_engine.hookspecs import length_option, InputError, TaskSpec, hookimpl
-from plugins.starter import starter_checkpoint
+from bert_engine.hookspecs import InputError, TaskSpec, hookimpl, length_option
 from bert_engine.inference import predict_texts
+from plugins.starter import starter_checkpoint
 
 logger = logging.getLogger(__name__)
 

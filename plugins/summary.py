@@ -24,9 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
-from plugins.starter import starter_checkpoint
 from bert_engine.inference import predict_texts
 from bert_engine.tokenizer import Batch
+from plugins.starter import starter_checkpoint
 
 MODES = ("auto", "centroid", "supervised")
 MAX_SENTENCES = 2000

@@ -8,8 +8,8 @@ an entity counts only when its span and its type both equal a gold entity's.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from bert_engine.crf import parse_tag
 

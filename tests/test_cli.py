@@ -3,10 +3,9 @@
 import json
 
 import pytest
+from conftest import reference_checkpoint
 
 from bert_engine.cli import main
-
-from conftest import reference_checkpoint
 
 
 @pytest.fixture(scope="module")

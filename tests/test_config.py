@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from bert_engine import BertConfig, PRESETS
+from bert_engine import PRESETS, BertConfig
 
 
 def test_config_json_round_trip(tmp_path):

@@ -5,13 +5,12 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import SENTENCES
 from torch import nn
 
-from bert_engine import BertModel, PRESETS, load
+from bert_engine import PRESETS, BertModel, load
 from bert_engine.fast import PackedLinear, can_pack, pack_linear_layers
 from bert_engine.precision import prepare_for_inference
-
-from conftest import SENTENCES
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 

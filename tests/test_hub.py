@@ -5,7 +5,7 @@ import socket
 import pytest
 import torch
 
-from bert_engine import BertWithHead, HubError, PRESETS, load, resolve, save_pretrained
+from bert_engine import PRESETS, BertWithHead, HubError, load, resolve, save_pretrained
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bert_engine import BertModel, BertWithHead, CheckpointError, PRESETS, load, load_pretrained, save_pretrained
+from bert_engine import PRESETS, BertModel, BertWithHead, CheckpointError, load, load_pretrained, save_pretrained
 from bert_engine.loading import read_weights, to_checkpoint_state
 
 

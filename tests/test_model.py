@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from bert_engine import BertModel, BertWithHead, HEADS
+from bert_engine import HEADS, BertModel, BertWithHead
 from bert_engine.model import additive_padding_mask
 
 

@@ -3,10 +3,9 @@
 import pytest
 import torch
 import transformers
-
-from bert_engine import BertModel, BertWithHead, PRESETS, load, load_pretrained, save_pretrained
-
 from conftest import SENTENCES
+
+from bert_engine import PRESETS, BertModel, BertWithHead, load, load_pretrained, save_pretrained
 
 # Our head name -> the reference class and how to read the same outputs from each side.
 REFERENCE = {
@@ -55,7 +54,7 @@ def _assert_same_outputs(ours, reference, head, batch, atol=1e-5):
         mine, theirs = ours(**batch), reference(**batch)
     for our_name, ref_name in REFERENCE[head][1]:
         torch.testing.assert_close(getattr(mine, our_name), getattr(theirs, ref_name), atol=atol, rtol=1e-5,
-                                   msg=lambda m: f"{our_name} vs {ref_name}: {m}")
+                                   msg=lambda m, names=(our_name, ref_name): f"{names[0]} vs {names[1]}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])

@@ -12,7 +12,7 @@ import torch
 from gradio_client import Client
 
 from bert_engine.hookspecs import TaskSpec, hookimpl
-from bert_engine.registry import Registry, load_registry
+from bert_engine.registry import load_registry
 from playground import build_app
 from playground.app import attention_html, plugin_rows
 
@@ -261,14 +261,14 @@ def test_warm_up_loads_every_model_in_the_background(tiny_app):
 
 
 def test_concurrent_requests_share_a_batch_and_bad_input_stays_alone():
+    import tempfile
     from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import reference_checkpoint
 
     from bert_engine.hookspecs import InputError
     from bert_engine.inference import Predictor
     from bert_engine.serving import BatchingPredictor
-    from conftest import reference_checkpoint
-
-    import tempfile
 
     folder = reference_checkpoint(Path(tempfile.mkdtemp()), "BertForSequenceClassification",
                                   id2label={0: "NEG", 1: "POS"})

@@ -15,7 +15,14 @@ import torch
 
 from bert_engine.inference import Predictor
 from bert_engine.precision import (
-    CAPABILITY_ENV, NAMES, PRECISIONS, PrecisionError, autocast_dtype, cpu_capability, parameter_dtype, resolve,
+    CAPABILITY_ENV,
+    NAMES,
+    PRECISIONS,
+    PrecisionError,
+    autocast_dtype,
+    cpu_capability,
+    parameter_dtype,
+    resolve,
 )
 from bert_engine.registry import load_registry
 

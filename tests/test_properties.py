@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import reference_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.registry import load_registry
-
-from conftest import reference_checkpoint
 
 EXAMPLES = int(os.environ.get("BERT_ENGINE_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100, database=None,

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import install_dist
 
 from bert_engine import hookspecs
 from bert_engine.cli import main as cli_main
 from bert_engine.conformance import check_task, tiny_predictor
 from bert_engine.hookspecs import InputError, PluginError, TaskSpec, hookimpl
 from bert_engine.registry import Registry, load_registry
-from conftest import install_dist
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import math
 import os
 import signal
 import socket
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SENTENCES
 from safetensors.torch import load_file
 
 from bert_engine.config import BertConfig
@@ -22,8 +22,6 @@ from bert_engine.model import BertModel
 from bert_engine.pretraining import PairBuilder, collate_pairs, mask_tokens, special_mask, tokenize_documents
 from bert_engine.registry import load_registry
 from bert_engine.training import TrainConfig, linear_schedule, parameter_groups, parse_best_metric, train
-
-from conftest import SENTENCES
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SST = FIXTURES / "sst_tiny.tsv"
@@ -455,7 +453,7 @@ def test_a_third_party_task_trains_with_the_same_command(installed_example, tiny
 
 
 def test_task_options_reach_training_batches_and_unknown_ones_are_named(tiny_checkpoint, tmp_path):
-    from bert_engine.cli import build_parser, _training_config
+    from bert_engine.cli import _training_config, build_parser
 
     task = load_registry(entry_points=False).task("ner")
     args = build_parser().parse_args(["train", "ner", "--model", str(tiny_checkpoint), "--train-file", str(CONLL),

@@ -5,13 +5,12 @@ import math
 import pytest
 import torch
 import transformers
+from conftest import reference_checkpoint
 
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.registry import load_registry
 from plugins.fill_mask import rows
-
-from conftest import reference_checkpoint
 
 TEXTS = [
     "The capital of France is [MASK].",

@@ -8,15 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import SENTENCES, fit_tiny_model, reference_checkpoint
 
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.loading import load_pretrained, load_tokenizer, save_pretrained
 from bert_engine.registry import load_registry
-from plugins.ner import NerHead, is_valid, metric, read_data, training_batch, loss, transition_table
+from plugins.ner import NerHead, is_valid, loss, metric, read_data, training_batch, transition_table
 from plugins.tagging import chunks, convert, entity_scores
-
-from conftest import SENTENCES, fit_tiny_model, reference_checkpoint
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "conll_tiny.txt"
 BIO = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-ORG", 4: "I-ORG", 5: "B-LOC", 6: "I-LOC", 7: "B-MISC", 8: "I-MISC"}

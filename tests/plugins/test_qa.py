@@ -5,14 +5,20 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import reference_checkpoint
 
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.registry import load_registry
-from plugins.qa import (evaluate_squad, max_context_windows, metric, normalize_answer, predict_many, read_data,
-                        squad_scores)
-
-from conftest import reference_checkpoint
+from plugins.qa import (
+    evaluate_squad,
+    max_context_windows,
+    metric,
+    normalize_answer,
+    predict_many,
+    read_data,
+    squad_scores,
+)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "squad_tiny.json"
 LONG_CONTEXT = " ".join(
@@ -88,7 +94,7 @@ def test_each_token_has_one_home_window_with_most_context(predictor):
         rows = [r for r in range(len(batch)) if span in [tuple(o) for o, s in zip(batch.offsets[r], batch.sequence_ids[r]) if s == 1]]
         assert row in rows
 
-        def context_around(r):
+        def context_around(r, span=span):
             positions = [t for t, s in enumerate(batch.sequence_ids[r]) if s == 1]
             t = [tuple(batch.offsets[r][p]) for p in positions].index(span)
             return min(t, len(positions) - 1 - t)
@@ -208,14 +214,14 @@ def _reference_long_context_best(checkpoint, question, context, max_seq_len, doc
         windows.append((ids, context_positions))
     # where each context token (by character span) has the most context
     best_home = {}
-    for w, (ids, positions) in enumerate(windows):
+    for w, (_, positions) in enumerate(windows):
         for rank, t in enumerate(positions):
             score = min(rank, len(positions) - 1 - rank) + 0.01 * len(positions)
             key = tuple(offsets[w][t])
             if key not in best_home or score > best_home[key][0]:
                 best_home[key] = (score, w)
     best = (None, -1e18)
-    for w, (ids, positions) in enumerate(windows):
+    for w, (_, positions) in enumerate(windows):
         start, end = out.start_logits[w].tolist(), out.end_logits[w].tolist()
         for s in positions:
             if best_home[tuple(offsets[w][s])][1] != w:

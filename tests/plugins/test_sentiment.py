@@ -1,15 +1,13 @@
 """Sentiment: parity with the transformers text-classification pipeline, long input, batches, Hub."""
 
 import pytest
-import torch
 import transformers
+from conftest import SENTENCES, reference_checkpoint
 
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.registry import load_registry
 from plugins.sentiment import classify_many
-
-from conftest import SENTENCES, reference_checkpoint
 
 REVIEWS = [
     "a gorgeous , witty , seductive movie .",

@@ -7,15 +7,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fit_tiny_model
 
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.loading import load_tokenizer, save_pretrained
 from bert_engine.registry import load_registry
-from plugins.summary import (SentenceScorerHead, evaluate, lead, loss, mmr_select, oracle_labels, read_data, rouge,
-                             split_of, split_sentences, training_batch)
-
-from conftest import fit_tiny_model
+from plugins.summary import (
+    SentenceScorerHead,
+    evaluate,
+    lead,
+    loss,
+    mmr_select,
+    oracle_labels,
+    read_data,
+    rouge,
+    split_of,
+    split_sentences,
+    training_batch,
+)
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "bbc_tiny.jsonl"
 DOC = ("Dr. Smith paid $3.50 for it on Jan. 5. \"Is it done?\" she asked. The U.S. economy grew 2.5 per cent.\n"

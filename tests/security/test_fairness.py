@@ -39,7 +39,8 @@ def test_the_next_chunk_goes_to_the_visitor_with_least_recent_compute():
     for key in ("heavy", "light"):  # the heavy visitor's next chunk was queued first
         threads.append(threading.Thread(target=waiter, args=(key,)))
         threads[-1].start()
-        _wait_until(lambda n=len(threads) - 1: len(gate._waiting) == n)
+        queued = len(threads) - 1
+        _wait_until(lambda queued=queued: len(gate._waiting) == queued)
     release.set()
     for thread in threads:
         thread.join(10)
@@ -106,9 +107,10 @@ def test_forward_chunks_are_bounded_in_tokens_and_equal_one_pass(tiny_config):
 
 
 def test_each_visitor_sees_only_their_own_last_input(tmp_path):
+    from conftest import reference_checkpoint
+
     from bert_engine.inference import Predictor
     from bert_engine.registry import load_registry
-    from conftest import reference_checkpoint
 
     folder = reference_checkpoint(tmp_path / "sst", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"})
     predictor = Predictor.load(load_registry(entry_points=False).task("sentiment"), str(folder))

@@ -11,12 +11,12 @@ import weakref
 import gradio as gr
 import pytest
 import torch
+from conftest import assert_cpu_goes_quiet, install_dist
 
 from bert_engine.cli import main as cli_main
 from bert_engine.conformance import tiny_predictor
 from bert_engine.hookspecs import TaskSpec, hookimpl
 from bert_engine.registry import Registry, load_registry
-from conftest import assert_cpu_goes_quiet, install_dist
 from playground.app import guarded
 
 

@@ -8,12 +8,12 @@ import time
 import gradio as gr
 import pytest
 import torch
+from conftest import assert_cpu_goes_quiet, reference_checkpoint
 
 from bert_engine.conformance import tiny_predictor
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import MAX_REQUEST_TOKENS, Predictor
 from bert_engine.registry import Registry, load_registry
-from conftest import assert_cpu_goes_quiet, reference_checkpoint
 from playground.app import guarded
 from plugins.summary import mmr_select
 

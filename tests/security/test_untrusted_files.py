@@ -9,9 +9,9 @@ import zipfile
 
 import pytest
 import torch
+from conftest import reference_checkpoint
 
 from bert_engine.loading import CheckpointError, load, load_pretrained, read_weights
-from conftest import reference_checkpoint
 
 
 @pytest.fixture
