@@ -38,7 +38,8 @@ BATCH = 32
 
 def merged_folder(task_name: str, workdir: Path) -> Path:
     """The task's starter model (adapter merged into MiniLM) saved in the Hugging Face layout."""
-    from bert_engine.loading import load, save_pretrained
+    from bert_engine.loader import load
+    from bert_engine.loading import save_pretrained
     from bert_engine.registry import load_registry
 
     task = load_registry(entry_points=False).task(task_name)

@@ -1,20 +1,21 @@
 """bert_engine: BERT written from scratch in PyTorch, loading Hugging Face checkpoints.
 
     >>> from bert_engine import load
-    >>> model, tokenizer = load("path/to/checkpoint-or-hub-id")
-    >>> out = model(**tokenizer(["Hello world"]).model_inputs())
+    >>> loaded = load("path/to/checkpoint-or-hub-id")   # a Loaded record; it unpacks as model, tokenizer
+    >>> out = loaded.model(**loaded.tokenizer(["Hello world"]).model_inputs())
 """
 
 from .config import PRESETS, BertConfig
 from .heads import HEADS, BertWithHead
 from .hub import HubError, default_backbone, resolve
-from .loading import CheckpointError, load, load_pretrained, load_tokenizer, save_pretrained
+from .loader import load, load_pretrained, load_tokenizer
+from .loading import CheckpointError, Loaded, save_pretrained
 from .model import BertModel, EncoderOutput
 from .tokenizer import Batch, Tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "PRESETS", "BertConfig", "HEADS", "BertWithHead", "HubError", "default_backbone", "resolve", "CheckpointError", "load",
+    "PRESETS", "BertConfig", "HEADS", "BertWithHead", "HubError", "default_backbone", "resolve", "CheckpointError", "Loaded", "load",
     "load_pretrained", "load_tokenizer", "save_pretrained", "BertModel", "EncoderOutput", "Batch", "Tokenizer",
 ]

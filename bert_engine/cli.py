@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .hub import HubError, default_backbone
-from .loading import CheckpointError, load
+from .loader import load
+from .loading import CheckpointError
 from .precision import NAMES as PRECISIONS
 
 if TYPE_CHECKING:  # the training modules load only for the commands that train
@@ -36,10 +37,10 @@ def _task(name: str):
 
 
 def _info(args: argparse.Namespace) -> dict:
-    model, tokenizer = load(args.model, args.head, revision=args.revision)
-    config = model.config
+    loaded = load(args.model, args.head, revision=args.revision)
+    model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.model.config
     return {
-        "checkpoint": str(model.checkpoint.folder), "commit": model.checkpoint.commit,
+        "checkpoint": str(loaded.checkpoint.folder), "commit": loaded.checkpoint.commit,
         "model": type(model).__name__, "head": getattr(model, "head_name", None),
         "parameters": sum(p.numel() for p in model.parameters()),
         "config": config.to_dict(), "tokenizer_vocab_size": tokenizer.vocab_size,

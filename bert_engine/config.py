@@ -120,11 +120,6 @@ class BertConfig:
         object.__setattr__(self, "label2id", label2id)
 
     @property
-    def head_size(self) -> int:
-        """Size D of one attention head (H = N * D)."""
-        return self.hidden_size // self.num_attention_heads
-
-    @property
     def num_labels(self) -> int:
         return len(self.id2label)
 

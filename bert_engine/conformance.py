@@ -68,7 +68,7 @@ class Violation:
 def tiny_predictor(task: RegisteredTask, tokenizer: Tokenizer | None = None) -> Predictor:
     """The task's head on a tiny random encoder (hidden 32, 2 layers) with the real MiniLM tokenizer."""
     from .hub import default_backbone
-    from .loading import load_tokenizer
+    from .loader import load_tokenizer
 
     tokenizer = tokenizer or load_tokenizer(default_backbone())
     config = dataclasses.replace(PRESETS["tiny"], vocab_size=tokenizer.vocab_size, max_position_embeddings=512)

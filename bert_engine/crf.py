@@ -1,9 +1,10 @@
-"""A linear-chain CRF over per-token emission scores, and the tag-scheme constraints it can enforce.
+"""A linear-chain CRF over per-token emission scores, with optional constraints on transitions.
 
 Log-likelihood (forward algorithm in log space), Viterbi and n-best decoding, and per-position
 marginals (forward-backward). A mask selects the positions that carry a tag and may skip any of
 them (only a word's first wordpiece is tagged; [CLS], [SEP] and padding are not): the selected
-positions of a row form one chain. Task logic (labels, entities, windows) lives with the NER task.
+positions of a row form one chain. Which transitions a tag scheme allows, and all other task logic
+(labels, entities, windows), lives with the NER task (plugins/tagging.py, plugins/ner.py).
 
 Shape legend: B batch, T tokens, S selected positions per row (≤ T), L tags, K paths.
 """
@@ -13,67 +14,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .heads import IGNORE_INDEX
+
 # Forbidden transitions score FORBIDDEN instead of -inf: log-sum-exp over a row of -inf has a NaN
 # gradient, and a finite penalty this large still gives such paths a probability of exactly 0.0.
 FORBIDDEN = -1e4
-SCHEMES = ("BIO", "IOB1", "BIOES")
-IGNORE_INDEX = -100
-
-
-def parse_tag(tag: str) -> tuple[str, str | None]:
-    """"B-PER" -> ("B", "PER"); "O" -> ("O", None). Raises ValueError for a tag without a prefix."""
-    if tag == "O":
-        return "O", None
-    prefix, sep, kind = tag.partition("-")
-    if not sep or prefix not in ("B", "I", "E", "S") or not kind:
-        raise ValueError(f"tag {tag!r} is not 'O' or PREFIX-TYPE with a prefix in B, I, E, S")
-    return prefix, kind
-
-
-def detect_scheme(tags: list[str] | tuple[str, ...]) -> str:
-    """BIOES when any tag uses E- or S-, otherwise BIO (IOB1 is never guessed: it must be asked for)."""
-    return "BIOES" if any(parse_tag(t)[0] in ("E", "S") for t in tags) else "BIO"
-
-
-def allowed_transitions(tags: list[str] | tuple[str, ...], scheme: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Which transitions a tag scheme allows.
-
-    Returns:
-        (allowed (L, L) bool indexed [from, to], allowed_start (L,) bool, allowed_end (L,) bool).
-    Raises:
-        ValueError: an unknown scheme, or a tag whose prefix the scheme does not use.
-    """
-    if scheme not in SCHEMES:
-        raise ValueError(f"tag scheme {scheme!r} is not one of {SCHEMES}")
-    parsed = [parse_tag(t) for t in tags]
-    used = {"BIO": "BIO", "IOB1": "BIO", "BIOES": "BIOES"}[scheme]
-    bad = [t for t, (prefix, _) in zip(tags, parsed) if prefix not in used]
-    if bad:
-        raise ValueError(f"tags {bad} do not belong to the {scheme} scheme")
-    L = len(tags)
-    allowed = torch.ones(L, L, dtype=torch.bool)
-    start = torch.ones(L, dtype=torch.bool)
-    end = torch.ones(L, dtype=torch.bool)
-    for j, (to_prefix, to_kind) in enumerate(parsed):
-        for i, (from_prefix, from_kind) in enumerate(parsed):
-            same = from_kind == to_kind
-            if scheme == "BIO" and to_prefix == "I":
-                allowed[i, j] = same and from_prefix in "BI"  # I-X continues a B-X or I-X
-            elif scheme == "IOB1" and to_prefix == "B":
-                allowed[i, j] = same and from_prefix in "BI"  # B-X only splits two adjacent X entities
-            elif scheme == "BIOES":
-                if to_prefix in "IE":
-                    allowed[i, j] = same and from_prefix in "BI"
-                else:  # B, S or O may only follow a finished entity or O
-                    allowed[i, j] = from_prefix in "ESO"
-        if scheme == "BIO":
-            start[j] = to_prefix != "I"
-        elif scheme == "IOB1":
-            start[j] = to_prefix != "B"
-        else:
-            start[j] = to_prefix in "BSO"
-            end[j] = to_prefix in "ESO"
-    return allowed, start, end
 
 
 class CRF(nn.Module):

@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from .config import BertConfig
 from .model import ACT2FN, BertModel, EncoderOutput, init_weights
 
+IGNORE_INDEX = -100  # the label of a position without a loss (cross_entropy's ignore_index)
+
 
 @dataclass
 class MaskedLMOutput:

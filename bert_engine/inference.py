@@ -25,6 +25,7 @@ from torch import nn
 from .cancel import ModelLock
 from .fairness import CHUNK_TOKENS, GATE, VISITOR, ComputeGate
 from .hookspecs import InputError
+from .loading import Loaded
 from .precision import parameter_dtype, pick_device, prepare_for_inference
 from .registry import RegisteredTask
 from .tokenizer import Batch, Tokenizer
@@ -90,13 +91,15 @@ class Predictor:
     """Runs one registered task. `predict` returns {"task", "result", "provenance"}."""
 
     def __init__(self, task: RegisteredTask, model: nn.Module, tokenizer: Tokenizer, *,
-                 model_id: str, revision: str | None = None, untrained_head: bool = False) -> None:
+                 model_id: str, revision: str | None = None, untrained_head: bool = False,
+                 loaded: Loaded | None = None) -> None:
         self.task = task
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.revision = revision
         self.untrained_head = untrained_head
+        self.loaded = loaded  # where the model came from (checkpoint, load report, adapter), when loaded
         self.precision: str | None = None  # "int8" etc. when chosen; else the parameters' dtype says it
         self.device = next(model.parameters()).device
         self._last: OrderedDict[str | None, LastInput] = OrderedDict()  # per visitor, for the attention view
@@ -115,17 +118,16 @@ class Predictor:
             compile: torch.compile the encoder layers (slow first calls, faster steady state).
         """
         from .hub import default_backbone
-        from .loading import load
+        from .loader import load
 
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
         target = pick_device(device)
         # parameter_dtype checks the precision against the device and CPU before anything loads
-        model, tokenizer = load(name, task.spec.build_head, device=target, dtype=parameter_dtype(precision, target),
-                                **load_kwargs)
-        untrained = bool(model.load_report.missing)
-        model = prepare_for_inference(model, precision, pack=pack, compile=compile)
-        predictor = cls(task, model, tokenizer, model_id=str(name),
-                        revision=model.checkpoint.commit or model.checkpoint.revision, untrained_head=untrained)
+        loaded = load(name, task.spec.build_head, device=target, dtype=parameter_dtype(precision, target),
+                      **load_kwargs)
+        model = prepare_for_inference(loaded.model, precision, pack=pack, compile=compile)
+        predictor = cls(task, model, loaded.tokenizer, model_id=str(name), loaded=loaded,
+                        revision=loaded.checkpoint.commit or loaded.checkpoint.revision, untrained_head=loaded.untrained)
         predictor.precision = "int8" if precision == "int8" else None
         return predictor
 

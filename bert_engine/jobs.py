@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .heads import IGNORE_INDEX
 from .hookspecs import TaskSpec
+from .loading import Loaded
 from .registry import RegisteredTask
 from .training import Distributed, TrainConfig, gather_objects, parse_best_metric, seed_everything
 
@@ -107,7 +109,7 @@ class TaskJob:
     """Fine-tune a registered task: its head on a checkpoint, optionally with LoRA adapters."""
 
     def __init__(self, task: RegisteredTask, cfg: TrainConfig) -> None:
-        from .loading import load
+        from .loader import load
 
         spec = task.spec
         missing = [name for name in ("read_data", "loss") if getattr(spec, name) is None]
@@ -118,7 +120,8 @@ class TaskJob:
         self.task, self.spec, self.cfg = task, spec, cfg
         seed_everything(cfg.seed)  # the new head's initialisation is part of the run
         self.base_name = cfg.model or "default"  # never the starter model: runs must not build on each other
-        self.model, self.tokenizer = load(resolve_model_name(self.base_name), spec.build_head)
+        self.loaded = load(resolve_model_name(self.base_name), spec.build_head)
+        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.examples = read_examples(spec, cfg.train_file, cfg.train_split, cfg.train_limit)
         if not self.examples:
             raise ValueError(f"{cfg.train_file}: no {cfg.train_split!r} examples for task {spec.name!r}")
@@ -164,7 +167,7 @@ class TaskJob:
         return evaluate_task(self.spec, predictor, self.eval_examples, rank=rank, world=world, **self.eval_options)
 
     def save(self, model: nn.Module, folder: Path) -> None:
-        save_model(model, folder, self.tokenizer, self.lora, self.base_name, self.cfg)
+        save_model(model, folder, self.tokenizer, self.lora, self.base_name, self.cfg, self.loaded)
 
 
 class PretrainJob:
@@ -173,7 +176,7 @@ class PretrainJob:
     def __init__(self, cfg: TrainConfig) -> None:
         from .config import PRESETS
         from .heads import BertWithHead
-        from .loading import load, load_tokenizer
+        from .loader import load, load_tokenizer
         from .pretraining import PairBuilder, read_documents, tokenize_documents
 
         if not cfg.train_file:
@@ -183,6 +186,7 @@ class PretrainJob:
         self.cfg = cfg
         seed_everything(cfg.seed)
         self.base_name = cfg.model or "default"
+        self.loaded = None  # from scratch: no checkpoint behind the model
         if cfg.preset:
             if cfg.preset not in PRESETS:
                 raise ValueError(f"preset {cfg.preset!r} is not one of {sorted(PRESETS)}")
@@ -194,8 +198,9 @@ class PretrainJob:
                                                                      cfg.max_seq_len))
             self.model = BertWithHead(config, "pretraining")
         else:
-            self.model, self.tokenizer = load(resolve_model_name(cfg.model), "pretraining")
-            if self.model.load_report.missing:
+            self.loaded = load(resolve_model_name(cfg.model), "pretraining")
+            self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+            if self.loaded.untrained:
                 logger.info("the checkpoint has no pretraining head; training a new one")
         builder = PairBuilder(tokenize_documents(read_documents(cfg.train_file), self.tokenizer), cfg.max_seq_len,
                               cfg.short_seq_prob)
@@ -243,7 +248,7 @@ class PretrainJob:
             batch, (labels, nsp) = self.collate(mine[start:start + 64], generator)
             output = model(**batch.to(device).model_inputs())
             labels, nsp = labels.to(device), nsp.to(device)
-            chosen = labels != -100
+            chosen = labels != IGNORE_INDEX
             counts = masked_lm_counts(output.mlm_logits[chosen], labels[chosen])
             counts["nsp_correct"] = (output.nsp_logits.argmax(-1) == nsp).sum().item()
             counts["pairs"] = nsp.numel()
@@ -264,11 +269,11 @@ class PretrainJob:
             self._epoch = epoch
 
     def save(self, model: nn.Module, folder: Path) -> None:
-        save_model(model, folder, self.tokenizer, self.lora, self.base_name, self.cfg)
+        save_model(model, folder, self.tokenizer, self.lora, self.base_name, self.cfg, self.loaded)
 
 
 def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    chosen = labels != -100
+    chosen = labels != IGNORE_INDEX
     picked = logits[chosen].float()
     gold = labels[chosen]
     if gold.numel() == 0:
@@ -300,8 +305,10 @@ def _prepare_lora(model: nn.Module, cfg: TrainConfig):
     return None
 
 
-def save_model(model: nn.Module, folder: Path, tokenizer, lora, base_name: str, cfg: TrainConfig) -> None:
-    """Hugging Face layout, or adapter + head (and with merge_lora the merged model in folder/merged) under LoRA."""
+def save_model(model: nn.Module, folder: Path, tokenizer, lora, base_name: str, cfg: TrainConfig,
+               loaded: Loaded | None) -> None:
+    """Hugging Face layout, or adapter + head (and with merge_lora the merged model in folder/merged)
+    under LoRA; `loaded` says which base model the adapter belongs to."""
     import copy
 
     from .loading import save_pretrained
@@ -311,15 +318,10 @@ def save_model(model: nn.Module, folder: Path, tokenizer, lora, base_name: str, 
     if lora is None:
         save_pretrained(model, folder, tokenizer)
         return
-    save_adapter(model, folder, lora, base_name, model_checkpoint_folder(model))
+    if loaded is None:
+        raise ValueError("cannot record the base model of an adapter: the model was not loaded from a checkpoint")
+    save_adapter(model, folder, lora, base_name, (loaded.base or loaded.checkpoint).folder)
     if cfg.merge_lora:
         merged = copy.deepcopy(model)
         merge_lora(merged)
         save_pretrained(merged, folder / "merged", tokenizer)
-
-
-def model_checkpoint_folder(model: nn.Module) -> Path:
-    checkpoint = getattr(model, "base_checkpoint", None) or getattr(model, "checkpoint", None)
-    if checkpoint is None:
-        raise ValueError("cannot record the base model of an adapter: the model was not loaded from a checkpoint")
-    return Path(checkpoint.folder)

@@ -14,8 +14,10 @@ import os
 import pickle
 import re
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -24,11 +26,15 @@ from torch import Tensor, nn
 
 from .config import BertConfig
 from .heads import BertWithHead
+from .hub import WEIGHT_FILES
 from .model import BertModel
+
+if TYPE_CHECKING:
+    from .hub import Resolved
+    from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 class CheckpointError(ValueError):
@@ -454,42 +460,43 @@ def save_pretrained(model: nn.Module, folder: str | Path, tokenizer=None) -> Pat
     return folder
 
 
-# -- the one call users make ---------------------------------------------------------------------------
+# -- one plain checkpoint -------------------------------------------------------------------------------
 
-def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = None, *, labels: list[str] | None = None,
-                    revision: str | None = None, local_files_only: bool = False, attn_backend: str = "sdpa",
-                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", strict: bool = False,
-                    warn_missing: bool = True, allowed_dirs: list[Path] | None = None, **hub_kwargs) -> nn.Module:
-    """Load a checkpoint (folder or Hub id) as a BertModel, or a BertWithHead when `head` is given.
+@dataclass
+class Loaded:
+    """What loading a checkpoint gives: the model, and the facts about where it came from (instead of
+    attributes stuck onto the module). `bert_engine.load` fills in the tokenizer.
 
-    Args:
-        head: None for the bare encoder, a name from heads.HEADS, "auto" (from the checkpoint's
-            `architectures`), a head module, or a factory `config -> head module` (task plugins).
-        labels: label names for a new classification head (overrides the checkpoint's id2label).
-        strict: also raise on unexpected keys and a missing (untrained) head.
-        warn_missing: log missing head weights (off when an adapter supplies them next).
-        allowed_dirs: where a LoRA adapter's local base_model may lie (None: anywhere); the playground
-            passes the folders its model picker allows.
-    Returns:
-        The model in eval mode on `device`, with `.checkpoint` (a hub.Resolved) for provenance and
-        `.load_report` (missing / unexpected keys).
+    Unpacks as `model, tokenizer = load(...)`.
+    """
+
+    model: nn.Module
+    checkpoint: Resolved  # what was asked for: the folder or Hub snapshot (an adapter's own folder)
+    report: LoadReport  # missing / unexpected / defaulted keys
+    tokenizer: Tokenizer | None = None
+    adapter: dict[str, Any] | None = None  # an adapter's config (rank, targets, base_model, ...) and folder
+    base: Resolved | None = None  # an adapter's base model
+    tokenizer_folder: Path | None = None  # where the tokenizer files are (default: the checkpoint's folder)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.model, self.tokenizer))
+
+    @property
+    def untrained(self) -> bool:
+        """Some of the model's parameters (a new head) were not in the checkpoint."""
+        return bool(self.report.missing)
+
+
+def load_model(resolved: Resolved, head: str | nn.Module | None = None, *, labels: list[str] | None = None,
+               attn_backend: str = "sdpa", dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               strict: bool = False, warn_missing: bool = True) -> Loaded:
+    """A checkpoint in the Hugging Face layout (already resolved to a local folder) as a BertModel,
+    or a BertWithHead when `head` is given; see bert_engine.load for the arguments.
+
     Raises:
-        hub.HubError: the checkpoint cannot be found or downloaded.
         CheckpointError: a file is unsafe, corrupt, or does not fit (names the file and the tensor).
         ValueError: config.json holds impossible values.
     """
-    from .hub import resolve
-
-    resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
-    if (resolved.folder / "adapter_config.json").is_file():
-        from .lora import load_adapter
-
-        if head is None or head == "auto":
-            raise CheckpointError(f"{resolved.folder}: a LoRA adapter folder needs its task's head to load")
-        model = load_adapter(resolved.folder, head, attn_backend=attn_backend, dtype=dtype, device=device,
-                             strict=strict, local_files_only=local_files_only, allowed_dirs=allowed_dirs, **hub_kwargs)
-        model.checkpoint = resolved
-        return model
     if not (resolved.folder / "config.json").is_file():
         raise CheckpointError(f"{resolved.folder}: no config.json; not a checkpoint in the Hugging Face layout")
     config_file = contained(resolved.folder, "config.json")
@@ -507,10 +514,9 @@ def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = Non
     else:
         # A task passes a head factory: it needs the checkpoint's config (sizes, labels) first.
         model = BertWithHead(config, head(config) if callable(head) and not isinstance(head, nn.Module) else head)
-    model.load_report = load_state(model, checkpoint, source=str(weights), strict=strict, warn_missing=warn_missing)
+    report = load_state(model, checkpoint, source=str(weights), strict=strict, warn_missing=warn_missing)
     model.to(device=device, dtype=dtype).eval()
-    model.checkpoint = resolved
-    return model
+    return Loaded(model, resolved, report)
 
 
 def _head_from_architectures(config_file: Path) -> str | None:
@@ -521,38 +527,3 @@ def _head_from_architectures(config_file: Path) -> str | None:
     if names[0] not in by_class:
         raise CheckpointError(f"{config_file}: architecture {names[0]!r} is not one of {sorted(by_class)}")
     return by_class[names[0]]
-
-
-def load_tokenizer(name_or_path: str | Path, *, revision: str | None = None, local_files_only: bool = False,
-                   **hub_kwargs):
-    """The checkpoint's tokenizer (tokenizer.json, else vocab.txt) as a tokenizer.Tokenizer."""
-    from .hub import resolve
-    from .tokenizer import Tokenizer
-
-    resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
-    return Tokenizer.from_pretrained(resolved.folder)
-
-
-def load(name_or_path: str | Path, head: str | nn.Module | None = None, **kwargs):
-    """Model and tokenizer together, checked to agree: every token id must have an embedding row.
-
-    Raises:
-        CheckpointError: if the tokenizer's vocabulary is larger than the embedding table.
-    """
-    model = load_pretrained(name_or_path, head, **kwargs)
-    # An adapter folder without tokenizer files uses its base model's (lora.load_adapter says which).
-    tokenizer = load_tokenizer(getattr(model, "tokenizer_folder", model.checkpoint.folder))
-    vocab_size = model.config.vocab_size
-    if tokenizer.vocab_size > vocab_size:
-        raise CheckpointError(
-            f"{model.checkpoint.folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
-            f"embedding table has only {vocab_size} rows (vocab_size in config.json); they do not belong together"
-        )
-    positions = model.config.max_position_embeddings
-    if tokenizer.model_max_length > positions:
-        # A tokenizer_config.json may claim 512 for a model trained with fewer positions: tasks take
-        # their default length (and windows) from the tokenizer, so it must not exceed the model's.
-        logger.info("%s: the tokenizer's model_max_length %d exceeds max_position_embeddings %d; using %d",
-                    model.checkpoint.folder.name, tokenizer.model_max_length, positions, positions)
-        tokenizer.model_max_length = positions
-    return model, tokenizer

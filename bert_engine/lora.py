@@ -11,11 +11,18 @@ Adapter files hold only the LoRA tensors and the head (`adapter.safetensors`) pl
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
+
+from .hub import ADAPTER_WEIGHTS, Resolved, default_backbone, resolve
+from .loading import CheckpointError, Loaded, find_weights, inside_any, load_model, save_weights, saved_config
 
 # Target name -> (module path inside each BertLayer, part of a fused output or None).
 TARGETS = {
@@ -139,11 +146,9 @@ def lora_state(model: nn.Module) -> dict[str, Tensor]:
 # -- adapter files ------------------------------------------------------------------------------------
 
 ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter.safetensors"
 
 
 def file_sha256(path) -> str:
-    import hashlib
 
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -159,10 +164,7 @@ def save_adapter(model: nn.Module, folder, config: LoraConfig, base_model: str, 
         base_model: how to find the base again: a folder, a Hub id, or "default" (the offline backbone).
         base_folder: the resolved base folder, whose weights' sha256 is recorded.
     """
-    import json
-    from pathlib import Path
 
-    from .loading import find_weights, save_weights, saved_config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -184,10 +186,7 @@ def read_adapter_config(folder) -> dict:
     Raises:
         CheckpointError: naming the file and the key that is missing or wrong.
     """
-    import json
-    from pathlib import Path
 
-    from .loading import CheckpointError
 
     path = Path(folder) / ADAPTER_CONFIG
     try:
@@ -208,7 +207,6 @@ def read_adapter_config(folder) -> dict:
 
 def looks_local(name: str) -> bool:
     """Whether a model name is meant as a local path rather than a Hub id (owner/name)."""
-    from pathlib import Path
 
     parts = name.replace("\\", "/").split("/")
     return name.startswith(("/", "~", ".")) or "\\" in name or ".." in parts or len(parts) > 2 or Path(name).exists()
@@ -217,9 +215,7 @@ def looks_local(name: str) -> bool:
 def check_local_base(base: str, adapter_folder, allowed_dirs) -> None:
     """An adapter's base_model that is a local folder must lie inside `allowed_dirs` (None: anywhere);
     checked before anything is opened, so the error says nothing of what exists on the server."""
-    from pathlib import Path
 
-    from .loading import CheckpointError, inside_any
 
     if allowed_dirs is None or not looks_local(base):
         return
@@ -228,41 +224,42 @@ def check_local_base(base: str, adapter_folder, allowed_dirs) -> None:
                               "folders models may be loaded from; refused")
 
 
-def load_adapter(folder, head, *, merge: bool = True, **kwargs) -> nn.Module:
+def load_adapter(resolved: Resolved, head, *, merge: bool = True, allowed_dirs=None, local_files_only: bool = False,
+                 **kwargs) -> Loaded:
     """The base model named in the adapter's config, with the task head, LoRA tensors applied.
 
     Args:
-        head: the head factory (as for load_pretrained).
+        resolved: the adapter's folder (hub.resolve's answer).
+        head: the head factory (as for bert_engine.load).
         merge: fold the adapters into the base weights (inference); False keeps them trainable.
+        allowed_dirs: where a local base_model may lie (None: anywhere).
+        kwargs: for the base model: dtype, device, attn_backend; and Hub arguments.
+    Returns:
+        A Loaded record: `checkpoint` the adapter's folder, `base` the base model's, `adapter` its
+        config, `tokenizer_folder` the adapter's folder if it holds tokenizer files, else the base's.
     Raises:
         CheckpointError: the base's weights differ from those the adapter was trained on, or the
             adapter file does not fit (names the keys).
     """
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from .hub import default_backbone
-    from .loading import CheckpointError, find_weights, load_pretrained
-
-    folder = Path(folder)
+    folder = Path(resolved.folder)
     meta = read_adapter_config(folder)
     config = LoraConfig(rank=meta["rank"], alpha=meta["alpha"], targets=tuple(meta["targets"]),
                         dropout=meta.get("dropout", 0.0))
-    allowed_dirs = kwargs.pop("allowed_dirs", None)
     if meta["base_model"] != "default":  # "default" is the installed backbone, the operator's choice
         check_local_base(meta["base_model"], folder, allowed_dirs)
-    base = default_backbone() if meta["base_model"] == "default" else meta["base_model"]
+    base_name = default_backbone() if meta["base_model"] == "default" else meta["base_model"]
     labels_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     id2label = labels_config.get("id2label") or {}
     labels = [id2label[k] for k in sorted(id2label, key=int)] if id2label else None
     kwargs.pop("strict", None)  # the base has no head by design; the adapter's keys are checked below
-    model = load_pretrained(base, head, labels=labels, warn_missing=False, **kwargs)
-    found = file_sha256(find_weights(model.checkpoint.folder))
+    hub_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("dtype", "device", "attn_backend")}
+    base = load_model(resolve(base_name, local_files_only=local_files_only, **hub_kwargs), head, labels=labels,
+                      warn_missing=False, **kwargs)
+    model = base.model
+    found = file_sha256(find_weights(base.checkpoint.folder))
     if meta.get("base_sha256") and found != meta["base_sha256"]:
         raise CheckpointError(f"{folder}: the adapter was trained on base weights with sha256 {meta['base_sha256']}, "
-                              f"but {base} has {found}")
+                              f"but {base_name} has {found}")
     add_lora(model.encoder, config)
     weights = load_file(folder / ADAPTER_WEIGHTS)
     own = model.state_dict()
@@ -279,12 +276,10 @@ def load_adapter(folder, head, *, merge: bool = True, **kwargs) -> nn.Module:
     with torch.no_grad():
         for name, tensor in weights.items():
             own[name].copy_(tensor.to(own[name].dtype))
-    report = model.load_report
+    report = base.report
     report.missing = [k for k in report.missing if k not in weights]
     if merge:
         merge_lora(model)
-    model.base_checkpoint = model.checkpoint
     has_tokenizer = any((folder / name).is_file() for name in ("tokenizer.json", "vocab.txt"))
-    model.tokenizer_folder = folder if has_tokenizer else model.checkpoint.folder
-    model.adapter = {**meta, "folder": str(folder)}
-    return model
+    return Loaded(model, resolved, report, adapter={**meta, "folder": str(folder)}, base=base.checkpoint,
+                  tokenizer_folder=folder if has_tokenizer else base.checkpoint.folder)

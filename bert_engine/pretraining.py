@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .heads import IGNORE_INDEX
 from .tokenizer import Batch, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 
 
 def read_documents(path: str | Path) -> list[list[str]]:

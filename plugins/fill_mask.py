@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bert_engine.heads import MaskedLMHead
+from bert_engine.heads import IGNORE_INDEX, MaskedLMHead
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.inference import MAX_REQUEST_TOKENS
 from plugins.starter import starter_checkpoint
@@ -317,7 +317,7 @@ def training_batch(examples, tokenizer, *, generator=None, max_length: int = 128
 def loss(output: FillMaskOutput, targets) -> Tensor:
     """Cross-entropy at labelled positions; `targets` is a (B, T) tensor with -100 where unlabelled."""
     labels = torch.as_tensor(targets, device=output.hidden_states.device)
-    chosen = labels != -100
+    chosen = labels != IGNORE_INDEX
     logits = output.head.logits(output.hidden_states[chosen])  # (masked tokens, V)
     return torch.nn.functional.cross_entropy(logits.float(), labels[chosen])
 
@@ -342,7 +342,7 @@ def evaluate(predictor, examples, *, progress: bool = False, batch_size: int = 6
             batch, labels = training_batch(examples[start:start + batch_size], tokenizer, generator=generator)
             output = model(**batch.to(device).model_inputs())
             labels = labels.to(device)
-            chosen = labels != -100
+            chosen = labels != IGNORE_INDEX
             counts = masked_lm_counts(output.head.logits(output.hidden_states[chosen]), labels[chosen])
             totals = {k: totals[k] + counts[k] for k in totals}
     count = totals["masked"]

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bert_engine.crf import CRF, SCHEMES, allowed_transitions, detect_scheme
-from bert_engine.heads import TokenClassificationHead
+from bert_engine.crf import CRF
+from bert_engine.heads import IGNORE_INDEX, TokenClassificationHead
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.inference import predict_texts
 from plugins.starter import starter_checkpoint
 
-from .tagging import chunks, convert, entity_scores, read_conll
+from .tagging import SCHEMES, allowed_transitions, chunks, convert, detect_scheme, entity_scores, read_conll
 
 CONLL_TAGS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
 MAX_WINDOWS = 256
@@ -264,10 +264,9 @@ def loss(output: NerOutput, targets) -> Tensor:
     unknown = sorted({t for row in targets["tags"] for t in row if t is not None and t not in index})
     if unknown:
         raise ValueError(f"ner: tags {unknown} are not in the head's labels {list(head.labels)}")
-    labels = torch.tensor([[index[t] if t is not None else -100 for t in row] for row in targets["tags"]],
+    labels = torch.tensor([[index[t] if t is not None else IGNORE_INDEX for t in row] for row in targets["tags"]],
                           device=output.logits.device)
-    ll = head.crf.log_likelihood(output.logits, labels, constrained=getattr(head, "train_constrained", False),
-                                 begins=targets["begins"], ends=targets["ends"])
+    ll = head.crf.log_likelihood(output.logits, labels, begins=targets["begins"], ends=targets["ends"])
     return -ll.mean()
 
 

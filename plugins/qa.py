@@ -336,27 +336,3 @@ def register_tasks(register):
         evaluate=evaluate,
     ))
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m plugins.qa FILE [--model M] [--limit N]`: official EM / F1 of a checkpoint on a SQuAD file."""
-    import argparse
-    import sys
-
-    from bert_engine.inference import Predictor
-    from bert_engine.registry import load_registry
-
-    parser = argparse.ArgumentParser(prog="python -m plugins.qa", description=main.__doc__)
-    parser.add_argument("data", help="SQuAD-format JSON, e.g. ../shared/data/squad/dev-v1.1.json")
-    parser.add_argument("--model", default=None, help="QA checkpoint folder or Hub id (default: the task's)")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
-    args = parser.parse_args(argv)
-    predictor = Predictor.load(load_registry(entry_points=False).task("qa"), args.model)
-    report = evaluate_squad(predictor, args.data, limit=args.limit)
-    report["model"] = predictor.provenance()
-    json.dump(report, sys.stdout, indent=2)
-    sys.stdout.write("\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -540,20 +540,3 @@ def register_tasks(register):
         predict_many=predict_texts,
     ))
 
-
-if __name__ == "__main__":
-    import argparse
-
-    from bert_engine.inference import Predictor
-    from bert_engine.registry import load_registry
-
-    parser = argparse.ArgumentParser(description="ROUGE of a summary model against Lead-3, first-k and centroid "
-                                                 "mode on a BBC-News-Summary-style JSON-lines file.")
-    parser.add_argument("file")
-    parser.add_argument("--split", default="test", help="train, dev, test (fixed hash split) or all")
-    parser.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the task's)")
-    parser.add_argument("--limit", type=int, default=None, help="score only the first N documents")
-    args = parser.parse_args()
-    task = load_registry(entry_points=False).task("summary")
-    examples = list(read_data(args.file, args.split))[:args.limit]
-    print(json.dumps(evaluate(Predictor.load(task, args.model), examples), indent=2))

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from bert_engine.crf import CRF, FORBIDDEN, allowed_transitions, detect_scheme, parse_tag
+from bert_engine.crf import CRF, FORBIDDEN
+from plugins.tagging import allowed_transitions, detect_scheme, parse_tag
 
 BIO = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
 

@@ -29,17 +29,18 @@ def _logits(model, tokenizer):
 
 
 def test_download_matches_the_local_folder(hub_repo, tmp_path):
-    model, tokenizer = _load(hub_repo, tmp_path)
+    loaded = _load(hub_repo, tmp_path)
+    model, tokenizer = loaded
     local, _ = load(tmp_path / "repo" / "main", "sequence")
     torch.testing.assert_close(_logits(model, tokenizer), _logits(local, tokenizer))
-    assert model.checkpoint.name == "owner/tiny" and len(model.checkpoint.commit) == 40
+    assert loaded.checkpoint.name == "owner/tiny" and len(loaded.checkpoint.commit) == 40
     assert not any("pytorch_model.bin" in r for r in hub_repo.requests)  # safetensors found first
 
 
 def test_revision_selects_other_weights(hub_repo, tmp_path):
-    main, tokenizer = _load(hub_repo, tmp_path)
-    v2, _ = _load(hub_repo, tmp_path, revision="v2")
-    assert v2.checkpoint.commit != main.checkpoint.commit
+    main_loaded, v2_loaded = _load(hub_repo, tmp_path), _load(hub_repo, tmp_path, revision="v2")
+    (main, tokenizer), (v2, _) = main_loaded, v2_loaded
+    assert v2_loaded.checkpoint.commit != main_loaded.checkpoint.commit
     assert not torch.allclose(_logits(main, tokenizer), _logits(v2, tokenizer))
 
 

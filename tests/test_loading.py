@@ -210,9 +210,10 @@ def test_head_auto_reads_architectures(tiny_checkpoint):
 
 def test_dtype_and_provenance(tiny_checkpoint):
     folder, _ = tiny_checkpoint
-    model = load_pretrained(folder, "sequence", dtype=torch.bfloat16)
-    assert next(model.parameters()).dtype == torch.bfloat16
-    assert model.checkpoint.folder == folder and not model.training
+    loaded = load(folder, "sequence", dtype=torch.bfloat16, with_tokenizer=False)
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    assert loaded.checkpoint.folder == folder and not loaded.model.training
+    assert not hasattr(loaded.model, "checkpoint") and not hasattr(loaded.model, "load_report")  # facts live in Loaded
 
 
 def test_saved_model_files_are_as_readable_as_the_rest(tiny_config, tmp_path):

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from bert_engine.config import BertConfig
 from bert_engine.jobs import PretrainJob, TaskJob
-from bert_engine.loading import CheckpointError, load, load_tokenizer, save_pretrained
+from bert_engine.loader import load, load_tokenizer
+from bert_engine.loading import CheckpointError, save_pretrained
 from bert_engine.lora import LoraConfig, add_lora, merge_lora, save_adapter
 from bert_engine.model import BertModel
 from bert_engine.pretraining import PairBuilder, collate_pairs, mask_tokens, special_mask, tokenize_documents
@@ -350,7 +351,8 @@ def test_lora_trains_only_adapters_and_head_and_loads_back(tiny_checkpoint, tmp_
     assert (last / "adapter.safetensors").stat().st_size < 200_000 and not (last / "model.safetensors").exists()
     meta = json.loads((last / "adapter_config.json").read_text())
     assert meta["rank"] == 4 and meta["targets"] == ["query", "value", "ffn_down"] and len(meta["base_sha256"]) == 64
-    adapted, tokenizer = load(last, task.spec.build_head)
+    loaded = load(last, task.spec.build_head)
+    adapted, tokenizer = loaded
     merged, _ = load(tmp_path / "lora" / "last" / "merged", task.spec.build_head)
     batch = tokenizer(SENTENCES)
     job.model.eval()
@@ -358,7 +360,7 @@ def test_lora_trains_only_adapters_and_head_and_loads_back(tiny_checkpoint, tmp_
         live = job.model(**batch.model_inputs()).logits
         torch.testing.assert_close(adapted(**batch.model_inputs()).logits, live, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(merged(**batch.model_inputs()).logits, live, atol=1e-5, rtol=1e-4)
-    assert adapted.load_report.missing == []
+    assert loaded.report.missing == [] and loaded.adapter["rank"] > 0 and loaded.base is not None
 
 
 def test_lora_on_fused_qkv_equals_separate_projections(tiny_checkpoint):
@@ -384,7 +386,7 @@ def test_adapter_on_a_changed_base_is_refused(tiny_checkpoint, tmp_path):
     config = LoraConfig(rank=2)
     add_lora(model.encoder, config)
     save_adapter(model, tmp_path / "adapter", config, str(base), base)
-    assert load(tmp_path / "adapter", "sequence")[0].load_report.missing == []
+    assert load(tmp_path / "adapter", "sequence").report.missing == []
     other, _ = load(base)
     with torch.no_grad():
         other.embeddings.word_embeddings.weight.mul_(2)

@@ -12,7 +12,8 @@ from conftest import SENTENCES, fit_tiny_model, reference_checkpoint
 
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
-from bert_engine.loading import load_pretrained, load_tokenizer, save_pretrained
+from bert_engine.loader import load, load_pretrained, load_tokenizer
+from bert_engine.loading import save_pretrained
 from bert_engine.registry import load_registry
 from plugins.ner import NerHead, is_valid, loss, metric, read_data, training_batch, transition_table
 from plugins.tagging import chunks, convert, entity_scores
@@ -51,7 +52,7 @@ def plain_checkpoint(tmp_path_factory):
 def test_no_crf_checkpoint_never_yields_an_invalid_sequence(task, plain_checkpoint):
     predictor = Predictor.load(task, str(plain_checkpoint))
     assert predictor.untrained_head is False  # the CRF is optional: constraint-only transitions
-    assert predictor.model.load_report.defaulted == ["head.crf.transitions", "head.crf.start_transitions",
+    assert predictor.loaded.report.defaulted == ["head.crf.transitions", "head.crf.start_transitions",
                                                      "head.crf.end_transitions"]
     labels = list(BIO.values())
     invalid_argmax = 0
@@ -90,8 +91,9 @@ def test_crf_is_saved_and_loaded_with_the_checkpoint(task, plain_checkpoint, tmp
         model.head.crf.transitions.normal_()
         model.head.crf.start_transitions.normal_()
     save_pretrained(model, tmp_path, load_tokenizer(plain_checkpoint))
-    again = load_pretrained(tmp_path, NerHead)
-    assert again.load_report.missing == [] and again.load_report.defaulted == []
+    loaded = load(tmp_path, NerHead)
+    again = loaded.model
+    assert loaded.report.missing == [] and loaded.report.defaulted == []
     torch.testing.assert_close(again.head.crf.transitions, model.head.crf.transitions)
     assert transition_table(again.head)["trained"] is True
     # The reference implementation still reads it as a token-classification checkpoint.

@@ -124,7 +124,8 @@ def test_metric_and_reader(task, tmp_path):
 def test_a_fresh_head_saves_its_label_names_for_the_reference(task, minilm_dir, tmp_path):
     # MiniLM's config has no labels; the task head starts with its defaults, and a saved model
     # must carry those names so transformers (and a later load) reads NEGATIVE/POSITIVE, not LABEL_0/1.
-    from bert_engine.loading import load, save_pretrained
+    from bert_engine.loader import load
+    from bert_engine.loading import save_pretrained
 
     model, tokenizer = load(minilm_dir, task.spec.build_head)
     assert not model.config.id2label

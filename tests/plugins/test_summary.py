@@ -11,7 +11,8 @@ from conftest import fit_tiny_model
 
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
-from bert_engine.loading import load_tokenizer, save_pretrained
+from bert_engine.loader import load_tokenizer
+from bert_engine.loading import save_pretrained
 from bert_engine.registry import load_registry
 from plugins.summary import (
     SentenceScorerHead,

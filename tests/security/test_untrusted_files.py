@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import reference_checkpoint
 
-from bert_engine.loading import CheckpointError, load, load_pretrained, read_weights
+from bert_engine.loader import load, load_pretrained
+from bert_engine.loading import CheckpointError, read_weights
 
 
 @pytest.fixture

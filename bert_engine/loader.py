@@ -1,0 +1,104 @@
+"""The one call users make: a folder, a Hub id or a LoRA adapter folder in, a `Loaded` record out.
+
+loading.py reads plain checkpoints and lora.py adapters; this module sits above both and picks
+between them, then loads the tokenizer and checks that model and tokenizer belong together.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .hub import resolve
+from .loading import CheckpointError, Loaded, load_model
+from .lora import load_adapter
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def load(name_or_path: str | Path, head: str | nn.Module | None = None, *, labels: list[str] | None = None,
+         revision: str | None = None, local_files_only: bool = False, attn_backend: str = "sdpa",
+         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", strict: bool = False,
+         warn_missing: bool = True, allowed_dirs: list[Path] | None = None, with_tokenizer: bool = True,
+         **hub_kwargs) -> Loaded:
+    """Model and tokenizer of a checkpoint (folder or Hub id) or of a LoRA adapter folder, checked to
+    agree (every token id has an embedding row).
+
+    Args:
+        head: None for the bare encoder, a name from heads.HEADS, "auto" (from the checkpoint's
+            `architectures`), a head module, or a factory `config -> head module` (task plugins).
+        labels: label names for a new classification head (overrides the checkpoint's id2label).
+        strict: also raise on unexpected keys and a missing (untrained) head.
+        warn_missing: log missing head weights.
+        allowed_dirs: where a LoRA adapter's local base_model may lie (None: anywhere); the playground
+            passes the folders its model picker allows.
+        with_tokenizer: False leaves `tokenizer` None (the checkpoint need not hold tokenizer files).
+    Returns:
+        A Loaded record: `model` (in eval mode on `device`), `tokenizer`, `checkpoint` (a hub.Resolved,
+        for provenance), `report` (missing / unexpected keys), and for an adapter `adapter` and `base`.
+        It unpacks as `model, tokenizer = load(...)`.
+    Raises:
+        hub.HubError: the checkpoint cannot be found or downloaded.
+        CheckpointError: a file is unsafe, corrupt, or does not fit (names the file and the tensor),
+            or the tokenizer's vocabulary is larger than the embedding table.
+        ValueError: config.json holds impossible values.
+    """
+    loaded = _load_without_tokenizer(name_or_path, head, labels=labels, revision=revision,
+                                     local_files_only=local_files_only, attn_backend=attn_backend, dtype=dtype,
+                                     device=device, strict=strict, warn_missing=warn_missing,
+                                     allowed_dirs=allowed_dirs, **hub_kwargs)
+    if with_tokenizer:
+        loaded.tokenizer = _matching_tokenizer(loaded)
+    return loaded
+
+
+def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = None, **kwargs) -> nn.Module:
+    """Only the model of `load` (the same arguments), for callers with a tokenizer of their own: the
+    checkpoint need not hold tokenizer files."""
+    return load(name_or_path, head, with_tokenizer=False, **kwargs).model
+
+
+def _load_without_tokenizer(name_or_path: str | Path, head, *, revision: str | None = None,
+                            local_files_only: bool = False, allowed_dirs: list[Path] | None = None,
+                            labels: list[str] | None = None, attn_backend: str = "sdpa",
+                            dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                            strict: bool = False, warn_missing: bool = True, **hub_kwargs) -> Loaded:
+    resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
+    if (resolved.folder / "adapter_config.json").is_file():
+        if head is None or head == "auto":
+            raise CheckpointError(f"{resolved.folder}: a LoRA adapter folder needs its task's head to load")
+        return load_adapter(resolved, head, attn_backend=attn_backend, dtype=dtype, device=device,
+                            local_files_only=local_files_only, allowed_dirs=allowed_dirs, **hub_kwargs)
+    return load_model(resolved, head, labels=labels, attn_backend=attn_backend, dtype=dtype, device=device,
+                      strict=strict, warn_missing=warn_missing)
+
+
+def load_tokenizer(name_or_path: str | Path, *, revision: str | None = None, local_files_only: bool = False,
+                   **hub_kwargs) -> Tokenizer:
+    """The checkpoint's tokenizer (tokenizer.json, else vocab.txt)."""
+    resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
+    return Tokenizer.from_pretrained(resolved.folder)
+
+
+def _matching_tokenizer(loaded: Loaded) -> Tokenizer:
+    """The tokenizer (an adapter without tokenizer files uses its base's), checked against the model."""
+    folder = loaded.tokenizer_folder or loaded.checkpoint.folder
+    tokenizer = Tokenizer.from_pretrained(folder)
+    config = loaded.model.config
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{loaded.checkpoint.folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+            f"embedding table has only {config.vocab_size} rows (vocab_size in config.json); they do not belong together"
+        )
+    positions = config.max_position_embeddings
+    if tokenizer.model_max_length > positions:
+        # A tokenizer_config.json may claim 512 for a model trained with fewer positions: tasks take
+        # their default length (and windows) from the tokenizer, so it must not exceed the model's.
+        logger.info("%s: the tokenizer's model_max_length %d exceeds max_position_embeddings %d; using %d",
+                    loaded.checkpoint.folder.name, tokenizer.model_max_length, positions, positions)
+        tokenizer.model_max_length = positions
+    return tokenizer
