@@ -179,7 +179,6 @@ class BertWithHead(nn.Module):
         head: a name from HEADS, or any module whose forward takes an EncoderOutput (task heads).
             A head with `tie_to` gets the word embeddings; `needs_pooler` (default True) decides the
             pooler; `kind` (a HEADS name) says which checkpoint head its weights are stored as;
-            `bind(model)` gives a head that decodes iteratively a way to re-run the model;
             `optional_parameters` (name prefixes) may be absent from a checkpoint and keep their
             defaults without marking the head untrained (a CRF over a plain token head).
     """
@@ -200,10 +199,6 @@ class BertWithHead(nn.Module):
         self.head = head
         if hasattr(head, "tie_to"):
             head.tie_to(self.encoder.embeddings.word_embeddings)
-        if hasattr(head, "bind"):
-            # Heads that decode iteratively (fill-mask beam search) re-run the whole model on
-            # edited inputs; they get a plain reference to it, not a submodule (no parameter cycle).
-            head.bind(self)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None, position_ids: Tensor | None = None,

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import pluggy
+
+if TYPE_CHECKING:  # annotations only: a plugin importing the contract does not load torch through it
+    from torch import Tensor, nn
+
+    from .config import BertConfig
+    from .model import EncoderOutput
+    from .tokenizer import Batch, Tokenizer
 
 PROJECT = "bert_engine"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -40,6 +47,66 @@ def length_option(task: str, name: str, value: Any, preferred: int, low: int, to
     return value
 
 
+# -- the typed contract: what each TaskSpec callable receives and returns ------------------------------
+
+class TaskHead(Protocol):
+    """A task's head: an nn.Module whose forward takes the encoder's output. Optional attributes the
+    host reads (all documented in docs/plugins.md):
+
+    - `labels` (tuple of names, id order): for a task that predicts labels (see TaskSpec.labels);
+    - `kind`: a heads.HEADS name whose checkpoint weights this head loads (e.g. "sequence", "mlm");
+    - `needs_pooler` (default True): whether the encoder keeps its pooler;
+    - `tie_to(word_embeddings)`: called once, for a decoder sharing the input embeddings;
+    - `optional_parameters`: name prefixes a checkpoint may lack without marking the head untrained.
+    """
+
+    def __call__(self, encoded: EncoderOutput) -> Any: ...
+
+
+class BuildHead(Protocol):
+    """BertConfig (sizes, and labels when the checkpoint has them) -> the head module."""
+
+    def __call__(self, config: BertConfig) -> nn.Module: ...
+
+
+class Preprocess(Protocol):
+    """(inputs keyed by input_fields, tokenizer, every option as a keyword) -> Batch; raises
+    InputError on bad input. Keep what postprocessing needs in `batch.meta`."""
+
+    def __call__(self, inputs: Mapping[str, Any], tokenizer: Tokenizer, **options: Any) -> Batch: ...
+
+
+class Postprocess(Protocol):
+    """(the head's output, the batch, every option as a keyword) -> a JSON-friendly result. A
+    postprocess that declares a `context` parameter also gets a TaskContext."""
+
+    def __call__(self, output: Any, batch: Batch, **options: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What a postprocess may need beyond the model's output, handed to it as `context=`.
+
+    tokenizer: the model's tokenizer (to re-tokenise, or read special token ids).
+    encode: model inputs (input_ids, attention_mask, token_type_ids, and e.g. output_hidden_states)
+        -> the encoder's output, for tasks that re-run the encoder on edited inputs (fill-mask's beam
+        search, the summary's fallback); chunked like every forward, on the model's device.
+    """
+
+    tokenizer: Tokenizer
+    encode: Callable[[Mapping[str, Any]], EncoderOutput]
+
+
+def takes_context(postprocess: Callable[..., Any]) -> bool:
+    """Whether a postprocess declares a `context` parameter (then the host passes a TaskContext)."""
+    import inspect
+
+    try:
+        return "context" in inspect.signature(postprocess).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+
+
 class PluginError(RuntimeError):
     """A plugin broke the contract (import failure, hook raised, invalid or duplicate TaskSpec)."""
 
@@ -54,7 +121,8 @@ class TaskSpec:
         build_head: BertConfig -> head module; the head's forward takes an EncoderOutput.
         preprocess: (inputs, tokenizer, **options) -> tokenizer.Batch; raises InputError on bad input.
             Keep what postprocessing needs (offsets, windows, texts) in the Batch (`batch.meta`).
-        postprocess: (head output, batch, **options) -> JSON-friendly result.
+        postprocess: (head output, batch, **options) -> JSON-friendly result; declare a `context`
+            parameter to get a TaskContext (tokenizer, encode) for re-running the encoder.
     Optional:
         build_tab: (predictor) -> None; adds Gradio components inside the open Blocks/Tab.
         input_fields: names of the text inputs, e.g. ("text",) or ("question", "context").
@@ -87,22 +155,22 @@ class TaskSpec:
 
     name: str
     title: str
-    build_head: Callable[..., Any]
-    preprocess: Callable[..., Any]
-    postprocess: Callable[..., Any]
-    build_tab: Callable[..., None] | None = None
+    build_head: BuildHead
+    preprocess: Preprocess
+    postprocess: Postprocess
+    build_tab: Callable[[Any], None] | None = None  # (predictor) -> None
     input_fields: tuple[str, ...] = ("text",)
     optional_fields: tuple[str, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
     examples: tuple[Mapping[str, Any], ...] = ()
     description: str = ""
     default_checkpoint: str | None = None
-    read_data: Callable[..., Any] | None = None
-    training_batch: Callable[..., Any] | None = None
-    loss: Callable[..., Any] | None = None
-    metric: Callable[..., Any] | None = None
-    evaluate: Callable[..., Any] | None = None
-    predict_many: Callable[..., Any] | None = None
+    read_data: Callable[[str, str], Iterable[tuple[Mapping[str, Any], Any]]] | None = None
+    training_batch: Callable[..., tuple[Batch, Any]] | None = None  # (examples, tokenizer, *, generator, **options)
+    loss: Callable[[Any, Any], Tensor] | None = None
+    metric: Callable[[list[Any], list[Any]], Mapping[str, Any]] | None = None
+    evaluate: Callable[..., Mapping[str, Any]] | None = None  # (predictor, examples, *, progress, **options)
+    predict_many: Callable[..., list[Any]] | None = None  # (predictor, texts, *, progress, **options)
     labels: tuple[str, ...] | None = None
     target_labels: Callable[[Any], Iterable[int | str]] | None = None
     best_metric: str | None = None

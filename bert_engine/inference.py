@@ -24,7 +24,7 @@ from torch import nn
 
 from .cancel import ModelLock
 from .fairness import CHUNK_TOKENS, GATE, VISITOR, ComputeGate
-from .hookspecs import InputError
+from .hookspecs import InputError, TaskContext
 from .loading import Loaded
 from .precision import parameter_dtype, pick_device, prepare_for_inference
 from .registry import RegisteredTask
@@ -175,7 +175,9 @@ class Predictor:
             with request_stage("forward"):
                 output = self._forward(batch.to(self.device))
             with request_stage("postprocess"), self._lock:
-                # Postprocessing may use the model too (logits at chosen positions, beam search).
+                # Postprocessing may re-run the encoder (beam search): context.encode, under this lock.
+                if self.task.takes_context:
+                    options = {**options, "context": TaskContext(self.tokenizer, self._encode)}
                 return self.task.spec.postprocess(output, batch.to("cpu"), **options)
 
     def forward_rows(self, inputs: Mapping[str, torch.Tensor]) -> Any:
@@ -224,6 +226,12 @@ class Predictor:
         self._last.move_to_end(visitor)
         while len(self._last) > self.MAX_REMEMBERED:
             self._last.popitem(last=False)
+
+    def _encode(self, inputs: Mapping[str, Any]):
+        """The encoder alone over model inputs, chunked (TaskContext.encode; the caller holds the lock)."""
+        encoder = getattr(self.model, "encoder", self.model)
+        moved = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        return forward_in_chunks(encoder, moved, self.max_rows)
 
     def _forward(self, batch: Batch):
         return self._forward_inputs(batch.model_inputs())

@@ -9,6 +9,7 @@ BERT_ENGINE_STRICT_PLUGINS=1 re-raises the first failure, for plugin authors and
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import logging
@@ -23,7 +24,7 @@ from typing import Any
 import pluggy
 
 from .cancel import PredictionTimeout, call_with_timeout, raised_by_call
-from .hookspecs import PROJECT, PluginError, TaskHooks, TaskSpec
+from .hookspecs import PROJECT, PluginError, TaskHooks, TaskSpec, takes_context
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,11 @@ class RegisteredTask:
     spec: TaskSpec
     plugin: str
     plugin_version: str
+
+    @functools.cached_property
+    def takes_context(self) -> bool:
+        """Whether the task's postprocess wants a TaskContext (hookspecs.takes_context)."""
+        return takes_context(self.spec.postprocess)
 
 
 class _Violation(PluginError):

@@ -6,7 +6,9 @@ stay cached. A task whose tab fails to build gets an error panel in its place, n
 
 from __future__ import annotations
 
+import functools
 import html
+import inspect
 import logging
 import os
 import threading
@@ -246,14 +248,38 @@ def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry) -> N
     if task.spec.build_tab is None:
         gr.Markdown(f"Task `{task.spec.name}` has no tab; use it through the Python API.")
         return
+    from gradio.context import get_blocks_context
+
+    events = get_blocks_context().fns
+    before = set(events)
     try:
         task.spec.build_tab(predictor)
+        for key in set(events) - before:  # the tab's own event functions: InputError becomes the UI's message
+            events[key].fn = input_errors_shown(gr, events[key].fn)
     except Exception as err:  # a stranger's tab must not take the app down
         registry.record_failure(PluginFailure(task.plugin, task.plugin_version, "tab",
                                               f"task {task.spec.name}: {type(err).__name__}: {err}",
                                               location=failure_location(err)))
         gr.Markdown(f"**The tab of `{task.spec.name}` (plugin {task.plugin} {task.plugin_version}) "
                     f"failed to build:** `{html.escape(str(err))}`")
+
+
+def input_errors_shown(gr, function):
+    """`function` (a tab's event handler) with the task's InputError shown as the UI's error message
+    (Gradio's gr.Error, its text escaped): tabs need not catch it themselves. Generators and
+    coroutines are left as they are."""
+    if function is None or inspect.isgeneratorfunction(function) or inspect.iscoroutinefunction(function):
+        return function
+
+    @functools.wraps(function)
+    def shown(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except InputError as err:
+            message = html.escape(str(err), quote=False)  # the toast renders HTML; quotes stay readable
+        raise gr.Error(message)  # outside the except block: no __context__ keeping the call's frames
+
+    return shown
 
 
 def plugin_rows(registry: Registry) -> list[list[str]]:

@@ -10,7 +10,6 @@ splits into several word pieces is scored by the chain rule over as many masks, 
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 from torch import Tensor
 
 from bert_engine.heads import IGNORE_INDEX, MaskedLMHead
-from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.inference import MAX_REQUEST_TOKENS
 from plugins.starter import starter_checkpoint
 
@@ -40,20 +39,18 @@ class FillMaskHead(MaskedLMHead):
     """The standard masked-LM head (checkpoint `cls.predictions.*`), computing the V-wide decoder
     only at [MASK] positions instead of at every token."""
 
-    def bind(self, model) -> None:
-        self._model = weakref.ref(model)
-
     def forward(self, encoded) -> FillMaskOutput:
         return FillMaskOutput(encoded.last_hidden_state, self)
 
-    def log_probs_at(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor,
-                     positions: Tensor) -> Tensor:
-        """Re-encode (B, T) inputs and return log-probabilities (B, V) at one position per row."""
-        model = self._model()
-        device = self.bias.device
-        encoded = model.encoder(input_ids.to(device), attention_mask.to(device), token_type_ids.to(device))
-        rows = torch.arange(input_ids.shape[0], device=device)
-        return self.logits(encoded.last_hidden_state[rows, positions.to(device)]).float().log_softmax(-1).cpu()
+
+def log_probs_at(head: FillMaskHead, encode, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor,
+                 positions: Tensor) -> Tensor:
+    """Re-encode (B, T) inputs (`encode`: TaskContext.encode) and return log-probabilities (B, V) at
+    one position per row."""
+    encoded = encode({"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids})
+    states = encoded.last_hidden_state
+    rows = torch.arange(input_ids.shape[0], device=states.device)
+    return head.logits(states[rows, positions.to(states.device)]).float().log_softmax(-1).cpu()
 
 
 def preprocess(inputs, tokenizer, *, top_k=5, mode="independent", targets=None, beam_width=8, max_masks=5,
@@ -94,7 +91,7 @@ def preprocess(inputs, tokenizer, *, top_k=5, mode="independent", targets=None, 
     batch = _select_row(batch, best)
     if targets is not None:
         batch.meta["target_pieces"] = _target_pieces(list(targets), tokenizer, batch.input_ids.shape[1])
-    batch.meta.update(text=text, tokenizer=tokenizer, targets=targets, windowed=len(batch.sample_index) > 1)
+    batch.meta.update(text=text, targets=targets, windowed=len(batch.sample_index) > 1)
     return batch
 
 
@@ -121,9 +118,9 @@ def _fill(text: str, spans: list[tuple[int, int]], pieces: list[str]) -> str:
     return "".join(out) + text[cursor:]
 
 
-def postprocess(output: FillMaskOutput, batch, *, top_k=5, mode="independent", targets=None, beam_width=8,
-                max_masks=5, max_length=None):
-    tokenizer, text = batch.meta["tokenizer"], batch.meta["text"]
+def postprocess(output: FillMaskOutput, batch, *, context: TaskContext, top_k=5, mode="independent", targets=None,
+                beam_width=8, max_masks=5, max_length=None):
+    tokenizer, text = context.tokenizer, batch.meta["text"]
     ids = batch.input_ids[0]
     positions = (ids == tokenizer.mask_token_id).nonzero().squeeze(-1)
     spans = [tuple(batch.offsets[0][p]) for p in positions.tolist()]
@@ -131,10 +128,12 @@ def postprocess(output: FillMaskOutput, batch, *, top_k=5, mode="independent", t
     specials = [tokenizer.token_id(n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")]
     if batch.meta["targets"] is not None:
         return {"mode": "targets", "masks": len(spans),
-                "candidates": _score_targets(head, batch, positions[0], batch.meta["targets"], tokenizer, text, spans[0])}
+                "candidates": _score_targets(head, context.encode, batch, positions[0], batch.meta["targets"],
+                                              tokenizer, text, spans[0])}
     if mode == "joint" and len(spans) > 1:
         return {"mode": "joint", "masks": len(spans),
-                "candidates": _beam(head, batch, positions, spans, tokenizer, text, top_k, beam_width, specials)}
+                "candidates": _beam(head, context.encode, batch, positions, spans, tokenizer, text, top_k, beam_width,
+                                   specials)}
     hidden = output.hidden_states[0, positions.to(output.hidden_states.device)]  # (M, H)
     log_probs = head.logits(hidden).float().log_softmax(-1).cpu()  # (M, V)
     log_probs[:, specials] = -math.inf  # special tokens are never a word
@@ -159,7 +158,7 @@ def _sig(value: float) -> float:
     return float(f"{value:.6g}")
 
 
-def _score_targets(head, batch, position: Tensor, targets, tokenizer, text, span) -> list[dict[str, Any]]:
+def _score_targets(head, encode, batch, position: Tensor, targets, tokenizer, text, span) -> list[dict[str, Any]]:
     """Each target word's probability at the mask; a word of several pieces is scored left to right
     by the chain rule over as many masks. Batched: words of n pieces share n forward passes, and the
     first piece of every word is read from one pass (the widened inputs are identical until then)."""
@@ -174,8 +173,8 @@ def _score_targets(head, batch, position: Tensor, targets, tokenizer, text, span
             rows = widened if k == 0 else widened.expand(len(words), -1).clone()
             if k:
                 rows[:, p:p + k] = piece_ids[:, :k]  # the earlier pieces filled in
-            logits = head.log_probs_at(rows, torch.ones_like(rows), torch.zeros_like(rows),
-                                       torch.full((rows.shape[0],), p + k))                      # (1 or W, V)
+            logits = log_probs_at(head, encode, rows, torch.ones_like(rows), torch.zeros_like(rows),
+                                  torch.full((rows.shape[0],), p + k))                           # (1 or W, V)
             scores = logits[0, piece_ids[:, k]] if k == 0 else logits.gather(1, piece_ids[:, k:k + 1])[:, 0]
             for word, score in zip(words, scores.tolist()):
                 log_p[word] += score
@@ -213,15 +212,15 @@ def _target_pieces(targets: list[str], tokenizer, length: int) -> dict[str, list
     return pieces
 
 
-def _beam(head, batch, positions: Tensor, spans, tokenizer, text, top_k: int, beam_width: int, specials):
+def _beam(head, encode, batch, positions: Tensor, spans, tokenizer, text, top_k: int, beam_width: int, specials):
     """Beam search over the masks left to right, re-encoding each partial filling."""
     beams = [(batch.input_ids[0].clone(), 0.0, [])]  # (ids, log-prob, chosen token ids)
     mask, types = batch.attention_mask[:1], batch.token_type_ids[:1]
     width = max(beam_width, top_k)
     for position in positions.tolist():
         stacked = torch.stack([ids for ids, _, _ in beams])  # (beams, T)
-        log_probs = head.log_probs_at(stacked, mask.expand_as(stacked), types.expand_as(stacked),
-                                      torch.full((len(beams),), position))  # (beams, V)
+        log_probs = log_probs_at(head, encode, stacked, mask.expand_as(stacked), types.expand_as(stacked),
+                                 torch.full((len(beams),), position))  # (beams, V)
         log_probs[:, specials] = -math.inf
         scores, token_ids = log_probs.topk(width, dim=-1)
         expanded = []
@@ -253,10 +252,7 @@ def build_tab(predictor) -> None:
 
     def run(text_value: str, k: float, mode_value: str, target_text: str | None):
         words = [w.strip() for w in (target_text or "").split(",") if w.strip()] or None  # API clients may send null
-        try:
-            output = predictor.predict({"text": text_value}, top_k=int(k), mode=mode_value, targets=words)
-        except InputError as err:
-            raise gr.Error(str(err)) from None
+        output = predictor.predict({"text": text_value}, top_k=int(k), mode=mode_value, targets=words)
         return rows(output["result"]), output
 
     button.click(run, [text, top_k, mode, targets], [table, details], api_name="fill_mask")

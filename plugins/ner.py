@@ -326,10 +326,7 @@ def build_tab(predictor) -> None:
     details = gr.JSON(label="Result and provenance")
 
     def run(text_value: str, use_constraints: bool, k: float):
-        try:
-            output = predictor.predict({"text": text_value}, constrained=bool(use_constraints), nbest=int(k))
-        except InputError as err:
-            raise gr.Error(str(err)) from None
+        output = predictor.predict({"text": text_value}, constrained=bool(use_constraints), nbest=int(k))
         result = output["result"]
         table = transition_table(predictor.get().model.head, bool(use_constraints))
         header = ["from \\ to", *table["labels"]]

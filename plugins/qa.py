@@ -287,10 +287,7 @@ def build_tab(predictor) -> None:
     details = gr.JSON(label="Result (null score and gap) and provenance")
 
     def run(question_value: str, context_value: str, k: float):
-        try:
-            output = predictor.predict({"question": question_value, "context": context_value}, top_k=int(k))
-        except InputError as err:
-            raise gr.Error(str(err)) from None
+        output = predictor.predict({"question": question_value, "context": context_value}, top_k=int(k))
         result = output["result"]
         marks = []
         if result["answers"]:

@@ -143,10 +143,7 @@ def build_tab(predictor) -> None:
     details = gr.JSON(label="Result and provenance")
 
     def run(text_value: str, pair_value: str, policy: str):
-        try:
-            output = predictor.predict({"text": text_value, "text_pair": pair_value or None}, long_input=policy)
-        except InputError as err:
-            raise gr.Error(str(err)) from None
+        output = predictor.predict({"text": text_value, "text_pair": pair_value or None}, long_input=policy)
         return {item["label"]: item["score"] for item in output["result"]["labels"]}, output
 
     button.click(run, [text, pair, long_input], [bars, details], api_name="sentiment")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import threading
-import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.inference import predict_texts
 from bert_engine.tokenizer import Batch
 from plugins.starter import starter_checkpoint
@@ -113,21 +112,6 @@ class SentenceScorerHead(nn.Module):
         # Set to 1 by the first training step and saved with the weights: "auto" mode trusts the
         # scorer only when it has been trained.
         self.is_trained = nn.Parameter(torch.zeros(()), requires_grad=False)
-        self._model = None
-
-    def bind(self, model) -> None:
-        """Keep a weak reference to the whole model: "auto" mode re-encodes sentence by sentence when
-        the scorer turns out to be untrained."""
-        self._model = weakref.ref(model)
-
-    def encode_rows(self, batch: Batch):
-        """The bound model over a batch's rows, 64 at a time; returns the encoder's output."""
-        from bert_engine.inference import forward_in_chunks
-
-        model = self._model() if self._model is not None else None
-        if model is None:
-            raise RuntimeError("summary: the head is not bound to a model")
-        return forward_in_chunks(model.encoder, batch.to(next(model.parameters()).device).model_inputs(), max_rows=64)
 
     def forward(self, encoded) -> SummaryOutput:
         if self.training:
@@ -179,7 +163,7 @@ def preprocess(inputs, tokenizer, *, num_sentences=None, ratio=0.3, min_words=4,
             batch.meta["model_kwargs"] = {"output_hidden_states": True}
     else:
         batch = pack_sentences(tokenizer, texts, documents, max_length)
-    batch.meta.update(texts=texts, spans=documents, mode=mode, tokenizer=tokenizer)
+    batch.meta.update(texts=texts, spans=documents, mode=mode)
     return batch
 
 
@@ -268,8 +252,8 @@ def target_count(num_candidates: int, num_sentences: int | None, ratio: float) -
     return min(num_candidates, max(1, math.ceil(ratio * num_candidates)))
 
 
-def postprocess(output: SummaryOutput, batch, *, num_sentences=None, ratio=0.3, min_words=4, mode="auto",
-                mmr_lambda=0.7, layer=-1, max_length=None):
+def postprocess(output: SummaryOutput, batch, *, context: TaskContext, num_sentences=None, ratio=0.3, min_words=4,
+                mode="auto", mmr_lambda=0.7, layer=-1, max_length=None):
     """Per document: the summary, every sentence with its span, score and whether it was chosen, and
     the sentences a length filter dropped (with the reason)."""
     head = output.head
@@ -279,7 +263,7 @@ def postprocess(output: SummaryOutput, batch, *, num_sentences=None, ratio=0.3, 
     texts, documents = batch.meta["texts"], batch.meta["spans"]
     if used == "centroid" and batch.meta["mode"] != "centroid":
         # "auto" fell back to centroid mode: embed each sentence alone (a second, cheaper pass).
-        return _rerun_centroid(head, batch, num_sentences, ratio, min_words, mmr_lambda, layer, max_length)
+        return _rerun_centroid(head, context, batch, num_sentences, ratio, min_words, mmr_lambda, layer, max_length)
     per_doc_scores: list[Tensor] = []
     per_doc_embeddings: list[Tensor | None] = []
     if used == "supervised":
@@ -316,12 +300,12 @@ def _layer(encoded, layer: int) -> Tensor:
     return states[layer]
 
 
-def _rerun_centroid(head, batch, num_sentences, ratio, min_words, mmr_lambda, layer, max_length):
+def _rerun_centroid(head, context, batch, num_sentences, ratio, min_words, mmr_lambda, layer, max_length):
     options = dict(num_sentences=num_sentences, ratio=ratio, min_words=min_words, mode="centroid",
                    mmr_lambda=mmr_lambda, layer=layer, max_length=max_length)
-    sub = preprocess({"text": batch.meta["texts"]}, batch.meta["tokenizer"], **options)
-    output = SummaryOutput(torch.zeros(0), head, head.encode_rows(sub))
-    return postprocess(output, sub, **options)
+    sub = preprocess({"text": batch.meta["texts"]}, context.tokenizer, **options)
+    output = SummaryOutput(torch.zeros(0), head, context.encode(sub.model_inputs()))
+    return postprocess(output, sub, context=context, **options)
 
 
 def _choose(text, spans, scores, vectors, num_sentences, ratio, min_words, mmr_lambda, mode) -> dict[str, Any]:
@@ -496,11 +480,8 @@ def build_tab(predictor) -> None:
     details = gr.JSON(label="Result and provenance")
 
     def run(text_value: str, k: float, ratio_value: float, min_words_value: float, mode_value: str):
-        try:
-            output = predictor.predict({"text": text_value}, num_sentences=int(k) or None, ratio=float(ratio_value),
-                                       min_words=int(min_words_value), mode=mode_value)
-        except InputError as err:
-            raise gr.Error(str(err)) from None
+        output = predictor.predict({"text": text_value}, num_sentences=int(k) or None, ratio=float(ratio_value),
+                                   min_words=int(min_words_value), mode=mode_value)
         result = output["result"]
         return (result["summary"] or result.get("explanation", ""), render(text_value, result),
                 [[item["text"], item["reason"]] for item in result["dropped"]], output)

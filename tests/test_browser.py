@@ -142,10 +142,16 @@ def test_plugins_tab_lists_the_broken_plugin(browser_page):
 
 
 def test_attention_tab_shows_the_last_input(browser_page):
+    """This page's own last sentiment input (each visitor sees only theirs)."""
+    panel = _open(browser_page, "Sentiment")
+    panel.locator("textarea").first.fill("Quietly luminous filmmaking.")
+    panel.get_by_role("button", name="Classify").click()
+    panel.get_by_text("POSITIVE").first.wait_for(timeout=60_000)
     panel = _open(browser_page, "Attention")
     panel.get_by_role("button", name="Show attention").click()
     panel.locator("table.attention").wait_for(timeout=30_000)
     assert panel.locator("table.attention td").count() > 16
+    assert panel.locator("table.attention").get_by_text("luminous").count() >= 1
     _shot(browser_page, "attention")
 
 

@@ -106,7 +106,8 @@ def test_joint_beam_with_width_one_is_greedy_left_to_right(predictor):
     chosen = []
     with torch.inference_mode():
         for position in positions:
-            log_probs = model.head.log_probs_at(ids, torch.ones_like(ids), torch.zeros_like(ids), torch.tensor([position]))[0]
+            encoded = model.encoder(ids, torch.ones_like(ids), torch.zeros_like(ids))  # a plain re-encode, by hand
+            log_probs = model.head.logits(encoded.last_hidden_state[0, position]).float().log_softmax(-1)
             log_probs[specials] = -math.inf
             best = int(log_probs.argmax())
             total += float(log_probs[best])

@@ -103,10 +103,7 @@ def build_tab(predictor) -> None:
     details = gr.JSON(label="Result")
 
     def run(a: str, b: str):
-        try:
-            output = predictor.predict({"text_a": a, "text_b": b})
-        except InputError as err:
-            raise gr.Error(str(err)) from None
+        output = predictor.predict({"text_a": a, "text_b": b})
         result = output["result"]
         return {"similar": result["score"], "different": 1.0 - result["score"]}, output
 
