@@ -53,8 +53,13 @@ def log_probs_at(head: FillMaskHead, encode, input_ids: Tensor, attention_mask: 
     return head.logits(states[rows, positions.to(states.device)]).float().log_softmax(-1).cpu()
 
 
-def preprocess(inputs, tokenizer, *, top_k=5, mode="independent", targets=None, beam_width=8, max_masks=5,
-               max_length=None):
+# The task's options and their defaults, declared once: the Predictor passes every one to preprocess
+# and postprocess (a caller's values over these).
+OPTIONS = {"top_k": 5, "mode": "independent", "targets": None, "beam_width": 8, "max_masks": 5,
+           "max_length": None}
+
+
+def preprocess(inputs, tokenizer, *, top_k, mode, targets, beam_width, max_masks, max_length):
     text = inputs["text"]
     mask = tokenizer.mask_token
     check_int("fill_mask", "top_k", top_k, 1, 100)
@@ -118,8 +123,7 @@ def _fill(text: str, spans: list[tuple[int, int]], pieces: list[str]) -> str:
     return "".join(out) + text[cursor:]
 
 
-def postprocess(output: FillMaskOutput, batch, *, context: TaskContext, top_k=5, mode="independent", targets=None,
-                beam_width=8, max_masks=5, max_length=None):
+def postprocess(output: FillMaskOutput, batch, *, context: TaskContext, top_k, mode, targets, beam_width, max_masks, max_length):
     tokenizer, text = context.tokenizer, batch.meta["text"]
     ids = batch.input_ids[0]
     positions = (ids == tokenizer.mask_token_id).nonzero().squeeze(-1)
@@ -243,8 +247,8 @@ def build_tab(predictor) -> None:
 
     text = gr.Textbox(label="Text with [MASK]", lines=2, value=EXAMPLES[0]["text"])
     with gr.Row():
-        top_k = gr.Slider(1, 20, value=5, step=1, label="Candidates (top-k)")
-        mode = gr.Radio(list(MODES), value="independent", label="Several masks")
+        top_k = gr.Slider(1, 20, value=OPTIONS["top_k"], step=1, label="Candidates (top-k)")
+        mode = gr.Radio(list(MODES), value=OPTIONS["mode"], label="Several masks")
         targets = gr.Textbox(label="Only score these words (comma-separated, optional)")
     button = gr.Button("Fill", variant="primary")
     table = gr.Dataframe(headers=["mask", "rank", "candidate", "score", "sentence"], interactive=False, wrap=True)
@@ -360,8 +364,7 @@ def register_tasks(register):
         postprocess=postprocess,
         build_tab=build_tab,
         input_fields=("text",),
-        options={"top_k": 5, "mode": "independent", "targets": None, "beam_width": 8, "max_masks": 5,
-                 "max_length": None},
+        options=OPTIONS,
         examples=EXAMPLES,
         read_data=read_data,
         training_batch=training_batch,

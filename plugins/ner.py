@@ -72,7 +72,12 @@ def _check_options(tokenizer, max_length, stride, nbest, constrained, scheme) ->
     return max_length, stride
 
 
-def preprocess(inputs, tokenizer, *, max_length=None, stride=None, nbest=3, constrained=True, scheme="auto"):
+# The task's options and their defaults, declared once: the Predictor passes every one to preprocess
+# and postprocess (a caller's values over these).
+OPTIONS = {"max_length": None, "stride": None, "nbest": 3, "constrained": True, "scheme": "auto"}
+
+
+def preprocess(inputs, tokenizer, *, max_length, stride, nbest, constrained, scheme):
     """One text (or a list, for batches) -> overlapping windows; first wordpieces are found after the model."""
     max_length, stride = _check_options(tokenizer, max_length, stride, nbest, constrained, scheme)
     texts = inputs["text"] if isinstance(inputs["text"], list) else [inputs["text"]]
@@ -115,7 +120,7 @@ def word_layout(batch) -> tuple[Tensor, Tensor, Tensor, dict]:
 
 # -- postprocessing --------------------------------------------------------------------------------
 
-def postprocess(output: NerOutput, batch, *, max_length=None, stride=None, nbest=3, constrained=True, scheme="auto"):
+def postprocess(output: NerOutput, batch, *, max_length, stride, nbest, constrained, scheme):
     """Per input: entities (type, start, end, text, score, words), per-word tags (Viterbi and argmax),
     the n-best tag sequences of the first window with their probabilities."""
     head = output.head
@@ -313,8 +318,8 @@ def build_tab(predictor) -> None:
 
     text = gr.Textbox(label="Text", lines=4, value=EXAMPLES[0]["text"])
     with gr.Row():
-        constrained = gr.Checkbox(value=True, label="Scheme constraints in decoding")
-        nbest = gr.Slider(1, 10, value=3, step=1, label="n-best paths")
+        constrained = gr.Checkbox(value=OPTIONS["constrained"], label="Scheme constraints in decoding")
+        nbest = gr.Slider(1, 10, value=OPTIONS["nbest"], step=1, label="n-best paths")
     button = gr.Button("Find entities", variant="primary")
     marked = gr.HTML(label="Entities")
     with gr.Accordion("Token-wise argmax vs the Viterbi path", open=True):
@@ -359,7 +364,7 @@ def register_tasks(register):
         postprocess=postprocess,
         build_tab=build_tab,
         input_fields=("text",),
-        options={"max_length": None, "stride": None, "nbest": 3, "constrained": True, "scheme": "auto"},
+        options=OPTIONS,
         examples=EXAMPLES,
         read_data=read_data,
         training_batch=training_batch,

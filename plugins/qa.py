@@ -25,8 +25,14 @@ N_BEST_PER_WINDOW = 20  # best spans kept per window before merging across windo
 MAX_WINDOWS = 256
 
 
-def preprocess(inputs, tokenizer, *, top_k=1, max_seq_len=None, doc_stride=None, max_question_len=64,
-               max_answer_len=30, null_threshold=None):
+# The task's options and their defaults, declared once: the Predictor passes every one to preprocess
+# and postprocess (a caller's values over these).
+OPTIONS = {"top_k": 1, "max_seq_len": None, "doc_stride": None, "max_question_len": 64, "max_answer_len": 30,
+           "null_threshold": None}
+
+
+def preprocess(inputs, tokenizer, *, top_k, max_seq_len, doc_stride, max_question_len, max_answer_len,
+               null_threshold):
     question, context = inputs["question"], inputs["context"]
     if not question.strip():
         raise InputError("qa: the question is empty; ask something about the context")
@@ -80,8 +86,8 @@ def max_context_windows(batch) -> dict[tuple[int, int], int]:
     return {span: row for span, (_, row) in best.items()}
 
 
-def postprocess(output, batch, *, top_k=1, max_seq_len=None, doc_stride=None, max_question_len=64,
-                max_answer_len=30, null_threshold=None):
+def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_len, max_answer_len,
+                null_threshold):
     context = batch.meta["context"]
     starts, ends = output.start_logits.float().cpu(), output.end_logits.float().cpu()  # (W, T)
     W, T = starts.shape
@@ -279,7 +285,7 @@ def build_tab(predictor) -> None:
 
     with gr.Row():
         question = gr.Textbox(label="Question", value=EXAMPLES[0]["question"])
-        top_k = gr.Slider(1, 10, value=3, step=1, label="Answers (top-k)")
+        top_k = gr.Slider(1, 10, value=3, step=1, label="Answers (top-k)")  # the tab lists 3; the API default is 1
     context = gr.Textbox(label="Context", lines=8, value=EXAMPLES[0]["context"])
     button = gr.Button("Answer", variant="primary")
     highlighted = gr.HighlightedText(label="Answer in its context", combine_adjacent=False)
@@ -322,8 +328,7 @@ def register_tasks(register):
         postprocess=postprocess,
         build_tab=build_tab,
         input_fields=("question", "context"),
-        options={"top_k": 1, "max_seq_len": None, "doc_stride": None, "max_question_len": 64, "max_answer_len": 30,
-                 "null_threshold": None},
+        options=OPTIONS,
         examples=EXAMPLES,
         read_data=read_data,
         loss=loss,

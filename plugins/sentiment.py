@@ -66,8 +66,12 @@ def _check_options(top_k, function, long_input, max_length, stride, tokenizer) -
     return max_length, stride
 
 
-def preprocess(inputs, tokenizer, *, top_k=None, function="auto", long_input="truncate", max_length=None,
-               stride=None):
+# The task's options and their defaults, declared once: the Predictor passes every one to preprocess
+# and postprocess (a caller's values over these).
+OPTIONS = {"top_k": None, "function": "auto", "long_input": "truncate", "max_length": None, "stride": None}
+
+
+def preprocess(inputs, tokenizer, *, top_k, function, long_input, max_length, stride):
     """One text (or a list of texts, for batches), optionally with a second text (`text_pair`)."""
     max_length, stride = _check_options(top_k, function, long_input, max_length, stride, tokenizer)
     texts = inputs["text"] if isinstance(inputs["text"], list) else [inputs["text"]]
@@ -103,8 +107,7 @@ def probabilities(logits: Tensor, function: str, problem_type: str | None) -> tu
     return logits, function
 
 
-def postprocess(output: SentimentOutput, batch, *, top_k=None, function="auto", long_input="truncate",
-                max_length=None, stride=None):
+def postprocess(output: SentimentOutput, batch, *, top_k, function, long_input, max_length, stride):
     """Per input: the top label and score, all labels ranked (or `top_k`), and the long-input policy."""
     scores, used = probabilities(output.logits, function, output.problem_type)  # (rows, L)
     sample = torch.tensor(batch.sample_index)
@@ -137,7 +140,7 @@ def build_tab(predictor) -> None:
     text = gr.Textbox(label="Text", lines=3, placeholder="Type a sentence or a review")
     with gr.Accordion("Options", open=False):
         pair = gr.Textbox(label="Second text (optional, for sentence-pair models)")
-        long_input = gr.Radio(list(POLICIES), value="truncate", label="Long input")
+        long_input = gr.Radio(list(POLICIES), value=OPTIONS["long_input"], label="Long input")
     button = gr.Button("Classify", variant="primary")
     bars = gr.Label(label="Labels")
     details = gr.JSON(label="Result and provenance")
@@ -222,7 +225,7 @@ def register_tasks(register):
         build_tab=build_tab,
         input_fields=("text",),
         optional_fields=("text_pair",),
-        options={"top_k": None, "function": "auto", "long_input": "truncate", "max_length": None, "stride": None},
+        options=OPTIONS,
         examples=EXAMPLES,
         read_data=read_data,
         loss=loss,

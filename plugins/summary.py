@@ -137,8 +137,13 @@ def _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, layer, max
     return length_option("summary", "max_length", max_length, 512, 32, tokenizer)
 
 
-def preprocess(inputs, tokenizer, *, num_sentences=None, ratio=0.3, min_words=4, mode="auto", mmr_lambda=0.7,
-               layer=-1, max_length=None):
+# The task's options and their defaults, declared once: the Predictor passes every one to preprocess
+# and postprocess (a caller's values over these).
+OPTIONS = {"num_sentences": None, "ratio": 0.3, "min_words": 4, "mode": "auto", "mmr_lambda": 0.7, "layer": -1,
+           "max_length": None}
+
+
+def preprocess(inputs, tokenizer, *, num_sentences, ratio, min_words, mode, mmr_lambda, layer, max_length):
     """Split into sentences; rows are one per sentence in centroid mode, packed BertSum windows
     otherwise ("auto" starts with the windows and re-encodes per sentence if the scorer is untrained)."""
     max_length = _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, layer, max_length, tokenizer)
@@ -252,8 +257,8 @@ def target_count(num_candidates: int, num_sentences: int | None, ratio: float) -
     return min(num_candidates, max(1, math.ceil(ratio * num_candidates)))
 
 
-def postprocess(output: SummaryOutput, batch, *, context: TaskContext, num_sentences=None, ratio=0.3, min_words=4,
-                mode="auto", mmr_lambda=0.7, layer=-1, max_length=None):
+def postprocess(output: SummaryOutput, batch, *, context: TaskContext, num_sentences, ratio, min_words, mode,
+                mmr_lambda, layer, max_length):
     """Per document: the summary, every sentence with its span, score and whether it was chosen, and
     the sentences a length filter dropped (with the reason)."""
     head = output.head
@@ -465,9 +470,9 @@ def build_tab(predictor) -> None:
 
     text = gr.Textbox(label="Document", lines=10, value=EXAMPLES[0]["text"])
     with gr.Row():
-        count = gr.Slider(0, 20, value=3, step=1, label="Sentences (0: use the ratio)")
-        ratio = gr.Slider(0.05, 1.0, value=0.3, step=0.05, label="Ratio of sentences")
-        min_words = gr.Slider(0, 20, value=4, step=1, label="Drop sentences shorter than (words)")
+        count = gr.Slider(0, 20, value=3, step=1, label="Sentences (0: use the ratio)")  # the API default: the ratio
+        ratio = gr.Slider(0.05, 1.0, value=OPTIONS["ratio"], step=0.05, label="Ratio of sentences")
+        min_words = gr.Slider(0, 20, value=OPTIONS["min_words"], step=1, label="Drop sentences shorter than (words)")
         # On BBC News the unsupervised centroid mode scores higher than the starter's trained scorer
         # (ROUGE-2 51.8 vs 48.1, MODEL_CARD.md), so the tab starts there; "auto" uses a trained scorer.
         mode = gr.Radio(list(MODES), value="centroid", label="Mode",
@@ -509,8 +514,7 @@ def register_tasks(register):
         postprocess=postprocess,
         build_tab=build_tab,
         input_fields=("text",),
-        options={"num_sentences": None, "ratio": 0.3, "min_words": 4, "mode": "auto", "mmr_lambda": 0.7,
-                 "layer": -1, "max_length": None},
+        options=OPTIONS,
         examples=EXAMPLES,
         read_data=read_data,
         training_batch=training_batch,

@@ -85,10 +85,10 @@ def test_long_context_spans_index_the_original_text(predictor):
 
 
 def test_each_token_has_one_home_window_with_most_context(predictor):
-    from plugins.qa import preprocess
+    from plugins.qa import OPTIONS, preprocess
 
-    batch = preprocess({"question": "Where?", "context": LONG_CONTEXT}, predictor.tokenizer, max_seq_len=64,
-                       doc_stride=24)
+    batch = preprocess({"question": "Where?", "context": LONG_CONTEXT}, predictor.tokenizer,
+                       **{**OPTIONS, "max_seq_len": 64, "doc_stride": 24})
     home = max_context_windows(batch)
     for span, row in home.items():
         rows = [r for r in range(len(batch)) if span in [tuple(o) for o, s in zip(batch.offsets[r], batch.sequence_ids[r]) if s == 1]]

@@ -32,7 +32,7 @@ class MeanPoolingHead(nn.Module):
         return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)  # (B, H)
 
 
-def preprocess(inputs, tokenizer, max_length: int | None = None):
+def preprocess(inputs, tokenizer, *, max_length: int | None):
     texts = [inputs["text_a"], inputs["text_b"]]
     for field, text in zip(("text_a", "text_b"), texts):
         if not text.strip():
@@ -44,7 +44,7 @@ def preprocess(inputs, tokenizer, max_length: int | None = None):
     return batch
 
 
-def postprocess(embeddings: Tensor, batch, max_length: int | None = None):
+def postprocess(embeddings: Tensor, batch, *, max_length: int | None):
     a, b = embeddings.float()
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).clamp(-1.0, 1.0).item()
     truncated = [name for name, cut in zip(("text_a", "text_b"), batch.truncated) if cut]
