@@ -303,9 +303,9 @@ def check_plugin(name: str, *, data: str | Path | None = None, split: str | None
     """Load one plugin in isolation (built-in or entry point) and check each of its tasks; then load
     the full registry as the app would, and name any of its tasks another plugin already registers
     (the registry would refuse the whole plugin). `data` feeds the training check (one task)."""
-    from .registry import BUILTIN_PLUGINS
+    from .registry import builtin_plugins
 
-    builtins = tuple(m for m in BUILTIN_PLUGINS if m.rsplit(".", 1)[-1] == name)
+    builtins = tuple(m for m in builtin_plugins() if m.rsplit(".", 1)[-1] == name)
     registry = load_registry(builtins=builtins, entry_points=not builtins, selected={name}, strict=False)
     if registry.failures:
         failure = registry.failures[0]
@@ -330,9 +330,9 @@ def check_plugin(name: str, *, data: str | Path | None = None, split: str | None
 
 def _owners_elsewhere(name: str) -> dict[str, str]:
     """Task name -> plugin, for every task the other plugins (built-in and installed) register."""
-    from .registry import BUILTIN_PLUGINS
+    from .registry import builtin_plugins
 
-    others = tuple(m for m in BUILTIN_PLUGINS if m.rsplit(".", 1)[-1] != name)
+    others = tuple(m for m in builtin_plugins() if m.rsplit(".", 1)[-1] != name)
     full = load_registry(builtins=others, entry_points=True, excluded={name}, strict=False)
     return {task_name: task.plugin for task_name, task in full.tasks.items()}
 

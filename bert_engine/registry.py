@@ -30,7 +30,13 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "bert_engine"
 # Built-in task modules, in tab order; they load exactly like third-party plugins.
-BUILTIN_PLUGINS: tuple[str, ...] = ("plugins.sentiment", "plugins.ner", "plugins.qa", "plugins.summary", "plugins.fill_mask")
+def builtin_plugins() -> tuple[str, ...]:
+    """The built-in task modules, as plugins/__init__.py lists them (a new built-in task touches only
+    plugins/); none when the plugins package is not installed."""
+    try:
+        return tuple(importlib.import_module("plugins").BUILTIN)
+    except (ImportError, AttributeError):
+        return ()
 SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 REQUEST_STAGES = ("preprocess", "forward", "postprocess", "request", "time limit")
 IMPORT_TIMEOUT_S = 30.0  # importing a plugin and running its register_tasks hook (BERT_ENGINE_PLUGIN_TIMEOUT)
@@ -250,7 +256,7 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
     """Load built-in task modules, then third-party entry points (sorted by name), each in isolation.
 
     Args:
-        builtins: module names (default BUILTIN_PLUGINS).
+        builtins: module names (default builtin_plugins()).
         entry_points: also load the `bert_engine` entry-point group.
         selected: third-party plugin names to load (default: BERT_ENGINE_PLUGINS if set, else all).
         excluded: third-party plugin names not to load (the conformance kit compares one plugin
@@ -262,7 +268,7 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
     timeout = float(os.environ.get("BERT_ENGINE_PLUGIN_TIMEOUT", IMPORT_TIMEOUT_S)) or None
     registry = Registry(strict=_env_flag("BERT_ENGINE_STRICT_PLUGINS") if strict is None else strict,
                         import_timeout_s=timeout)
-    for module in BUILTIN_PLUGINS if builtins is None else builtins:
+    for module in builtin_plugins() if builtins is None else builtins:
         short = module.rsplit(".", 1)[-1]
         registry.load_plugin(short, __version__, "builtin", lambda module=module: importlib.import_module(module))
     if not entry_points:

@@ -1,12 +1,13 @@
 """Extractive summarisation: pick a document's most central sentences, or those a trained scorer prefers.
 
-Sentences come from pysbd (abbreviations, decimals, quotes) run line by line, each with its
-character span. Two modes:
+Sentences come from plugins/sentences.py (pysbd, line by line, each with its character span);
+ROUGE from plugins/rouge.py. Two modes:
 - "centroid" (unsupervised): each sentence is embedded alone (mean of the encoder's hidden states,
   any layer), scored by cosine similarity to the document's centroid, and chosen with MMR so that
   near-duplicates are not picked twice.
 - "supervised": BertSum-style; sentences are packed into windows as [CLS] s1 [SEP] [CLS] s2 [SEP] ...
-  with alternating segment ids, and a linear scorer reads each sentence's [CLS] state.
+  with alternating segment ids; a linear scorer scores every token and a sentence's score is the
+  mean over its own tokens (sentence_logits).
 "auto" uses the scorer when the checkpoint has a trained one. Output is in document order.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -25,66 +25,13 @@ from torch import Tensor, nn
 from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.inference import predict_texts
 from bert_engine.tokenizer import Batch
+from plugins.rouge import rouge
+from plugins.sentences import split_sentences
 from plugins.starter import starter_checkpoint
 
 MODES = ("auto", "centroid", "supervised")
 MAX_SENTENCES = 2000
 MAX_CHARS = 200_000  # per document; sentence splitting and embedding stay within seconds
-_segmenter_lock = threading.Lock()
-_segmenter = None
-
-
-def split_sentences(text: str) -> list[tuple[int, int]]:
-    """Character spans (start, end) of the sentences of `text`, whitespace trimmed, in order.
-
-    Line breaks always end a sentence (titles, list items); within a line pysbd decides. pysbd's
-    time grows faster than linearly with the length of what it is given, so a long line is read in
-    chunks of SEGMENT_CHARS: all sentences of a chunk but the last (which may be cut) are kept, and
-    the next chunk starts where that last sentence starts. Time stays linear in the text.
-    """
-    spans = []
-    cursor = 0
-    for line in text.splitlines(keepends=True):
-        begin = cursor
-        cursor += len(line)
-        if not line.strip():
-            continue
-        offset = 0
-        while offset < len(line):
-            chunk = line[offset:offset + SEGMENT_CHARS]
-            pieces = _segment(chunk)
-            last_chunk = offset + len(chunk) >= len(line)
-            if last_chunk or len(pieces) < 2:  # the end, or one sentence longer than a chunk: keep it whole
-                spans += [(begin + offset + a, begin + offset + b) for a, b in pieces]
-                offset += len(chunk)
-            else:
-                spans += [(begin + offset + a, begin + offset + b) for a, b in pieces[:-1]]
-                offset += pieces[-1][0]
-    return spans
-
-
-SEGMENT_CHARS = 4000
-
-
-def _segment(chunk: str) -> list[tuple[int, int]]:
-    """pysbd's sentences of one piece of a line, as trimmed (start, end) spans in it."""
-    import pysbd
-
-    global _segmenter
-    with _segmenter_lock:
-        _segmenter = _segmenter or pysbd.Segmenter(language="en", clean=False)
-        pieces = _segmenter.segment(chunk)
-    spans, search = [], 0
-    for piece in pieces:
-        piece = piece.strip()
-        if not piece:
-            continue
-        at = chunk.find(piece, search)
-        if at < 0:  # pysbd never rewrites text with clean=False; guard anyway
-            continue
-        spans.append((at, at + len(piece)))
-        search = at + len(piece)
-    return spans
 
 
 # -- the supervised head -----------------------------------------------------------------------------
@@ -400,20 +347,6 @@ def loss(output: SummaryOutput, targets) -> Tensor:
     logits = torch.cat(sentence_logits(output.token_scores, targets))
     labels = torch.tensor([float(y) for row in targets for *_, y in row], device=logits.device)
     return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
-
-
-def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
-    """Mean ROUGE-1/2/L F1 (in percent, Porter stemming) with the `rouge-score` package."""
-    from rouge_score import rouge_scorer
-
-    if not references:
-        raise ValueError("no reference summaries to score")
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
-    totals = {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
-    for prediction, reference in zip(predictions, references):
-        for name, score in scorer.score(reference, prediction).items():
-            totals[name] += score.fmeasure
-    return {name: 100.0 * value / len(references) for name, value in totals.items()}
 
 
 def metric(results: list[dict], targets: list[dict]) -> dict[str, float]:

@@ -313,7 +313,7 @@ def test_cli_plugins_smoke_runs_every_task_and_names_the_failing_one(site, capsy
                               default_checkpoint={str(tiny)!r}, examples=({{"text": "hi"}},)))
     """)
     install_dist(site, "good-one", GOOD_PLUGIN.format(task="good_one"))
-    monkeypatch.setattr("bert_engine.registry.BUILTIN_PLUGINS", ())
+    monkeypatch.setattr("plugins.BUILTIN", ())
     assert cli_main(["plugins", "--smoke", "--timeout", "30"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["smoke"]["late"] == "task late: ValueError: broken at request time"  # stage and file:line below

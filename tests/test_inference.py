@@ -1,0 +1,66 @@
+"""The Predictor (bert_engine/inference.py): input checks, batched prediction, and what postprocess gets."""
+
+import pytest
+import torch
+
+from bert_engine.conformance import tiny_predictor
+from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, hookimpl
+from bert_engine.inference import MAX_INPUT_CHARS, predict_in_batches
+from bert_engine.registry import Registry, load_registry
+
+BUILTIN = load_registry(entry_points=False)
+
+
+@pytest.fixture(scope="module")
+def sentiment():
+    return tiny_predictor(BUILTIN.task("sentiment"))
+
+
+@pytest.mark.parametrize("inputs, options, message", [
+    ("just text", {}, "inputs must be a mapping"),
+    ({"text": 3}, {}, "input 'text' must be text, got int"),
+    ({"text": "x" * (MAX_INPUT_CHARS + 1)}, {}, "has 1,000,001 characters; the limit is 1,000,000"),
+    ({"text": "ok \udc00"}, {}, "input 'text' holds a lone surrogate"),
+    ({"text": "ok"}, {"colour": "red"}, "unknown option\\(s\\) colour; known: top_k"),
+])
+def test_bad_inputs_and_options_are_named(sentiment, inputs, options, message):
+    with pytest.raises(InputError, match=message):
+        sentiment.predict(inputs, **options)
+
+
+def test_batched_prediction_equals_one_at_a_time_and_names_bad_positions(sentiment):
+    texts = ["short", "a somewhat longer sentence with more words in it", "mid length text", "x"]
+    batched = predict_in_batches(sentiment, [{"text": t} for t in texts], batch_size=3)
+    for text, result in zip(texts, batched):
+        single = sentiment.predict({"text": text})["result"]
+        assert [r["label"] for r in result["labels"]] == [r["label"] for r in single["labels"]]
+        for a, b in zip(result["labels"], single["labels"]):
+            assert a["score"] == pytest.approx(b["score"], abs=1e-5)
+    with pytest.raises(InputError, match=r"inputs at positions \[1, 3\] are empty or not text"):
+        predict_in_batches(sentiment, [{"text": "fine"}, {"text": " "}, {"text": "ok"}, {"text": None}])
+
+
+def test_a_postprocess_declaring_context_gets_the_tokenizer_and_the_encoder():
+    seen = {}
+
+    def postprocess(output, batch, *, context: TaskContext):
+        encoded = context.encode(batch.model_inputs())
+        seen.update(tokenizer=context.tokenizer, same=torch.equal(encoded.last_hidden_state, output))
+        return {}
+
+    class Plugin:
+        @hookimpl
+        def register_tasks(self, register):
+            register(TaskSpec(name="ctx", title="Context", build_head=lambda config: torch.nn.Identity(),
+                              preprocess=lambda inputs, tokenizer: tokenizer(inputs["text"]),
+                              postprocess=postprocess))
+
+    registry = Registry(strict=True)
+    registry.load_plugin("ctx", "0", "test", Plugin)
+    task = registry.task("ctx")
+    assert task.takes_context
+    predictor = tiny_predictor(task)
+    predictor.model.head.forward = lambda encoded: encoded.last_hidden_state  # the head hands on the states
+    predictor.predict({"text": "hello there"})
+    assert seen == {"tokenizer": predictor.tokenizer, "same": True}
+    assert not BUILTIN.task("sentiment").takes_context and BUILTIN.task("fill_mask").takes_context
