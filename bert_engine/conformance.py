@@ -28,6 +28,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,11 @@ from .cancel import PredictionTimeout, call_with_timeout
 from .config import PRESETS
 from .heads import BertWithHead
 from .hookspecs import InputError
+from .hub import default_backbone
 from .inference import Predictor
-from .registry import RegisteredTask, load_registry
+from .jobs import evaluate_task
+from .loader import load_tokenizer
+from .registry import RegisteredTask, builtin_plugins, load_registry
 from .tokenizer import Tokenizer
 
 LONG_TEXT = " ".join(f"word{i % 97} is here." if i % 11 == 0 else f"token{i % 53}" for i in range(5000))
@@ -67,9 +71,6 @@ class Violation:
 
 def tiny_predictor(task: RegisteredTask, tokenizer: Tokenizer | None = None) -> Predictor:
     """The task's head on a tiny random encoder (hidden 32, 2 layers) with the real MiniLM tokenizer."""
-    from .hub import default_backbone
-    from .loader import load_tokenizer
-
     tokenizer = tokenizer or load_tokenizer(default_backbone())
     config = dataclasses.replace(PRESETS["tiny"], vocab_size=tokenizer.vocab_size, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -200,7 +201,7 @@ def _check_labels(task: RegisteredTask, predictor: Predictor) -> list[Violation]
 
 
 def _check_tab(task: RegisteredTask, predictor: Predictor, timed) -> list[Violation]:
-    import gradio as gr
+    import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     name = task.spec.name
 
@@ -255,9 +256,6 @@ def _check_training(task: RegisteredTask, predictor: Predictor, data: Path, spli
 
 
 def _training_steps(task: RegisteredTask, predictor: Predictor, data: Path, split: str | None, fail) -> list[Violation]:
-    from itertools import islice
-
-    from .jobs import evaluate_task
 
     spec = task.spec
     pairs = list(islice(spec.read_data(str(data), split or "train"), 4))
@@ -303,8 +301,6 @@ def check_plugin(name: str, *, data: str | Path | None = None, split: str | None
     """Load one plugin in isolation (built-in or entry point) and check each of its tasks; then load
     the full registry as the app would, and name any of its tasks another plugin already registers
     (the registry would refuse the whole plugin). `data` feeds the training check (one task)."""
-    from .registry import builtin_plugins
-
     builtins = tuple(m for m in builtin_plugins() if m.rsplit(".", 1)[-1] == name)
     registry = load_registry(builtins=builtins, entry_points=not builtins, selected={name}, strict=False)
     if registry.failures:
@@ -330,8 +326,6 @@ def check_plugin(name: str, *, data: str | Path | None = None, split: str | None
 
 def _owners_elsewhere(name: str) -> dict[str, str]:
     """Task name -> plugin, for every task the other plugins (built-in and installed) register."""
-    from .registry import builtin_plugins
-
     others = tuple(m for m in builtin_plugins() if m.rsplit(".", 1)[-1] != name)
     full = load_registry(builtins=others, entry_points=True, excluded={name}, strict=False)
     return {task_name: task.plugin for task_name, task in full.tasks.items()}

@@ -7,6 +7,7 @@ part of the contract is the TaskSpec, validated by the host when it is registere
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -99,8 +100,6 @@ class TaskContext:
 
 def takes_context(postprocess: Callable[..., Any]) -> bool:
     """Whether a postprocess declares a `context` parameter (then the host passes a TaskContext)."""
-    import inspect
-
     try:
         return "context" in inspect.signature(postprocess).parameters
     except (TypeError, ValueError):  # a builtin or C callable without a signature

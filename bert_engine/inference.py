@@ -21,10 +21,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .cancel import ModelLock
 from .fairness import CHUNK_TOKENS, GATE, VISITOR, ComputeGate
 from .hookspecs import InputError, TaskContext
+from .hub import default_backbone
+from .loader import load
 from .loading import Loaded
 from .precision import parameter_dtype, pick_device, prepare_for_inference
 from .registry import RegisteredTask
@@ -117,9 +120,6 @@ class Predictor:
             pack: on the CPU, run the encoder's linear layers through pre-packed oneDNN matmuls.
             compile: torch.compile the encoder layers (slow first calls, faster steady state).
         """
-        from .hub import default_backbone
-        from .loader import load
-
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
         target = pick_device(device)
         # parameter_dtype checks the precision against the device and CPU before anything loads
@@ -286,8 +286,6 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
     returns one result per input (a single result for a batch of one). Inputs are checked up front;
     an empty or non-text input raises InputError naming its position.
     """
-    from tqdm.auto import tqdm
-
     predictor = predictor.get()  # a LazyPredictor loads here
     spec = predictor.task.spec
     fields = spec.input_fields + spec.optional_fields

@@ -7,6 +7,9 @@ save in the Hugging Face layout, or as a small LoRA adapter + head when LoRA is 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
 import logging
 import math
 from itertools import islice
@@ -15,10 +18,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
-from .heads import IGNORE_INDEX
+from .config import PRESETS
+from .heads import IGNORE_INDEX, BertWithHead
 from .hookspecs import TaskSpec
-from .loading import Loaded
+from .hub import default_backbone
+from .inference import Predictor
+from .loader import load, load_tokenizer
+from .loading import Loaded, save_pretrained
+from .lora import LoraConfig, add_lora, merge_lora, save_adapter
+from .pretraining import PairBuilder, collate_pairs, mask_tokens, masked_lm_counts, read_documents, tokenize_documents
 from .registry import RegisteredTask
 from .training import Distributed, TrainConfig, gather_objects, parse_best_metric, seed_everything
 
@@ -26,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model_name(name: str | None) -> str:
-    from .hub import default_backbone
-
     return str(default_backbone()) if name in (None, "default") else name
 
 
@@ -45,8 +53,6 @@ def evaluate_task(spec: TaskSpec, predictor, examples: list, *, rank: int = 0, w
         field = spec.input_fields[0]
         results = spec.predict_many(predictor, [x[field] for x in inputs], progress=progress, **options)
     else:
-        from tqdm.auto import tqdm
-
         results = [predictor.predict(x, **options)["result"] for x in tqdm(inputs, disable=not progress,
                                                                             desc=spec.name, unit="example")]
     gathered = gather_objects(list(zip(mine, results)), Distributed(rank, world))
@@ -88,8 +94,6 @@ def split_task_options(spec: TaskSpec, options: dict[str, Any]) -> tuple[dict[st
     """Training options -> (for training batches, for evaluation). With a training_batch, its keyword
     arguments take them; without one, preprocess does (the task's declared options). Evaluation takes
     the declared ones. An option neither accepts is refused, naming what is accepted."""
-    import inspect
-
     declared = set(spec.options)
     if spec.training_batch is not None:
         parameters = inspect.signature(spec.training_batch).parameters
@@ -109,8 +113,6 @@ class TaskJob:
     """Fine-tune a registered task: its head on a checkpoint, optionally with LoRA adapters."""
 
     def __init__(self, task: RegisteredTask, cfg: TrainConfig) -> None:
-        from .loader import load
-
         spec = task.spec
         missing = [name for name in ("read_data", "loss") if getattr(spec, name) is None]
         if missing:
@@ -161,7 +163,6 @@ class TaskJob:
     def evaluate(self, model: nn.Module, rank: int, world: int) -> dict[str, Any]:
         if not self.eval_examples:
             return {}
-        from .inference import Predictor
 
         predictor = Predictor(self.task, model, self.tokenizer, model_id=f"{self.cfg.output_dir} (training)")
         return evaluate_task(self.spec, predictor, self.eval_examples, rank=rank, world=world, **self.eval_options)
@@ -174,11 +175,6 @@ class PretrainJob:
     """Masked-LM + next-sentence pretraining from raw documents, from scratch or from a checkpoint."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        from .config import PRESETS
-        from .heads import BertWithHead
-        from .loader import load, load_tokenizer
-        from .pretraining import PairBuilder, read_documents, tokenize_documents
-
         if not cfg.train_file:
             raise ValueError("train_file (a text file or folder) is required to pretrain")
         if cfg.preset and cfg.model not in (None, "default"):
@@ -191,7 +187,6 @@ class PretrainJob:
             if cfg.preset not in PRESETS:
                 raise ValueError(f"preset {cfg.preset!r} is not one of {sorted(PRESETS)}")
             self.tokenizer = load_tokenizer(resolve_model_name(cfg.model))
-            import dataclasses
 
             config = dataclasses.replace(PRESETS[cfg.preset], vocab_size=self.tokenizer.vocab_size,
                                          max_position_embeddings=max(PRESETS[cfg.preset].max_position_embeddings,
@@ -215,8 +210,6 @@ class PretrainJob:
         self.lora = _prepare_lora(self.model, cfg)
 
     def collate(self, pairs: list, generator: torch.Generator):
-        from .pretraining import collate_pairs, mask_tokens
-
         batch, nsp = collate_pairs(pairs, self.tokenizer)
         masked, labels = mask_tokens(batch.input_ids, self.tokenizer, mlm_prob=self.cfg.mlm_prob,
                                      whole_word=self.cfg.whole_word_mask, generator=generator)
@@ -238,7 +231,6 @@ class PretrainJob:
     def evaluate(self, model: nn.Module, rank: int, world: int) -> dict[str, Any]:
         if not self.eval_pairs:
             return {}
-        from .pretraining import masked_lm_counts
 
         device = next(model.parameters()).device
         totals = {"nll": 0.0, "top1": 0, "top5": 0, "masked": 0, "nsp_correct": 0, "pairs": 0}
@@ -284,8 +276,6 @@ def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
 
 def _prepare_lora(model: nn.Module, cfg: TrainConfig):
     """Add LoRA adapters (encoder frozen) or freeze the encoder, as the config says."""
-    from .lora import LoraConfig, add_lora
-
     if cfg.lora_rank:
         lora = LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                           targets=tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip()),
@@ -309,10 +299,6 @@ def save_model(model: nn.Module, folder: Path, tokenizer, lora, base_name: str, 
                loaded: Loaded | None) -> None:
     """Hugging Face layout, or adapter + head (and with merge_lora the merged model in folder/merged)
     under LoRA; `loaded` says which base model the adapter belongs to."""
-    import copy
-
-    from .loading import save_pretrained
-    from .lora import merge_lora, save_adapter
 
     folder = Path(folder)
     if lora is None:

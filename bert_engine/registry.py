@@ -23,6 +23,7 @@ from typing import Any
 
 import pluggy
 
+from . import __version__
 from .cancel import PredictionTimeout, call_with_timeout, raised_by_call
 from .hookspecs import PROJECT, PluginError, TaskHooks, TaskSpec, takes_context
 
@@ -263,8 +264,6 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
             against all the others).
         strict: re-raise the first failure (default: BERT_ENGINE_STRICT_PLUGINS).
     """
-    from . import __version__
-
     timeout = float(os.environ.get("BERT_ENGINE_PLUGIN_TIMEOUT", IMPORT_TIMEOUT_S)) or None
     registry = Registry(strict=_env_flag("BERT_ENGINE_STRICT_PLUGINS") if strict is None else strict,
                         import_timeout_s=timeout)

@@ -19,7 +19,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .precision import TRAINING_NAMES, autocast_dtype, pick_device
 
@@ -112,7 +113,7 @@ class TrainConfig:
         path = Path(path)
         text = path.read_text(encoding="utf-8")
         if path.suffix in (".yaml", ".yml"):
-            import yaml
+            import yaml  # noqa: PLC0415 - only for YAML config files
 
             values = yaml.safe_load(text) or {}
         else:
@@ -155,7 +156,7 @@ def init_distributed(device: str | None) -> Distributed:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Distributed()
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415 - only under torchrun
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
@@ -170,7 +171,7 @@ def gather_objects(items: list, dist_info: Distributed) -> list[list]:
     """Every rank's list, on every rank (one list per rank, in rank order)."""
     if dist_info.world == 1:
         return [items]
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415 - only under torchrun
 
     out: list[Any] = [None] * dist_info.world
     dist.all_gather_object(out, items)
@@ -180,7 +181,7 @@ def gather_objects(items: list, dist_info: Distributed) -> list[list]:
 def _mean_over_ranks(values: dict[str, float], dist_info: Distributed, device) -> dict[str, float]:
     if dist_info.world == 1 or not values:
         return values
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415 - only under torchrun
 
     keys = sorted(values)
     tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
@@ -290,8 +291,6 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
     `on_step(step, logs)` is called after every optimizer step (tests use it to interrupt a run).
     KeyboardInterrupt writes a resumable checkpoint to output_dir/last before it propagates.
     """
-    from tqdm.auto import tqdm
-
     dist_info = dist_info or Distributed()
     device = torch.device(f"cuda:{dist_info.local_rank}") if (
         dist_info.world > 1 and torch.cuda.is_available() and (cfg.device in (None, "cuda"))) else pick_device(cfg.device)
@@ -376,8 +375,6 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
 def _one_step(job, cfg, forward_model, model, optimizer, scheduler, scaler, amp_dtype, device, order, s,
               dist_info) -> dict[str, float]:
     """One optimizer step over `grad_accum` micro-batches of this rank's share of the global batches."""
-    from contextlib import nullcontext
-
     global_batch = cfg.batch_size * dist_info.world
     totals: dict[str, float] = {}
     for micro in range(cfg.grad_accum):

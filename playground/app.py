@@ -18,7 +18,8 @@ from typing import Any
 from bert_engine.cancel import PredictionTimeout, call_with_timeout
 from bert_engine.fairness import InFlight, TooManyRequests, visitor_scope
 from bert_engine.hookspecs import InputError
-from bert_engine.loading import inside_any
+from bert_engine.hub import HubError
+from bert_engine.loading import CheckpointError, inside_any
 from bert_engine.lora import looks_local
 from bert_engine.precision import pick_device
 from bert_engine.precision import resolve as resolve_precision
@@ -47,7 +48,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
         timeout_s: seconds a prediction may take before the user gets a "cut off" message instead
             (None: no limit). Failures of a task's code show in the Plugins tab.
     """
-    import gradio as gr
+    import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     resolve_precision(precision, pick_device(device))
     registry = registry or load_registry()
@@ -96,7 +97,7 @@ def warm_up(predictors: dict[str, LazyPredictor]) -> threading.Thread:
 
 def current_visitor() -> str | None:
     """The Gradio session of the request being served (None outside a Gradio event)."""
-    from gradio.context import LocalContext
+    from gradio.context import LocalContext  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     request = LocalContext.request.get(None)
     return getattr(request, "session_hash", None) if request is not None else None
@@ -107,10 +108,8 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
     failures turned into a clear message in the UI (recorded for the Plugins tab) instead of a stack
     trace; bad input stays the task's InputError. Contains every BaseException a task can raise
     (SystemExit, KeyboardInterrupt, a native library's panic): the server keeps answering."""
-    import gradio as gr
+    import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
-    from bert_engine.hub import HubError
-    from bert_engine.loading import CheckpointError
 
     in_flight = in_flight or InFlight()
 
@@ -151,7 +150,7 @@ def on_gpu(function):
     """On a ZeroGPU Space (the `spaces` package is installed) GPU work runs inside `spaces.GPU`;
     elsewhere the function is returned unchanged."""
     try:
-        import spaces
+        import spaces  # noqa: PLC0415 - only on a ZeroGPU Space
     except ImportError:
         return function
     return spaces.GPU(function)
@@ -220,9 +219,6 @@ def public_message(message: str) -> str:
 
 
 def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: list[Path]) -> None:
-    from bert_engine.hub import HubError
-    from bert_engine.loading import CheckpointError
-
     with gr.Accordion("Model", open=False):
         with gr.Row():
             choice = gr.Textbox(value=predictor.checkpoint or "", show_label=False, scale=4,
@@ -248,7 +244,7 @@ def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry) -> N
     if task.spec.build_tab is None:
         gr.Markdown(f"Task `{task.spec.name}` has no tab; use it through the Python API.")
         return
-    from gradio.context import get_blocks_context
+    from gradio.context import get_blocks_context  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     events = get_blocks_context().fns
     before = set(events)

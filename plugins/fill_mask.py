@@ -10,15 +10,18 @@ splits into several word pieces is scored by the chain rule over as many masks, 
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from bert_engine.heads import IGNORE_INDEX, MaskedLMHead
 from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.inference import MAX_REQUEST_TOKENS
+from bert_engine.pretraining import mask_tokens, masked_lm_counts, read_documents
 from plugins.starter import starter_checkpoint
 
 MODES = ("independent", "joint")
@@ -243,7 +246,7 @@ def _beam(head, encode, batch, positions: Tensor, spans, tokenizer, text, top_k:
 
 
 def build_tab(predictor) -> None:
-    import gradio as gr
+    import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     text = gr.Textbox(label="Text with [MASK]", lines=2, value=EXAMPLES[0]["text"])
     with gr.Row():
@@ -287,9 +290,6 @@ def read_data(path, split: str = "all"):
     """Plain text (a file or a folder; blank lines separate paragraphs) as passages of about
     PASSAGE_WORDS words; yields ({"text": passage}, None). `split` "train" / "test" keeps a fixed
     95 % / 5 % of the passages (by a hash of their text), "all" keeps every passage."""
-    import zlib
-
-    from bert_engine.pretraining import read_documents
 
     if split not in ("all", "train", "test"):
         raise ValueError(f"split {split!r} is not one of all, train, test")
@@ -306,8 +306,6 @@ def read_data(path, split: str = "all"):
 
 def training_batch(examples, tokenizer, *, generator=None, max_length: int = 128, mlm_prob: float = 0.15):
     """Passages with BERT's 80/10/10 masking drawn from `generator`; targets: (B, T) labels, -100 unmasked."""
-    from bert_engine.pretraining import mask_tokens
-
     batch = tokenizer([inputs["text"] for inputs, _ in examples], max_length=max_length)
     masked, labels = mask_tokens(batch.input_ids, tokenizer, mlm_prob=mlm_prob, generator=generator)
     batch.input_ids = masked
@@ -326,11 +324,7 @@ def evaluate(predictor, examples, *, progress: bool = False, batch_size: int = 6
              **options) -> dict[str, float]:
     """Masked-token accuracy on held-out passages: 15 % of the tokens masked with a fixed seed;
     top-1 / top-5 accuracy of the original token and the perplexity over the masked tokens."""
-    import math
 
-    from tqdm.auto import tqdm
-
-    from bert_engine.pretraining import masked_lm_counts
 
     predictor = predictor.get()
     model, tokenizer = predictor.model, predictor.tokenizer

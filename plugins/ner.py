@@ -9,7 +9,9 @@ entities from two windows overlap, the higher-scoring one wins. Scores are CRF m
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from html import escape
 from typing import Any
 
 import torch
@@ -196,8 +198,6 @@ def _one_input(i, text, rows, batch, labels, mask, paths, marginals, log_z, emis
 
 def _prob(log_prob: float) -> float:
     """A probability from its log, kept to 6 significant digits (tiny n-best probabilities stay visible)."""
-    import math
-
     return float(f"{math.exp(min(log_prob, 0.0)):.6g}")
 
 
@@ -299,8 +299,6 @@ COLOURS = {"PER": "#fca5a5", "ORG": "#93c5fd", "LOC": "#86efac", "MISC": "#fde68
 
 def render_entities(text: str, entities: list[dict]) -> str:
     """The text as HTML with each entity marked in its type's colour; type and score on hover."""
-    from html import escape
-
     parts, cursor = [], 0
     for e in entities:
         colour = COLOURS.get(e["type"], "#d8b4fe")
@@ -314,7 +312,7 @@ def render_entities(text: str, entities: list[dict]) -> str:
 
 
 def build_tab(predictor) -> None:
-    import gradio as gr
+    import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     text = gr.Textbox(label="Text", lines=4, value=EXAMPLES[0]["text"])
     with gr.Row():

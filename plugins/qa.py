@@ -16,6 +16,7 @@ import string
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from bert_engine.heads import SpanHead, SpanOutput
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
@@ -196,8 +197,6 @@ def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: 
     Raises:
         InputError: a bad input or option, naming the input's position.
     """
-    from tqdm.auto import tqdm
-
     predictor = predictor.get()
     options = predictor.check_options(options)
     batches = []
@@ -281,7 +280,7 @@ def loss(output, targets: list[tuple[int, int]]):
 
 
 def build_tab(predictor) -> None:
-    import gradio as gr
+    import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     with gr.Row():
         question = gr.Textbox(label="Question", value=EXAMPLES[0]["question"])

@@ -8,6 +8,7 @@ with length-sorted, dynamically padded batches.
 
 from __future__ import annotations
 
+import csv
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -135,7 +136,7 @@ classify_many = predict_texts  # many texts in length-sorted batches, results in
 
 
 def build_tab(predictor) -> None:
-    import gradio as gr
+    import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     text = gr.Textbox(label="Text", lines=3, placeholder="Type a sentence or a review")
     with gr.Accordion("Options", open=False):
@@ -167,8 +168,6 @@ def read_data(path, split: str = "train"):
         ValueError: naming the file and line, for a missing header, a missing or non-integer label
             or an empty sentence.
     """
-    import csv
-
     with open(path, encoding="utf-8", newline="") as handle:
         rows = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
         if not {"sentence", "label"} <= set(rows.fieldnames or ()):

@@ -17,6 +17,7 @@ import json
 import math
 import zlib
 from dataclasses import dataclass
+from html import escape
 from typing import Any
 
 import torch
@@ -382,8 +383,6 @@ def evaluate(predictor, examples, *, batch_size: int = 8, progress: bool = True,
 
 def render(text: str, result: dict) -> str:
     """The document as HTML: chosen sentences highlighted, every sentence's score after it."""
-    from html import escape
-
     parts, cursor = [], 0
     dropped = {item["index"] for item in result["dropped"]}
     for sentence in result["sentences"]:
@@ -399,7 +398,7 @@ def render(text: str, result: dict) -> str:
 
 
 def build_tab(predictor) -> None:
-    import gradio as gr
+    import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     text = gr.Textbox(label="Document", lines=10, value=EXAMPLES[0]["text"])
     with gr.Row():
