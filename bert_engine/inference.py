@@ -24,7 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .cancel import ModelLock
-from .fairness import CHUNK_TOKENS, GATE, VISITOR, ComputeGate
+from .fairness import CHUNK_TOKENS, GATE, VISITOR, ComputeGate, visitor_scope
 from .hookspecs import InputError, TaskContext
 from .hub import default_backbone
 from .loader import load
@@ -192,8 +192,12 @@ class Predictor:
         Raises:
             InputError: bad input or options (the message names the value).
         """
+        return self.predict_checked(inputs, self.check_inputs(inputs, options))
+
+    def predict_checked(self, inputs: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+        """`predict` for inputs the caller has checked, with `options` merged with the task's defaults
+        (check_inputs's answer): each request is validated once."""
         spec = self.task.spec
-        options = self.check_inputs(inputs, options)
         start = time.perf_counter()
         with request_stage("preprocess"):
             batch = spec.preprocess(inputs, self.tokenizer, **options)
@@ -213,14 +217,15 @@ class Predictor:
         """Make `inputs` the current visitor's last input (for the attention view) without predicting."""
         self._remember(self.task.spec.preprocess(inputs, self.tokenizer, **options))
 
-    def _remember(self, batch: Batch) -> None:
-        """Keep the first row of `batch` as the current visitor's last input: each visitor sees only
-        their own in the attention view."""
-        n = int(batch.attention_mask[0].sum())
-        first = batch.input_ids[0, :n].tolist()
-        keep = Batch(batch.input_ids[:1, :n].cpu().clone(), batch.attention_mask[:1, :n].cpu().clone(),
-                     batch.token_type_ids[:1, :n].cpu().clone(), batch.offsets[:1], batch.sequence_ids[:1],
-                     batch.word_ids[:1], batch.sample_index[:1], batch.truncated[:1])  # one row, not the windows
+    def _remember(self, batch: Batch, row: int = 0) -> None:
+        """Keep one row of `batch` as the current visitor's last input: each visitor sees only their
+        own in the attention view."""
+        n = int(batch.attention_mask[row].sum())
+        first = batch.input_ids[row, :n].tolist()
+        rows = slice(row, row + 1)
+        keep = Batch(batch.input_ids[rows, :n].cpu().clone(), batch.attention_mask[rows, :n].cpu().clone(),
+                     batch.token_type_ids[rows, :n].cpu().clone(), batch.offsets[rows], batch.sequence_ids[rows],
+                     batch.word_ids[rows], [0], batch.truncated[:1])  # one row, not the windows
         visitor = VISITOR.get()
         self._last[visitor] = LastInput(self.tokenizer.convert_ids_to_tokens(first), keep)
         self._last.move_to_end(visitor)
@@ -279,12 +284,18 @@ def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int
 
 
 def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size: int = 32,
-                       progress: bool = False, **options: Any) -> list[Any]:
+                       progress: bool = False, visitors: list[str | None] | None = None, checked: bool = False,
+                       **options: Any) -> list[Any]:
     """Results for many inputs, in order, through length-sorted, dynamically padded batches.
 
     For tasks whose `preprocess` accepts a list of texts in each input field and whose `postprocess`
     returns one result per input (a single result for a batch of one). Inputs are checked up front;
     an empty or non-text input raises InputError naming its position.
+
+    Args:
+        visitors: one per item (serving.BatchingPredictor): each item's first row becomes its
+            visitor's last input for the attention view, from the batch already tokenised.
+        checked: the items and options were already checked (check_inputs) by the caller.
     """
     predictor = predictor.get()  # a LazyPredictor loads here
     spec = predictor.task.spec
@@ -294,11 +305,13 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
                                                    for f in spec.input_fields)]
     if bad:
         raise InputError(f"{spec.name}: inputs at positions {bad[:10]} are empty or not text")
-    for item in items:
-        predictor.check_inputs(item, {})
-    options = predictor.check_options(options)
-    lengths = _token_lengths(predictor.tokenizer, items, fields)
-    order = sorted(range(len(items)), key=lengths.__getitem__)
+    if not checked:
+        for item in items:
+            predictor.check_inputs(item, {})
+        options = predictor.check_options(options)
+    # One batch needs no sorting: skip tokenising for the lengths (a request group, a short list).
+    order = (list(range(len(items))) if len(items) <= batch_size
+             else sorted(range(len(items)), key=_token_lengths(predictor.tokenizer, items, fields).__getitem__))
     results: list[Any] = [None] * len(items)
     for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc=spec.name, unit="batch"):
         chunk = order[start:start + batch_size]
@@ -308,6 +321,10 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
         chunk_results = predictor.run(batch, options)
         for i, result in zip(chunk, chunk_results if len(chunk) > 1 else [chunk_results]):
             results[i] = result
+        if visitors is not None:
+            for k, i in enumerate(chunk):  # each item's first row, under its own visitor
+                with visitor_scope(visitors[i]):
+                    predictor._remember(batch, batch.sample_index.index(k))
     return results
 
 

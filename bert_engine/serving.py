@@ -111,7 +111,7 @@ class BatchingPredictor(LazyPredictor):
         field = self.task.spec.input_fields[0]
         extra = any(inputs.get(f) is not None for f in self.task.spec.optional_fields)
         if not self.batchable or extra or not str(inputs.get(field, "")).strip():
-            output = predictor.predict(inputs, **options)  # nothing to share (or the task's own error)
+            output = predictor.predict_checked(inputs, merged)  # nothing to share (or the task's own error)
             output["provenance"]["batch_size"] = 1
             return output
         key = json.dumps(merged, sort_keys=True, default=str)
@@ -145,11 +145,11 @@ class BatchingPredictor(LazyPredictor):
             if len(group) == 1:
                 self._run_alone(predictor, group, options)
                 return
-            results = predict_in_batches(predictor, [r["inputs"] for r in group], batch_size=len(group), **options)
+            # checked once in predict; tokenised once, each visitor's row kept for their attention view
+            results = predict_in_batches(predictor, [r["inputs"] for r in group], batch_size=len(group),
+                                         visitors=[r["visitor"] for r in group], checked=True,
+                                         **predictor.check_options(options))
             latency_ms = (time.perf_counter() - start) * 1000
-            for request in group:  # each visitor's own input for their attention view
-                with visitor_scope(request["visitor"]):
-                    predictor.remember(request["inputs"], predictor.check_options(options))
             for request, result in zip(group, results):
                 provenance = {**predictor.provenance(latency_ms), "batch_size": len(group)}
                 request["output"] = {"task": self.task.spec.name, "result": result, "provenance": provenance}
