@@ -150,6 +150,10 @@ class TaskSpec:
         best_metric: the metric (a key of `metric`'s or `evaluate`'s result) that picks the best
             checkpoint during training, and best_metric_goal whether higher ("max") or lower ("min")
             is better. None: the first of f1, accuracy, rouge2, ... the evaluation reports.
+        aliases: other names `bert_engine.pipeline` accepts (e.g. transformers' "token-classification").
+        pipeline_output: (result, options, single) -> the result in the shape of the transformers
+            pipeline of this kind of task (`single`: the caller passed one input, not a list), so code
+            written for that pipeline ports by changing the import. None: the engine's result as is.
     """
 
     name: str
@@ -174,6 +178,8 @@ class TaskSpec:
     target_labels: Callable[[Any], Iterable[int | str]] | None = None
     best_metric: str | None = None
     best_metric_goal: Literal["max", "min"] = "max"
+    aliases: tuple[str, ...] = ()
+    pipeline_output: Callable[[Any, Mapping[str, Any], bool], Any] | None = None
 
 
 class TaskHooks:

@@ -216,10 +216,18 @@ class Registry:
             problems.append(f"labels must be None or a non-empty tuple of distinct names, got {labels!r:.80}")
         if spec.best_metric is not None and not isinstance(spec.best_metric, str):
             problems.append(f"best_metric must be a metric's name or None, got {spec.best_metric!r}")
+        if not isinstance(spec.aliases, tuple) or not all(isinstance(a, str) and a for a in spec.aliases):
+            problems.append(f"aliases must be a tuple of names, got {spec.aliases!r:.80}")
+        if spec.pipeline_output is not None and not callable(spec.pipeline_output):
+            problems.append(f"pipeline_output must be callable or None, got {type(spec.pipeline_output).__name__}")
         if spec.best_metric_goal not in ("max", "min"):
             problems.append(f"best_metric_goal must be 'max' or 'min', got {spec.best_metric_goal!r}")
         if problems:
             raise _Violation("validate", f"task {spec.name!r}: " + "; ".join(problems))
+        names = {spec.name, *spec.aliases}
+        taken = sorted(names & {n for t in self.tasks.values() for n in (t.spec.name, *t.spec.aliases)})
+        if taken and self.tasks.get(spec.name) is None:
+            raise _Violation("duplicate", f"task {spec.name!r}: the name(s) {taken} are already taken by another task")
         owner = self.tasks.get(spec.name)
         if owner is not None or any(s.name == spec.name for s in pending):
             by = f"plugin {owner.plugin!r}" if owner else "the same plugin"

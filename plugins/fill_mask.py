@@ -346,6 +346,17 @@ def evaluate(predictor, examples, *, progress: bool = False, batch_size: int = 6
             "perplexity": math.exp(min(totals["nll"] / count, 50)), "masked_tokens": count}
 
 
+def pipeline_output(result: dict, options, single: bool):
+    """transformers' fill-mask shape: per [MASK], a list of {"score", "token", "token_str",
+    "sequence"}; one mask gives that list, several a list of lists. Joint and target modes keep the
+    engine's result (the pipeline has no equivalent)."""
+    if result["mode"] != "independent":
+        return result
+    per_mask = [[{"score": c["score"], "token": c["token_id"], "token_str": c["token"], "sequence": c["sequence"]}
+                 for c in prediction["candidates"]] for prediction in result["predictions"]]
+    return per_mask[0] if len(per_mask) == 1 else per_mask
+
+
 @hookimpl
 def register_tasks(register):
     register(TaskSpec(
@@ -365,4 +376,6 @@ def register_tasks(register):
         loss=loss,
         evaluate=evaluate,
         best_metric="top1",
+        aliases=("fill-mask",),
+        pipeline_output=pipeline_output,
     ))

@@ -350,6 +350,13 @@ EXAMPLES = (
 )
 
 
+def pipeline_output(result: dict, options, single: bool) -> list[dict]:
+    """transformers' token-classification shape with aggregation_strategy="simple": one dict per
+    entity with entity_group, score, word, start, end."""
+    return [{"entity_group": e["type"], "score": e["score"], "word": e["text"], "start": e["start"], "end": e["end"]}
+            for e in result["entities"]]
+
+
 @hookimpl
 def register_tasks(register):
     register(TaskSpec(
@@ -371,5 +378,7 @@ def register_tasks(register):
         labels=CONLL_TAGS,
         target_labels=lambda target: target["tags"],
         best_metric="f1",
+        aliases=("token-classification",),
+        pipeline_output=pipeline_output,
         predict_many=predict_texts,
     ))

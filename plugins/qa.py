@@ -315,6 +315,18 @@ EXAMPLES = (
 )
 
 
+def pipeline_output(result: dict, options, single: bool):
+    """The question-answering pipeline's shape (transformers v4): {"score", "start", "end", "answer"},
+    a list of them with top_k > 1; "no answer" is {"score": its probability, "start": 0, "end": 0,
+    "answer": ""} as with handle_impossible_answer=True."""
+    answers = [{"score": a["score"], "start": a["start"], "end": a["end"], "answer": a["answer"]}
+               for a in result["answers"]]
+    if result["no_answer"]["predicted"] or not answers:
+        answers = [{"score": result["no_answer"]["score"], "start": 0, "end": 0, "answer": ""}, *answers]
+    top_k = options.get("top_k") or 1
+    return answers[0] if top_k == 1 else answers[:top_k]
+
+
 @hookimpl
 def register_tasks(register):
     register(TaskSpec(
@@ -334,6 +346,8 @@ def register_tasks(register):
         training_batch=training_batch,
         metric=metric,
         best_metric="f1",
+        aliases=("question-answering",),
+        pipeline_output=pipeline_output,
         evaluate=evaluate,
     ))
 

@@ -211,6 +211,15 @@ def metric(results: list[dict], targets: list[int]) -> dict[str, float]:
     return {"accuracy": accuracy, "macro_f1": sum(f1s) / len(f1s)}
 
 
+def pipeline_output(result: dict, options, single: bool):
+    """transformers' text-classification shape: [{"label", "score"}] for one text (a list of all
+    labels with top_k), one dict per text for a list of texts."""
+    if options.get("top_k") is not None:
+        return result["labels"]
+    top = {"label": result["label"], "score": result["score"]}
+    return [top] if single else top
+
+
 @hookimpl
 def register_tasks(register):
     register(TaskSpec(
@@ -232,5 +241,7 @@ def register_tasks(register):
         labels=DEFAULT_LABELS,
         target_labels=lambda label_id: (label_id,),
         best_metric="accuracy",
+        aliases=("sentiment-analysis", "text-classification"),
+        pipeline_output=pipeline_output,
         predict_many=classify_many,
     ))

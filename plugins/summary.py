@@ -434,6 +434,13 @@ EXAMPLES = (
 )
 
 
+def pipeline_output(result: dict, options, single: bool):
+    """The summarization pipeline's shape: [{"summary_text"}] for one document, one dict per document
+    for a list (extractive: the chosen sentences in document order)."""
+    summary = {"summary_text": result["summary"]}
+    return [summary] if single else summary
+
+
 @hookimpl
 def register_tasks(register):
     register(TaskSpec(
@@ -453,6 +460,8 @@ def register_tasks(register):
         loss=loss,
         metric=metric,
         best_metric="rouge2",
+        aliases=("summarization", "extractive-summarization"),
+        pipeline_output=pipeline_output,
         evaluate=evaluate,
         predict_many=predict_texts,
     ))

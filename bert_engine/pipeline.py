@@ -1,0 +1,116 @@
+"""`pipeline(task)`: any registered task as a callable, shaped like the transformers pipelines.
+
+    >>> from bert_engine import pipeline
+    >>> classify = pipeline("sentiment")                    # or "sentiment-analysis", "text-classification"
+    >>> classify("A gorgeous, witty, seductive movie.")
+    [{'label': 'POSITIVE', 'score': 0.998}]
+    >>> pipeline("qa")(question="Who wrote it?", context="Moby-Dick was written by Herman Melville.")
+    {'score': 0.94, 'start': 25, 'end': 40, 'answer': 'Herman Melville'}
+
+One input, a list (batched, length-sorted where the task can), or any other iterable (a generator of
+results, `batch_size` inputs at a time). Options are the task's (the CLI's `-o`, the tab's controls),
+given when the pipeline is made or per call. A task with `TaskSpec.pipeline_output` answers in the
+transformers shape of its kind; `raw=True`, or a task without it, gives the engine's full result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from itertools import islice
+from typing import Any
+
+from .hookspecs import InputError
+from .inference import Predictor
+from .registry import RegisteredTask, Registry, load_registry
+
+
+def find_task(registry: Registry, name: str) -> RegisteredTask:
+    """A task by its name or one of its aliases (e.g. "ner" or "token-classification")."""
+    if name in registry.tasks:
+        return registry.tasks[name]
+    for task in registry.tasks.values():
+        if name in task.spec.aliases:
+            return task
+    known = sorted(set(registry.tasks) | {a for t in registry.tasks.values() for a in t.spec.aliases})
+    raise KeyError(f"no task named {name!r}; known: {', '.join(known)}")
+
+
+class Pipeline:
+    """A loaded task; call it on inputs (see the module docstring)."""
+
+    def __init__(self, predictor: Predictor, *, raw: bool = False, batch_size: int = 32, **options: Any) -> None:
+        self.predictor, self.raw, self.batch_size = predictor, raw, batch_size
+        self.task = predictor.task
+        self.options = predictor.check_options(options)  # unknown options fail here, naming the known ones
+
+    def __call__(self, inputs: Any = None, /, **kwargs: Any) -> Any:
+        spec = self.task.spec
+        fields = spec.input_fields + spec.optional_fields
+        by_field = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+        options = self.predictor.check_options({**self.options, **kwargs})
+        if by_field:
+            if inputs is not None:
+                raise TypeError(f"{spec.name}: give the inputs either positionally or as {', '.join(fields)}=, not both")
+            inputs = _from_fields(spec.name, by_field)
+        if isinstance(inputs, (str, Mapping)):
+            return self._shape(self.predictor.predict(self._item(inputs), **options)["result"], options, single=True)
+        if isinstance(inputs, (list, tuple)):
+            return self._many(list(inputs), options)
+        if isinstance(inputs, Iterable):
+            return self._stream(iter(inputs), options)
+        raise TypeError(f"{spec.name}: expected a text, a mapping of {', '.join(fields)}, a list or an iterable of "
+                        f"them, got {type(inputs).__name__}")
+
+    def _item(self, value: Any) -> Mapping[str, Any]:
+        if isinstance(value, str):
+            return {self.task.spec.input_fields[0]: value}
+        if isinstance(value, Mapping):
+            return value
+        raise TypeError(f"{self.task.spec.name}: each input must be a text or a mapping of "
+                        f"{', '.join(self.task.spec.input_fields)}, got {type(value).__name__}")
+
+    def _many(self, values: list, options: Mapping[str, Any]) -> list[Any]:
+        spec = self.task.spec
+        items = [self._item(v) for v in values]
+        one_field = len(spec.input_fields) == 1 and all(set(i) <= set(spec.input_fields) for i in items)
+        if spec.predict_many is not None and one_field and items:
+            field = spec.input_fields[0]
+            for item in items:
+                self.predictor.check_inputs(item, {})
+            results = spec.predict_many(self.predictor, [i[field] for i in items], **options)
+        else:
+            results = [self.predictor.predict(i, **options)["result"] for i in items]
+        return [self._shape(r, options, single=False) for r in results]
+
+    def _stream(self, values: Iterator, options: Mapping[str, Any]) -> Iterator[Any]:
+        while chunk := list(islice(values, self.batch_size)):
+            yield from self._many(chunk, options)
+
+    def _shape(self, result: Any, options: Mapping[str, Any], *, single: bool) -> Any:
+        shape = self.task.spec.pipeline_output
+        return result if self.raw or shape is None else shape(result, options, single)
+
+
+def _from_fields(task: str, by_field: Mapping[str, Any]) -> Any:
+    """question="...", context="..." -> one mapping; lists of equal length -> a list of mappings."""
+    values = list(by_field.values())
+    if all(isinstance(v, str) or v is None for v in values):
+        return dict(by_field)
+    if all(isinstance(v, (list, tuple)) for v in values) and len({len(v) for v in values}) == 1:
+        return [dict(zip(by_field, row)) for row in zip(*values)]
+    raise InputError(f"{task}: give each of {', '.join(by_field)} as a text, or each as a list of the same length")
+
+
+def pipeline(task: str, model: str | None = None, *, device: str | None = None, precision: str = "auto",
+             raw: bool = False, batch_size: int = 32, registry: Registry | None = None, **options: Any) -> Pipeline:
+    """Load `task` (a registered task's name or alias; built-in or a plugin's) with `model` (a folder,
+    a Hub id or an adapter; default: the task's starter model) and return it as a callable.
+
+    Raises:
+        KeyError: no such task (the message lists the known names).
+        InputError: an option the task does not have.
+        hub.HubError, CheckpointError: the model cannot be loaded.
+    """
+    registered = find_task(registry or load_registry(), task)
+    return Pipeline(Predictor.load(registered, model, device=device, precision=precision), raw=raw,
+                    batch_size=batch_size, **options)

@@ -1,0 +1,104 @@
+"""`bert_engine.pipeline`: any registered task as a callable, shaped like the transformers pipelines and
+compared with them on the same weights."""
+
+import pytest
+import transformers
+from conftest import reference_checkpoint
+
+from bert_engine import pipeline
+from bert_engine.hookspecs import InputError
+from bert_engine.registry import load_registry
+
+REVIEWS = ["A gorgeous, witty, seductive movie.", "The plot is predictable and the acting is wooden.", "Fine."]
+
+
+@pytest.fixture(scope="module")
+def sentiment_folder(tmp_path_factory):
+    return reference_checkpoint(tmp_path_factory.mktemp("sst"), "BertForSequenceClassification",
+                                id2label={0: "NEGATIVE", 1: "POSITIVE"})
+
+
+def test_text_classification_matches_transformers_on_the_same_weights(sentiment_folder):
+    ours = pipeline("text-classification", model=str(sentiment_folder))
+    theirs = transformers.pipeline("text-classification", model=str(sentiment_folder), device="cpu")
+    for got, want in zip(ours(REVIEWS), theirs(REVIEWS)):
+        assert got["label"] == want["label"] and got["score"] == pytest.approx(want["score"], abs=1e-4)
+    one = ours(REVIEWS[0])  # one text: a one-element list, as transformers answers
+    assert len(one) == 1 and one[0]["label"] == theirs(REVIEWS[0])[0]["label"]
+
+
+def test_fill_mask_matches_transformers_on_the_same_weights(tmp_path):
+    folder = reference_checkpoint(tmp_path / "mlm", "BertForMaskedLM")
+    text = "The capital of France is [MASK]."
+    ours = pipeline("fill-mask", model=str(folder), top_k=5)(text)
+    theirs = transformers.pipeline("fill-mask", model=str(folder), device="cpu")(text, top_k=20)
+    by_token = {c["token"]: c for c in theirs}
+    for candidate in ours:  # the engine leaves out special tokens; every candidate it gives agrees
+        want = by_token[candidate["token"]]
+        assert candidate["token_str"] == want["token_str"]
+        assert candidate["score"] == pytest.approx(want["score"], rel=1e-3)
+    assert set(ours[0]) == {"score", "token", "token_str", "sequence"}
+
+
+def test_token_classification_matches_transformers_simple_aggregation(tmp_path):
+    """The real starter NER model merged into one checkpoint, argmax decoding on both sides."""
+    from benchmarks.workloads import merged_folder
+
+    folder = merged_folder("ner", tmp_path)
+    text = "Angela Merkel met Emmanuel Macron in Paris on Tuesday."
+    ours = pipeline("token-classification", model=str(folder), constrained=False)(text)
+    theirs = transformers.pipeline("token-classification", model=str(folder), aggregation_strategy="simple",
+                                   device="cpu")(text)
+    assert [(e["entity_group"], e["word"], e["start"], e["end"]) for e in ours] == [
+        (e["entity_group"], text[e["start"]:e["end"]], e["start"], e["end"]) for e in theirs]
+
+
+def test_question_answering_has_the_v4_pipeline_shape():
+    qa = pipeline("question-answering")
+    context = "Moby-Dick was written by Herman Melville."
+    answer = qa(question="Who wrote Moby-Dick?", context=context)
+    assert set(answer) == {"score", "start", "end", "answer"} and answer["answer"] == context[answer["start"]:answer["end"]]
+    several = qa({"question": "Who wrote it?", "context": context}, top_k=2)
+    assert isinstance(several, list) and len(several) == 2
+    batch = qa(question=["Who wrote it?", "What was written?"], context=[context, context])
+    assert len(batch) == 2 and all(set(a) == {"score", "start", "end", "answer"} for a in batch)
+
+
+def test_lists_generators_options_and_errors():
+    classify = pipeline("sentiment", top_k=None)
+    texts = (t for t in REVIEWS)  # any iterable: a generator of results
+    streamed = classify(texts)
+    assert not isinstance(streamed, list) and len(list(streamed)) == 3
+    assert len(classify(REVIEWS[0], top_k=2)[0:2]) == 2  # per-call options
+    raw = pipeline("sentiment", raw=True)(REVIEWS[0])
+    assert {"label", "labels", "long_input"} <= set(raw)
+    with pytest.raises(InputError, match="unknown option\\(s\\) colour"):
+        pipeline("sentiment", colour="red")
+    with pytest.raises(KeyError, match="no task named 'translation'; known: .*sentiment-analysis"):
+        pipeline("translation")
+    with pytest.raises(InputError, match="the text is empty"):
+        classify("   ")
+
+
+def test_every_task_is_reachable_by_name_and_alias():
+    registry = load_registry(entry_points=False)
+    names = {n for t in registry.tasks.values() for n in (t.spec.name, *t.spec.aliases)}
+    assert {"sentiment", "ner", "qa", "summary", "fill_mask", "question-answering", "fill-mask",
+            "token-classification", "summarization"} <= names
+
+
+def test_an_alias_another_task_owns_is_refused():
+    import torch
+
+    from bert_engine.hookspecs import TaskSpec, hookimpl
+
+    class Clash:
+        @hookimpl
+        def register_tasks(self, register):
+            register(TaskSpec(name="my_ner", title="Mine", build_head=lambda c: torch.nn.Identity(),
+                              preprocess=lambda i, t: t(i["text"]), postprocess=lambda o, b: {},
+                              aliases=("token-classification",)))
+
+    registry = load_registry(entry_points=False)
+    assert not registry.load_plugin("clash", "0", "test", Clash)
+    assert "['token-classification'] are already taken" in registry.failures[-1].message
