@@ -11,15 +11,10 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # each command imports what it needs when it runs: `--help` loads no torch
+    from .train_config import TrainConfig
 
-from .hub import HubError, default_backbone
-from .loader import load
-from .loading import CheckpointError
-from .precision import NAMES as PRECISIONS
-
-if TYPE_CHECKING:  # the training modules load only for the commands that train
-    from .training import TrainConfig
+PRECISIONS = "auto, fp32, bf16, fp16, int8"  # checked by precision.py (its table) when a command runs
 
 PRECISION_HELP = ("auto: fp32 on CPU, bf16/fp16 on GPU; bf16 on a CPU with AVX512-BF16 or AMX; int8: dynamic "
                   "quantisation of the encoder's linear layers (CPU); see benchmarks/README.md for the speed and "
@@ -37,6 +32,8 @@ def _task(name: str):
 
 
 def _info(args: argparse.Namespace) -> dict:
+    from .loader import load
+
     loaded = load(args.model, args.head, revision=args.revision)
     model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.model.config
     return {
@@ -48,6 +45,10 @@ def _info(args: argparse.Namespace) -> dict:
 
 
 def _encode(args: argparse.Namespace) -> dict:
+    import torch
+
+    from .loader import load
+
     model, tokenizer = load(args.model, revision=args.revision)
     batch = tokenizer(args.text)
     with torch.inference_mode():
@@ -131,7 +132,7 @@ def _predict(args: argparse.Namespace) -> dict:
 def _training_config(args: argparse.Namespace, **fixed) -> TrainConfig:
     import dataclasses
 
-    from .training import TrainConfig
+    from .train_config import TrainConfig
 
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     if "options" in given:  # -o NAME=VALUE pairs, in order; a later one wins
@@ -251,7 +252,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
     import dataclasses
     import typing
 
-    from .training import TrainConfig
+    from .train_config import TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
     parser.add_argument("--config", default=None, help="a JSON or YAML file of these settings; flags override it")
@@ -293,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a task option, JSON-parsed when possible, e.g. -o top_k=2")
     predict.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the task's)")
     predict.add_argument("--revision", default=None)
-    predict.add_argument("--precision", default="auto", choices=PRECISIONS, help=PRECISION_HELP)
+    predict.add_argument("--precision", default="auto", help=f"{PRECISIONS}; " + PRECISION_HELP)
     predict.set_defaults(run=_predict)
     train = sub.add_parser("train", help="fine-tune a registered task (built-in or plugin); works under torchrun",
                            description="Fine-tune TASK's head on a checkpoint, optionally with LoRA adapters.")
@@ -312,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
     evaluate.add_argument("--model", default=None, help="checkpoint folder, adapter folder or Hub id (default: the task's)")
     evaluate.add_argument("--revision", default=None)
-    evaluate.add_argument("--precision", default="auto", choices=PRECISIONS, help=PRECISION_HELP)
+    evaluate.add_argument("--precision", default="auto", help=f"{PRECISIONS}; " + PRECISION_HELP)
     evaluate.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE", help="a task option")
     evaluate.set_defaults(run=_eval)
     pack = sub.add_parser("pack", help="copy a LoRA run's best adapter + head into a starter folder, "
@@ -345,7 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # --help and usage errors end here, before torch loads
+    from .hub import HubError, default_backbone
+    from .loading import CheckpointError
+
     verbose = args.verbose or args.command in ("train", "pretrain")  # training reports its progress
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "model", "unset") is None and args.command in ("info", "encode"):

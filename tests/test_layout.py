@@ -55,3 +55,11 @@ def test_the_package_has_no_import_cycle():
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_every_export_is_listed_and_loads():
+    import bert_engine
+
+    assert sorted(bert_engine.__all__) == sorted(bert_engine._EXPORTS)
+    for name in bert_engine.__all__:
+        assert getattr(bert_engine, name) is not None

@@ -124,3 +124,11 @@ def test_faster_precisions_keep_obvious_sentiment(precision):
         a, b = exact.predict({"text": text})["result"], fast.predict({"text": text})["result"]
         assert a["label"] == b["label"]
         assert abs(a["score"] - b["score"]) < 0.1
+
+
+def test_the_cli_lists_the_precision_table():
+    """cli.py names the precisions without importing torch (fast --help); it must stay the table's list."""
+    from bert_engine import cli
+    from bert_engine.precision import NAMES
+
+    assert cli.PRECISIONS == ", ".join(NAMES)

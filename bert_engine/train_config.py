@@ -1,0 +1,118 @@
+"""TrainConfig: every training setting, in a module light enough for `bert-engine train --help`
+(no torch until a configuration is checked). The loop that uses it is training.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _help(text: str, **kwargs) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class TrainConfig:
+    """Every training setting; `bert-engine train/pretrain` flags map one-to-one onto these fields."""
+
+    task: str | None = _help("registered task to fine-tune (train) or evaluate; unused by pretrain", default=None)
+    model: str | None = _help("starting checkpoint: folder, Hub id, or 'default' (the offline MiniLM backbone)",
+                              default=None)
+    preset: str | None = _help("pretrain from scratch with this size: tiny, mini, small or base", default=None)
+    train_file: str | None = _help("training data (file or folder, in the task's format)", default=None)
+    eval_file: str | None = _help("evaluation data (default: the training file's eval split)", default=None)
+    train_split: str = _help("split of the training file to read (for files holding several)", default="train")
+    eval_split: str = _help("split of the evaluation file to read", default="dev")
+    train_limit: int | None = _help("use only the first N training examples", default=None)
+    eval_limit: int | None = _help("evaluate on only the first N examples", default=None)
+    output_dir: str = _help("where checkpoints, metrics.jsonl and train_config.json go", default="runs/train")
+    epochs: float = _help("passes over the training data (fractions allowed)", default=1.0)
+    max_steps: int | None = _help("stop after this many optimizer steps (overrides epochs)", default=None)
+    batch_size: int = _help("examples per optimizer step per process, before accumulation", default=16)
+    grad_accum: int = _help("micro-batches accumulated per optimizer step", default=1)
+    lr: float = _help("peak learning rate of the encoder (and LoRA tensors)", default=5e-5)
+    head_lr: float | None = _help("peak learning rate of the task head (default: lr)", default=None)
+    weight_decay: float = _help("AdamW weight decay (never applied to biases and LayerNorm)", default=0.01)
+    warmup_ratio: float = _help("fraction of steps with linear warm-up, then linear decay to 0", default=0.06)
+    max_grad_norm: float = _help("clip the gradient norm to this (0: no clipping)", default=1.0)
+    precision: str = _help("autocast: auto (bf16/fp16 on GPUs, fp32 on CPU), fp32, bf16 or fp16 (CPU: where native)",
+                           default="auto")
+    seed: int = _help("seed for data order, masks, dropout and initialisation", default=42)
+    lora_rank: int = _help("train LoRA adapters of this rank with the encoder frozen (0: full fine-tuning)",
+                           default=0)
+    lora_alpha: float = _help("LoRA scaling numerator (update scaled by alpha / rank)", default=16.0)
+    lora_targets: str = _help("comma-separated projections: query, key, value, attention_output, ffn_up, ffn_down",
+                              default="query,value")
+    lora_dropout: float = _help("dropout on the LoRA input", default=0.0)
+    merge_lora: bool = _help("also write each checkpoint merged, in the Hugging Face layout (best/merged/, ...)",
+                             default=False)
+    freeze_encoder: bool = _help("train only the head", default=False)
+    eval_every: int = _help("evaluate every N steps (0: at the end of each epoch)", default=0)
+    save_every: int = _help("write a resumable checkpoint every N steps", default=200)
+    resume: bool = _help("continue from output_dir/last (weights, optimizer, scheduler, data position)",
+                         default=False)
+    log_every: int = _help("log the running loss every N steps", default=10)
+    best_metric: str | None = _help("metric that picks the best checkpoint, as name, name:max or name:min (default: "
+                                    "the task's declared one, else F1/accuracy/...; names with 'loss' are minimised)",
+                                    default=None)
+    options: dict[str, Any] = _help("task options (-o NAME=VALUE, repeatable): keywords of the task's training_batch "
+                                    "(e.g. ner max_length=128), also used for evaluation where the task declares them",
+                                    default_factory=dict)
+    device: str | None = _help("cuda, mps or cpu (default: the best available)", default=None)
+    max_seq_len: int = _help("pretraining: tokens per sentence pair", default=128)
+    mlm_prob: float = _help("pretraining and fill-mask: fraction of tokens chosen for MLM", default=0.15)
+    whole_word_mask: bool = _help("pretraining: choose whole words for MLM", default=False)
+    short_seq_prob: float = _help("pretraining: probability of a shorter pair", default=0.1)
+
+    def __post_init__(self) -> None:
+        from .precision import TRAINING_NAMES  # noqa: PLC0415 - torch loads when a run is set up, not for --help
+
+        if self.precision not in TRAINING_NAMES:
+            raise ValueError(f"precision {self.precision!r} is not one of {', '.join(TRAINING_NAMES)}")
+        for name in ("batch_size", "grad_accum", "log_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or self.max_steps < 1):
+            raise ValueError(f"max_steps must be at least 1 (or left out to train for `epochs`), got {self.max_steps}")
+        if self.epochs <= 0 and self.max_steps is None:
+            raise ValueError(f"epochs must be positive, got {self.epochs}")
+        parse_best_metric(self.best_metric)  # a malformed name:goal fails now, not at the first evaluation
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        """A JSON or YAML file of field values, then `overrides`; unknown keys raise naming them."""
+        path = Path(path)
+        text = path.read_text(encoding="utf-8")
+        if path.suffix in (".yaml", ".yml"):
+            import yaml  # noqa: PLC0415 - only for YAML config files
+
+            values = yaml.safe_load(text) or {}
+        else:
+            values = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown training settings {unknown}; known: {sorted(known)}")
+        return cls(**{**values, **overrides})
+
+
+def parse_best_metric(value: str | None, spec: Any = None) -> tuple[str | None, str]:
+    """`name`, `name:max` or `name:min` (None: the task's declared best metric) -> (name, goal).
+    A name without a goal takes the task's goal when it is the task's metric, else "min" for a
+    loss-like name (loss, perplexity) and "max" otherwise."""
+    if value is None:
+        return (spec.best_metric, spec.best_metric_goal) if spec is not None else (None, "max")
+    name, _, goal = value.partition(":")
+    if goal and goal not in ("max", "min"):
+        raise ValueError(f"best_metric {value!r}: the goal after ':' must be max or min")
+    if not goal:
+        if spec is not None and name == spec.best_metric:
+            goal = spec.best_metric_goal
+        else:
+            goal = "min" if "loss" in name or "perplexity" in name else "max"
+    return name, goal
