@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -100,7 +101,6 @@ def _plugin_check(args: argparse.Namespace) -> dict:
 
 
 def _predict(args: argparse.Namespace) -> dict:
-    from .hookspecs import InputError
     from .inference import Predictor
 
     task = _task(args.task)
@@ -112,21 +112,100 @@ def _predict(args: argparse.Namespace) -> dict:
             raise ValueError(f"--input {item!r}: expected FIELD=TEXT with FIELD one of {', '.join(fields)}")
         inputs[field] = value
     options = _parse_options(args.option)
+    rows = _read_rows(Path(args.file), task) if args.file else None  # a bad file fails before the model loads
     predictor = Predictor.load(task, args.model, revision=args.revision, precision=args.precision)
-    texts = Path(args.file).read_text(encoding="utf-8").splitlines() if args.file else [None]
-    if args.file and task.spec.predict_many is not None and not inputs:
-        results = task.spec.predict_many(predictor, texts, progress=True, **options)
-        return {"results": results, "provenance": predictor.provenance()}
-    results = []
-    for text in texts:
-        row = dict(inputs, **({task.spec.input_fields[0]: text} if text is not None else {}))
-        try:
-            results.append(predictor.predict(row, **options))
-        except InputError as err:
-            if args.file is None:
-                raise
-            results.append({"task": task.spec.name, "error": str(err)})
-    return results[0] if args.file is None else {"results": results}
+    if rows is None:
+        return predictor.predict(inputs, **options)
+    failed = _predict_rows(task, predictor, rows, inputs, predictor.check_options(options), args.output)
+    if failed:
+        args.exit_code = 1
+    info = predictor.provenance()
+    print(f"bert-engine predict: {len(rows) - failed} of {len(rows)} lines answered, {failed} failed, by "
+          f"{info['model']} ({info['device']}, {info['dtype']})" + (f"; results in {args.output}" if args.output else ""),
+          file=sys.stderr)
+    return None
+
+
+def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
+    """(line number, inputs or an error message) per input of a file: JSON Lines (an object keyed by
+    the task's fields, or a string for its first field), TSV with a header naming the fields, or
+    plain text with one input per line for the first field."""
+    import csv
+
+    spec = task.spec
+    fields, first = spec.input_fields + spec.optional_fields, spec.input_fields[0]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    if path.suffix in (".jsonl", ".json"):
+        rows: list[tuple[int, dict | str]] = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as err:
+                rows.append((number, f"not JSON ({err})"))
+                continue
+            if isinstance(value, str):
+                value = {first: value}
+            if not isinstance(value, dict):
+                rows.append((number, f"expected an object keyed by {', '.join(fields)}, got {type(value).__name__}"))
+                continue
+            unknown = sorted(set(value) - set(fields))
+            rows.append((number, f"unknown field(s) {', '.join(unknown)}; the task's: {', '.join(fields)}")
+                        if unknown else (number, value))
+        return rows
+    if path.suffix == ".tsv":
+        reader = csv.DictReader(text.splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE)
+        missing = [f for f in spec.input_fields if f not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(f"{path}:1: the header must name the task's fields {', '.join(fields)}; "
+                             f"missing {', '.join(missing)}")
+        return [(number, {f: row[f] for f in fields if row.get(f) is not None})
+                for number, row in enumerate(reader, 2)]
+    return [(number, {first: line}) for number, line in enumerate(text.splitlines(), 1)]
+
+
+def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str | None) -> int:
+    """Answer every row, in order, as JSON Lines ({"line", "result"} or {"line", "error"}) on stdout or
+    into `output`, with a progress bar on stderr; one-field tasks share batched passes (a batch with a
+    bad line is answered line by line, so each line gets its own answer). Returns how many failed."""
+    from tqdm.auto import tqdm
+
+    from .hookspecs import InputError
+
+    spec, failed = task.spec, 0
+    batched = spec.predict_many is not None and len(spec.input_fields) == 1
+    with (open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(sys.stdout)) as out, \
+            tqdm(total=len(rows), file=sys.stderr, unit="line", desc=spec.name) as bar:
+        for start in range(0, len(rows), 32):
+            chunk = [(n, {**fixed, **row} if isinstance(row, dict) else row) for n, row in rows[start:start + 32]]
+            answers: list = [None] * len(chunk)
+            good = [k for k, (_, row) in enumerate(chunk) if isinstance(row, dict)]
+            if batched and good and all(set(chunk[k][1]) <= set(spec.input_fields) for k in good):
+                try:
+                    texts = [chunk[k][1].get(spec.input_fields[0]) for k in good]
+                    for k in good:
+                        predictor.check_inputs(chunk[k][1], {})
+                    for k, result in zip(good, spec.predict_many(predictor, texts, **options)):
+                        answers[k] = {"result": result}
+                except InputError:
+                    answers = [None] * len(chunk)  # answered one by one below
+            for k, (number, row) in enumerate(chunk):
+                if answers[k] is None:
+                    try:
+                        if not isinstance(row, dict):
+                            raise InputError(row)
+                        answers[k] = {"result": predictor.predict(row, **options)["result"]}
+                    except InputError as err:
+                        answers[k] = {"error": str(err)}
+                failed += "error" in answers[k]
+                out.write(json.dumps({"line": number, **answers[k]}, ensure_ascii=False, allow_nan=False) + "\n")
+            out.flush()
+            bar.update(len(chunk))
+    return failed
 
 
 def _training_config(args: argparse.Namespace, **fixed) -> TrainConfig:
@@ -289,7 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("task", help="task name, e.g. sentiment")
     predict.add_argument("--input", "-i", action="append", default=[], metavar="FIELD=TEXT",
                          help="an input field, e.g. -i text='great movie' (repeat for several fields)")
-    predict.add_argument("--file", help="one input per line for the task's first field (batch)")
+    predict.add_argument("--file", help="many inputs: .jsonl (objects keyed by the task's fields), .tsv (a header "
+                                        "naming them) or plain text (one input per line for the first field); "
+                                        "answers stream as JSON Lines, exit code 1 if any line failed")
+    predict.add_argument("--output", help="with --file: write the JSON Lines here instead of stdout")
     predict.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE",
                          help="a task option, JSON-parsed when possible, e.g. -o top_k=2")
     predict.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the task's)")
@@ -359,8 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     except (HubError, CheckpointError, ValueError, TypeError, FileNotFoundError) as err:
         print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
         return 2
-    if os.environ.get("RANK", "0") != "0":  # under torchrun only the first process reports
-        return getattr(args, "exit_code", 0)
+    if os.environ.get("RANK", "0") != "0" or result is None:  # torchrun: the first process reports; None:
+        return getattr(args, "exit_code", 0)                      # the command wrote its own output
     try:
         text = json.dumps(result, indent=2, ensure_ascii=False, allow_nan=False)
     except ValueError:  # NaN is not JSON: a reader would choke on what we print

@@ -22,12 +22,36 @@ def test_predict_prints_result_with_provenance(sentiment_checkpoint, capsys):
     assert output["provenance"]["model"] == str(sentiment_checkpoint)
 
 
-def test_predict_file_uses_the_batched_path(sentiment_checkpoint, tmp_path, capsys):
+def test_predict_file_streams_json_lines(sentiment_checkpoint, tmp_path, capsys):
     lines = tmp_path / "texts.txt"
     lines.write_text("a gorgeous movie\nterrible and dull\nfine\n")
     assert main(["predict", "sentiment", "--file", str(lines), "--model", str(sentiment_checkpoint)]) == 0
-    output = json.loads(capsys.readouterr().out)
-    assert len(output["results"]) == 3 and output["provenance"]["task"] == "sentiment"
+    captured = capsys.readouterr()
+    answers = [json.loads(line) for line in captured.out.splitlines()]
+    assert [a["line"] for a in answers] == [1, 2, 3] and all("label" in a["result"] for a in answers)
+    assert "3 of 3 lines answered, 0 failed" in captured.err
+
+
+def test_predict_file_takes_pairs_as_jsonl_or_tsv_and_fails_on_any_bad_line(tmp_path, capsys):
+    context = "Moby-Dick was written by Herman Melville."
+    jsonl = tmp_path / "questions.jsonl"
+    jsonl.write_text("\n".join([json.dumps({"question": "Who wrote it?", "context": context}),
+                                "not json", json.dumps({"question": "Who?", "contxt": context}),
+                                json.dumps({"question": "What was written?", "context": context})]) + "\n")
+    out = tmp_path / "answers.jsonl"
+    assert main(["predict", "qa", "--file", str(jsonl), "--output", str(out)]) == 1
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [a["line"] for a in answers] == [1, 2, 3, 4]
+    assert answers[0]["result"]["answer"] == "Herman Melville" and "result" in answers[3]
+    assert answers[1]["error"].startswith("not JSON") and "unknown field(s) contxt" in answers[2]["error"]
+    assert "2 of 4 lines answered, 2 failed" in capsys.readouterr().err
+    tsv = tmp_path / "questions.tsv"
+    tsv.write_text(f"question\tcontext\nWho wrote it?\t{context}\n")
+    assert main(["predict", "qa", "--file", str(tsv)]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["line"] == 2  # the header is line 1
+    tsv.write_text("query\tcontext\nWho?\tx\n")
+    assert main(["predict", "qa", "--file", str(tsv)]) == 2
+    assert "questions.tsv:1: the header must name the task's fields question, context" in capsys.readouterr().err
 
 
 def test_predict_qa_with_two_fields(capsys):
@@ -84,3 +108,11 @@ def test_help_loads_no_torch(command):
              "except SystemExit:\n    pass\nprint(sorted(m for m in ('torch', 'gradio', 'huggingface_hub') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe, *command], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
+def test_a_bad_line_in_a_batched_file_gets_its_own_error(sentiment_checkpoint, tmp_path, capsys):
+    lines = tmp_path / "texts.txt"
+    lines.write_text("a gorgeous movie\n   \nterrible and dull\n")
+    assert main(["predict", "sentiment", "--file", str(lines), "--model", str(sentiment_checkpoint)]) == 1
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert ["result" in a for a in answers] == [True, False, True] and "empty" in answers[1]["error"]
