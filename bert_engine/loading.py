@@ -378,7 +378,7 @@ def load_state(model: nn.Module, checkpoint: dict[str, Tensor], *, source: str =
     if report.missing and warn_missing:
         logger.warning("%s: no weights for %s; they keep their fresh initialisation (train the head first)",
                        source, _names(report.missing))
-    if report.defaulted:
+    if report.defaulted and warn_missing:  # an adapter loaded next may supply them (lora.load_adapter says)
         logger.info("%s: no weights for %s; the head's defaults apply", source, _names(report.defaulted))
     # A pooler in the checkpoint is expected to go unused by heads that do not need one (QA, NER, MLM).
     unused_pooler = [k for k in report.unexpected if normalise_key(k).startswith("pooler.")]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from torch import Tensor, nn
 
 from .hub import ADAPTER_WEIGHTS, Resolved, default_backbone, resolve
 from .loading import CheckpointError, Loaded, find_weights, inside_any, load_model, save_weights, saved_config
+
+logger = logging.getLogger(__name__)
 
 # Target name -> (module path inside each BertLayer, part of a fused output or None).
 TARGETS = {
@@ -278,6 +281,9 @@ def load_adapter(resolved: Resolved, head, *, merge: bool = True, allowed_dirs=N
             own[name].copy_(tensor.to(own[name].dtype))
     report = base.report
     report.missing = [k for k in report.missing if k not in weights]
+    report.defaulted = [k for k in report.defaulted if k not in weights]
+    if report.defaulted:
+        logger.info("%s: no weights for %s; the head's defaults apply", folder.name, ", ".join(report.defaulted))
     if merge:
         merge_lora(model)
     has_tokenizer = any((folder / name).is_file() for name in ("tokenizer.json", "vocab.txt"))

@@ -131,7 +131,7 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
             message = _task_failure(task, registry, err)
         # Raised here, outside the except blocks, so the error carries no __context__: the failed call's
         # frames (and whatever memory they hold, e.g. after a MemoryError) are freed now.
-        raise gr.Error(public_message(message))
+        raise shown_error(gr, public_message(message))
 
     return call
 
@@ -235,7 +235,7 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
             message = f"could not load {value.strip() or 'the default'}: {public_message(str(err))}"
         else:
             return describe(predictor)
-        raise gr.Error(html.escape(message))  # the toast renders HTML: what the visitor typed is shown as text
+        raise shown_error(gr, html.escape(message))  # the toast renders HTML: what the visitor typed is shown as text
 
     load.click(switch, choice, status, api_name=f"{name}_model")
 
@@ -260,6 +260,13 @@ def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry) -> N
                     f"failed to build:** `{html.escape(str(err))}`")
 
 
+def shown_error(gr, message: str):
+    """The UI's error message for a visitor, logged as one INFO line: Gradio would print a traceback
+    to the console for every refused input (the failures of a task's code are logged where caught)."""
+    logger.info("answered with an error: %s", message)
+    return gr.Error(message, print_exception=False)
+
+
 def input_errors_shown(gr, function):
     """`function` (a tab's event handler) with the task's InputError shown as the UI's error message
     (Gradio's gr.Error, its text escaped): tabs need not catch it themselves. Generators and
@@ -273,7 +280,7 @@ def input_errors_shown(gr, function):
             return function(*args, **kwargs)
         except InputError as err:
             message = html.escape(str(err), quote=False)  # the toast renders HTML; quotes stay readable
-        raise gr.Error(message)  # outside the except block: no __context__ keeping the call's frames
+        raise shown_error(gr, message)  # outside the except block: no __context__ keeping the call's frames
 
     return shown
 
@@ -343,18 +350,18 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
 
     def render(task_name: str | None, layer_index: Any, head_index: Any, mean: bool) -> str:
         if not task_name or task_name not in predictors:
-            raise gr.Error("pick a task tab first")
+            raise shown_error(gr, "pick a task tab first")
         try:
             with visitor_scope(current_visitor()):  # this visitor's own last input, never another's
                 tokens, weights = predictors[task_name].attention()
         except InputError as err:
-            raise gr.Error(str(err)) from None
+            raise shown_error(gr, str(err)) from None
         num_layers, num_heads = len(weights), weights[0].shape[0]
         layer_index, head_index = int(layer_index or 0), int(head_index or 0)
         if not 0 <= layer_index < num_layers:
-            raise gr.Error(f"layer {layer_index} does not exist; the model has layers 0..{num_layers - 1}")
+            raise shown_error(gr, f"layer {layer_index} does not exist; the model has layers 0..{num_layers - 1}")
         if not mean and not 0 <= head_index < num_heads:
-            raise gr.Error(f"head {head_index} does not exist; each layer has heads 0..{num_heads - 1}")
+            raise shown_error(gr, f"head {head_index} does not exist; each layer has heads 0..{num_heads - 1}")
         return attention_html(tokens, weights, layer_index, None if mean else head_index)
 
     show.click(render, [task, layer, head, average], heatmap, api_name="attention")

@@ -169,6 +169,19 @@ def test_the_attention_view_shows_each_visitor_only_their_own_input(served):
     assert "diary" in alice.predict("sentiment", 0, 0, True, api_name="/attention")
 
 
+def test_a_refused_input_is_one_log_line_not_a_traceback(served, capfd, caplog):
+    import logging
+
+    app, url = served
+    client = Client(url, verbose=False)
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="playground.app"), pytest.raises(Exception, match="the text is empty"):
+        client.predict("   ", "", "truncate", api_name="/sentiment")
+    assert "Traceback" not in capfd.readouterr().err
+    lines = [r.getMessage() for r in caplog.records if "the text is empty" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("answered with an error: sentiment: the text is empty"), lines
+
+
 def test_model_picker_switches_and_reports_errors(served, tmp_path):
     from conftest import reference_checkpoint
 
