@@ -39,6 +39,32 @@ STUCK_GRACE_S = 2.0  # a cancelled holder stuck in native code this long no long
 VISITOR: ContextVar[str | None] = ContextVar("bert_engine_visitor", default=None)
 
 
+class Waited:
+    """Seconds the current request spent waiting for the gate (set by the caller that wants to know:
+    a request cut off while it waited for others is the machine's load, not its task's fault)."""
+
+    def __init__(self) -> None:
+        self._done = 0.0
+        self._since: float | None = None  # waiting now, since then
+
+    @property
+    def seconds(self) -> float:
+        """Time waited so far, including a wait still going on (read from another thread)."""
+        since = self._since
+        return self._done + (time.monotonic() - since if since is not None else 0.0)
+
+    def start(self) -> None:
+        self._since = time.monotonic()
+
+    def stop(self) -> None:
+        if self._since is not None:
+            self._done += time.monotonic() - self._since
+            self._since = None
+
+
+WAITED: ContextVar[Waited | None] = ContextVar("bert_engine_waited", default=None)
+
+
 class TooManyRequests(Exception):  # noqa: N818 - the HTTP name says what it is
     """A visitor asked for more than MAX_IN_FLIGHT requests at once."""
 
@@ -109,15 +135,20 @@ class ComputeGate:
         """Wait for a slot, run the block, then charge `tokens` to `key` (default: the current
         VISITOR, else a key for this one call)."""
         key = key if key is not None else VISITOR.get() or object()
+        waited = WAITED.get()
         with self._cond:
             self._seq += 1
             waiter = _Waiter(key, self._seq)
             self._waiting.append(waiter)
+            if waited is not None:
+                waited.start()
             try:
                 while not self._my_turn(waiter):
                     self._cond.wait(0.05)
             finally:
                 self._waiting.remove(waiter)
+                if waited is not None:
+                    waited.stop()
             me = threading.current_thread()
             self._holders.append(me)
         try:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bert_engine.cancel import PredictionTimeout, call_with_timeout
-from bert_engine.fairness import InFlight, TooManyRequests, visitor_scope
+from bert_engine.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
 from bert_engine.hookspecs import InputError
 from bert_engine.hub import HubError
 from bert_engine.loading import CheckpointError, inside_any
@@ -115,6 +115,8 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
 
     def call(*args, **kwargs):
         visitor = current_visitor()
+        waited = Waited()
+        token = WAITED.set(waited)  # the request's thread adds its time at the compute gate
         try:
             with in_flight.admit(visitor), visitor_scope(visitor):  # the visitor's share (fairness.py)
                 return call_with_timeout(predict, timeout_s, *args, what=f"task {task!r}", **kwargs)
@@ -125,10 +127,18 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
         except (HubError, CheckpointError) as err:  # the model could not be loaded: say which and why
             message = f"{task}: the model could not be loaded: {err}"
         except PredictionTimeout as err:
-            registry.record_exception(task, err)
-            message = f"{err}. The task may be stuck or the machine overloaded; try again later."
+            if timeout_s and waited.seconds > timeout_s / 2:  # it waited for other visitors' work, mostly
+                logger.info("task %s: a request waited %.0f s of its %g s for the busy machine", task,
+                            waited.seconds, timeout_s)
+                message = (f"{task}: the machine is busy with other requests ({waited.seconds:.0f} s of the "
+                           f"{timeout_s:g} s limit spent waiting); try again in a moment.")
+            else:
+                registry.record_exception(task, err)
+                message = f"{err}. The task may be stuck or the machine overloaded; try again later."
         except BaseException as err:  # a bug in a task's code: the app and the other tabs carry on
             message = _task_failure(task, registry, err)
+        finally:
+            WAITED.reset(token)
         # Raised here, outside the except blocks, so the error carries no __context__: the failed call's
         # frames (and whatever memory they hold, e.g. after a MemoryError) are freed now.
         raise shown_error(gr, public_message(message))

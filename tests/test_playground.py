@@ -360,3 +360,37 @@ def test_a_task_that_raises_or_hangs_at_request_time_is_cut_off_and_listed(tmp_p
         assert len([r for r in table if r[4].startswith("failing at request time")]) == 2
     finally:
         RELEASE.set()
+
+
+def test_a_request_cut_off_while_waiting_for_others_is_not_the_plugins_fault(tmp_path):
+    """The gate is busy with another visitor's work past the time limit: the visitor is told the machine
+    is busy, and the plugin is not listed as failing."""
+    import threading
+
+    from conftest import reference_checkpoint
+
+    from bert_engine.fairness import GATE
+
+    folder = reference_checkpoint(tmp_path / "sst", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"})
+    registry = load_registry(entry_points=False)
+    app = build_app(registry, checkpoints={"sentiment": str(folder)}, timeout_s=1.0)
+    run = _event(app, "sentiment")
+    run("warm up the model", "", "truncate")
+    holding, release = threading.Event(), threading.Event()
+
+    def busy():
+        with GATE.turn(1, key="someone else"):
+            holding.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    holding.wait(10)
+    try:
+        with pytest.raises(gr.Error, match="the machine is busy with other requests"):
+            run("a fine film", "", "truncate")
+    finally:
+        release.set()
+        worker.join(10)
+    assert not [f for f in registry.failures if "sentiment" in f.message]
+    assert run("a fine film", "", "truncate")[1]["task"] == "sentiment"  # and it answers once the gate frees

@@ -124,3 +124,33 @@ def test_each_visitor_sees_only_their_own_last_input(tmp_path):
         assert "diary" in predictor.attention()[0]
     with visitor_scope("carol"), pytest.raises(Exception, match="no input yet"):
         predictor.attention()
+
+
+def test_time_waiting_at_the_gate_is_counted_while_it_goes_on():
+    """A request cut off while it waits for other visitors' work is the machine's load, not its task's
+    fault: the app reads the time waited (also mid-wait) before blaming the plugin."""
+    from bert_engine.fairness import WAITED, Waited
+
+    gate, release = ComputeGate(slots=1), threading.Event()
+
+    def hold():
+        with gate.turn(1, key="busy"):
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    _wait_until(lambda: gate._holders)
+    waited = Waited()
+
+    def wait_for_turn():
+        WAITED.set(waited)
+        with gate.turn(1, key="late"):
+            pass
+
+    waiter = threading.Thread(target=wait_for_turn)
+    waiter.start()
+    _wait_until(lambda: waited.seconds > 0.3)  # still waiting: counted live
+    release.set()
+    holder.join(10)
+    waiter.join(10)
+    assert 0.3 < waited.seconds < 10
