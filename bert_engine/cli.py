@@ -120,6 +120,8 @@ def _predict(args: argparse.Namespace) -> dict:
     if failed:
         args.exit_code = 1
     info = predictor.provenance()
+    if os.environ.get("RANK", "0") != "0":  # under torchrun the first process reports
+        return None
     print(f"bert-engine predict: {len(rows) - failed} of {len(rows)} lines answered, {failed} failed, by "
           f"{info['model']} ({info['device']}, {info['dtype']})" + (f"; results in {args.output}" if args.output else ""),
           file=sys.stderr)
@@ -170,18 +172,46 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
 
 def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str | None) -> int:
     """Answer every row, in order, as JSON Lines ({"line", "result"} or {"line", "error"}) on stdout or
-    into `output`, with a progress bar on stderr; one-field tasks share batched passes (a batch with a
-    bad line is answered line by line, so each line gets its own answer). Returns how many failed."""
+    into `output`, with a progress bar on stderr. Under torchrun each process answers every WORLD_SIZE-th
+    line and the first writes them all, in order. Returns how many lines failed."""
+    from .training import gather_objects, init_distributed
+
+    dist_info = init_distributed("cpu" if predictor.device.type == "cpu" else None)
+    try:
+        answers = _answer_rows(task, predictor, rows, fixed, options, dist_info.rank, dist_info.world,
+                               output if dist_info.world == 1 else None, progress=dist_info.is_main)
+        if dist_info.world == 1:
+            return sum("error" in a for a in answers)
+        every = sorted((a for part in gather_objects(answers, dist_info) for a in part), key=lambda a: a["line"])
+        if dist_info.is_main:
+            with open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(sys.stdout) as out:
+                out.writelines(json.dumps(a, ensure_ascii=False, allow_nan=False) + "\n" for a in every)
+        return sum("error" in a for a in every)
+    finally:
+        if dist_info.world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, world: int, output: str | None,
+                 *, progress: bool) -> list[dict]:
+    """This process's share of the rows (every `world`-th batch of 32 lines from batch `rank`: the same
+    batches as one process makes, so the answers are the same to the last digit): one-field tasks
+    share batched passes (a batch with a bad line is answered line by line, so each line gets its own
+    answer). With `world` 1 the answers also stream to stdout or `output`."""
     from tqdm.auto import tqdm
 
     from .hookspecs import InputError
 
-    spec, failed = task.spec, 0
+    spec, answered = task.spec, []
+    batches = [rows[i:i + 32] for i in range(0, len(rows), 32)][rank::world]
     batched = spec.predict_many is not None and len(spec.input_fields) == 1
+    stream = world == 1
     with (open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(sys.stdout)) as out, \
-            tqdm(total=len(rows), file=sys.stderr, unit="line", desc=spec.name) as bar:
-        for start in range(0, len(rows), 32):
-            chunk = [(n, {**fixed, **row} if isinstance(row, dict) else row) for n, row in rows[start:start + 32]]
+            tqdm(total=len(rows), file=sys.stderr, unit="line", desc=spec.name, disable=not progress) as bar:
+        for lines in batches:
+            chunk = [(n, {**fixed, **row} if isinstance(row, dict) else row) for n, row in lines]
             answers: list = [None] * len(chunk)
             good = [k for k, (_, row) in enumerate(chunk) if isinstance(row, dict)]
             if batched and good and all(set(chunk[k][1]) <= set(spec.input_fields) for k in good):
@@ -201,11 +231,14 @@ def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str
                         answers[k] = {"result": predictor.predict(row, **options)["result"]}
                     except InputError as err:
                         answers[k] = {"error": str(err)}
-                failed += "error" in answers[k]
-                out.write(json.dumps({"line": number, **answers[k]}, ensure_ascii=False, allow_nan=False) + "\n")
-            out.flush()
-            bar.update(len(chunk))
-    return failed
+                answer = {"line": number, **answers[k]}
+                answered.append(answer)
+                if stream:
+                    out.write(json.dumps(answer, ensure_ascii=False, allow_nan=False) + "\n")
+            if stream:
+                out.flush()
+            bar.update(len(chunk) * world)
+    return answered
 
 
 def _training_config(args: argparse.Namespace, **fixed) -> TrainConfig:
@@ -371,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--file", help="many inputs: .jsonl (objects keyed by the task's fields), .tsv (a header "
                                         "naming them) or plain text (one input per line for the first field); "
                                         "answers stream as JSON Lines, exit code 1 if any line failed")
-    predict.add_argument("--output", help="with --file: write the JSON Lines here instead of stdout")
+    predict.add_argument("--output", help="with --file: write the JSON Lines here instead of stdout; under "
+                                          "torchrun the processes share the lines and the first writes them, in order")
     predict.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE",
                          help="a task option, JSON-parsed when possible, e.g. -o top_k=2")
     predict.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the task's)")

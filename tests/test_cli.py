@@ -116,3 +116,29 @@ def test_a_bad_line_in_a_batched_file_gets_its_own_error(sentiment_checkpoint, t
     assert main(["predict", "sentiment", "--file", str(lines), "--model", str(sentiment_checkpoint)]) == 1
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert ["result" in a for a in answers] == [True, False, True] and "empty" in answers[1]["error"]
+
+
+def test_predict_file_under_torchrun_gives_the_single_process_output(sentiment_checkpoint, tmp_path):
+    """Two gloo processes share the lines (whole batches each) and the first writes them in order:
+    the file equals one process's, to the last digit."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    lines = tmp_path / "texts.txt"
+    lines.write_text("".join(f"review {i}: {'great' if i % 3 else 'dull'} film{' really' * (i % 7)}\n" for i in range(75))
+                     + "   \n")  # 76 lines: three batches of 32, and one bad line
+    single, shared = tmp_path / "single.jsonl", tmp_path / "shared.jsonl"
+    command = ["-m", "bert_engine", "predict", "sentiment", "--file", str(lines), "--model", str(sentiment_checkpoint)]
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}  # as torchrun sets for each process: the same arithmetic
+    assert subprocess.run([sys.executable, *command, "--output", str(single)], capture_output=True,
+                          env=one_thread).returncode == 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(port), *command, "--output", str(shared)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "75 of 76 lines answered, 1 failed" in done.stderr, done.stderr[-2000:]
+    assert shared.read_text() == single.read_text() and len(single.read_text().splitlines()) == 76
