@@ -72,7 +72,8 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
                 _build_task_tab(gr, task, predictors[name], registry)
         with gr.Tab("Plugins", id="plugins") as plugins_tab:
             table = _build_plugins_tab(gr, registry)
-        plugins_tab.select(lambda: plugin_rows(registry), None, table)  # failures since start-up show on opening
+        # failures since start-up show on opening; not an API endpoint (/plugins is)
+        plugins_tab.select(lambda: plugin_rows(registry), None, table, api_visibility="private")
         with gr.Tab("Attention", id="attention"):
             _build_attention_tab(gr, registry, predictors)
     app.predictors = predictors

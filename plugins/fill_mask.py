@@ -252,7 +252,7 @@ def build_tab(predictor) -> None:
     with gr.Row():
         top_k = gr.Slider(1, 20, value=OPTIONS["top_k"], step=1, label="Candidates (top-k)")
         mode = gr.Radio(list(MODES), value=OPTIONS["mode"], label="Several masks")
-        targets = gr.Textbox(label="Only score these words (comma-separated, optional)")
+        targets = gr.Textbox("", label="Only score these words (comma-separated, optional)")
     button = gr.Button("Fill", variant="primary")
     table = gr.Dataframe(headers=["mask", "rank", "candidate", "score", "sentence"], interactive=False, wrap=True)
     details = gr.JSON(label="Result and provenance")

@@ -140,7 +140,7 @@ def build_tab(predictor) -> None:
 
     text = gr.Textbox(label="Text", lines=3, placeholder="Type a sentence or a review")
     with gr.Accordion("Options", open=False):
-        pair = gr.Textbox(label="Second text (optional, for sentence-pair models)")
+        pair = gr.Textbox("", label="Second text (optional, for sentence-pair models)")
         long_input = gr.Radio(list(POLICIES), value=OPTIONS["long_input"], label="Long input")
     button = gr.Button("Classify", variant="primary")
     bars = gr.Label(label="Labels")

@@ -394,3 +394,13 @@ def test_a_request_cut_off_while_waiting_for_others_is_not_the_plugins_fault(tmp
         worker.join(10)
     assert not [f for f in registry.failures if "sentiment" in f.message]
     assert run("a fine film", "", "truncate")[1]["task"] == "sentiment"  # and it answers once the gate frees
+
+
+def test_the_api_has_one_endpoint_per_task_and_optional_inputs_are_optional():
+    registry = load_registry(entry_points=False)
+    endpoints = build_app(registry).get_api_info()["named_endpoints"]
+    expected = {f"/{name}{suffix}" for name in registry.tasks for suffix in ("", "_model")} | {"/plugins", "/attention"}
+    assert set(endpoints) == expected  # no stray /lambda
+    for name, field in (("sentiment", "pair_value"), ("fill_mask", "target_text")):
+        parameters = {p["parameter_name"]: p for p in endpoints[f"/{name}"]["parameters"]}
+        assert parameters[field]["parameter_has_default"], (name, field)
