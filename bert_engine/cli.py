@@ -119,9 +119,9 @@ def _predict(args: argparse.Namespace) -> dict:
     failed = _predict_rows(task, predictor, rows, inputs, predictor.check_options(options), args.output)
     if failed:
         args.exit_code = 1
-    info = predictor.provenance()
     if os.environ.get("RANK", "0") != "0":  # under torchrun the first process reports
         return None
+    info = predictor.provenance()
     print(f"bert-engine predict: {len(rows) - failed} of {len(rows)} lines answered, {failed} failed, by "
           f"{info['model']} ({info['device']}, {info['dtype']})" + (f"; results in {args.output}" if args.output else ""),
           file=sys.stderr)
@@ -173,7 +173,7 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
 def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str | None) -> int:
     """Answer every row, in order, as JSON Lines ({"line", "result"} or {"line", "error"}) on stdout or
     into `output`, with a progress bar on stderr. Under torchrun each process answers every WORLD_SIZE-th
-    line and the first writes them all, in order. Returns how many lines failed."""
+    batch of 32 lines and the first writes them all, in order. Returns how many lines failed."""
     from .training import gather_objects, init_distributed
 
     dist_info = init_distributed("cpu" if predictor.device.type == "cpu" else None)

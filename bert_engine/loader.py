@@ -47,10 +47,15 @@ def load(name_or_path: str | Path, head: str | nn.Module | None = None, *, label
             or the tokenizer's vocabulary is larger than the embedding table.
         ValueError: config.json holds impossible values.
     """
-    loaded = _load_without_tokenizer(name_or_path, head, labels=labels, revision=revision,
-                                     local_files_only=local_files_only, attn_backend=attn_backend, dtype=dtype,
-                                     device=device, strict=strict, warn_missing=warn_missing,
-                                     allowed_dirs=allowed_dirs, **hub_kwargs)
+    resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
+    if (resolved.folder / "adapter_config.json").is_file():
+        if head is None or head == "auto":
+            raise CheckpointError(f"{resolved.folder}: a LoRA adapter folder needs its task's head to load")
+        loaded = load_adapter(resolved, head, attn_backend=attn_backend, dtype=dtype, device=device,
+                              local_files_only=local_files_only, allowed_dirs=allowed_dirs, **hub_kwargs)
+    else:
+        loaded = load_model(resolved, head, labels=labels, attn_backend=attn_backend, dtype=dtype, device=device,
+                            strict=strict, warn_missing=warn_missing)
     if with_tokenizer:
         loaded.tokenizer = _matching_tokenizer(loaded)
     return loaded
@@ -60,21 +65,6 @@ def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = Non
     """Only the model of `load` (the same arguments), for callers with a tokenizer of their own: the
     checkpoint need not hold tokenizer files."""
     return load(name_or_path, head, with_tokenizer=False, **kwargs).model
-
-
-def _load_without_tokenizer(name_or_path: str | Path, head, *, revision: str | None = None,
-                            local_files_only: bool = False, allowed_dirs: list[Path] | None = None,
-                            labels: list[str] | None = None, attn_backend: str = "sdpa",
-                            dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                            strict: bool = False, warn_missing: bool = True, **hub_kwargs) -> Loaded:
-    resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
-    if (resolved.folder / "adapter_config.json").is_file():
-        if head is None or head == "auto":
-            raise CheckpointError(f"{resolved.folder}: a LoRA adapter folder needs its task's head to load")
-        return load_adapter(resolved, head, attn_backend=attn_backend, dtype=dtype, device=device,
-                            local_files_only=local_files_only, allowed_dirs=allowed_dirs, **hub_kwargs)
-    return load_model(resolved, head, labels=labels, attn_backend=attn_backend, dtype=dtype, device=device,
-                      strict=strict, warn_missing=warn_missing)
 
 
 def load_tokenizer(name_or_path: str | Path, *, revision: str | None = None, local_files_only: bool = False,

@@ -19,23 +19,32 @@ def _wait_until(condition, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _hold(gate: ComputeGate, key: str, tokens: int = 1) -> tuple[threading.Thread, threading.Event]:
+    """A thread holding a turn at `gate` (as `key`) until the returned event is set; returns once it holds."""
+    release = threading.Event()
+
+    def hold():
+        with gate.turn(tokens, key=key):
+            release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    _wait_until(lambda: gate._holders)
+    return thread, release
+
+
 def test_the_next_chunk_goes_to_the_visitor_with_least_recent_compute():
     gate = ComputeGate(slots=1)
     with gate.turn(50_000, key="heavy"):  # the heavy visitor has just used a lot
         pass
-    order, release = [], threading.Event()
-
-    def holder():
-        with gate.turn(4096, key="heavy"):
-            release.wait(10)
+    order = []
 
     def waiter(key):
         with gate.turn(10, key=key):
             order.append(key)
 
-    threads = [threading.Thread(target=holder)]
-    threads[0].start()
-    _wait_until(lambda: gate._holders)
+    holder, release = _hold(gate, "heavy", 4096)
+    threads = [holder]
     for key in ("heavy", "light"):  # the heavy visitor's next chunk was queued first
         threads.append(threading.Thread(target=waiter, args=(key,)))
         threads[-1].start()
@@ -52,15 +61,7 @@ def test_a_cancelled_holder_stuck_in_native_code_does_not_block_the_gate(monkeyp
     import bert_engine.fairness as fairness
 
     gate = ComputeGate(slots=1)
-    stuck = threading.Event()
-
-    def holder():
-        with gate.turn(1, key="a"):
-            stuck.wait(10)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    _wait_until(lambda: gate._holders)
+    thread, stuck = _hold(gate, "a")
     monkeypatch.setattr(fairness, "cancelled_for", lambda t: 5.0 if t is thread else None)  # cut off 5 s ago
     start = time.monotonic()
     with gate.turn(1, key="b"):
@@ -131,15 +132,8 @@ def test_time_waiting_at_the_gate_is_counted_while_it_goes_on():
     fault: the app reads the time waited (also mid-wait) before blaming the plugin."""
     from bert_engine.fairness import WAITED, Waited
 
-    gate, release = ComputeGate(slots=1), threading.Event()
-
-    def hold():
-        with gate.turn(1, key="busy"):
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    _wait_until(lambda: gate._holders)
+    gate = ComputeGate(slots=1)
+    holder, release = _hold(gate, "busy")
     waited = Waited()
 
     def wait_for_turn():
