@@ -44,7 +44,7 @@ def merged_folder(task_name: str, workdir: Path) -> Path:
 
     task = load_registry(entry_points=False).task(task_name)
     if task.spec.default_checkpoint is None:
-        raise SystemExit(f"task {task_name!r} has no starter model in models/starter/; build it first")
+        raise SystemExit(f"task {task_name!r} has no starter model in plugins/starter/; build it first")
     folder = workdir / task_name
     model, tokenizer = load(task.spec.default_checkpoint, task.spec.build_head)
     save_pretrained(model, folder, tokenizer)

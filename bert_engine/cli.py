@@ -436,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "evaluate it and write manifest.json")
     pack.add_argument("task")
     pack.add_argument("--run", dest="run_dir", required=True, help="the training output_dir (its best/ is packed)")
-    pack.add_argument("--to", required=True, help="destination folder, e.g. models/starter/sentiment")
+    pack.add_argument("--to", required=True, help="destination folder, e.g. plugins/starter/sentiment")
     pack.add_argument("--eval-data", action="append", default=[], help="data to report metrics on (repeatable)")
     pack.add_argument("--eval-split", default="test")
     pack.add_argument("--eval-limit", type=int, default=None)

@@ -25,6 +25,7 @@ from bert_engine.precision import pick_device
 from bert_engine.precision import resolve as resolve_precision
 from bert_engine.registry import REQUEST_STAGES, PluginFailure, Registry, failure_location, load_registry
 from bert_engine.serving import BatchingPredictor, LazyPredictor
+from plugins.starter import STARTER_ROOT
 
 logger = logging.getLogger(__name__)
 
@@ -179,10 +180,10 @@ def describe(predictor: LazyPredictor) -> str:
 
 
 def allowed_model_dirs() -> list[Path]:
-    """Folders the model picker may load local checkpoints from: ./models and ./runs, plus those in
-    BERT_ENGINE_MODEL_DIRS (separated by the OS path separator)."""
+    """Folders the model picker may load local checkpoints from: the starter pack, ./models and ./runs,
+    plus those in BERT_ENGINE_MODEL_DIRS (separated by the OS path separator)."""
     extra = [Path(p) for p in os.environ.get("BERT_ENGINE_MODEL_DIRS", "").split(os.pathsep) if p.strip()]
-    return [Path.cwd() / "models", Path.cwd() / "runs", *extra]
+    return [STARTER_ROOT, Path.cwd() / "models", Path.cwd() / "runs", *extra]
 
 
 def check_model_choice(value: str, allowed: list[Path]) -> str | None:

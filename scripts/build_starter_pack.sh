@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rebuild the offline starter pack (models/starter/<task>/) with bert-engine commands only:
+# Rebuild the offline starter pack (plugins/starter/<task>/) with bert-engine commands only:
 # LoRA adapters + heads on the all-MiniLM-L6-v2 encoder, trained on ../shared/data, then packed
 # (copied, evaluated, manifest written). Steps are sized for a 2-core CPU (about an hour in all);
 # on a GPU raise --max-steps (the figures in MODEL_CARD.md say which settings produced them).
@@ -19,7 +19,7 @@ train_and_pack() {  # task, pack args..., -- , train args...
   local cmd=(bert-engine train "$task" --output-dir "$RUNS/$task" "$@")
   echo "+ ${cmd[*]}"
   python -m bert_engine "${cmd[@]:1}" > "$RUNS/$task.train.json"
-  python -m bert_engine pack "$task" --run "$RUNS/$task" --to "models/starter/$task" \
+  python -m bert_engine pack "$task" --run "$RUNS/$task" --to "plugins/starter/$task" \
     --command-line "${cmd[*]}" "${pack_args[@]}" > "$RUNS/$task.pack.json"
 }
 

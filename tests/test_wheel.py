@@ -1,0 +1,102 @@
+"""The wheel carries the starter pack: built from the source tree, installed into a fresh virtualenv
+(no index, offline), it answers every built-in task with its trained model, not an untrained head.
+
+Slow (a wheel build and a model load per task in a subprocess): run with `python -m pytest -m slow`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from plugins import BUILTIN
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+TASKS = [module.rsplit(".", 1)[-1] for module in BUILTIN]  # each built-in module holds the task of its name
+
+# Runs inside the virtualenv, from a folder outside the source tree.
+PROBE = textwrap.dedent("""
+    import json, sys
+    import bert_engine, plugins
+    from bert_engine import pipeline
+    from bert_engine.registry import load_registry
+
+    registry = load_registry()
+    answers = {}
+    for name, task in registry.tasks.items():
+        if name not in sys.argv[1:]:
+            continue
+        pipe = pipeline(name)
+        answers[name] = {"checkpoint": pipe.predictor.model_id, "untrained": pipe.predictor.untrained_head,
+                         "answer": pipe(dict(task.spec.examples[0]))}
+    answers["qa_call"] = pipeline("qa")(question="Who wrote Moby-Dick?",
+                                        context="Moby-Dick is a novel written by Herman Melville in 1851.")
+    answers["sentiment_call"] = pipeline("sentiment")("A gorgeous, witty, seductive movie.")
+    print(json.dumps({"bert_engine": bert_engine.__file__, "plugins": plugins.__file__, "answers": answers},
+                     default=str))
+""")
+
+
+def copy_source(dest: Path) -> Path:
+    """The files a clean clone has (no runs, builds or caches), so the build sees what CI sees."""
+    ignore = shutil.ignore_patterns(".git", "runs", "test-artifacts", "build", "dist", "*.egg-info", "__pycache__",
+                                    ".pytest_cache", ".ruff_cache", ".venv", "venv")
+    shutil.copytree(ROOT, dest, ignore=ignore)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    source = copy_source(tmp / "src")
+    out = tmp / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--quiet", "-w", str(out), str(source)], check=True)
+    (built,) = out.glob("bert_engine-*.whl")
+    return built
+
+
+def test_the_wheel_holds_every_starter_model(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for task in TASKS:
+        folder = f"plugins/starter/{task}/"
+        assert {folder + f for f in ("adapter.safetensors", "adapter_config.json", "config.json",
+                                     "manifest.json")} <= names, task
+    assert not any(n.startswith("plugins/starter/") and n.endswith("__init__.py") and n.count("/") > 2
+                   for n in names)  # the task folders are data, not packages
+
+
+def test_a_fresh_virtualenv_answers_every_task_from_the_wheel(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    # --system-site-packages: torch and the other dependencies come from this interpreter (offline);
+    # the package itself only from the wheel.
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    python = venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                    "--no-index", "--disable-pip-version-check", str(wheel)], check=True)
+    work = tmp_path / "elsewhere"  # not the source tree: `import plugins` must find the installed one
+    work.mkdir()
+    (work / "probe.py").write_text(PROBE)
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONPATH",)}
+    done = subprocess.run([str(python), "probe.py", *TASKS], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    site = str(venv)
+    assert report["bert_engine"].startswith(site) and report["plugins"].startswith(site), report
+    answers = report["answers"]
+    assert set(TASKS) <= set(answers)
+    for task in TASKS:  # each task loaded the starter model inside the installed package
+        assert answers[task]["checkpoint"].startswith(site), (task, answers[task])
+        assert "plugins/starter" in answers[task]["checkpoint"].replace("\\", "/"), (task, answers[task])
+        assert not answers[task]["untrained"], (task, answers[task])
+    assert answers["sentiment_call"][0]["label"] == "POSITIVE" and answers["sentiment_call"][0]["score"] > 0.9
+    assert answers["qa_call"]["answer"] == "Herman Melville", answers["qa_call"]
