@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,59 +26,129 @@ logger = logging.getLogger(__name__)
 
 
 class LazyPredictor:
-    """A Predictor that loads its model on first use (thread-safe), so an app starts without loading any.
+    """A Predictor that loads its model on first use (thread-safe), so an app starts without loading any,
+    and lets each visitor pick their own model.
 
     Has Predictor's interface (`predict`, `attention`, `provenance`, `last`); `loaded` says whether
-    the model is in memory. A load failure (HubError, CheckpointError) propagates to the caller to
-    show, and the load is tried again on the next call.
+    the model the current visitor uses is in memory. A load failure (HubError, CheckpointError)
+    propagates to the caller to show, and the load is tried again on the next call.
+
+    Visitors (bert_engine.fairness.VISITOR) choose with `switch`: the choice is theirs alone, and
+    the default model stays for everyone else. Models are shared by every visitor who chose the same
+    checkpoint; at most `max_models` besides the default stay loaded (least recently used goes, and
+    is loaded again for whoever still uses it), and at most `max_visitors` choices are remembered.
+    Outside a visitor (a script, the CLI) `switch` changes the default itself.
     """
 
     def __init__(self, task: RegisteredTask, checkpoint: str | None = None, *,
-                 shown_name: Callable[[str], str] | None = None, **load_kwargs: Any) -> None:
+                 shown_name: Callable[[str], str] | None = None, max_models: int = 2, max_visitors: int = 1024,
+                 **load_kwargs: Any) -> None:
         """`shown_name` turns the checkpoint's name into the one provenance shows (a server hides its
         folders); the default shows it as given."""
         self.task = task
-        self.checkpoint = checkpoint
+        self.default = checkpoint
         self.shown_name = shown_name or str
         self.load_kwargs = load_kwargs
-        self._predictor: Predictor | None = None
-        self._lock = threading.Lock()
+        self.max_models, self.max_visitors = max_models, max_visitors
+        self._predictor: Predictor | None = None  # the default model
+        self._models: OrderedDict[str, Predictor] = OrderedDict()  # visitors' other choices, least recent first
+        self._choices: OrderedDict[str, str] = OrderedDict()  # visitor -> their checkpoint, least recent first
+        self._loading: dict[str | None, threading.Lock] = {}  # a lock per checkpoint being loaded
+        self._lock = threading.Lock()  # guards the dictionaries above; never held while loading
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The checkpoint the current visitor uses (None: the task's default)."""
+        visitor = VISITOR.get()
+        with self._lock:
+            return self._choices.get(visitor, self.default) if visitor is not None else self.default
 
     @property
     def loaded(self) -> bool:
-        return self._predictor is not None
+        checkpoint = self.checkpoint
+        return self._predictor is not None if checkpoint == self.default else checkpoint in self._models
 
     def switch(self, checkpoint: str | None) -> Predictor:
-        """Load another checkpoint (None: the task's default); on failure the current model stays."""
+        """Use another checkpoint (None: the task's default): for the current visitor only, or for
+        everyone outside a visitor. On failure nothing changes."""
+        checkpoint = checkpoint or None
+        visitor = VISITOR.get()
+        if visitor is None:
+            predictor = self._load(checkpoint)
+            with self._lock:
+                self.default, self._predictor = checkpoint, predictor
+                self._models.pop(checkpoint, None)
+            return predictor
+        predictor = self._model(checkpoint)  # loads first: a failure leaves the choice as it was
         with self._lock:
-            predictor = self._load(checkpoint or None)
-            self.checkpoint, self._predictor = checkpoint or None, predictor
+            if checkpoint == self.default:
+                self._choices.pop(visitor, None)
+            else:
+                self._choices[visitor] = checkpoint
+                self._choices.move_to_end(visitor)
+                while len(self._choices) > self.max_visitors:
+                    self._choices.popitem(last=False)
         return predictor
 
     def _load(self, checkpoint: str | None) -> Predictor:
+        logger.info("loading the model of task %s%s", self.task.spec.name,
+                    f" ({self.shown_name(checkpoint)})" if checkpoint else "")
         predictor = Predictor.load(self.task, checkpoint, **self.load_kwargs)
         predictor.model_id = self.shown_name(predictor.model_id)
         return predictor
 
-    def get(self) -> Predictor:
-        if self._predictor is None:
+    def _cached(self, checkpoint: str | None) -> Predictor | None:
+        """The loaded model of `checkpoint`, marked as just used (call with the lock held)."""
+        if checkpoint == self.default:
+            return self._predictor
+        if checkpoint in self._models:
+            self._models.move_to_end(checkpoint)
+        return self._models.get(checkpoint)
+
+    def _model(self, checkpoint: str | None) -> Predictor:
+        """The model of `checkpoint`, loading it once however many ask at the same time; a load holds
+        only that checkpoint's lock, so visitors of other models are not kept waiting."""
+        with self._lock:
+            found = self._cached(checkpoint)
+            if found is not None:
+                return found
+            loading = self._loading.setdefault(checkpoint, threading.Lock())
+        with loading:
             with self._lock:
-                if self._predictor is None:
-                    logger.info("loading the model of task %s", self.task.spec.name)
-                    self._predictor = self._load(self.checkpoint)
-        return self._predictor
+                found = self._cached(checkpoint)
+                if found is not None:
+                    return found
+            try:
+                predictor = self._load(checkpoint)
+            finally:
+                with self._lock:
+                    self._loading.pop(checkpoint, None)  # also after a failure: names tried stay bounded
+            with self._lock:
+                if checkpoint == self.default:
+                    self._predictor = predictor
+                    return predictor
+                self._models[checkpoint] = predictor
+                while len(self._models) > self.max_models:
+                    evicted, _ = self._models.popitem(last=False)
+                    logger.info("task %s: unloaded %s (least recently used)", self.task.spec.name,
+                                self.shown_name(evicted))
+            return predictor
+
+    def get(self) -> Predictor:
+        """The current visitor's model, loaded on first use."""
+        return self._model(self.checkpoint)
 
     def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         return self.get().predict(inputs, **options)
 
     def attention(self) -> tuple[list[str], list[torch.Tensor]]:
-        if self._predictor is None:
+        if not self.loaded:
             raise InputError(f"no input yet in the {self.task.spec.title} tab: run a prediction there first")
-        return self._predictor.attention()
+        return self.get().attention()
 
     @property
     def last(self) -> LastInput | None:
-        return self._predictor.last if self._predictor is not None else None
+        return self.get().last if self.loaded else None
 
     def provenance(self) -> dict[str, Any]:
         return self.get().provenance()
@@ -114,7 +185,7 @@ class BatchingPredictor(LazyPredictor):
             output = predictor.predict_checked(inputs, merged)  # nothing to share (or the task's own error)
             output["provenance"]["batch_size"] = 1
             return output
-        key = json.dumps(merged, sort_keys=True, default=str)
+        key = f"{id(predictor)}:" + json.dumps(merged, sort_keys=True, default=str)  # one model, one set of options
         request = {"inputs": dict(inputs), "visitor": VISITOR.get(), "done": False, "output": None, "error": None}
         with self._cond:
             group = self._pending.setdefault(key, [])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import html
 import inspect
+import json
 import logging
 import os
 import threading
@@ -18,7 +19,7 @@ from typing import Any
 from bert_engine.cancel import PredictionTimeout, call_with_timeout
 from bert_engine.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
 from bert_engine.hookspecs import InputError
-from bert_engine.hub import HubError
+from bert_engine.hub import ADAPTER_WEIGHTS, WEIGHT_FILES, HubError
 from bert_engine.loading import CheckpointError, inside_any
 from bert_engine.lora import looks_local
 from bert_engine.precision import pick_device
@@ -62,21 +63,26 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     in_flight = InFlight()  # per visitor, across the tabs (bert_engine.fairness)
     for name, predictor in predictors.items():
         predictor.predict = guarded(on_gpu(predictor.predict), name, registry, timeout_s, in_flight)
+    statuses: dict[str, Any] = {}
     with gr.Blocks(title="bert_engine playground") as app:
         gr.Markdown("# bert_engine playground\nBERT from scratch in PyTorch. "
                     f"{len(registry.tasks)} task(s) from {len(registry.plugins)} plugin(s).")
         for name, task in registry.tasks.items():
-            with gr.Tab(task.spec.title, id=name):
+            with gr.Tab(task.spec.title, id=name) as tab:
                 if task.spec.description:
                     gr.Markdown(task.spec.description)
-                _build_model_picker(gr, name, predictors[name], model_dirs)
+                statuses[name] = _build_model_picker(gr, name, predictors[name], model_dirs)
                 _build_task_tab(gr, task, predictors[name], registry)
+            tab.select(functools.partial(model_line, predictors[name]), None, statuses[name],
+                       api_visibility="private")
         with gr.Tab("Plugins", id="plugins") as plugins_tab:
             table = _build_plugins_tab(gr, registry)
         # failures since start-up show on opening; not an API endpoint (/plugins is)
         plugins_tab.select(lambda: plugin_rows(registry), None, table, api_visibility="private")
         with gr.Tab("Attention", id="attention"):
             _build_attention_tab(gr, registry, predictors)
+        # each visitor's own model line, once the page opens (the warm-up may have loaded the defaults)
+        app.load(lambda: model_lines(predictors, statuses), None, list(statuses.values()), api_visibility="private")
     app.predictors = predictors
     app.model_dirs = model_dirs
     return app
@@ -168,6 +174,17 @@ def on_gpu(function):
     return spaces.GPU(function)
 
 
+def model_lines(predictors: dict[str, LazyPredictor], statuses: dict[str, Any]) -> list[str]:
+    """The model line of every task tab, as the current visitor sees it."""
+    with visitor_scope(current_visitor()):
+        return [describe(predictors[name]) for name in statuses]
+
+
+def model_line(predictor: LazyPredictor) -> str:
+    with visitor_scope(current_visitor()):
+        return describe(predictor)
+
+
 def describe(predictor: LazyPredictor) -> str:
     """One discreet line: which model the tab uses, and where it runs once loaded."""
     name = predictor.checkpoint or predictor.task.spec.default_checkpoint
@@ -186,26 +203,71 @@ def allowed_model_dirs() -> list[Path]:
     return [STARTER_ROOT, Path.cwd() / "models", Path.cwd() / "runs", *extra]
 
 
-def check_model_choice(value: str, allowed: list[Path]) -> str | None:
-    """What a user typed in the model picker -> the checkpoint to load (None: the task's default).
+def recorded_task(folder: Path) -> str | None:
+    """The task a model folder was trained for, where it says: a packed folder's manifest.json, or the
+    train_config.json of the run whose best/ it is."""
+    for record in (folder / "manifest.json", folder.parent / "train_config.json"):
+        try:
+            task = json.loads(record.read_text(encoding="utf-8")).get("task")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(task, str):
+            return task
+    return None
 
-    A local path (absolute, ~, ./, .., or an existing relative path) must resolve, symlinks followed,
-    inside one of `allowed`; anything else is a Hub id, whose form the Hub client checks.
+
+def find_checkpoints(allowed: list[Path], task: str | None = None, depth: int = 3) -> dict[str, str]:
+    """The model folders (config.json plus weights or an adapter) in the allowed folders, up to `depth`
+    levels down, as {short name shown to visitors: path}; a run's last/ (the resume state) is left out,
+    and so is a folder recorded as trained for a task other than `task`."""
+    found: dict[str, str] = {}
+    for root in allowed:
+        root = Path(root)
+        if not root.is_dir():
+            continue
+        for config in sorted(p for level in range(depth + 1) for p in root.glob("*/" * level + "config.json")):
+            folder = config.parent
+            if folder.name == "last" or not any((folder / f).is_file() for f in WEIGHT_FILES + (ADAPTER_WEIGHTS,)):
+                continue
+            if task is not None and recorded_task(folder) not in (None, task):
+                continue
+            name = short_path(folder) if folder.resolve().is_relative_to(Path.cwd().resolve()) else \
+                "/".join(folder.parts[-2:])
+            found.setdefault(name, str(folder))
+    return dict(sorted(found.items()))
+
+
+def check_model_choice(value: str, allowed: list[Path], known: dict[str, str] | None = None) -> str | None:
+    """What a user typed or picked in the model picker -> the checkpoint to load (None: the task's default).
+
+    A listed name (find_checkpoints) is its folder. A local path (absolute, ~, ./, .., an existing
+    path, or one that starts with an allowed folder's name, like runs/...) must resolve, symlinks
+    followed, inside one of `allowed`, and exist; anything else is a Hub id, whose form the Hub client
+    checks. A mistyped local path is therefore "not found here", never a Hub request.
 
     Raises:
-        InputError: a local path outside the allowed folders (nothing outside them is touched).
+        InputError: a local path outside the allowed folders (nothing outside them is touched), or
+            one that does not exist.
     """
     value = value.strip()
     if not value:
         return None
-    if not looks_local(value):
+    if known and value in known:
+        value = known[value]
+    first = value.replace("\\", "/").split("/")[0]
+    local = looks_local(value) or first in {Path(root).name for root in allowed} or (Path.cwd() / first).is_dir()
+    if not local:
         return value
-    if inside_any(value, allowed):
-        # relative to the working folder where possible, so provenance does not show the server's folders
-        resolved, cwd = Path(value).expanduser().resolve(), Path.cwd().resolve()
-        return str(resolved.relative_to(cwd)) if resolved.is_relative_to(cwd) else str(resolved)
-    raise InputError(f"the local folder {value!r} is outside the folders models may be loaded from "
-                     f"({', '.join(short_path(root) for root in allowed)}); set BERT_ENGINE_MODEL_DIRS to allow another")
+    if not inside_any(value, allowed):
+        raise InputError(f"the local folder {value!r} is outside the folders models may be loaded from "
+                         f"({', '.join(short_path(root) for root in allowed)}); set BERT_ENGINE_MODEL_DIRS to allow "
+                         "another")
+    resolved, cwd = Path(value).expanduser().resolve(), Path.cwd().resolve()
+    if not resolved.is_dir():
+        raise InputError(f"there is no model folder {value!r} here; pick one from the list, or give a Hub id "
+                         "such as owner/name")
+    # relative to the working folder where possible, so provenance does not show the server's folders
+    return str(resolved.relative_to(cwd)) if resolved.is_relative_to(cwd) else str(resolved)
 
 
 def short_path(path: Path | str) -> str:
@@ -230,26 +292,33 @@ def public_message(message: str) -> str:
     return message
 
 
-def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: list[Path]) -> None:
+def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: list[Path]):
+    """The tab's model accordion: a list of the checkpoints found in the allowed folders, or any Hub id
+    or allowed folder typed in. The choice is the visitor's own (LazyPredictor.switch); returns the
+    status line, which the app refreshes when a visitor opens the page or the tab."""
+    known = find_checkpoints(model_dirs, name)
     with gr.Accordion("Model", open=False):
         with gr.Row():
-            choice = gr.Textbox(value=predictor.checkpoint or "", show_label=False, scale=4,
-                                placeholder="empty: the default · a local folder · a Hub id such as owner/name")
+            choice = gr.Dropdown(choices=[("default (the task's starter model)", ""), *[(k, k) for k in known]],
+                                 value="", allow_custom_value=True, show_label=False, scale=4,
+                                 info="a listed model, or a Hub id such as owner/name", filterable=True)
             load = gr.Button("Load", scale=1)
         status = gr.Markdown(describe(predictor))
 
-    def switch(value: str) -> str:
+    def switch(value: str | None) -> str:
+        value = (value or "").strip()
         try:
-            predictor.switch(check_model_choice(value, model_dirs))
+            with visitor_scope(current_visitor()):  # this visitor's model; the others keep theirs
+                predictor.switch(check_model_choice(value, model_dirs, find_checkpoints(model_dirs, name)))
+                return describe(predictor)
         except InputError as err:
             message = str(err)
         except (HubError, CheckpointError, ValueError, OSError) as err:
-            message = f"could not load {value.strip() or 'the default'}: {public_message(str(err))}"
-        else:
-            return describe(predictor)
+            message = f"could not load {value or 'the default'}: {public_message(str(err))}"
         raise shown_error(gr, html.escape(message))  # the toast renders HTML: what the visitor typed is shown as text
 
     load.click(switch, choice, status, api_name=f"{name}_model")
+    return status
 
 
 def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry) -> None:

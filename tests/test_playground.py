@@ -203,6 +203,79 @@ def test_model_picker_switches_and_reports_errors(served, tmp_path):
     assert output["provenance"]["model"] == shown
 
 
+def test_a_visitors_model_choice_is_theirs_alone(served, tmp_path):
+    """Two sessions: one switches the sentiment model; the other keeps the default, and its model line
+    and answers never show the first one's choice."""
+    from conftest import reference_checkpoint
+
+    app, url = served
+    app.model_dirs.append(tmp_path)
+    folder = reference_checkpoint(tmp_path / "stars", "BertForSequenceClassification",
+                                  id2label={i: f"{i + 1} stars" for i in range(5)})
+    alice, bob = Client(url, verbose=False), Client(url, verbose=False)
+    default_labels = {c["label"] for c in bob.predict("Great value.", "", "truncate", api_name="/sentiment")[0]
+                      ["confidences"]}
+    alice.predict(str(folder), api_name="/sentiment_model")
+    stars = {f"{i + 1} stars" for i in range(5)}
+    assert {c["label"] for c in alice.predict("Great value.", "", "truncate", api_name="/sentiment")[0]
+            ["confidences"]} == stars
+    bars, output = bob.predict("Great value.", "", "truncate", api_name="/sentiment")
+    assert {c["label"] for c in bars["confidences"]} == default_labels != stars
+    assert "stars" not in output["provenance"]["model"]
+    alice.predict("", api_name="/sentiment_model")  # back to the default: for alice only, as before
+    assert {c["label"] for c in alice.predict("Fine.", "", "truncate", api_name="/sentiment")[0]
+            ["confidences"]} == default_labels
+
+
+def test_a_mistyped_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    from bert_engine.hookspecs import InputError
+    from playground.app import check_model_choice, find_checkpoints
+
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    (runs / "sst2" / "best").mkdir(parents=True)
+    (runs / "sst2" / "best" / "config.json").write_text("{}")
+    (runs / "sst2" / "best" / "model.safetensors").write_bytes(b"")
+    (runs / "sst2" / "train_config.json").write_text('{"task": "sentiment"}')
+    (runs / "sst2" / "last").mkdir()  # resume state: never listed
+    (runs / "sst2" / "last" / "config.json").write_text("{}")
+    (runs / "sst2" / "last" / "model.safetensors").write_bytes(b"")
+    assert find_checkpoints([runs], "sentiment") == {"runs/sst2/best": str(runs / "sst2" / "best")}
+    assert find_checkpoints([runs], "ner") == {}  # trained for another task
+    assert check_model_choice("runs/sst2/best", [runs]) == "runs/sst2/best"
+    for typo in ("runs/sst3", "runs/sst2/bset"):
+        with pytest.raises(InputError, match="there is no model folder"):
+            check_model_choice(typo, [runs])
+
+
+def test_visitors_models_are_shared_and_bounded(tmp_path):
+    """Visitors who pick the same checkpoint share one loaded model; at most max_models besides the
+    default stay loaded, and a visitor whose model was unloaded gets it back on their next request."""
+    from conftest import reference_checkpoint
+
+    from bert_engine.fairness import visitor_scope
+    from bert_engine.serving import LazyPredictor
+
+    task = load_registry(entry_points=False).task("sentiment")
+    folders = [str(reference_checkpoint(tmp_path / f"m{i}", "BertForSequenceClassification",
+                                        id2label={j: f"m{i}-{j}" for j in range(2)})) for i in range(3)]
+    predictor = LazyPredictor(task, folders[0], max_models=1)
+    with visitor_scope("a"):
+        first = predictor.switch(folders[1])
+    with visitor_scope("b"):
+        assert predictor.switch(folders[1]) is first  # shared, not loaded twice
+    with visitor_scope("c"):
+        predictor.switch(folders[2])  # unloads folders[1], least recently used
+    assert list(predictor._models) == [folders[2]]
+    with visitor_scope("a"):
+        assert predictor.checkpoint == folders[1] and not predictor.loaded
+        labels = predictor.predict({"text": "fine"})["result"]["labels"]
+        assert {row["label"] for row in labels} == {"m1-0", "m1-1"}  # reloaded for a
+    with visitor_scope("nobody-chose"):
+        assert predictor.checkpoint == folders[0]
+    assert len(predictor._models) == 1
+
+
 def test_local_paths_resolve_inside_the_allowed_folders_only(tmp_path):
     from bert_engine.hookspecs import InputError
     from playground.app import check_model_choice, short_path
