@@ -123,6 +123,9 @@ class CRF(nn.Module):
                   begins: Tensor | None = None, ends: Tensor | None = None) -> Tensor:
         """p(tag at position t = l | emissions) as (B, T, L); rows of unselected positions are 0."""
         compact, valid, index, lengths, trans, start, end = self._prepare(emissions, mask, constrained, begins, ends)
+        # In float64: in float32 the forward and backward sums drift apart by ~1e-5 over a sentence, and
+        # exp(alpha + beta - log Z) came out as 1.000015 for a sure tag (a "probability" above 1).
+        compact, trans, start, end = compact.double(), trans.double(), start.double(), end.double()
         B, S, L = compact.shape
         alphas = self._forward_alphas(compact, valid, trans, start)  # (B, S, L)
         betas = [end]
@@ -131,7 +134,7 @@ class CRF(nn.Module):
             betas.append(torch.where(valid[:, s + 1, None], step, end))
         betas = torch.stack(betas[::-1], 1)  # (B, S, L)
         log_z = torch.logsumexp(alphas[:, -1] + end, dim=-1)  # (B,)
-        probs = (alphas + betas - log_z[:, None, None]).exp() * valid[..., None]  # (B, S, L)
+        probs = ((alphas + betas - log_z[:, None, None]).exp().clamp(max=1.0) * valid[..., None]).float()  # (B, S, L)
         # The compaction's index is a permutation, so scattering back touches each position once.
         out = emissions.new_zeros(emissions.shape, dtype=torch.float32)
         return out.scatter(1, index[..., None].expand(B, S, L), probs)  # (B, T, L)

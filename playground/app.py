@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from bert_engine import ui
 from bert_engine.cancel import PredictionTimeout, call_with_timeout
 from bert_engine.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
 from bert_engine.hookspecs import InputError
@@ -32,6 +33,16 @@ logger = logging.getLogger(__name__)
 
 MAX_HEATMAP_TOKENS = 96  # larger attention maps are cut to the first tokens, with a notice
 
+
+# Phones: the tab bar wraps instead of hiding tabs behind an overflow button; wide tables scroll as a whole.
+PAGE_CSS = """
+@media (max-width: 640px) {
+  .tab-wrapper, .tab-container, [role=tablist] { flex-wrap: wrap !important; height: auto !important; overflow: visible !important; }
+  .tab-container button[role=tab] { flex: 0 0 auto; }
+  .overflow-menu, .overflow-dropdown { display: none !important; }
+  .table-wrap, .attention-wrap { overflow-x: auto; max-width: 100%; }
+}
+"""
 
 DEFAULT_TIMEOUT_S = 120.0  # a request a task has not answered by then is cut off with a message
 
@@ -84,6 +95,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
         # each visitor's own model line, once the page opens (the warm-up may have loaded the defaults)
         app.load(lambda: model_lines(predictors, statuses), None, list(statuses.values()), api_visibility="private")
     app.predictors = predictors
+    app.launch = functools.partial(app.launch, css=ui.CSS + PAGE_CSS, head=ui.KEYBOARD_JS)  # Gradio 6 takes them here
     app.model_dirs = model_dirs
     return app
 

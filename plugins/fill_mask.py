@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from html import escape
 from typing import Any
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from bert_engine import ui
 from bert_engine.heads import IGNORE_INDEX, MaskedLMHead
 from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.inference import MAX_REQUEST_TOKENS
@@ -253,27 +255,40 @@ def build_tab(predictor) -> None:
         top_k = gr.Slider(1, 20, value=OPTIONS["top_k"], step=1, label="Candidates (top-k)")
         mode = gr.Radio(list(MODES), value=OPTIONS["mode"], label="Several masks")
         targets = gr.Textbox("", label="Only score these words (comma-separated, optional)")
-    button = gr.Button("Fill", variant="primary")
-    table = gr.Dataframe(headers=["mask", "rank", "candidate", "score", "sentence"], interactive=False, wrap=True)
-    details = gr.JSON(label="Result and provenance")
+    button = ui.run_button(gr, "Fill")
+    view = gr.HTML(label="Candidates")
+    details = ui.details(gr)
 
-    def run(text_value: str, k: float, mode_value: str, target_text: str | None):
+    def run(text_value: str, k: float = OPTIONS["top_k"], mode_value: str = OPTIONS["mode"],
+            target_text: str | None = ""):
         words = [w.strip() for w in (target_text or "").split(",") if w.strip()] or None  # API clients may send null
         output = predictor.predict({"text": text_value}, top_k=int(k), mode=mode_value, targets=words)
-        return rows(output["result"]), output
+        return candidate_bars(output["result"]), output
 
-    button.click(run, [text, top_k, mode, targets], [table, details], api_name="fill_mask")
-    gr.Examples([[e["text"]] for e in EXAMPLES], [text])
+    ui.wire(gr, button, run, [text, top_k, mode, targets], [view, details], api_name="fill_mask",
+            examples=[[e["text"]] for e in EXAMPLES])
 
 
-def rows(result: dict[str, Any]) -> list[list[Any]]:
-    """The result as table rows: mask, rank, candidate, score, completed sentence."""
+def candidate_bars(result: dict[str, Any]) -> str:
+    """Per mask (or per joint filling), each candidate with a bar and its probability in percent, and
+    the completed sentence of the best one."""
+    groups = []
     if result["mode"] == "independent":
-        return [[p["mask"], r + 1, c["token"], c["score"], c["sequence"]]
-                for p in result["predictions"] for r, c in enumerate(p["candidates"])]
-    if result["mode"] == "joint":
-        return [["all", r + 1, " + ".join(c["tokens"]), c["score"], c["sequence"]] for r, c in enumerate(result["candidates"])]
-    return [[0, r + 1, c["word"], c["score"], c["sequence"]] for r, c in enumerate(result["candidates"])]
+        for p in result["predictions"]:
+            groups.append((f"[MASK] {p['mask'] + 1}", [(c["token"], c["score"]) for c in p["candidates"]],
+                           p["candidates"][0]["sequence"] if p["candidates"] else ""))
+    elif result["mode"] == "joint":
+        groups.append(("All masks together", [(" + ".join(c["tokens"]), c["score"]) for c in result["candidates"]],
+                       result["candidates"][0]["sequence"] if result["candidates"] else ""))
+    else:
+        groups.append(("The words asked for", [(c["word"], c["score"]) for c in result["candidates"]],
+                       result["candidates"][0]["sequence"] if result["candidates"] else ""))
+    parts = []
+    for title, candidates, sentence in groups:
+        bars = "".join(ui.bar(score, label) for label, score in candidates)
+        best = f'<p class="fm-sentence">{escape(sentence)}</p>' if sentence else ""
+        parts.append(f'<section class="fm-mask"><h4>{escape(title)}</h4>{best}{bars}</section>')
+    return '<div class="fill-mask">' + "".join(parts) + "</div>"
 
 
 EXAMPLES = (

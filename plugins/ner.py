@@ -17,10 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bert_engine import ui
 from bert_engine.crf import CRF
 from bert_engine.heads import IGNORE_INDEX, TokenClassificationHead
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.inference import predict_texts
+from bert_engine.ui import percent
 from plugins.starter import starter_checkpoint
 
 from .tagging import SCHEMES, allowed_transitions, chunks, convert, detect_scheme, entity_scores, read_conll
@@ -295,53 +297,87 @@ def metric(results: list[dict], targets: list[dict]) -> dict[str, Any]:
 # -- the tab ---------------------------------------------------------------------------------------
 
 COLOURS = {"PER": "#fca5a5", "ORG": "#93c5fd", "LOC": "#86efac", "MISC": "#fde68a"}
+OTHER_COLOUR = "#d8b4fe"
 
 
 def render_entities(text: str, entities: list[dict]) -> str:
-    """The text as HTML with each entity marked in its type's colour; type and score on hover."""
+    """The text as HTML with each entity marked in its type's colour (dark text on a pale background:
+    readable in light and dark themes), then a legend and the list of entities with type and score."""
     parts, cursor = [], 0
     for e in entities:
-        colour = COLOURS.get(e["type"], "#d8b4fe")
+        colour = COLOURS.get(e["type"], OTHER_COLOUR)
         parts.append(escape(text[cursor:e["start"]]))
-        parts.append(f'<mark class="entity" data-type="{escape(e["type"])}" title="{escape(e["type"])} '
-                     f'{e["score"]:.3f}" style="background:{colour};padding:0 2px;border-radius:3px">'
-                     f'{escape(text[e["start"]:e["end"]])}<sup style="font-size:0.7em"> {escape(e["type"])}</sup></mark>')
+        parts.append(f'<mark class="entity be-mark" data-type="{escape(e["type"])}" title="{escape(e["type"])} '
+                     f'{percent(e["score"])}" style="background:{colour};color:{ui.HIGHLIGHT_TEXT};padding:0 2px;'
+                     f'border-radius:3px">{escape(text[e["start"]:e["end"]])}<sup style="font-size:0.7em"> '
+                     f'{escape(e["type"])}</sup></mark>')
         cursor = e["end"]
     parts.append(escape(text[cursor:]))
-    return '<div class="ner-text" style="white-space:pre-wrap;line-height:1.9">' + "".join(parts) + "</div>"
+    marked = '<div class="ner-text" style="white-space:pre-wrap;line-height:1.9">' + "".join(parts) + "</div>"
+    if not entities:
+        return marked + '<p class="ner-empty">No entities found in this text.</p>'
+    types = sorted({e["type"] for e in entities} | set(COLOURS))
+    legend = "".join(f'<span class="be-mark" style="background:{COLOURS.get(t, OTHER_COLOUR)};color:{ui.HIGHLIGHT_TEXT};'
+                     f'padding:0 4px;border-radius:3px;margin-right:6px">{escape(t)}</span>' for t in types)
+    rows = "".join(f"<tr><td>{escape(e['text'])}</td><td>{escape(e['type'])}</td><td>{ui.bar(e['score'])}</td></tr>"
+                   for e in entities)
+    return (marked + f'<p class="ner-legend">{legend}</p>'
+            f'<table class="ner-entities"><tr><th>entity</th><th>type</th><th>score</th></tr>{rows}</table>')
+
+
+def transition_heatmap(table: dict[str, Any]) -> str:
+    """The transition matrix as a coloured table: blue for likely moves, red for unlikely ones, grey for
+    the moves the tag scheme forbids; from-tag rows, to-tag columns, the score in each cell."""
+    values = [v for row in table["transitions"] for v in row if v > -1e3]
+    peak = max((abs(v) for v in values), default=1.0) or 1.0
+    header = "".join(f"<th>{escape(label)}</th>" for label in table["labels"])
+    body = []
+    for label, row in zip(table["labels"], table["transitions"]):
+        cells = []
+        for v in row:
+            if v <= -1e3:
+                cells.append('<td class="forbidden" style="background:#9ca3af;color:#111827" title="forbidden">×</td>')
+                continue
+            alpha = min(1.0, abs(v) / peak)
+            colour = f"rgba(37,99,235,{alpha:.2f})" if v >= 0 else f"rgba(220,38,38,{alpha:.2f})"
+            text = "#ffffff" if alpha > 0.55 else ui.HIGHLIGHT_TEXT
+            cells.append(f'<td style="background:{colour};color:{text}">{v:.2f}</td>')
+        body.append(f"<tr><th>{escape(label)}</th>{''.join(cells)}</tr>")
+    note = "" if table.get("trained") else "<p>This CRF is untrained: every allowed move scores 0.</p>"
+    return (f'{note}<div style="overflow-x:auto"><table class="ner-transitions" style="background:#f9fafb;'
+            f'color:#111827;font-size:12px"><tr><th>from \\ to</th>{header}</tr>{"".join(body)}</table></div>')
 
 
 def build_tab(predictor) -> None:
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     text = gr.Textbox(label="Text", lines=4, value=EXAMPLES[0]["text"])
-    with gr.Row():
+    with gr.Accordion("Options", open=False), gr.Row():
         constrained = gr.Checkbox(value=OPTIONS["constrained"], label="Scheme constraints in decoding")
         nbest = gr.Slider(1, 10, value=OPTIONS["nbest"], step=1, label="n-best paths")
-    button = gr.Button("Find entities", variant="primary")
+    button = ui.run_button(gr, "Find entities")
     marked = gr.HTML(label="Entities")
-    with gr.Accordion("Token-wise argmax vs the Viterbi path", open=True):
-        words = gr.Dataframe(headers=["word", "argmax", "viterbi", "probability"], interactive=False, wrap=True)
+    with gr.Accordion("Token-wise argmax vs the Viterbi path (≠: they differ)", open=False):
+        words = gr.Dataframe(headers=["word", "argmax", "viterbi", "probability", "differs"], interactive=False,
+                             wrap=True)
     with gr.Accordion("n-best paths", open=False):
         paths = gr.Dataframe(headers=["rank", "probability", "tags"], interactive=False, wrap=True)
     with gr.Accordion("Transition matrix", open=False):
-        transitions = gr.Dataframe(interactive=False, wrap=True)
-    details = gr.JSON(label="Result and provenance")
+        transitions = gr.HTML()
+    details = ui.details(gr)
 
-    def run(text_value: str, use_constraints: bool, k: float):
+    def run(text_value: str, use_constraints: bool = OPTIONS["constrained"], k: float = OPTIONS["nbest"]):
         output = predictor.predict({"text": text_value}, constrained=bool(use_constraints), nbest=int(k))
         result = output["result"]
         table = transition_table(predictor.get().model.head, bool(use_constraints))
-        header = ["from \\ to", *table["labels"]]
-        matrix = [[label, *[round(v, 3) if v > -1e3 else "forbidden" for v in row]]
-                  for label, row in zip(table["labels"], table["transitions"])]
         return (render_entities(text_value, result["entities"]),
-                [[w["word"], w["argmax"], w["tag"], w["score"]] for w in result["words"]],
-                [[n + 1, p["probability"], " ".join(p["tags"])] for n, p in enumerate(result["nbest"])],
-                {"headers": header, "data": matrix}, output)
+                [[w["word"], w["argmax"], w["tag"], percent(w["score"]), "≠" if w["argmax"] != w["tag"] else ""]
+                 for w in result["words"]],
+                [[n + 1, percent(p["probability"]), " ".join(p["tags"])] for n, p in enumerate(result["nbest"])],
+                transition_heatmap(table), output)
 
-    button.click(run, [text, constrained, nbest], [marked, words, paths, transitions, details], api_name="ner")
-    gr.Examples([[e["text"]] for e in EXAMPLES], [text])
+    ui.wire(gr, button, run, [text, constrained, nbest], [marked, words, paths, transitions, details], api_name="ner",
+            examples=[[e["text"]] for e in EXAMPLES])
 
 
 EXAMPLES = (

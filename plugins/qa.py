@@ -13,13 +13,17 @@ import collections
 import json
 import re
 import string
+from html import escape
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from bert_engine import ui
 from bert_engine.heads import SpanHead, SpanOutput
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.ui import percent
 from plugins.starter import starter_checkpoint
 
 N_BEST_PER_WINDOW = 20  # best spans kept per window before merging across windows
@@ -113,7 +117,7 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
         best_scores, flat = scores.flatten().topk(k)
         for score, index in zip(best_scores.tolist(), flat.tolist()):
             s, e = divmod(index, T)
-            char_span = (batch.offsets[row][s][0], batch.offsets[row][e][1])
+            char_span = whole_words(context, batch.offsets[row][s][0], batch.offsets[row][e][1])
             if score > spans.get(char_span, float("-inf")):
                 spans[char_span] = score  # duplicates (same characters) merged, best score kept
     ranked = sorted(spans.items(), key=lambda item: -item[1])
@@ -131,6 +135,16 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
                       "threshold": null_threshold, "predicted": no_answer},
         "windows": len(batch), "question_truncated": batch.meta["question_truncated"],
     }
+
+
+def whole_words(text: str, start: int, end: int) -> tuple[int, int]:
+    """A character span widened to whole words: a span whose edge falls inside a word (a word piece
+    boundary, e.g. "20:1" of "20:17") takes the rest of that word."""
+    while 0 < start < len(text) and text[start - 1].isalnum() and text[start].isalnum():
+        start -= 1
+    while 0 < end < len(text) and text[end - 1].isalnum() and text[end].isalnum():
+        end += 1
+    return start, end
 
 
 # -- SQuAD evaluation with the official EM / F1 semantics -------------------------------------------------
@@ -279,30 +293,83 @@ def loss(output, targets: list[tuple[int, int]]):
     return (ce(output.start_logits.float(), positions[:, 0]) + ce(output.end_logits.float(), positions[:, 1])) / 2
 
 
+EXCERPT_CHARS = 600  # a longer context shows this much around the answer, the whole text one click away
+
+
+def calibrated_threshold(checkpoint: str | None) -> float | None:
+    """The null threshold a model folder was calibrated with (its manifest's "null_threshold"), if any;
+    read without loading the model."""
+    if not checkpoint:
+        return None
+    try:
+        value = json.loads((Path(checkpoint) / "manifest.json").read_text(encoding="utf-8")).get("null_threshold")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def answer_view(context: str, result: dict) -> str:
+    """The headline ("Answer: ... - 88 %" or "No answer in this context") over the context with the
+    answer marked inline; a long context shows an excerpt around the answer and the rest on demand."""
+    answers, null = result["answers"], result["no_answer"]
+    if null["predicted"] or not answers:
+        why = (f"the best span, “{escape(answers[0]['answer'])}” ({percent(answers[0]['score'])}), "
+               f"is weaker than “no answer” by more than the threshold" if answers else "no span fits")
+        return (f'<div class="qa-view"><p class="qa-headline qa-none"><b>No answer in this context</b> '
+                f'<span class="qa-why">({why})</span></p></div>')
+    best = answers[0]
+    start, end, score = best["start"], best["end"], percent(best["score"])
+    mark = (f'<mark class="be-mark qa-answer" style="background:#fde68a;padding:0 .15em;border-radius:3px;'
+            f'white-space:nowrap">{escape(context[start:end])}<sup class="qa-score"> {score}</sup></mark>')
+    if len(context) <= EXCERPT_CHARS:
+        body = escape(context[:start]) + mark + escape(context[end:])
+    else:
+        lo, hi = max(0, start - EXCERPT_CHARS // 2), min(len(context), end + EXCERPT_CHARS // 2)
+        body = ("… " if lo else "") + escape(context[lo:start]) + mark + escape(context[end:hi]) + (" …" if hi < len(context) else "")
+        body += (f'<details class="qa-whole"><summary>The whole context ({len(context):,} characters)</summary>'
+                 f'{escape(context[:start])}{mark}{escape(context[end:])}</details>')
+    return (f'<div class="qa-view"><p class="qa-headline">Answer: <b>{escape(best["answer"])}</b> – {score}</p>'
+            f'<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">{body}</div></div>')
+
+
+def candidate_scores(result: dict) -> dict[str, float]:
+    """Candidates for the bars: answer text -> probability, with "no answer" among them; the same text
+    found at two places is told apart by its position."""
+    scores: dict[str, float] = {}
+    for a in result["answers"]:
+        label = a["answer"] if a["answer"] not in scores else f"{a['answer']} (at {a['start']})"
+        scores[label] = a["score"]
+    scores["(no answer)"] = result["no_answer"]["score"]
+    return scores
+
+
 def build_tab(predictor) -> None:
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
-    with gr.Row():
-        question = gr.Textbox(label="Question", value=EXAMPLES[0]["question"])
-        top_k = gr.Slider(1, 10, value=3, step=1, label="Answers (top-k)")  # the tab lists 3; the API default is 1
-    context = gr.Textbox(label="Context", lines=8, value=EXAMPLES[0]["context"])
-    button = gr.Button("Answer", variant="primary")
-    highlighted = gr.HighlightedText(label="Answer in its context", combine_adjacent=False)
-    table = gr.Dataframe(headers=["rank", "answer", "score", "start", "end"], interactive=False, wrap=True)
-    details = gr.JSON(label="Result (null score and gap) and provenance")
+    threshold = calibrated_threshold(getattr(predictor, "checkpoint", None) or predictor.task.spec.default_checkpoint)
+    question = gr.Textbox(label="Question", value=EXAMPLES[0]["question"])
+    context = gr.Textbox(label="Context", lines=6, max_lines=16, value=EXAMPLES[0]["context"])
+    with gr.Accordion("Options", open=False):
+        top_k = gr.Slider(1, 10, value=3, step=1, label="Candidates (top-k)")  # the tab lists 3; the API default is 1
+        allow_none = gr.Checkbox(value=threshold is not None, label="Answer “no answer” when that scores better "
+                                 "than the best span by more than the threshold")
+        null_threshold = gr.Slider(-20, 20, value=threshold if threshold is not None else 0.0, step=0.1,
+                                   label="No-answer threshold (logits)" + (" – the model's calibrated value"
+                                                                          if threshold is not None else ""))
+    button = ui.run_button(gr, "Answer")
+    view = gr.HTML(label="Answer in its context")
+    candidates = gr.Label(label="Candidates", show_label=True)
+    details = ui.details(gr)
 
-    def run(question_value: str, context_value: str, k: float):
-        output = predictor.predict({"question": question_value, "context": context_value}, top_k=int(k))
+    def run(question_value: str, context_value: str, k: float = 3, use_threshold: bool = threshold is not None,
+            threshold_value: float = threshold or 0.0):
+        output = predictor.predict({"question": question_value, "context": context_value}, top_k=int(k),
+                                   null_threshold=float(threshold_value) if use_threshold else None)
         result = output["result"]
-        marks = []
-        if result["answers"]:
-            best = result["answers"][0]
-            marks = [(context_value[:best["start"]], None), (best["answer"], "answer"), (context_value[best["end"]:], None)]
-        rows = [[i + 1, a["answer"], a["score"], a["start"], a["end"]] for i, a in enumerate(result["answers"])]
-        return marks, rows, output
+        return answer_view(context_value, result), candidate_scores(result), output
 
-    button.click(run, [question, context, top_k], [highlighted, table, details], api_name="qa")
-    gr.Examples([[e["question"], e["context"]] for e in EXAMPLES], [question, context])
+    ui.wire(gr, button, run, [question, context, top_k, allow_none, null_threshold], [view, candidates, details],
+            api_name="qa", examples=[[e["question"], e["context"]] for e in EXAMPLES])
 
 
 EXAMPLES = (

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bert_engine import ui
 from bert_engine.heads import SequenceClassificationHead
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl, length_option
 from bert_engine.inference import predict_texts
@@ -142,16 +143,16 @@ def build_tab(predictor) -> None:
     with gr.Accordion("Options", open=False):
         pair = gr.Textbox("", label="Second text (optional, for sentence-pair models)")
         long_input = gr.Radio(list(POLICIES), value=OPTIONS["long_input"], label="Long input")
-    button = gr.Button("Classify", variant="primary")
+    button = ui.run_button(gr, "Classify")
     bars = gr.Label(label="Labels")
-    details = gr.JSON(label="Result and provenance")
+    details = ui.details(gr)
 
     def run(text_value: str, pair_value: str, policy: str):
         output = predictor.predict({"text": text_value, "text_pair": pair_value or None}, long_input=policy)
         return {item["label"]: item["score"] for item in output["result"]["labels"]}, output
 
-    button.click(run, [text, pair, long_input], [bars, details], api_name="sentiment")
-    gr.Examples([[e["text"]] for e in EXAMPLES], [text])
+    ui.wire(gr, button, run, [text, pair, long_input], [bars, details], api_name="sentiment",
+            examples=[[e["text"]] for e in EXAMPLES])
 
 
 EXAMPLES = (

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bert_engine import ui
 from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.inference import predict_texts
 from bert_engine.tokenizer import Batch
@@ -387,7 +388,7 @@ def render(text: str, result: dict) -> str:
     dropped = {item["index"] for item in result["dropped"]}
     for sentence in result["sentences"]:
         parts.append(escape(text[cursor:sentence["start"]]))
-        style = ("background:#fde68a" if sentence["selected"] else
+        style = (f"background:#fde68a;color:{ui.HIGHLIGHT_TEXT}" if sentence["selected"] else
                  "color:#9ca3af;text-decoration:line-through" if sentence["index"] in dropped else "")
         parts.append(f'<span class="sentence{" chosen" if sentence["selected"] else ""}" style="{style}" '
                      f'title="score {sentence["score"]:.3f}">{escape(sentence["text"])}'
@@ -409,21 +410,23 @@ def build_tab(predictor) -> None:
         # (ROUGE-2 51.8 vs 48.1, MODEL_CARD.md), so the tab starts there; "auto" uses a trained scorer.
         mode = gr.Radio(list(MODES), value="centroid", label="Mode",
                         info="centroid: unsupervised, best on news here; supervised: the trained scorer")
-    button = gr.Button("Summarise", variant="primary")
+    button = ui.run_button(gr, "Summarise")
     summary = gr.Textbox(label="Summary", lines=4)
     document = gr.HTML(label="Document with chosen sentences")
-    dropped = gr.Dataframe(headers=["sentence", "reason"], label="Dropped by the length filter", interactive=False,
-                           wrap=True)
-    details = gr.JSON(label="Result and provenance")
+    with gr.Accordion("Dropped by the length filter", open=False):
+        dropped = gr.Dataframe(headers=["sentence", "reason"], interactive=False, wrap=True)
+    details = ui.details(gr)
 
-    def run(text_value: str, k: float, ratio_value: float, min_words_value: float, mode_value: str):
+    def run(text_value: str, k: float = 3, ratio_value: float = OPTIONS["ratio"],
+            min_words_value: float = OPTIONS["min_words"], mode_value: str = "centroid"):
         output = predictor.predict({"text": text_value}, num_sentences=int(k) or None, ratio=float(ratio_value),
                                    min_words=int(min_words_value), mode=mode_value)
         result = output["result"]
         return (result["summary"] or result.get("explanation", ""), render(text_value, result),
                 [[item["text"], item["reason"]] for item in result["dropped"]], output)
 
-    button.click(run, [text, count, ratio, min_words, mode], [summary, document, dropped, details], api_name="summary")
+    ui.wire(gr, button, run, [text, count, ratio, min_words, mode], [summary, document, dropped, details],
+            api_name="summary", examples=[[e["text"]] for e in EXAMPLES])
 
 
 EXAMPLES = (
@@ -431,6 +434,10 @@ EXAMPLES = (
              "and cuts the road maintenance fund. Mayor J. Smith said the vote was \"a turning point\" for the city. "
              "Opposition members argued that the cuts would hurt rural districts. The budget takes effect in "
              "January.\nLocal businesses welcomed the decision. Some residents plan to protest at next week's meeting."},
+    {"text": "A storm brought heavy rain and strong winds to the coast overnight, cutting power to 40,000 homes. "
+             "Engineers worked through the morning to restore supplies. Several roads were closed after trees "
+             "fell across them. The weather service expects calmer conditions by the weekend. Schools in two "
+             "districts stayed shut as a precaution. Residents were asked to avoid travel unless necessary."},
 )
 
 

@@ -169,3 +169,14 @@ def test_tag_errors_name_the_tag():
 def test_emission_width_must_match():
     with pytest.raises(ValueError, match="5 tags, the CRF has 3"):
         CRF(3).decode(torch.zeros(1, 2, 5))
+
+
+def test_marginals_are_probabilities_even_for_sure_tags():
+    """Peaked emissions over long rows: every marginal stays within [0, 1] and rows sum to 1 (float32
+    sums once gave 1.000015 for a sure tag)."""
+    torch.manual_seed(0)
+    crf = CRF(9)
+    emissions = torch.randn(8, 120, 9) * 15
+    marginals = crf.marginals(emissions, torch.ones(8, 120, dtype=torch.bool), constrained=False)
+    assert float(marginals.max()) <= 1.0 and float(marginals.min()) >= 0.0
+    torch.testing.assert_close(marginals.sum(-1), torch.ones(8, 120), atol=1e-6, rtol=0)

@@ -100,14 +100,16 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
     assert output["provenance"]["plugin"] == "similarity" and output["provenance"]["latency_ms"] > 0
     bars, output = client.predict("A gorgeous, witty movie.", "", "truncate", api_name="/sentiment")
     assert output["task"] == "sentiment" and {c["label"] for c in bars["confidences"]} == {"NEGATIVE", "POSITIVE"}
-    marks, table, output = client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", 2,
-                                          api_name="/qa")
-    assert output["task"] == "qa" and len(table["data"]) == 2
-    table, output = client.predict("The capital of France is [MASK].", 3, "independent", "", api_name="/fill_mask")
-    assert output["task"] == "fill_mask" and len(table["data"]) == 3
+    view, candidates, output = client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", 2,
+                                              api_name="/qa")
+    assert output["task"] == "qa" and len(candidates["confidences"]) == 3  # two answers and "(no answer)"
+    assert "Answer: <b>" in view and '<mark class="be-mark qa-answer"' in view
+    view, output = client.predict("The capital of France is [MASK].", 3, "independent", "", api_name="/fill_mask")
+    assert output["task"] == "fill_mask" and view.count('class="be-bar"') == 3
     html, words, paths, transitions, output = client.predict("Tim Cook visited Berlin.", True, 2, api_name="/ner")
     assert output["task"] == "ner" and [row[0] for row in words["data"]] == ["Tim", "Cook", "visited", "Berlin", "."]
-    assert len(paths["data"]) == 2 and len(transitions["data"]) == 9
+    assert len(paths["data"]) == 2 and transitions.count("<tr>") == 10  # header + 9 tags
+    assert all(float(row[3].rstrip(" %<")) <= 100 for row in words["data"])  # probabilities never above 1
     summary, html, dropped, output = client.predict("One short line. " * 3 + "A much longer sentence follows here.",
                                                     1, 0.3, 4, "auto", api_name="/summary")
     assert output["task"] == "summary" and summary == "A much longer sentence follows here."
@@ -319,13 +321,16 @@ def test_tab_functions_called_directly_with_tiny_models(tiny_app):
     assert set(bars) == {"NEG", "POS"} and output["provenance"]["untrained_head"] is False
     # the model lies outside the working folder: a visitor sees its last two parts, not the server's folders
     assert output["provenance"]["model"].endswith("/sentiment") and not output["provenance"]["model"].startswith("/")
-    marks, rows, output = _event(tiny_app, "qa")("Who wrote it?", "It was written by Herman Melville.", 2)
+    view, candidates, output = _event(tiny_app, "qa")("Who wrote it?", "It was written by Herman Melville.", 2)
     answer = output["result"]["answers"][0]
-    assert [m for m in marks if m[1] == "answer"][0][0] == answer["answer"] and len(rows) == 2
-    rows, output = _event(tiny_app, "fill_mask")("I [MASK] to the [MASK].", 2, "joint", "")
-    assert output["result"]["mode"] == "joint" and len(rows) == 2 and rows[0][0] == "all"
+    assert 'qa-answer" style="' in view and f">{answer['answer']}<sup" in view and len(candidates) == 3
+    view, _, output = _event(tiny_app, "qa")("Who wrote it?", "It was written by Herman Melville.", 2, True, -1000)
+    assert output["result"]["no_answer"]["predicted"] and "No answer in this context" in view  # threshold slider
+    view, output = _event(tiny_app, "fill_mask")("I [MASK] to the [MASK].", 2, "joint", "")
+    assert output["result"]["mode"] == "joint" and "All masks together" in view and view.count('class="be-bar"') == 2
     html, words, paths, transitions, output = _event(tiny_app, "ner")("Anna lives in Rome.", False, 3)
     assert output["result"]["constrained"] is False and len(words) == 5 and len(paths) == 3
+    assert ("No entities found" in html) == (not output["result"]["entities"])  # an empty result says so
     assert [e["text"] for e in output["result"]["entities"]] == [
         text for text in ("Anna", "lives", "in", "Rome", ".") if f">{text}<sup" in html]
     summary, html, dropped, output = _event(tiny_app, "summary")("Tiny. Also tiny.", 0, 0.5, 3, "centroid")

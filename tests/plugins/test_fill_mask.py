@@ -10,7 +10,7 @@ from conftest import reference_checkpoint
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.registry import load_registry
-from plugins.fill_mask import rows
+from plugins.fill_mask import candidate_bars
 
 TEXTS = [
     "The capital of France is [MASK].",
@@ -123,7 +123,9 @@ def test_joint_beam_ranks_by_joint_probability(predictor):
     scores = [c["score"] for c in candidates]
     assert scores == sorted(scores, reverse=True) and len(candidates) == 4
     assert all("[MASK]" not in c["sequence"] for c in candidates)
-    assert rows({"mode": "joint", "candidates": candidates})[0][1] == 1
+    view = candidate_bars({"mode": "joint", "candidates": candidates})  # the tab: one bar per filling, best first
+    assert "All masks together" in view and view.count('class="be-bar"') == 4
+    assert view.index(" + ".join(candidates[0]["tokens"])) < view.index(" + ".join(candidates[1]["tokens"]))
 
 
 def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):

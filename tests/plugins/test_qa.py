@@ -241,3 +241,27 @@ def test_long_context_best_answer_matches_the_reference_decoding(predictor, chec
         assert ours["windows"] > 5
         expected = _reference_long_context_best(checkpoint, inputs["question"], context, 128, 48, 15)
         assert (ours["answers"][0]["start"], ours["answers"][0]["end"]) == expected
+
+
+def test_the_answer_view_marks_the_answer_inline_and_says_no_answer():
+    from plugins.qa import answer_view, whole_words
+
+    context = "The launch was at 20:17 UTC on a clear day.\nNobody <b>saw</b> it."
+    start = context.index("20:17")
+    assert whole_words(context, start, start + 4) == (start, start + 5)  # a word piece edge takes the whole word
+    result = {"answers": [{"answer": "20:17", "start": start, "end": start + 5, "score": 0.876}],
+              "no_answer": {"predicted": False, "score": 0.01}}
+    view = answer_view(context, result)
+    assert "Answer: <b>20:17</b> – 88 %" in view
+    mark = view[view.index("<mark"):view.index("</mark>")]
+    assert "white-space:nowrap" in mark and ">20:17<sup" in mark and "\n" not in mark
+    assert "at <mark" in view and "</mark> UTC" in view  # inline: no break before or after it
+    assert "&lt;b&gt;saw&lt;/b&gt;" in view  # the context is text, never markup
+    none = answer_view(context, {**result, "no_answer": {"predicted": True, "score": 0.7}})
+    assert "No answer in this context" in none and "<mark" not in none
+    long_context = "Filler sentence here. " * 200 + context
+    start = long_context.index("20:17")
+    view = answer_view(long_context, {**result, "answers": [{**result["answers"][0], "start": start,
+                                                             "end": start + 5}]})
+    shown = view.split("<details")[0]
+    assert "<mark" in shown and len(shown) < 2000 and "The whole context (" in view  # an excerpt around it first

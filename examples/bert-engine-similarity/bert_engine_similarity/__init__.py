@@ -95,20 +95,22 @@ def metric(results: list[dict], targets: list[float]) -> dict[str, float]:
 def build_tab(predictor) -> None:
     import gradio as gr
 
+    from bert_engine import ui  # the playground's tab layout: run button, examples that run, details
+
     with gr.Row():
         text_a = gr.Textbox(label="Text A", lines=3)
         text_b = gr.Textbox(label="Text B", lines=3)
-    button = gr.Button("Compare", variant="primary")
+    button = ui.run_button(gr, "Compare")
     score = gr.Label(label="Similarity")
-    details = gr.JSON(label="Result")
+    details = ui.details(gr)
 
     def run(a: str, b: str):
         output = predictor.predict({"text_a": a, "text_b": b})
         result = output["result"]
         return {"similar": result["score"], "different": 1.0 - result["score"]}, output
 
-    button.click(run, [text_a, text_b], [score, details], api_name="similarity")
-    gr.Examples([[e["text_a"], e["text_b"]] for e in EXAMPLES], [text_a, text_b])
+    ui.wire(gr, button, run, [text_a, text_b], [score, details], api_name="similarity",
+            examples=[[e["text_a"], e["text_b"]] for e in EXAMPLES])
 
 
 EXAMPLES = (

@@ -1,0 +1,104 @@
+"""Building blocks for a task's Gradio tab, so every tab (built-in or a plugin's) has one layout:
+inputs, a run button and examples next to each other (one click on an example runs it; Ctrl/Cmd+Enter
+in a text box runs the tab), the answer right below, and the raw result with its provenance behind a
+closed accordion.
+
+    def build_tab(predictor):
+        import gradio as gr
+        from bert_engine import ui
+
+        text = gr.Textbox(label="Text")
+        button = ui.run_button(gr, "Classify")
+        bars = gr.Label(label="Labels")
+        details = ui.details(gr)
+        ui.wire(gr, button, run, [text], [bars, details], api_name="sentiment",
+                examples=[[e["text"]] for e in EXAMPLES])
+
+Gradio is imported by the caller (`gr`), so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Sequence
+from typing import Any
+
+RUN_CLASS = "be-run"  # the run button of a tab: Ctrl/Cmd+Enter clicks the one in the visible tab
+
+# For gr.Blocks(head=...): Ctrl/Cmd+Enter in any input of a tab clicks that tab's run button.
+KEYBOARD_JS = f"""
+<script>
+document.addEventListener("keydown", (event) => {{
+  if (event.key !== "Enter" || !(event.ctrlKey || event.metaKey)) return;
+  const panel = event.target.closest && event.target.closest("[role=tabpanel]");
+  const button = panel && panel.querySelector("button.{RUN_CLASS}");
+  if (button && !button.disabled) {{ event.preventDefault(); button.click(); }}
+}});
+</script>
+"""
+
+
+def run_button(gr, label: str):
+    """The tab's primary button (Ctrl/Cmd+Enter clicks it)."""
+    return gr.Button(label, variant="primary", elem_classes=[RUN_CLASS])
+
+
+def details(gr, label: str = "Details: the raw result and its provenance"):
+    """A closed accordion holding the JSON result, under the answer."""
+    with gr.Accordion(label, open=False):
+        return gr.JSON(label="Result and provenance", show_label=False)
+
+
+def wire(gr, button, fn: Callable[..., Any], inputs: Sequence[Any], outputs: Sequence[Any], *, api_name: str,
+         examples: Sequence[Sequence[Any]] = (), example_label: str = "Examples (click one to run it)"):
+    """Connect the run button (the task's one API endpoint, `api_name`) and the examples: clicking an
+    example fills the inputs and runs `fn` (not cached, not an API endpoint). Single-line text boxes
+    also run on Enter. Returns the click event."""
+    event = button.click(fn, list(inputs), list(outputs), api_name=api_name)
+    for component in inputs:
+        if isinstance(component, gr.Textbox) and (component.lines or 1) == 1:
+            component.submit(fn, list(inputs), list(outputs), api_visibility="private")
+    if examples:
+        width = max(len(row) for row in examples)
+        gr.Examples([list(row) for row in examples], list(inputs)[:width], list(outputs), fn=_first(fn, width, inputs),
+                    run_on_click=True, cache_examples=False, api_visibility="private", label=example_label)
+    return event
+
+
+def _first(fn: Callable[..., Any], width: int, inputs: Sequence[Any]) -> Callable[..., Any]:
+    """`fn` called from an example row that fills the first `width` inputs: the other inputs keep the
+    values their components start with."""
+    if width == len(inputs):
+        return fn
+    rest = [getattr(component, "value", None) for component in list(inputs)[width:]]
+    return lambda *values: fn(*values, *rest)
+
+
+def percent(score: float) -> str:
+    """A probability as users read it: "88 %", "0.4 %", "< 0.1 %"."""
+    value = 100 * float(score)
+    if value >= 9.95:
+        return f"{value:.0f} %"
+    return f"{value:.1f} %" if value >= 0.05 else "< 0.1 %"
+
+
+def bar(score: float, label: str = "") -> str:
+    """One HTML row: the label, a bar as long as the score and the score in percent (escaped)."""
+    width = max(0.0, min(1.0, float(score))) * 100
+    return (f'<div class="be-bar"><span class="be-bar-label">{html.escape(label)}</span>'
+            f'<span class="be-bar-track"><span class="be-bar-fill" style="width:{width:.1f}%"></span></span>'
+            f'<span class="be-bar-value">{percent(score)}</span></div>')
+
+
+# Colours that read in light and dark themes: highlights carry their own dark text on a pale
+# background (contrast above 7:1 for every pair below), never the theme's text colour.
+HIGHLIGHT_TEXT = "#111827"
+CSS = f"""
+.be-bar {{ display: grid; grid-template-columns: minmax(6em, 14em) 1fr 4.5em; gap: .5em; align-items: center;
+          margin: .15em 0; }}
+.be-bar-label {{ overflow-wrap: anywhere; }}
+.be-bar-track {{ background: rgba(127, 127, 127, .2); border-radius: 3px; height: .8em; }}
+.be-bar-fill {{ display: block; height: 100%; background: #2563eb; border-radius: 3px; }}
+.be-bar-value {{ text-align: right; font-variant-numeric: tabular-nums; }}
+mark, .be-mark {{ color: {HIGHLIGHT_TEXT} !important; }}
+"""
