@@ -19,6 +19,7 @@ Gradio is imported by the caller (`gr`), so importing this module stays cheap.
 
 from __future__ import annotations
 
+import contextlib
 import html
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,8 +40,11 @@ document.addEventListener("keydown", (event) => {{
 
 
 def run_button(gr, label: str):
-    """The tab's primary button (Ctrl/Cmd+Enter clicks it)."""
-    return gr.Button(label, variant="primary", elem_classes=[RUN_CLASS])
+    """The tab's primary button (Ctrl/Cmd+Enter clicks it), with a place right under it, next to the
+    inputs, where `wire` puts the examples."""
+    button = gr.Button(label, variant="primary", elem_classes=[RUN_CLASS])
+    button.examples_slot = gr.Column(elem_classes=["be-examples"])
+    return button
 
 
 def details(gr, label: str = "Details: the raw result and its provenance"):
@@ -60,9 +64,17 @@ def wire(gr, button, fn: Callable[..., Any], inputs: Sequence[Any], outputs: Seq
             component.submit(fn, list(inputs), list(outputs), api_visibility="private")
     if examples:
         width = max(len(row) for row in examples)
-        gr.Examples([list(row) for row in examples], list(inputs)[:width], list(outputs), fn=_first(fn, width, inputs),
-                    run_on_click=True, cache_examples=False, api_visibility="private", label=example_label)
+        slot = getattr(button, "examples_slot", None)
+        with slot if slot is not None else _here():  # under the run button when it made the place
+            gr.Examples([list(row) for row in examples], list(inputs)[:width], list(outputs),
+                        fn=_first(fn, width, inputs), run_on_click=True, cache_examples=False,
+                        api_visibility="private", label=example_label)
     return event
+
+
+@contextlib.contextmanager
+def _here():
+    yield
 
 
 def _first(fn: Callable[..., Any], width: int, inputs: Sequence[Any]) -> Callable[..., Any]:

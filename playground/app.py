@@ -35,13 +35,13 @@ MAX_HEATMAP_TOKENS = 96  # larger attention maps are cut to the first tokens, wi
 
 
 # Phones: the tab bar wraps instead of hiding tabs behind an overflow button; wide tables scroll as a whole.
+# Phones: Gradio moves the tabs that do not fit into an overflow menu behind a bare "..." button; it
+# gets a label, so the other tabs are found. Wide tables and heatmaps scroll inside their own box.
 PAGE_CSS = """
-@media (max-width: 640px) {
-  .tab-wrapper, .tab-container, [role=tablist] { flex-wrap: wrap !important; height: auto !important; overflow: visible !important; }
-  .tab-container button[role=tab] { flex: 0 0 auto; }
-  .overflow-menu, .overflow-dropdown { display: none !important; }
-  .table-wrap, .attention-wrap { overflow-x: auto; max-width: 100%; }
-}
+.overflow-menu > button::after { content: " More tabs"; font-size: var(--text-md); white-space: nowrap; }
+.overflow-menu > button { display: inline-flex; align-items: center; gap: 4px; }
+.overflow-dropdown button { display: block; width: 100%; text-align: left; padding: 8px 12px; }
+.table-wrap, .attention-wrap { overflow-x: auto; max-width: 100%; }
 """
 
 DEFAULT_TIMEOUT_S = 120.0  # a request a task has not answered by then is cut off with a message

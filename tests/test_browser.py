@@ -42,7 +42,7 @@ def page_url(installed_example):
 
 
 @pytest.fixture(scope="module")
-def browser_page(page_url):
+def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -50,10 +50,16 @@ def browser_page(page_url):
             executable_path=CHROMIUM, headless=True,
             args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"])
-        page = browser.new_page(viewport={"width": 1280, "height": 1100})
-        page.goto(page_url, wait_until="networkidle")
-        yield page
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def browser_page(browser, page_url):
+    page = browser.new_page(viewport={"width": 1280, "height": 1100})
+    page.goto(page_url, wait_until="networkidle")
+    yield page
+    page.close()
 
 
 def _open(page, title: str):
@@ -78,20 +84,40 @@ def test_sentiment_tab(browser_page):
     _shot(browser_page, "sentiment")
 
 
-def test_qa_tab(browser_page):
+def test_qa_tab_marks_the_answer_inline(browser_page):
     panel = _open(browser_page, "Question answering")
     panel.get_by_role("button", name="Answer", exact=True).click()
-    panel.get_by_text("null_gap").first.wait_for(timeout=60_000)
-    assert panel.locator("table").count() >= 1
+    answer = panel.locator("mark.qa-answer")
+    answer.wait_for(timeout=60_000)
+    assert panel.locator(".qa-headline").inner_text().startswith("Answer:")
+    # inline: the mark is one line box, on the same line as the word before it
+    boxes = answer.evaluate("m => Array.from(m.getClientRects()).length")
+    assert boxes == 1
+    assert answer.evaluate("m => getComputedStyle(m).display") == "inline"
     _shot(browser_page, "qa")
 
 
 def test_fill_mask_tab(browser_page):
     panel = _open(browser_page, "Fill-mask")
     panel.get_by_role("button", name="Fill", exact=True).click()
-    panel.get_by_text("predictions").first.wait_for(timeout=60_000)  # a key of the result JSON
-    assert panel.locator("table").first.get_by_text("The capital of France is").count() >= 1
+    panel.locator(".fill-mask .be-bar").first.wait_for(timeout=60_000)
+    assert panel.locator(".fill-mask .be-bar-value").first.inner_text().endswith("%")
     _shot(browser_page, "fill_mask")
+
+
+def test_an_example_click_runs_it(browser_page):
+    panel = _open(browser_page, "Sentiment")
+    panel.get_by_text("The plot is predictable and the acting is wooden.").first.click()
+    panel.get_by_text("NEGATIVE").first.wait_for(timeout=60_000)
+    assert panel.locator("textarea").first.input_value() == "The plot is predictable and the acting is wooden."
+
+
+def test_ctrl_enter_runs_the_tab(browser_page):
+    panel = _open(browser_page, "Named entities")
+    box = panel.locator("textarea").first
+    box.fill("Barack Obama visited Tokyo.")
+    box.press("Control+Enter")
+    panel.locator(".ner-text").get_by_text("Tokyo").first.wait_for(timeout=60_000)
 
 
 def test_ner_tab_marks_entities_and_compares_paths(browser_page):
@@ -170,3 +196,82 @@ def test_user_text_is_shown_as_text_never_run_as_html(browser_page, tab, button,
     rendered.get_by_text("onerror", exact=False).first.wait_for(timeout=30_000)  # the markup shows as text
     assert rendered.locator("img, svg, b").count() == 0
     assert browser_page.evaluate("window.__xss") is None
+
+
+# -- layouts and visitors: dark theme, a phone, two people at once --------------------------------------
+
+def _luminance(rgb: str) -> float:
+    r, g, b = (float(v) / 255 for v in rgb[rgb.index("(") + 1:rgb.index(")")].split(",")[:3])
+    def lin(c: float) -> float:
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+    return 0.2126 * lin(r) + 0.7152 * lin(g) + 0.0722 * lin(b)
+
+
+def contrast(foreground: str, background: str) -> float:
+    """WCAG contrast ratio of two computed `rgb(...)` colours."""
+    high, low = sorted((_luminance(foreground), _luminance(background)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def test_dark_theme_highlights_are_readable(browser, page_url):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000}, color_scheme="dark")
+    page.goto(page_url + "?__theme=dark", wait_until="networkidle")
+    checked = 0
+    for tab, button, selector in (("Named entities", "Find entities", ".ner-text mark"),
+                                  ("Summary", "Summarise", ".summary-doc span.chosen"),
+                                  ("Question answering", "Answer", "mark.qa-answer")):
+        panel = _open(page, tab)
+        panel.get_by_role("button", name=button, exact=True).click()
+        panel.locator(selector).first.wait_for(timeout=60_000)
+        for element in panel.locator(selector).all():
+            fg, bg = element.evaluate("e => [getComputedStyle(e).color, getComputedStyle(e).backgroundColor]")
+            assert contrast(fg, bg) >= 4.5, (tab, fg, bg)
+            checked += 1
+        _shot(page, f"dark_{tab.lower().replace(' ', '_')}")
+    assert checked >= 5
+    assert page.evaluate("document.body.classList.contains('dark')")  # the dark theme was really on
+    page.close()
+
+
+def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page_url):
+    page = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    page.goto(page_url, wait_until="networkidle")
+    titles = ["Sentiment", "Named entities", "Question answering", "Summary", "Fill-mask", "Similarity", "Plugins",
+              "Attention"]
+    more = page.locator(".overflow-menu > button")
+    for title in titles:  # each tab is on the bar, or one tap away behind the labelled "More tabs" button
+        if not page.get_by_role("tab", name=title, exact=True).is_visible():
+            assert "More tabs" in more.evaluate("b => getComputedStyle(b, '::after').content")
+            more.click()
+            page.locator(".overflow-dropdown").get_by_text(title, exact=True).click()
+        page.locator("[role=tabpanel]:visible").first.wait_for()
+        selected = page.locator("[role=tablist] [aria-selected=true], .overflow-dropdown .selected")
+        assert title in selected.first.inner_text(), (title, selected.first.inner_text())
+    _shot(page, "phone_tabs")
+    if not page.get_by_role("tab", name="Fill-mask", exact=True).is_visible():
+        more.click()
+        page.locator(".overflow-dropdown").get_by_text("Fill-mask", exact=True).click()
+    panel = page.locator("[role=tabpanel]:visible").first
+    panel.get_by_role("button", name="Fill", exact=True).click()
+    panel.locator(".fill-mask .be-bar").first.wait_for(timeout=60_000)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390 + 1  # nothing pushes the page sideways
+    _shot(page, "phone_fill_mask")
+    page.close()
+
+
+def test_two_visitors_never_see_each_others_input(browser, page_url):
+    alice = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
+    bob = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
+    alice.goto(page_url, wait_until="networkidle")
+    bob.goto(page_url, wait_until="networkidle")
+    panel = _open(alice, "Sentiment")
+    panel.locator("textarea").first.fill("my password is hunter2")
+    panel.get_by_role("button", name="Classify").click()
+    panel.get_by_text("POSITIVE").first.wait_for(timeout=60_000)
+    panel = _open(bob, "Attention")
+    panel.get_by_role("button", name="Show attention").click()
+    bob.get_by_text("no input yet").first.wait_for(timeout=30_000)
+    assert "hunter" not in bob.content()
+    _shot(bob, "two_visitors_bob_attention")
+    alice.context.close()
+    bob.context.close()
