@@ -69,6 +69,26 @@ def _open(page, title: str):
     return panel
 
 
+def _classify(page, text: str) -> None:
+    """Run the Sentiment tab on `text` and wait for its labels."""
+    panel = _open(page, "Sentiment")
+    panel.locator("textarea").first.fill(text)
+    panel.get_by_role("button", name="Classify").click()
+    panel.get_by_text("POSITIVE").first.wait_for(timeout=60_000)
+
+
+def _reach(page, title: str) -> None:
+    """Select tab `title` on a narrow screen: from the bar, or behind the labelled "More tabs" button."""
+    if not page.get_by_role("tab", name=title, exact=True).is_visible():
+        more = page.locator(".overflow-menu > button")
+        assert "More tabs" in more.evaluate("b => getComputedStyle(b, '::after').content")
+        more.click()
+        page.locator(".overflow-dropdown").get_by_text(title, exact=True).click()
+    else:
+        page.get_by_role("tab", name=title, exact=True).click()
+    page.locator("[role=tabpanel]:visible").first.wait_for()
+
+
 def _shot(page, name: str) -> None:
     folder = ARTIFACTS / "screenshots"
     folder.mkdir(parents=True, exist_ok=True)
@@ -169,10 +189,7 @@ def test_plugins_tab_lists_the_broken_plugin(browser_page):
 
 def test_attention_tab_shows_the_last_input(browser_page):
     """This page's own last sentiment input (each visitor sees only theirs)."""
-    panel = _open(browser_page, "Sentiment")
-    panel.locator("textarea").first.fill("Quietly luminous filmmaking.")
-    panel.get_by_role("button", name="Classify").click()
-    panel.get_by_text("POSITIVE").first.wait_for(timeout=60_000)
+    _classify(browser_page, "Quietly luminous filmmaking.")
     panel = _open(browser_page, "Attention")
     panel.get_by_role("button", name="Show attention").click()
     panel.locator("table.attention").wait_for(timeout=30_000)
@@ -238,19 +255,12 @@ def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page
     page.goto(page_url, wait_until="networkidle")
     titles = ["Sentiment", "Named entities", "Question answering", "Summary", "Fill-mask", "Similarity", "Plugins",
               "Attention"]
-    more = page.locator(".overflow-menu > button")
     for title in titles:  # each tab is on the bar, or one tap away behind the labelled "More tabs" button
-        if not page.get_by_role("tab", name=title, exact=True).is_visible():
-            assert "More tabs" in more.evaluate("b => getComputedStyle(b, '::after').content")
-            more.click()
-            page.locator(".overflow-dropdown").get_by_text(title, exact=True).click()
-        page.locator("[role=tabpanel]:visible").first.wait_for()
+        _reach(page, title)
         selected = page.locator("[role=tablist] [aria-selected=true], .overflow-dropdown .selected")
         assert title in selected.first.inner_text(), (title, selected.first.inner_text())
     _shot(page, "phone_tabs")
-    if not page.get_by_role("tab", name="Fill-mask", exact=True).is_visible():
-        more.click()
-        page.locator(".overflow-dropdown").get_by_text("Fill-mask", exact=True).click()
+    _reach(page, "Fill-mask")
     panel = page.locator("[role=tabpanel]:visible").first
     panel.get_by_role("button", name="Fill", exact=True).click()
     panel.locator(".fill-mask .be-bar").first.wait_for(timeout=60_000)
@@ -264,10 +274,7 @@ def test_two_visitors_never_see_each_others_input(browser, page_url):
     bob = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
     alice.goto(page_url, wait_until="networkidle")
     bob.goto(page_url, wait_until="networkidle")
-    panel = _open(alice, "Sentiment")
-    panel.locator("textarea").first.fill("my password is hunter2")
-    panel.get_by_role("button", name="Classify").click()
-    panel.get_by_text("POSITIVE").first.wait_for(timeout=60_000)
+    _classify(alice, "my password is hunter2")
     panel = _open(bob, "Attention")
     panel.get_by_role("button", name="Show attention").click()
     bob.get_by_text("no input yet").first.wait_for(timeout=30_000)
