@@ -57,9 +57,16 @@ def browser():
 @pytest.fixture(scope="module")
 def browser_page(browser, page_url):
     page = browser.new_page(viewport={"width": 1280, "height": 1100})
-    page.goto(page_url, wait_until="networkidle")
+    _visit(page, page_url)
     yield page
     page.close()
+
+
+def _visit(page, url: str) -> None:
+    """Load the page and wait for its tabs. Not "networkidle": the queue's event stream and a second
+    browser context loading at the same time can keep the network busy past any fixed timeout."""
+    page.goto(url, wait_until="domcontentloaded", timeout=60_000)
+    page.get_by_role("tab").first.wait_for(timeout=60_000)
 
 
 def _open(page, title: str):
@@ -232,7 +239,7 @@ def contrast(foreground: str, background: str) -> float:
 
 def test_dark_theme_highlights_are_readable(browser, page_url):
     page = browser.new_page(viewport={"width": 1400, "height": 1000}, color_scheme="dark")
-    page.goto(page_url + "?__theme=dark", wait_until="networkidle")
+    _visit(page, page_url + "?__theme=dark")
     checked = 0
     for tab, button, selector in (("Named entities", "Find entities", ".ner-text mark"),
                                   ("Summary", "Summarise", ".summary-doc span.chosen"),
@@ -252,7 +259,7 @@ def test_dark_theme_highlights_are_readable(browser, page_url):
 
 def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page_url):
     page = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
-    page.goto(page_url, wait_until="networkidle")
+    _visit(page, page_url)
     titles = ["Sentiment", "Named entities", "Question answering", "Summary", "Fill-mask", "Similarity", "Plugins",
               "Attention"]
     for title in titles:  # each tab is on the bar, or one tap away behind the labelled "More tabs" button
@@ -272,8 +279,8 @@ def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page
 def test_two_visitors_never_see_each_others_input(browser, page_url):
     alice = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
     bob = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
-    alice.goto(page_url, wait_until="networkidle")
-    bob.goto(page_url, wait_until="networkidle")
+    _visit(alice, page_url)
+    _visit(bob, page_url)
     _classify(alice, "my password is hunter2")
     panel = _open(bob, "Attention")
     panel.get_by_role("button", name="Show attention").click()
