@@ -154,6 +154,9 @@ class TaskSpec:
         pipeline_output: (result, options, single) -> the result in the shape of the transformers
             pipeline of this kind of task (`single`: the caller passed one input, not a list), so code
             written for that pipeline ports by changing the import. None: the engine's result as is.
+        brief: (result) -> one short line of plain text, the answer at a glance ("POSITIVE 98 %"):
+            the playground's "All tasks" tab shows it beside the other tasks' answers. None: the
+            result's JSON, shortened.
     """
 
     name: str
@@ -180,6 +183,7 @@ class TaskSpec:
     best_metric_goal: Literal["max", "min"] = "max"
     aliases: tuple[str, ...] = ()
     pipeline_output: Callable[[Any, Mapping[str, Any], bool], Any] | None = None
+    brief: Callable[[Any], str] | None = None
 
 
 class TaskHooks:

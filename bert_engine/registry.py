@@ -218,8 +218,10 @@ class Registry:
             problems.append(f"best_metric must be a metric's name or None, got {spec.best_metric!r}")
         if not isinstance(spec.aliases, tuple) or not all(isinstance(a, str) and a for a in spec.aliases):
             problems.append(f"aliases must be a tuple of names, got {spec.aliases!r:.80}")
-        if spec.pipeline_output is not None and not callable(spec.pipeline_output):
-            problems.append(f"pipeline_output must be callable or None, got {type(spec.pipeline_output).__name__}")
+        for hook in ("pipeline_output", "brief"):
+            value = getattr(spec, hook)
+            if value is not None and not callable(value):
+                problems.append(f"{hook} must be callable or None, got {type(value).__name__}")
         if spec.best_metric_goal not in ("max", "min"):
             problems.append(f"best_metric_goal must be 'max' or 'min', got {spec.best_metric_goal!r}")
         if problems:

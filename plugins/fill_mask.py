@@ -372,9 +372,19 @@ def pipeline_output(result: dict, options, single: bool):
     return per_mask[0] if len(per_mask) == 1 else per_mask
 
 
+
+def brief(result) -> str:
+    """The top candidates per mask: "[MASK] 1: city 41 %, capital 30 %"."""
+    parts = []
+    for prediction in result["predictions"]:
+        top = ", ".join(f"{c['token']} {ui.percent(c['score'])}" for c in prediction["candidates"][:3])
+        parts.append(f"{prediction['text']} {prediction['mask'] + 1}: {top}" if result["masks"] > 1 else top)
+    return "; ".join(parts)
+
 @hookimpl
 def register_tasks(register):
     register(TaskSpec(
+        brief=brief,
         name="fill_mask",
         default_checkpoint=starter_checkpoint("fill_mask"),
         title="Fill-mask",

@@ -359,11 +359,12 @@ def build_tab(predictor) -> None:
     marked = gr.HTML(label="Entities")
     with gr.Accordion("Token-wise argmax vs the Viterbi path (≠: they differ)", open=False):
         words = gr.Dataframe(headers=["word", "argmax", "viterbi", "probability", "differs"], interactive=False,
-                             wrap=True)
+                             wrap=True, label="Token-wise tags", show_label=False)
     with gr.Accordion("n-best paths", open=False):
-        paths = gr.Dataframe(headers=["rank", "probability", "tags"], interactive=False, wrap=True)
+        paths = gr.Dataframe(headers=["rank", "probability", "tags"], interactive=False, wrap=True,
+                             label="n-best paths", show_label=False)
     with gr.Accordion("Transition matrix", open=False):
-        transitions = gr.HTML()
+        transitions = gr.HTML(label="Transition matrix")
     details = ui.details(gr)
 
     def run(text_value: str, use_constraints: bool = OPTIONS["constrained"], k: float = OPTIONS["nbest"]):
@@ -393,9 +394,18 @@ def pipeline_output(result: dict, options, single: bool) -> list[dict]:
             for e in result["entities"]]
 
 
+
+def brief(result) -> str:
+    """The entities with type and score: "Tim Cook (PER 99 %), Berlin (LOC 98 %)"."""
+    entities = result["entities"]
+    if not entities:
+        return "no entities found"
+    return ", ".join(f"{e['text']} ({e['type']} {ui.percent(e['score'])})" for e in entities)
+
 @hookimpl
 def register_tasks(register):
     register(TaskSpec(
+        brief=brief,
         name="ner",
         default_checkpoint=starter_checkpoint("ner"),
         title="Named entities",

@@ -394,9 +394,18 @@ def pipeline_output(result: dict, options, single: bool):
     return answers[0] if top_k == 1 else answers[:top_k]
 
 
+
+def brief(result) -> str:
+    """The answer and its probability, or that the context holds none."""
+    answers = result["answers"]
+    if result["no_answer"]["predicted"] or not answers:
+        return "no answer in this context"
+    return f"{answers[0]['answer']} {ui.percent(answers[0]['score'])}"
+
 @hookimpl
 def register_tasks(register):
     register(TaskSpec(
+        brief=brief,
         name="qa",
         default_checkpoint=starter_checkpoint("qa"),
         title="Question answering",

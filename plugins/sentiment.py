@@ -221,9 +221,15 @@ def pipeline_output(result: dict, options, single: bool):
     return [top] if single else top
 
 
+
+def brief(result) -> str:
+    """The label and its probability: "POSITIVE 98 %"."""
+    return f"{result['label']} {ui.percent(result['score'])}"
+
 @hookimpl
 def register_tasks(register):
     register(TaskSpec(
+        brief=brief,
         name="sentiment",
         default_checkpoint=starter_checkpoint("sentiment"),
         title="Sentiment",

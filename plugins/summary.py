@@ -414,7 +414,8 @@ def build_tab(predictor) -> None:
     summary = gr.Textbox(label="Summary", lines=4)
     document = gr.HTML(label="Document with chosen sentences")
     with gr.Accordion("Dropped by the length filter", open=False):
-        dropped = gr.Dataframe(headers=["sentence", "reason"], interactive=False, wrap=True)
+        dropped = gr.Dataframe(headers=["sentence", "reason"], interactive=False, wrap=True,
+                               label="Dropped sentences", show_label=False)
     details = ui.details(gr)
 
     def run(text_value: str, k: float = 3, ratio_value: float = OPTIONS["ratio"],
@@ -448,9 +449,15 @@ def pipeline_output(result: dict, options, single: bool):
     return [summary] if single else summary
 
 
+
+def brief(result) -> str:
+    """The chosen sentences."""
+    return result["summary"] or "no sentence chosen"
+
 @hookimpl
 def register_tasks(register):
     register(TaskSpec(
+        brief=brief,
         name="summary",
         default_checkpoint=starter_checkpoint("summary"),
         title="Summary",
