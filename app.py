@@ -20,5 +20,7 @@ if __name__ == "__main__":
         sys.exit(2)
     warm_up(app.predictors)  # models load in the background while the server starts
     app.queue(default_concurrency_limit=int(os.environ.get("BERT_ENGINE_CONCURRENCY", "4")))
+    # every task is also an MCP tool (at /gradio_api/mcp/) unless BERT_ENGINE_MCP=0
     app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-               server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+               server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
+               mcp_server=os.environ.get("BERT_ENGINE_MCP", "1") != "0")

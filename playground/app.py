@@ -11,8 +11,10 @@ import html
 import inspect
 import json
 import logging
+import math
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +29,28 @@ from bert_engine.precision import pick_device
 from bert_engine.precision import resolve as resolve_precision
 from bert_engine.registry import REQUEST_STAGES, PluginFailure, Registry, failure_location, load_registry
 from bert_engine.serving import BatchingPredictor, LazyPredictor
+from playground import attention
 from plugins.starter import STARTER_ROOT
 
 logger = logging.getLogger(__name__)
 
-MAX_HEATMAP_TOKENS = 96  # larger attention maps are cut to the first tokens, with a notice
-
-
-# Phones: the tab bar wraps instead of hiding tabs behind an overflow button; wide tables scroll as a whole.
 # Phones: Gradio moves the tabs that do not fit into an overflow menu behind a bare "..." button; it
 # gets a label, so the other tabs are found. Wide tables and heatmaps scroll inside their own box.
+# A failed run keeps the last result on screen: the error is the toast's message, and Gradio's "Error"
+# overlay, which would cover the previous answer, is not drawn.
 PAGE_CSS = """
+[data-testid="status-tracker"]:has(.error) { display: none !important; }
 .overflow-menu > button::after { content: " More tabs"; font-size: var(--text-md); white-space: nowrap; }
 .overflow-menu > button { display: inline-flex; align-items: center; gap: 4px; }
 .overflow-dropdown button { display: block; width: 100%; text-align: left; padding: 8px 12px; }
-.table-wrap, .attention-wrap { overflow-x: auto; max-width: 100%; }
+.be-cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(220px, 1fr)); gap: 12px; }
+.be-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 10px 12px; }
+.be-card-title { font-size: var(--text-sm); color: var(--body-text-color-subdued); margin-bottom: 4px; }
+.be-card-answer { overflow-wrap: anywhere; }
+.be-card-error .be-card-answer, .be-card-skipped .be-card-answer { color: var(--body-text-color-subdued);
+                                                                    font-style: italic; }
+.table-wrap, .attention-links { overflow-x: auto; max-width: 100%; }
+.attention-links th, .attention-links td { padding: 2px 8px; text-align: left; }
 """
 
 DEFAULT_TIMEOUT_S = 120.0  # a request a task has not answered by then is cut off with a message
@@ -73,7 +82,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
                   for name, task in registry.tasks.items()}
     in_flight = InFlight()  # per visitor, across the tabs (bert_engine.fairness)
     for name, predictor in predictors.items():
-        predictor.predict = guarded(on_gpu(predictor.predict), name, registry, timeout_s, in_flight)
+        predictor.predict = guarded(on_gpu(predictor.predict, predictor, timeout_s), name, registry, timeout_s, in_flight)
     statuses: dict[str, Any] = {}
     with gr.Blocks(title="bert_engine playground") as app:
         gr.Markdown("# bert_engine playground\nBERT from scratch in PyTorch. "
@@ -86,14 +95,18 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
                 _build_task_tab(gr, task, predictors[name], registry)
             tab.select(functools.partial(model_line, predictors[name]), None, statuses[name],
                        api_visibility="private")
+        if len(single_text_tasks(registry)) > 1:
+            with gr.Tab("All tasks", id="all_tasks"):
+                _build_all_tasks_tab(gr, registry, predictors, timeout_s)
         with gr.Tab("Plugins", id="plugins") as plugins_tab:
             table = _build_plugins_tab(gr, registry)
         # failures since start-up show on opening; not an API endpoint (/plugins is)
         plugins_tab.select(lambda: plugin_rows(registry), None, table, api_visibility="private")
         with gr.Tab("Attention", id="attention"):
-            _build_attention_tab(gr, registry, predictors)
+            ranges, range_inputs, range_outputs = _build_attention_tab(gr, registry, predictors)
         # each visitor's own model line, once the page opens (the warm-up may have loaded the defaults)
         app.load(lambda: model_lines(predictors, statuses), None, list(statuses.values()), api_visibility="private")
+        app.load(ranges, range_inputs, range_outputs, api_visibility="private")  # the sliders' real ranges
     app.predictors = predictors
     app.launch = functools.partial(app.launch, css=ui.CSS + PAGE_CSS, head=ui.KEYBOARD_JS)  # Gradio 6 takes them here
     app.model_dirs = model_dirs
@@ -176,14 +189,29 @@ def _task_failure(task: str, registry: Registry, err: BaseException) -> str:
             "not in your input. The other tabs still work.")
 
 
-def on_gpu(function):
-    """On a ZeroGPU Space (the `spaces` package is installed) GPU work runs inside `spaces.GPU`;
-    elsewhere the function is returned unchanged."""
+def gpu_seconds(inputs: Any, loaded: bool = True, limit_s: float | None = DEFAULT_TIMEOUT_S) -> int:
+    """The GPU time to ask ZeroGPU for, from the input's size: 5 s, plus 1 s per 4,000 characters
+    (about a thousand tokens: a few windows), plus 30 s when the model still has to load; at most the
+    request's time limit. Short requests ask for little, so they wait less in ZeroGPU's queue."""
+    texts = inputs.values() if isinstance(inputs, dict) else [inputs]
+    characters = sum(len(text) for text in texts if isinstance(text, str))
+    seconds = 5 + math.ceil(characters / 4000) + (0 if loaded else 30)
+    return int(min(seconds, limit_s)) if limit_s else seconds
+
+
+def on_gpu(function, predictor: LazyPredictor | None = None, limit_s: float | None = DEFAULT_TIMEOUT_S):
+    """On a ZeroGPU Space (the `spaces` package, SPACES_ZERO_GPU=true) a prediction runs inside
+    `spaces.GPU` with a duration derived from its input (gpu_seconds); elsewhere spaces.GPU returns the
+    function as it is. Nothing here touches CUDA: the GPU is attached only inside the call."""
     try:
-        import spaces  # noqa: PLC0415 - only on a ZeroGPU Space
+        import spaces  # noqa: PLC0415 - only where the spaces package is installed
     except ImportError:
         return function
-    return spaces.GPU(function)
+
+    def duration(inputs: Any = None, *args: Any, **options: Any) -> int:
+        return gpu_seconds(inputs, predictor.loaded if predictor is not None else True, limit_s)
+
+    return spaces.GPU(function, duration=duration)
 
 
 def model_lines(predictors: dict[str, LazyPredictor], statuses: dict[str, Any]) -> list[str]:
@@ -315,10 +343,10 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
                                  value="", allow_custom_value=True, show_label=False, scale=4,
                                  info="a listed model, or a Hub id such as owner/name", filterable=True)
             load = gr.Button("Load", scale=1)
-        status = gr.Markdown(describe(predictor))
+        status = gr.Markdown(describe(predictor), label="Model status")
 
-    def switch(value: str | None) -> str:
-        value = (value or "").strip()
+    def switch(model: str | None) -> str:
+        value = (model or "").strip()
         try:
             with visitor_scope(current_visitor()):  # this visitor's model; the others keep theirs
                 predictor.switch(check_model_choice(value, model_dirs, find_checkpoints(model_dirs, name)))
@@ -329,7 +357,8 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
             message = f"could not load {value or 'the default'}: {public_message(str(err))}"
         raise shown_error(gr, html.escape(message))  # the toast renders HTML: what the visitor typed is shown as text
 
-    load.click(switch, choice, status, api_name=f"{name}_model")
+    # per browser session; not a documented endpoint (nor an MCP tool, whose calls share one session)
+    load.click(switch, choice, status, api_name=f"{name}_model", api_visibility="undocumented")
     return status
 
 
@@ -344,13 +373,26 @@ def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry) -> N
     try:
         task.spec.build_tab(predictor)
         for key in set(events) - before:  # the tab's own event functions: InputError becomes the UI's message
-            events[key].fn = input_errors_shown(gr, events[key].fn)
+            event = events[key]
+            event.fn = input_errors_shown(gr, event.fn)
+            if event.api_name and event.api_visibility == "public":  # an API endpoint, so an MCP tool too:
+                name_tool(event, task.spec.description)  # named after the endpoint, described by the task
     except Exception as err:  # a stranger's tab must not take the app down
         registry.record_failure(PluginFailure(task.plugin, task.plugin_version, "tab",
                                               f"task {task.spec.name}: {type(err).__name__}: {err}",
                                               location=failure_location(err)))
         gr.Markdown(f"**The tab of `{task.spec.name}` (plugin {task.plugin} {task.plugin_version}) "
                     f"failed to build:** `{html.escape(str(err))}`")
+
+
+def name_tool(event, description: str) -> None:
+    """An API event's function named after its endpoint, and its description the task's when it has
+    none: the MCP server names each tool after the function (otherwise every tab's `run`) and describes
+    it with the docstring."""
+    if hasattr(event.fn, "__wrapped__"):  # input_errors_shown's wrapper: renamed, the tab's own function is not
+        event.fn.__name__ = event.fn.__qualname__ = event.api_name
+    if event.api_description is None and description:
+        event.api_description = description
 
 
 def shown_error(gr, message: str):
@@ -378,6 +420,77 @@ def input_errors_shown(gr, function):
     return shown
 
 
+def single_text_tasks(registry: Registry) -> list[str]:
+    """The tasks whose only required input is one text (`input_fields` ("text",), other fields optional)."""
+    return [name for name, task in registry.tasks.items()
+            if [f for f in task.spec.input_fields if f not in task.spec.optional_fields] == ["text"]]
+
+
+def brief_answer(task, result: Any) -> str:
+    """The task's one-line answer (TaskSpec.brief), or its result's JSON cut to 200 characters."""
+    if task.spec.brief is not None:
+        try:
+            return str(task.spec.brief(result))
+        except Exception as err:  # a plugin's bug: noted for the Plugins tab, the JSON is shown instead
+            logger.warning("task %s: brief failed: %s: %s", task.spec.name, type(err).__name__, err)
+    text = json.dumps(result, ensure_ascii=False, default=str)
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
+ALL_TASKS_EXAMPLES = (
+    "Tim Cook said the new Apple office in Berlin is a [MASK] place to work, and the staff love it.",
+    "The film was a [MASK] disappointment. The plot drags, and not even Meryl Streep can save the script.",
+)
+
+
+def _build_all_tasks_tab(gr, registry: Registry, predictors: dict[str, LazyPredictor], timeout_s: float | None):
+    """One text through every single-text task, each answer on its own card, side by side. A task that
+    refuses the text (fill-mask without [MASK]) says why on its card; the others still answer. Tasks
+    run one after the other within one time limit: those not started by then are skipped, saying so."""
+    names = single_text_tasks(registry)
+    gr.Markdown("One text, every task that takes a single text: " +
+                ", ".join(registry.tasks[n].spec.title for n in names) + ". Add `[MASK]` for fill-mask.")
+    text = gr.Textbox(label="Text", lines=3, placeholder="Type a sentence; put [MASK] where a word is missing")
+    button = ui.run_button(gr, "Run every task")
+    cards = gr.HTML(label="Answers")
+    details = ui.details(gr)
+
+    def all_tasks(text_value: str):
+        """Run one text through every task that takes a single text; each task's answer in a line.
+
+        Args:
+            text_value: the text (add [MASK] where a word is missing, for fill-mask)
+        """
+        if not (text_value or "").strip():
+            raise shown_error(gr, "all tasks: the text is empty; type a sentence")
+        deadline = time.monotonic() + timeout_s if timeout_s else None
+        answers: list[tuple[str, str, str]] = []  # (task title, line, state)
+        outputs: dict[str, Any] = {}
+        for name in names:
+            title = registry.tasks[name].spec.title
+            if deadline is not None and time.monotonic() > deadline:
+                answers.append((title, f"skipped: the {timeout_s:g} s limit for all tasks was reached", "skipped"))
+                continue
+            try:
+                output = predictors[name].predict({"text": text_value})
+            except (InputError, gr.Error) as err:  # the task's own message (bad input, time-out, a bug)
+                answers.append((title, getattr(err, "message", None) or str(err), "error"))
+                continue
+            outputs[name] = output
+            answers.append((title, brief_answer(registry.tasks[name], output["result"]), "ok"))
+        return answer_cards(answers), outputs
+
+    ui.wire(gr, button, all_tasks, [text], [cards, details], api_name="all_tasks",
+            examples=[[example] for example in ALL_TASKS_EXAMPLES])
+
+
+def answer_cards(answers: list[tuple[str, str, str]]) -> str:
+    """Cards side by side (stacked on a phone): the task's title over its answer, escaped."""
+    cards = "".join(f'<div class="be-card be-card-{state}"><div class="be-card-title">{html.escape(title)}</div>'
+                    f'<div class="be-card-answer">{html.escape(line)}</div></div>' for title, line, state in answers)
+    return f'<div class="be-cards">{cards}</div>'
+
+
 def plugin_rows(registry: Registry) -> list[list[str]]:
     """The Plugins table: loaded plugins first, then failures with their stage and reason."""
     failed_tabs = {f.plugin for f in registry.failures if f.stage == "tab"}
@@ -395,55 +508,63 @@ def _build_plugins_tab(gr, registry: Registry):
                 "A plugin that failed to load is listed with its reason, as is a task whose code failed or "
                 "hung while answering a request; the others work.")
     table = gr.Dataframe(value=plugin_rows(registry), headers=["plugin", "version", "source", "tasks", "status", "reason"],
-                         interactive=False, wrap=True)
+                         interactive=False, wrap=True, label="Plugins", show_label=False)
     refresh = gr.Button("Refresh", size="sm")
-    refresh.click(lambda: plugin_rows(registry), None, table, api_name="plugins")
+    def plugins() -> list[list[str]]:
+        """The task plugins: name, version, source, tasks and status (failures with their reason)."""
+        return plugin_rows(registry)
+
+    refresh.click(plugins, None, table, api_name="plugins")
     return table
 
 
-def attention_html(tokens: list[str], weights, layer: int, head: int | None) -> str:
-    """An HTML heatmap of one layer's attention: rows attend (queries) to columns (keys).
-
-    weights: list over layers of (N, T, T) tensors; head None averages the heads.
-    """
-    matrix = weights[layer].mean(0) if head is None else weights[layer][head]  # (T, T)
-    notice = ""
-    if len(tokens) > MAX_HEATMAP_TOKENS:
-        notice = f"<p>Showing the first {MAX_HEATMAP_TOKENS} of {len(tokens)} tokens.</p>"
-        tokens, matrix = tokens[:MAX_HEATMAP_TOKENS], matrix[:MAX_HEATMAP_TOKENS, :MAX_HEATMAP_TOKENS]
-    peak = float(matrix.max()) or 1.0
-    cells = []
-    header = "".join(f'<th class="col">{html.escape(t)}</th>' for t in tokens)
-    for i, token in enumerate(tokens):
-        row = "".join(
-            f'<td title="{html.escape(token)} → {html.escape(tokens[j])}: {float(w):.3f}" '
-            f'style="background: rgba(37, 99, 235, {float(w) / peak:.3f})"></td>'
-            for j, w in enumerate(matrix[i]))
-        cells.append(f"<tr><th>{html.escape(token)}</th>{row}</tr>")
-    which = "mean of all heads" if head is None else f"head {head}"
-    return (f"<p>Layer {layer}, {which}. Each row is a token attending to the columns; hover a cell for its weight.</p>"
-            f"{notice}<div style='overflow:auto'><table class='attention'><tr><th></th>{header}</tr>"
-            f"{''.join(cells)}</table></div>"
-            "<style>.attention td{width:14px;height:14px;padding:0;border:1px solid #eee}"
-            ".attention th{font-size:11px;font-weight:normal;white-space:nowrap;padding:0 4px}"
-            ".attention th.col{writing-mode:vertical-rl;transform:rotate(180deg)}</style>")
+def attention_ranges(predictor: LazyPredictor) -> tuple[int, int]:
+    """(layers, heads) of the visitor's model for `predictor`'s task (loads it if need be)."""
+    config = predictor.get().model.config
+    return int(config.num_hidden_layers), int(config.num_attention_heads)
 
 
-def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredictor]) -> None:
-    gr.Markdown("The attention of the last input of a task tab: pick the tab, a layer and a head.")
+def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredictor]):
+    """The last input of a task tab (the visitor's own): one head as a heatmap, the layer's heads as a
+    grid, and each token's strongest links as text. The sliders span the model's real layers and heads.
+    Returns (load event function, its outputs) for the page's load event."""
+    gr.Markdown("The attention of **your** last input in a task tab. Pick the tab, a layer and a head; "
+                "rows are the tokens attending, columns the tokens they attend to.")
     names = list(registry.tasks)
     with gr.Row():
         task = gr.Dropdown(choices=[(registry.tasks[n].spec.title, n) for n in names],
-                           value=names[0] if names else None, label="Last input of")
-        layer = gr.Number(value=0, precision=0, minimum=0, label="Layer")
-        head = gr.Number(value=0, precision=0, minimum=0, label="Head")
-        average = gr.Checkbox(value=False, label="Average heads")
-    show = gr.Button("Show attention", variant="primary")
-    heatmap = gr.HTML()
+                           value=names[0] if names else None, label="Last input of", scale=2)
+        average = gr.Checkbox(value=False, label="Average the layer's heads", scale=1)
+    with gr.Row():
+        layer = gr.Slider(0, 1, value=0, step=1, label="Layer", info="the model's layers, from 0")
+        head = gr.Slider(0, 1, value=0, step=1, label="Head", info="the layer's heads, from 0")
+    show = gr.Button("Show attention", variant="primary", elem_classes=[ui.RUN_CLASS])
+    caption = gr.Markdown(label="What is shown")
+    with gr.Row(equal_height=False):
+        heatmap = gr.Image(label="Attention (one head)", type="pil", format="png", interactive=False,
+                           buttons=["download", "fullscreen"], scale=3, elem_classes=["attention-image"])
+        grid = gr.Image(label="Every head of the layer", type="pil", format="png", interactive=False,
+                        buttons=["download", "fullscreen"], scale=2, elem_classes=["attention-image"])
+    with gr.Accordion("Strongest links of each token (text, for touch screens)", open=False):
+        links = gr.HTML(label="Strongest links")
 
-    def render(task_name: str | None, layer_index: Any, head_index: Any, mean: bool) -> str:
+    def ranges(task_name: str | None, layer_index: Any = 0, head_index: Any = 0):
+        """The sliders' real ranges for the visitor's model of that task (unchanged when it cannot load)."""
         if not task_name or task_name not in predictors:
-            raise shown_error(gr, "pick a task tab first")
+            return gr.skip(), gr.skip()
+        try:
+            with visitor_scope(current_visitor()):
+                layers, heads = attention_ranges(predictors[task_name])
+        except Exception as err:  # the task tab says why its model does not load; here the sliders stay
+            logger.info("attention tab: no ranges for %s: %s", task_name, err)
+            return gr.skip(), gr.skip()
+        return (gr.update(maximum=layers - 1, value=min(int(layer_index or 0), layers - 1)),
+                gr.update(maximum=heads - 1, value=min(int(head_index or 0), heads - 1)))
+
+    def render(task_name: str | None, layer_index: Any = 0, head_index: Any = 0, mean: bool = False):
+        """The attention of the visitor's last input in the `task_name` tab."""
+        if not task_name or task_name not in predictors:
+            raise shown_error(gr, f"pick a task tab first; known tabs: {', '.join(predictors)}")
         try:
             with visitor_scope(current_visitor()):  # this visitor's own last input, never another's
                 tokens, weights = predictors[task_name].attention()
@@ -455,6 +576,16 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
             raise shown_error(gr, f"layer {layer_index} does not exist; the model has layers 0..{num_layers - 1}")
         if not mean and not 0 <= head_index < num_heads:
             raise shown_error(gr, f"head {head_index} does not exist; each layer has heads 0..{num_heads - 1}")
-        return attention_html(tokens, weights, layer_index, None if mean else head_index)
+        tokens, weights, notice = attention.cut(tokens, weights)
+        matrix = attention.head_matrix(weights, layer_index, None if mean else head_index)
+        which = "the mean of its heads" if mean else f"head {head_index} of {num_heads}"
+        text = (f"Layer {layer_index} of {num_layers}, {which}; {len(tokens)} tokens. "
+                "Darker blue is more attention (each row sums to 100 %). " + notice)
+        return (text, attention.heatmap_image(tokens, matrix), attention.head_grid_image(weights, layer_index),
+                attention.strongest_links(tokens, matrix))
 
-    show.click(render, [task, layer, head, average], heatmap, api_name="attention")
+    task.change(ranges, [task, layer, head], [layer, head], api_visibility="private")
+    # "your last input" means a browser session's: not documented, and not an MCP tool (MCP calls share a session)
+    show.click(render, [task, layer, head, average], [caption, heatmap, grid, links], api_name="attention",
+               api_visibility="undocumented")
+    return ranges, [task], [layer, head]

@@ -195,14 +195,56 @@ def test_plugins_tab_lists_the_broken_plugin(browser_page):
 
 
 def test_attention_tab_shows_the_last_input(browser_page):
-    """This page's own last sentiment input (each visitor sees only theirs)."""
+    """This page's own last sentiment input (each visitor sees only theirs), as pictures sized to the
+    input, sliders spanning the model's real layers and heads, and the links as text."""
     _classify(browser_page, "Quietly luminous filmmaking.")
     panel = _open(browser_page, "Attention")
+    sliders = panel.locator("input[type=range]")
+    assert [sliders.nth(i).get_attribute("max") for i in range(2)] == ["5", "11"]  # MiniLM: 6 layers, 12 heads
     panel.get_by_role("button", name="Show attention").click()
-    panel.locator("table.attention").wait_for(timeout=30_000)
-    assert panel.locator("table.attention td").count() > 16
-    assert panel.locator("table.attention").get_by_text("luminous").count() >= 1
+    panel.get_by_text("Layer 0 of 6").wait_for(timeout=30_000)
+    images = panel.locator(".attention-image img")
+    images.nth(1).wait_for(timeout=30_000)
+    for i in range(2):
+        box = images.nth(i).bounding_box()
+        natural = images.nth(i).evaluate("img => [img.naturalWidth, img.naturalHeight]")
+        assert 100 < natural[0] <= 800 and 100 < natural[1] <= 1200, natural  # sized to the input, not 2,600 px
+        assert box["width"] <= 1280 and box["height"] <= 1000, box  # and shown whole on the page
+    panel.get_by_text("Strongest links of each token").click()  # on a touch screen: tap, read, no hovering
+    links = panel.locator(".attention-links")
+    links.wait_for()
+    assert "luminous" in links.inner_text() and "%" in links.inner_text()
     _shot(browser_page, "attention")
+
+
+def test_a_failed_run_keeps_the_last_result_visible(browser_page):
+    _classify(browser_page, "What a wonderful, moving film.")
+    panel = _open(browser_page, "Sentiment")
+    panel.locator("textarea").first.fill("   ")
+    panel.get_by_role("button", name="Classify").click()
+    browser_page.get_by_text("the text is empty").first.wait_for(timeout=30_000)
+    label = panel.get_by_text("POSITIVE").first
+    box = label.bounding_box()
+    # the label is on top where it is drawn, not under an "Error" overlay
+    on_top = browser_page.evaluate("([x, y]) => document.elementFromPoint(x, y).textContent",
+                                   [box["x"] + box["width"] / 2, box["y"] + box["height"] / 2])
+    assert "POSITIVE" in on_top, on_top
+    _shot(browser_page, "error_keeps_result")
+
+
+def test_all_tasks_tab_answers_side_by_side(browser_page):
+    panel = _open(browser_page, "All tasks")
+    panel.locator("textarea").first.fill("Angela Merkel said the summit in Paris was a [MASK] success.")
+    panel.get_by_role("button", name="Run every task").click()
+    cards = panel.locator(".be-card")
+    cards.first.wait_for(timeout=60_000)
+    titles = [t.strip() for t in panel.locator(".be-card-title").all_inner_texts()]
+    assert titles == ["Sentiment", "Named entities", "Summary", "Fill-mask"]
+    text = panel.locator(".be-cards").inner_text()
+    assert "Angela Merkel (PER" in text and "Paris (LOC" in text and "%" in text
+    tops = {round(card.bounding_box()["y"]) for card in cards.all()}
+    assert len(tops) == 1  # side by side on a laptop
+    _shot(browser_page, "all_tasks")
 
 
 XSS = '<img src=x onerror="window.__xss=1"> Angela Merkel visited <b>Paris</b>. <svg onload="window.__xss=2"></svg>'
@@ -260,8 +302,8 @@ def test_dark_theme_highlights_are_readable(browser, page_url):
 def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page_url):
     page = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
     _visit(page, page_url)
-    titles = ["Sentiment", "Named entities", "Question answering", "Summary", "Fill-mask", "Similarity", "Plugins",
-              "Attention"]
+    titles = ["Sentiment", "Named entities", "Question answering", "Summary", "Fill-mask", "Similarity", "All tasks",
+              "Plugins", "Attention"]
     for title in titles:  # each tab is on the bar, or one tap away behind the labelled "More tabs" button
         _reach(page, title)
         selected = page.locator("[role=tablist] [aria-selected=true], .overflow-dropdown .selected")

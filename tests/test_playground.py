@@ -13,8 +13,8 @@ from gradio_client import Client
 
 from bert_engine.hookspecs import TaskSpec, hookimpl
 from bert_engine.registry import load_registry
-from playground import build_app
-from playground.app import attention_html, plugin_rows
+from playground import attention, build_app
+from playground.app import gpu_seconds, plugin_rows, single_text_tasks
 
 
 class BrokenTabPlugin:
@@ -46,7 +46,7 @@ def test_one_tab_per_task_then_plugins_and_attention(registry):
     labels = _tab_labels(app)
     assert labels[:7] == ["Sentiment", "Named entities", "Question answering", "Summary", "Fill-mask", "Similarity",
                           "Broken tab"]
-    assert labels[-2:] == ["Plugins", "Attention"]
+    assert labels[-3:] == ["All tasks", "Plugins", "Attention"]
     assert not any(p.loaded for p in app.predictors.values())  # models load lazily
 
 
@@ -64,14 +64,23 @@ def test_broken_plugin_and_broken_tab_are_visible_not_fatal(registry):
     assert tab[1][4] == "failed at tab" and "RuntimeError: tab exploded" in tab[1][5]
 
 
-def test_attention_html_marks_every_cell_and_caps_long_inputs():
+def test_attention_pictures_follow_the_input_and_links_read_as_text():
     tokens = ["[CLS]", "hi", "<b>", "[SEP]"]
-    weights = [torch.softmax(torch.randn(2, 4, 4), dim=-1)]
-    page = attention_html(tokens, weights, layer=0, head=1)
-    assert page.count("<td") == 16 and "&lt;b&gt;" in page and "<b>" not in page.split("<table")[1]
-    long_tokens = [f"t{i}" for i in range(120)]
-    long_page = attention_html(long_tokens, [torch.full((1, 120, 120), 1 / 120)], layer=0, head=None)
-    assert "Showing the first 96 of 120 tokens" in long_page and long_page.count("<td") == 96 * 96
+    weights = [torch.softmax(torch.randn(12, 4, 4), dim=-1) for _ in range(2)]
+    matrix = attention.head_matrix(weights, 1, 3)
+    assert torch.equal(matrix, weights[1][3]) and torch.allclose(attention.head_matrix(weights, 0, None),
+                                                                 weights[0].mean(0))
+    small = attention.heatmap_image(tokens, matrix)
+    long_tokens = [f"token{i}" for i in range(120)]
+    cut_tokens, cut_weights, notice = attention.cut(long_tokens, [torch.full((12, 120, 120), 1 / 120)])
+    assert len(cut_tokens) == 96 and cut_weights[0].shape == (12, 96, 96) and "first 96 of 120" in notice
+    big = attention.heatmap_image(cut_tokens, cut_weights[0][0])
+    assert small.width < big.width <= 800 and big.height <= 800  # cells shrink as the input grows
+    grid = attention.head_grid_image(cut_weights, 0)
+    assert grid.width <= 700 and grid.height <= 700  # 12 heads, 4 to a row
+    links = attention.strongest_links(tokens, matrix)
+    assert links.count("<tr>") == 5 and "&lt;b&gt;" in links and "<b>" not in links.split("<tbody>")[1]
+    assert re.search(r"\d+ %", links)
 
 
 def _free_port():
@@ -114,8 +123,98 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
                                                     1, 0.3, 4, "auto", api_name="/summary")
     assert output["task"] == "summary" and summary == "A much longer sentence follows here."
     assert 'class="sentence chosen"' in html
-    heatmap = client.predict("similarity", 0, 0, True, api_name="/attention")
-    assert "[CLS]" in heatmap and "mean of all heads" in heatmap
+    caption, heatmap, grid, links = client.predict("similarity", 0, 0, True, api_name="/attention")
+    assert "mean of its heads" in caption and "[CLS]" in links
+    assert Path(heatmap).suffix == ".png" and Path(grid).suffix == ".png"
+    cards, outputs = client.predict("Angela Merkel visited Paris.", api_name="/all_tasks")
+    assert set(outputs) == {"sentiment", "ner", "summary", "broken_tab"}  # fill-mask refused it: its card says why
+    assert "Angela Merkel (PER" in cards and "has no [MASK] token" in cards
+
+
+def test_the_api_names_every_input_and_output_and_has_one_endpoint_per_task(served):
+    """What gradio_client and the MCP server see: one endpoint per task named after it, the other
+    inputs optional, every output named; the model picker and the attention view are per browser
+    session and stay out of the documented API."""
+    app, url = served
+    info = Client(url, verbose=False).view_api(return_format="dict", print_info=False)
+    endpoints = info["named_endpoints"]
+    tasks = [name for name in app.predictors if name != "broken_tab"]
+    assert set(endpoints) == {f"/{name}" for name in tasks} | {"/all_tasks", "/plugins"}
+    assert not info["unnamed_endpoints"]
+    required = {name: [p["parameter_name"] for p in e["parameters"] if not p["parameter_has_default"]]
+                for name, e in endpoints.items()}
+    assert required["/sentiment"] == ["text_value"] and required["/fill_mask"] == []  # no pair, no targets
+    unnamed = {name: [r["label"] for r in e["returns"] if not r["label"] or r["label"].startswith("value_")]
+               for name, e in endpoints.items()}
+    assert not any(unnamed.values()), unnamed
+
+
+def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
+    import asyncio
+
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamablehttp_client
+
+    app = build_app(registry)
+    app.queue(default_concurrency_limit=2)
+    port = _free_port()
+    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, mcp_server=True)
+
+    async def session_calls():
+        async with streamablehttp_client(f"http://127.0.0.1:{port}/gradio_api/mcp/") as (read, write, _):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                tools = {tool.name: tool for tool in (await session.list_tools()).tools}
+                answer = await session.call_tool("sentiment", {"text_value": "A gorgeous, witty, seductive movie."})
+                refused = await session.call_tool("ner", {"text_value": "   "})
+                return tools, answer, refused
+
+    try:
+        tools, answer, refused = asyncio.run(session_calls())
+    finally:
+        app.close()
+    tasks = {name for name in app.predictors if name != "broken_tab"}
+    assert tasks | {"all_tasks", "plugins"} == set(tools)
+    assert "sequence-classification" in tools["sentiment"].description  # the task's own description
+    assert tools["sentiment"].inputSchema["required"] == ["text_value"]
+    text = " ".join(part.text for part in answer.content if part.type == "text")
+    assert not answer.isError and "POSITIVE" in text
+    assert refused.isError and "the text is empty" in " ".join(p.text for p in refused.content if p.type == "text")
+
+
+def test_all_tasks_takes_the_single_text_tasks(registry):
+    assert single_text_tasks(registry) == ["sentiment", "ner", "summary", "fill_mask", "broken_tab"]
+
+
+def test_the_gpu_time_asked_of_zerogpu_follows_the_input():
+    assert gpu_seconds({"text": "short"}) == 6
+    assert gpu_seconds({"question": "Who?", "context": "x" * 39_996}) == 15  # 10 s more for ~10k tokens
+    assert gpu_seconds({"text": "short"}, loaded=False) == 36  # the model still has to load
+    assert gpu_seconds({"text": "x" * 10_000_000}, limit_s=120) == 120  # never past the request's limit
+
+
+def test_the_app_imports_and_answers_with_spaces_installed_without_touching_cuda(tmp_path):
+    """The real `spaces` package (ZeroGPU's decorator) off a Space: the app imports, builds and answers on
+    the CPU, and CUDA is never initialised (ZeroGPU attaches a GPU only inside the decorated call)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("spaces")
+    script = (
+        "import torch, importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('space_app', 'app.py')\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "import spaces; from playground import build_app\n"
+        "app = build_app()\n"
+        "out = app.predictors['sentiment'].predict({'text': 'A gorgeous, witty, seductive movie.'})\n"
+        "assert out['result']['label'] == 'POSITIVE', out\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('ok', out['provenance']['device'])\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["ok", "cpu"]
 
 
 def test_bad_input_is_a_message_not_a_stack_trace(served):
@@ -167,8 +266,8 @@ def test_the_attention_view_shows_each_visitor_only_their_own_input(served):
     with pytest.raises(Exception, match="no input yet"):
         bob.predict("sentiment", 0, 0, True, api_name="/attention")
     bob.predict("bob's shopping list", "", "truncate", api_name="/sentiment")
-    assert "diary" not in bob.predict("sentiment", 0, 0, True, api_name="/attention")
-    assert "diary" in alice.predict("sentiment", 0, 0, True, api_name="/attention")
+    assert "diary" not in bob.predict("sentiment", 0, 0, True, api_name="/attention")[3]  # the links as text
+    assert "diary" in alice.predict("sentiment", 0, 0, True, api_name="/attention")[3]
 
 
 def test_a_refused_input_is_one_log_line_not_a_traceback(served, capfd, caplog):
@@ -477,8 +576,8 @@ def test_a_request_cut_off_while_waiting_for_others_is_not_the_plugins_fault(tmp
 def test_the_api_has_one_endpoint_per_task_and_optional_inputs_are_optional():
     registry = load_registry(entry_points=False)
     endpoints = build_app(registry).get_api_info()["named_endpoints"]
-    expected = {f"/{name}{suffix}" for name in registry.tasks for suffix in ("", "_model")} | {"/plugins", "/attention"}
-    assert set(endpoints) == expected  # no stray /lambda
+    expected = {f"/{name}" for name in registry.tasks} | {"/plugins", "/all_tasks"}
+    assert set(endpoints) == expected  # no stray /lambda; the per-session model picker and attention undocumented
     for name, field in (("sentiment", "pair_value"), ("fill_mask", "target_text")):
         parameters = {p["parameter_name"]: p for p in endpoints[f"/{name}"]["parameters"]}
         assert parameters[field]["parameter_has_default"], (name, field)
