@@ -536,8 +536,8 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
                            value=names[0] if names else None, label="Last input of", scale=2)
         average = gr.Checkbox(value=False, label="Average the layer's heads", scale=1)
     with gr.Row():
-        layer = gr.Slider(0, 1, value=0, step=1, label="Layer", info="the model's layers, from 0")
-        head = gr.Slider(0, 1, value=0, step=1, label="Head", info="the layer's heads, from 0")
+        layer = gr.Slider(0, 1, value=0, step=1, label="Layer")
+        head = gr.Slider(0, 1, value=0, step=1, label="Head")
     show = gr.Button("Show attention", variant="primary", elem_classes=[ui.RUN_CLASS])
     caption = gr.Markdown(label="What is shown")
     with gr.Row(equal_height=False):

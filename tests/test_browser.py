@@ -62,6 +62,10 @@ def browser_page(browser, page_url):
     page.close()
 
 
+TITLES = ["Sentiment", "Named entities", "Question answering", "Summary", "Fill-mask", "Similarity", "All tasks",
+          "Plugins", "Attention"]
+
+
 def _visit(page, url: str) -> None:
     """Load the page and wait for its tabs. Not "networkidle": the queue's event stream and a second
     browser context loading at the same time can keep the network busy past any fixed timeout."""
@@ -296,18 +300,21 @@ def test_dark_theme_highlights_are_readable(browser, page_url):
         _shot(page, f"dark_{tab.lower().replace(' ', '_')}")
     assert checked >= 5
     assert page.evaluate("document.body.classList.contains('dark')")  # the dark theme was really on
+    for tab in TITLES:  # and a picture of every tab in it
+        _open(page, tab)
+        _shot(page, f"dark_tab_{tab.lower().replace(' ', '_')}")
     page.close()
 
 
 def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page_url):
     page = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
     _visit(page, page_url)
-    titles = ["Sentiment", "Named entities", "Question answering", "Summary", "Fill-mask", "Similarity", "All tasks",
-              "Plugins", "Attention"]
-    for title in titles:  # each tab is on the bar, or one tap away behind the labelled "More tabs" button
+    for title in TITLES:  # each tab is on the bar, or one tap away behind the labelled "More tabs" button
         _reach(page, title)
         selected = page.locator("[role=tablist] [aria-selected=true], .overflow-dropdown .selected")
         assert title in selected.first.inner_text(), (title, selected.first.inner_text())
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390 + 1, title  # no sideways scroll
+        _shot(page, f"phone_tab_{title.lower().replace(' ', '_')}")
     _shot(page, "phone_tabs")
     _reach(page, "Fill-mask")
     panel = page.locator("[role=tabpanel]:visible").first
