@@ -37,6 +37,17 @@ _UNSUPPORTED_IF_TRUE = ("is_decoder", "add_cross_attention", "chunk_size_feed_fo
 # Runtime-only fields: not part of the checkpoint, never written to config.json.
 _RUNTIME_FIELDS = ("attn_backend",)
 
+# The model families the engine loads and saves (config.json's `model_type`); see docs/families.md.
+FAMILIES = ("bert", "roberta", "albert", "distilbert")
+# ALBERT's fields (written only for ALBERT) and legacy keys of its config that change nothing at their defaults.
+_ALBERT_FIELDS = ("embedding_size", "num_hidden_groups", "inner_group_num")
+_ALBERT_METADATA = frozenset({"down_scale_factor", "gap_size", "net_structure_type", "num_memory_blocks"})
+# DistilBERT's config.json names -> ours. It has no segment embeddings and no pooler of its own.
+_DISTILBERT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+                    "hidden_dim": "intermediate_size", "activation": "hidden_act", "dropout": "hidden_dropout_prob",
+                    "attention_dropout": "attention_probs_dropout_prob", "seq_classif_dropout": "classifier_dropout"}
+_DISTILBERT_METADATA = frozenset({"qa_dropout", "tie_weights_", "sinusoidal_pos_embds"})
+
 
 @dataclass(frozen=True)
 class BertConfig:
@@ -64,12 +75,31 @@ class BertConfig:
     id2label: dict[int, str] = field(default_factory=dict)
     label2id: dict[str, int] = field(default_factory=dict)
     problem_type: str | None = None  # "single_label_classification" | "multi_label_classification" | "regression"
-    model_type: str = "bert"
+    model_type: str = "bert"  # the family: bert, roberta, albert or distilbert
+    # ALBERT: embeddings of this size projected to hidden_size, and layers shared in groups (layer i of
+    # num_hidden_layers runs group i * num_hidden_groups // num_hidden_layers, each of inner_group_num layers)
+    embedding_size: int | None = None
+    num_hidden_groups: int = 1
+    inner_group_num: int = 1
     attn_backend: AttnBackend = "sdpa"  # runtime: "sdpa" (fast) or "eager" (reference, can return weights)
 
     def __post_init__(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type {self.model_type!r} is not one of {FAMILIES}")
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "intermediate_size", "max_position_embeddings", "type_vocab_size")
+                    "intermediate_size", "max_position_embeddings", "num_hidden_groups", "inner_group_num")
+        if self.model_type != "distilbert":  # DistilBERT has no segment embeddings (type_vocab_size 0)
+            positive += ("type_vocab_size",)
+        elif self.type_vocab_size != 0:
+            raise ValueError(f"type_vocab_size must be 0 for distilbert (it has no segments), got {self.type_vocab_size!r}")
+        if self.model_type == "albert":
+            if self.embedding_size is None:
+                object.__setattr__(self, "embedding_size", 128)  # transformers' AlbertConfig default
+            positive += ("embedding_size",)
+        elif (self.embedding_size not in (None, self.hidden_size) or self.num_hidden_groups != 1
+              or self.inner_group_num != 1):
+            raise ValueError(f"embedding_size, num_hidden_groups and inner_group_num are ALBERT's; a "
+                             f"{self.model_type} model has embedding_size {self.hidden_size} and no layer groups")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -100,8 +130,9 @@ class BertConfig:
             raise ValueError(f"pad_token_id {self.pad_token_id} is outside the vocabulary of size {self.vocab_size}")
         if self.attn_backend not in ("eager", "sdpa"):
             raise ValueError(f"attn_backend {self.attn_backend!r} is not one of 'eager', 'sdpa'")
-        if self.model_type != "bert":
-            raise ValueError(f"model_type {self.model_type!r} is not 'bert'")
+        if self.model_type == "roberta" and self.max_position_embeddings <= self.pad_token_id + 1:
+            raise ValueError(f"max_position_embeddings {self.max_position_embeddings} leaves no position after "
+                             f"RoBERTa's offset of pad_token_id + 1 = {self.pad_token_id + 1}")
         # JSON keys are strings; checkpoints store id2label as {"0": "NEGATIVE", ...}, and some
         # writers store null for an absent mapping.
         for name in ("id2label", "label2id"):
@@ -123,6 +154,21 @@ class BertConfig:
     def num_labels(self) -> int:
         return len(self.id2label)
 
+    @property
+    def embedding_width(self) -> int:
+        """The size of the token embeddings: ALBERT's embedding_size, otherwise hidden_size."""
+        return self.embedding_size if self.model_type == "albert" else self.hidden_size
+
+    @property
+    def position_offset(self) -> int:
+        """RoBERTa numbers real tokens from pad_token_id + 1 (padding sits at pad_token_id); others from 0."""
+        return self.pad_token_id + 1 if self.model_type == "roberta" else 0
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest row the position table allows."""
+        return self.max_position_embeddings - self.position_offset
+
     def with_labels(self, labels: list[str] | tuple[str, ...]) -> BertConfig:
         """A copy whose id2label/label2id describe `labels` in order."""
         return dataclasses.replace(
@@ -139,10 +185,21 @@ class BertConfig:
             ValueError: if a value is impossible, or an option this encoder does not implement is set.
         """
         known = {f.name for f in dataclasses.fields(cls)} - set(_RUNTIME_FIELDS)
+        data = dict(data)
+        family = data.get("model_type", "bert")
+        if family == "distilbert":
+            if data.get("sinusoidal_pos_embds"):  # stored as weights all the same; they load like learned ones
+                logger.info("%s: sinusoidal position embeddings are read from the weights", source)
+            data = {_DISTILBERT_KEYS.get(k, k): v for k, v in data.items()}
+            data.setdefault("type_vocab_size", 0)
+            data.setdefault("layer_norm_eps", 1e-12)  # DistilBERT's LayerNorms use 1e-12, not a config key
+        elif family == "albert" and "classifier_dropout_prob" in data:
+            data["classifier_dropout"] = data.pop("classifier_dropout_prob")
+        metadata = _METADATA_KEYS | _ALBERT_METADATA | _DISTILBERT_METADATA
         for key in _UNSUPPORTED_IF_TRUE:
             if data.get(key):
                 raise ValueError(f"{source}: {key}={data[key]!r} is not supported by this encoder-only BERT")
-        unknown = sorted(set(data) - known - _METADATA_KEYS - set(_UNSUPPORTED_IF_TRUE))
+        unknown = sorted(set(data) - known - metadata - set(_UNSUPPORTED_IF_TRUE))
         if unknown:
             logger.warning("%s: ignoring unknown config keys %s", source, ", ".join(unknown))
         kwargs = {k: v for k, v in data.items() if k in known}
@@ -160,6 +217,19 @@ class BertConfig:
             del data["id2label"], data["label2id"]
         if self.problem_type is None:
             del data["problem_type"]
+        if self.model_type != "albert":
+            for name in _ALBERT_FIELDS:
+                del data[name]
+        if self.model_type in ("albert", "distilbert") and data["classifier_dropout"] is None:
+            data["classifier_dropout"] = self.hidden_dropout_prob  # what our heads use; these configs need a number
+        if self.model_type == "albert":
+            data["classifier_dropout_prob"] = data.pop("classifier_dropout")
+        if self.model_type == "distilbert":  # transformers' DistilBertConfig spelling
+            for theirs, ours in _DISTILBERT_KEYS.items():
+                data[theirs] = data.pop(ours)
+            for name in ("type_vocab_size", "layer_norm_eps"):
+                del data[name]
+            data.update(sinusoidal_pos_embds=False, qa_dropout=data["dropout"], tie_weights_=True)
         return data
 
     @classmethod
@@ -186,10 +256,27 @@ class BertConfig:
     def parameter_count(self) -> int:
         """Parameters of the encoder this config describes (embeddings, layers, pooler), computed
         without allocating anything; loading compares it with a limit and with the weights' size."""
-        H, I, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
-        embeddings = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size) * H + 2 * H
+        H, I, E = self.hidden_size, self.intermediate_size, self.embedding_width
+        embeddings = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size) * E + 2 * E
+        if self.model_type == "albert":
+            embeddings += E * H + H  # the projection to hidden_size
         layer = 4 * H * H + 4 * H + 2 * H * I + I + H + 4 * H  # q, k, v, out; up, down; two LayerNorms
-        return embeddings + L * layer + H * H + H
+        return embeddings + self.distinct_layers * layer + H * H + H
+
+    @property
+    def distinct_layers(self) -> int:
+        """Layers with weights of their own: ALBERT shares them, num_hidden_groups x inner_group_num."""
+        if self.model_type == "albert":
+            return self.num_hidden_groups * self.inner_group_num
+        return self.num_hidden_layers
+
+    def layer_schedule(self) -> list[int]:
+        """The distinct layer each of the encoder's steps runs, in order (ALBERT repeats its groups)."""
+        if self.model_type != "albert":
+            return list(range(self.num_hidden_layers))
+        return [group * self.inner_group_num + inner for i in range(self.num_hidden_layers)
+                for group in [int(i / (self.num_hidden_layers / self.num_hidden_groups))]  # transformers' arithmetic
+                for inner in range(self.inner_group_num)]
 
     def to_json_file(self, path: str | Path, **extra: Any) -> None:
         """Write config.json; `extra` adds keys such as `architectures`."""

@@ -59,10 +59,11 @@ class MaskedLMHead(nn.Module):
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.transform = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act = ACT2FN[config.hidden_act]
-        self.transform_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        E = config.embedding_width  # ALBERT predicts through its smaller embeddings: H -> E -> V
+        self.transform = nn.Linear(config.hidden_size, E)
+        self.act = ACT2FN["gelu" if config.model_type == "roberta" else config.hidden_act]  # RoBERTa's lm_head: gelu
+        self.transform_norm = nn.LayerNorm(E, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(E, config.vocab_size, bias=False)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def tie_to(self, word_embeddings: nn.Embedding) -> None:

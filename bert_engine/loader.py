@@ -84,11 +84,11 @@ def _matching_tokenizer(loaded: Loaded) -> Tokenizer:
             f"{loaded.checkpoint.folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
             f"embedding table has only {config.vocab_size} rows (vocab_size in config.json); they do not belong together"
         )
-    positions = config.max_position_embeddings
+    positions = config.max_tokens  # RoBERTa's first two positions are not tokens'
     if tokenizer.model_max_length > positions:
         # A tokenizer_config.json may claim 512 for a model trained with fewer positions: tasks take
         # their default length (and windows) from the tokenizer, so it must not exceed the model's.
-        logger.info("%s: the tokenizer's model_max_length %d exceeds max_position_embeddings %d; using %d",
+        logger.info("%s: the tokenizer's model_max_length %d exceeds the model's %d positions; using %d",
                     loaded.checkpoint.folder.name, tokenizer.model_max_length, positions, positions)
         tokenizer.model_max_length = positions
     return tokenizer

@@ -41,92 +41,180 @@ class CheckpointError(ValueError):
     """A checkpoint file is missing, unreadable, unsafe, or does not fit the model; names the file."""
 
 
-# -- the mapping table ------------------------------------------------------------------------------
+# -- the mapping tables, one per family ------------------------------------------------------------
 # (our parameter, checkpoint key(s)). Several checkpoint keys are concatenated along dim 0, in order:
-# we fuse query/key/value into one projection. "{i}" is the layer index. Checkpoint keys are written
-# after normalisation (see `normalise_key`): no "bert." prefix, LayerNorm.weight/bias.
-_L = "encoder.layer.{i}."
-ENCODER_TABLE: list[tuple[str, tuple[str, ...]]] = [
+# we fuse query/key/value into one projection. "{i}" is the index of a distinct layer (ALBERT shares
+# layers: its keys name a group and a layer in it). Checkpoint keys are written after normalisation
+# (see `normalise_key`): no "bert."/"roberta."/"albert."/"distilbert." prefix, LayerNorm.weight/bias.
+_EMBEDDINGS = [
     ("embeddings.word_embeddings.weight", ("embeddings.word_embeddings.weight",)),
     ("embeddings.position_embeddings.weight", ("embeddings.position_embeddings.weight",)),
     ("embeddings.token_type_embeddings.weight", ("embeddings.token_type_embeddings.weight",)),
     ("embeddings.layer_norm.weight", ("embeddings.LayerNorm.weight",)),
     ("embeddings.layer_norm.bias", ("embeddings.LayerNorm.bias",)),
-    ("layers.{i}.attention.qkv.weight", tuple(_L + f"attention.self.{p}.weight" for p in ("query", "key", "value"))),
-    ("layers.{i}.attention.qkv.bias", tuple(_L + f"attention.self.{p}.bias" for p in ("query", "key", "value"))),
-    ("layers.{i}.attention.out.weight", (_L + "attention.output.dense.weight",)),
-    ("layers.{i}.attention.out.bias", (_L + "attention.output.dense.bias",)),
-    ("layers.{i}.attention_norm.weight", (_L + "attention.output.LayerNorm.weight",)),
-    ("layers.{i}.attention_norm.bias", (_L + "attention.output.LayerNorm.bias",)),
-    ("layers.{i}.ffn.up.weight", (_L + "intermediate.dense.weight",)),
-    ("layers.{i}.ffn.up.bias", (_L + "intermediate.dense.bias",)),
-    ("layers.{i}.ffn.down.weight", (_L + "output.dense.weight",)),
-    ("layers.{i}.ffn.down.bias", (_L + "output.dense.bias",)),
-    ("layers.{i}.ffn_norm.weight", (_L + "output.LayerNorm.weight",)),
-    ("layers.{i}.ffn_norm.bias", (_L + "output.LayerNorm.bias",)),
-    ("pooler.dense.weight", ("pooler.dense.weight",)),
-    ("pooler.dense.bias", ("pooler.dense.bias",)),
 ]
-_MLM = [
-    ("transform.weight", ("cls.predictions.transform.dense.weight",)),
-    ("transform.bias", ("cls.predictions.transform.dense.bias",)),
-    ("transform_norm.weight", ("cls.predictions.transform.LayerNorm.weight",)),
-    ("transform_norm.bias", ("cls.predictions.transform.LayerNorm.bias",)),
-    ("bias", ("cls.predictions.bias",)),
-    # decoder.weight is tied to the word embeddings: not a parameter of its own (see _TIED_KEYS).
-]
-_NSP = [("classifier.weight", ("cls.seq_relationship.weight",)), ("classifier.bias", ("cls.seq_relationship.bias",))]
-_CLASSIFIER = [("classifier.weight", ("classifier.weight",)), ("classifier.bias", ("classifier.bias",))]
-HEAD_TABLES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "mlm": _MLM,
-    "nsp": _NSP,
-    "pretraining": [("mlm." + ours, keys) for ours, keys in _MLM] + [("nsp." + ours, keys) for ours, keys in _NSP],
-    "sequence": _CLASSIFIER,
-    "token": _CLASSIFIER,
-    "span": [("qa_outputs.weight", ("qa_outputs.weight",)), ("qa_outputs.bias", ("qa_outputs.bias",))],
-}
-# The transformers class whose checkpoint each head matches (written as `architectures` on save).
-ARCHITECTURES = {
-    None: "BertModel", "mlm": "BertForMaskedLM", "nsp": "BertForNextSentencePrediction",
-    "pretraining": "BertForPreTraining", "sequence": "BertForSequenceClassification",
-    "token": "BertForTokenClassification", "span": "BertForQuestionAnswering",
-}
-# Checkpoint keys that are consumed without a parameter: buffers older transformers saved, and the
-# MLM decoder matrix, which is the word-embedding matrix again (tied) in every BERT checkpoint.
-_BUFFER_KEYS = ("embeddings.position_ids",)
-_TIED_KEYS = ("cls.predictions.decoder.weight",)
-# Aliases: newer transformers versions also save the MLM bias under the decoder's name.
-_ALIASES = {"cls.predictions.decoder.bias": "cls.predictions.bias"}
 
 
-def normalise_key(key: str) -> str:
-    """Checkpoint key -> the table's spelling: drop the "bert." prefix, legacy gamma/beta names."""
-    if key.startswith("bert."):
-        key = key[len("bert."):]
+def _layer_rows(prefix: str, q: str, k: str, v: str, out: str, attention_norm: str, up: str, down: str,
+                ffn_norm: str) -> list[tuple[str, tuple[str, ...]]]:
+    """A layer's rows, given the family's name for each of its parts (under `prefix`)."""
+    rows = []
+    for part in ("weight", "bias"):
+        rows += [
+            (f"layers.{{i}}.attention.qkv.{part}", tuple(f"{prefix}{name}.{part}" for name in (q, k, v))),
+            (f"layers.{{i}}.attention.out.{part}", (f"{prefix}{out}.{part}",)),
+            (f"layers.{{i}}.attention_norm.{part}", (f"{prefix}{attention_norm}.{part}",)),
+            (f"layers.{{i}}.ffn.up.{part}", (f"{prefix}{up}.{part}",)),
+            (f"layers.{{i}}.ffn.down.{part}", (f"{prefix}{down}.{part}",)),
+            (f"layers.{{i}}.ffn_norm.{part}", (f"{prefix}{ffn_norm}.{part}",)),
+        ]
+    return rows
+
+
+_BERT_LAYER = _layer_rows("encoder.layer.{i}.", "attention.self.query", "attention.self.key", "attention.self.value",
+                          "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
+                          "output.dense", "output.LayerNorm")
+_POOLER = [("pooler.dense.weight", ("pooler.dense.weight",)), ("pooler.dense.bias", ("pooler.dense.bias",))]
+
+
+def _mlm(transform: str, norm: str, bias: str) -> list[tuple[str, tuple[str, ...]]]:
+    # decoder.weight is tied to the word embeddings: not a parameter of its own (see Family.tied).
+    return [("transform.weight", (transform + ".weight",)), ("transform.bias", (transform + ".bias",)),
+            ("transform_norm.weight", (norm + ".weight",)), ("transform_norm.bias", (norm + ".bias",)),
+            ("bias", (bias,))]
+
+
+def _linear(ours: str, theirs: str) -> list[tuple[str, tuple[str, ...]]]:
+    return [(f"{ours}.weight", (f"{theirs}.weight",)), (f"{ours}.bias", (f"{theirs}.bias",))]
+
+
+def _heads(mlm, nsp=None, sequence="classifier"):
+    tables = {"mlm": mlm, "sequence": _linear("classifier", sequence), "token": _linear("classifier", "classifier"),
+              "span": _linear("qa_outputs", "qa_outputs")}
+    if nsp is not None:
+        tables["nsp"] = nsp
+        tables["pretraining"] = [("mlm." + o, k) for o, k in mlm] + [("nsp." + o, k) for o, k in nsp]
+    return tables
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family's checkpoints name things: see docs/families.md."""
+
+    name: str  # config.json's model_type
+    prefix: str  # the encoder's key prefix in a checkpoint with a head ("bert.")
+    encoder: list[tuple[str, tuple[str, ...]]]  # embeddings, layers ("{i}": a distinct layer), pooler
+    heads: dict[str, list[tuple[str, tuple[str, ...]]]]  # head kind -> its rows (ours under "head.")
+    architectures: dict[str | None, str]  # head kind -> the transformers class of that checkpoint
+    tied: str  # the MLM decoder matrix: the word embeddings again
+    aliases: dict[str, str] = field(default_factory=dict)  # another spelling -> the table's
+    layer_key: Any = None  # i -> the format arguments of a distinct layer's keys (ALBERT: group, layer)
+    pooler_in_head: dict[str, list[tuple[str, tuple[str, ...]]]] = field(default_factory=dict)  # head -> pooler rows
+
+    def head_rows(self, head: str | None) -> list[tuple[str, tuple[str, ...]]]:
+        return self.heads.get(head, []) if head else []
+
+
+def _classes(stem: str, heads: tuple[str | None, ...]) -> dict[str | None, str]:
+    names = {None: "Model", "mlm": "ForMaskedLM", "nsp": "ForNextSentencePrediction", "pretraining": "ForPreTraining",
+             "sequence": "ForSequenceClassification", "token": "ForTokenClassification", "span": "ForQuestionAnswering"}
+    return {head: stem + names[head] for head in heads}
+
+
+_ALBERT_LAYER = "encoder.albert_layer_groups.{group}.albert_layers.{inner}."
+FAMILIES: dict[str, Family] = {
+    "bert": Family(
+        "bert", "bert.", _EMBEDDINGS + _BERT_LAYER + _POOLER,
+        _heads(_mlm("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.bias"),
+               _linear("classifier", "cls.seq_relationship")),
+        _classes("Bert", (None, "mlm", "nsp", "pretraining", "sequence", "token", "span")),
+        tied="cls.predictions.decoder.weight", aliases={"cls.predictions.decoder.bias": "cls.predictions.bias"}),
+    "roberta": Family(  # BERT's layers; its classification head's dense + tanh is our pooler
+        "roberta", "roberta.", _EMBEDDINGS + _BERT_LAYER + _POOLER,
+        _heads(_mlm("lm_head.dense", "lm_head.layer_norm", "lm_head.bias"), sequence="classifier.out_proj"),
+        _classes("Roberta", (None, "mlm", "sequence", "token", "span")),
+        tied="lm_head.decoder.weight", aliases={"lm_head.decoder.bias": "lm_head.bias"},
+        pooler_in_head={"sequence": _linear("pooler.dense", "classifier.dense")}),
+    "albert": Family(  # factorised embeddings, shared layer groups, sentence-order prediction as "nsp"
+        "albert", "albert.",
+        _EMBEDDINGS + _linear("embedding_projection", "encoder.embedding_hidden_mapping_in")
+        + _layer_rows(_ALBERT_LAYER, "attention.query", "attention.key", "attention.value", "attention.dense",
+                      "attention.LayerNorm", "ffn", "ffn_output", "full_layer_layer_norm")
+        + _linear("pooler.dense", "pooler"),
+        _heads(_mlm("predictions.dense", "predictions.LayerNorm", "predictions.bias"),
+               _linear("classifier", "sop_classifier.classifier")),
+        _classes("Albert", (None, "mlm", "pretraining", "sequence", "token", "span")),
+        tied="predictions.decoder.weight", aliases={"predictions.decoder.bias": "predictions.bias"}),
+    "distilbert": Family(  # no segments; its pre_classifier + ReLU is our pooler
+        "distilbert", "distilbert.",
+        [row for row in _EMBEDDINGS if "token_type" not in row[0]]
+        + _layer_rows("transformer.layer.{i}.", "attention.q_lin", "attention.k_lin", "attention.v_lin",
+                      "attention.out_lin", "sa_layer_norm", "ffn.lin1", "ffn.lin2", "output_layer_norm"),
+        _heads(_mlm("vocab_transform", "vocab_layer_norm", "vocab_projector.bias")),
+        _classes("DistilBert", (None, "mlm", "sequence", "token", "span")),
+        tied="vocab_projector.weight", pooler_in_head={"sequence": _linear("pooler.dense", "pre_classifier")}),
+}
+# Kept for callers of the BERT tables by their old names.
+ENCODER_TABLE = FAMILIES["bert"].encoder
+HEAD_TABLES = FAMILIES["bert"].heads
+ARCHITECTURES = FAMILIES["bert"].architectures
+# Checkpoint keys consumed without a parameter: buffers older transformers versions saved.
+_BUFFER_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids")
+_PREFIXES = tuple(family.prefix for family in FAMILIES.values())
+
+
+def family_of(model_or_config: nn.Module | BertConfig) -> Family:
+    config = model_or_config if isinstance(model_or_config, BertConfig) else getattr(model_or_config, "config", None)
+    return FAMILIES[getattr(config, "model_type", "bert")]
+
+
+def normalise_key(key: str, family: Family | None = None) -> str:
+    """Checkpoint key -> the table's spelling: drop the family prefix ("bert.", "roberta.", ...), legacy
+    gamma/beta names, another spelling of the MLM bias."""
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+            break
     key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", key)
     key = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key)
-    return _ALIASES.get(key, key)
+    aliases = family.aliases if family is not None else {a: k for f in FAMILIES.values() for a, k in f.aliases.items()}
+    return aliases.get(key, key)
 
 
-def expand_table(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
-    """The table rows for this model: one row per parameter of ours, layer indices filled in."""
+def expand_table(model: nn.Module, *, with_origin: bool = False) -> list:
+    """The table rows for this model: one row per parameter of ours, layer indices filled in. With
+    `with_origin`, each row also says whether its checkpoint keys belong to the encoder (saved under
+    the family's prefix) or to the head."""
     encoder, prefix, head_name = _parts(model)
+    config = encoder.config
+    family = family_of(config)
+    head_pooler = family.pooler_in_head.get(head_name) if isinstance(model, BertWithHead) else None
     rows = []
-    for ours, keys in ENCODER_TABLE:
-        if ours.startswith("pooler.") and encoder.pooler is None:
+    for ours, keys in family.encoder:
+        if ours.startswith("pooler.") and (encoder.pooler is None or head_pooler is not None):
             continue
-        layers = range(encoder.config.num_hidden_layers) if "{i}" in ours else [None]
+        if ours.startswith("embeddings.token_type") and encoder.embeddings.token_type_embeddings is None:
+            continue
+        layers = range(config.distinct_layers) if "{i}" in ours else [None]
         for i in layers:
-            rows.append((prefix + ours.format(i=i), tuple(k.format(i=i) for k in keys)))
+            names = dict(i=i, group=None, inner=None)
+            if i is not None and config.model_type == "albert":
+                names.update(group=i // config.inner_group_num, inner=i % config.inner_group_num)
+            rows.append((prefix + ours.format(i=i), tuple(k.format(**names) for k in keys), True))
+    if head_pooler is not None and encoder.pooler is not None:
+        rows += [(prefix + ours, keys, False) for ours, keys in head_pooler]
     if isinstance(model, BertWithHead):
-        rows += [("head." + ours, keys) for ours, keys in HEAD_TABLES.get(head_name, [])]
+        if head_name in ("nsp", "pretraining") and head_name not in family.heads:
+            raise CheckpointError(f"a {family.name} model has no next-sentence head: {family.name} is pretrained "
+                                  "without NSP (bert-engine pretrain --objective mlm)")
+        rows += [("head." + ours, keys, False) for ours, keys in family.head_rows(head_name)]
         # Parameters the table does not cover (a task head's own, e.g. CRF transitions) keep their
         # names, "head.*", in the checkpoint too. The tied MLM decoder is not a parameter of its own.
-        covered = {ours for ours, _ in rows}
+        covered = {ours for ours, _, _ in rows}
         tied = model.encoder.embeddings.word_embeddings.weight
-        rows += [(name, (name,)) for name, param in model.named_parameters(remove_duplicate=False)
+        rows += [(name, (name,), False) for name, param in model.named_parameters(remove_duplicate=False)
                  if name.startswith("head.") and name not in covered and param is not tied]
-    return rows
+    return rows if with_origin else [(ours, keys) for ours, keys, _ in rows]
 
 
 def _parts(model: nn.Module) -> tuple[BertModel, str, str | None]:
@@ -299,8 +387,11 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     defaulted: list[str] = field(default_factory=list)
 
+    head_rows: set[str] = field(default_factory=set)  # ours, whose checkpoint keys belong to a head
+
     def encoder_missing(self) -> list[str]:
-        return [k for k in self.missing if not k.startswith("head.")]
+        """Missing encoder weights (not a head's; RoBERTa's and DistilBERT's pooler is their head's)."""
+        return [k for k in self.missing if not k.startswith("head.") and k not in self.head_rows]
 
 
 def convert_state_dict(checkpoint: dict[str, Tensor], model: nn.Module,
@@ -313,9 +404,10 @@ def convert_state_dict(checkpoint: dict[str, Tensor], model: nn.Module,
         CheckpointError: if a tensor's shape differs from ours, naming the key and both shapes.
     """
     # Normalised name -> the checkpoint's spellings of it (both spellings of the MLM bias may occur).
+    family = family_of(getattr(model, "encoder", model))
     spellings: dict[str, list[str]] = {}
     for key in checkpoint:
-        spellings.setdefault(normalise_key(key), []).append(key)
+        spellings.setdefault(normalise_key(key, family), []).append(key)
     by_norm = {norm: keys[0] for norm, keys in spellings.items()}
     expected = dict(model.state_dict())
     consumed: set[str] = set()
@@ -323,7 +415,9 @@ def convert_state_dict(checkpoint: dict[str, Tensor], model: nn.Module,
     report = LoadReport()
     # A head may name parameters with a meaningful default (`optional_parameters`, prefixes under head.).
     optional = tuple("head." + p for p in getattr(getattr(model, "head", None), "optional_parameters", ()))
-    for ours, keys in expand_table(model):
+    for ours, keys, in_encoder in expand_table(model, with_origin=True):
+        if not in_encoder:
+            report.head_rows.add(ours)
         present = [k for k in keys if k in by_norm]
         if len(present) < len(keys):
             (report.defaulted if optional and ours.startswith(optional) else report.missing).append(ours)
@@ -339,15 +433,14 @@ def convert_state_dict(checkpoint: dict[str, Tensor], model: nn.Module,
                 )
         ours_state[ours] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         consumed.update(spelling for k in keys for spelling in spellings[k])
-    for key in _BUFFER_KEYS + _TIED_KEYS:
+    for key in (*_BUFFER_KEYS, family.tied):
         consumed.update(spellings.get(key, ()))
     report.unexpected = sorted(set(checkpoint) - consumed)
-    _check_tied_decoder(checkpoint, by_norm, ours_state, model, source)
+    _check_tied_decoder(checkpoint, by_norm.get(family.tied), ours_state, model, source)
     return ours_state, report
 
 
-def _check_tied_decoder(checkpoint, by_norm, ours_state, model, source) -> None:
-    key = by_norm.get(_TIED_KEYS[0])
+def _check_tied_decoder(checkpoint, key, ours_state, model, source) -> None:
     embeddings = next((v for k, v in ours_state.items() if k.endswith("embeddings.word_embeddings.weight")), None)
     if key is None or embeddings is None or not isinstance(model, BertWithHead) or not hasattr(model.head, "tie_to"):
         return
@@ -402,16 +495,16 @@ def _names(keys: list[str], limit: int = 12) -> str:
 # -- saving in the Hugging Face layout -------------------------------------------------------------------
 
 def to_checkpoint_state(model: nn.Module) -> dict[str, Tensor]:
-    """Our parameters under the checkpoint names transformers expects (query/key/value split again)."""
-    encoder, prefix, head_name = _parts(model)
+    """Our parameters under the checkpoint names transformers expects for the model's family
+    (query/key/value split again; the encoder under "bert."/"roberta."/... when there is a head)."""
+    encoder, _, _ = _parts(model)
     own = model.state_dict()
-    bert = "bert." if isinstance(model, BertWithHead) else ""
+    prefix = family_of(encoder).prefix if isinstance(model, BertWithHead) else ""
     out: dict[str, Tensor] = {}
-    for ours, keys in expand_table(model):
+    for ours, keys, in_encoder in expand_table(model, with_origin=True):
         pieces = own[ours].chunk(len(keys), dim=0) if len(keys) > 1 else (own[ours],)
         for key, piece in zip(keys, pieces):
-            is_head_key = key.startswith(("cls.", "classifier.", "qa_outputs.", "head."))
-            out[key if is_head_key else bert + key] = piece.detach().contiguous().cpu()
+            out[prefix + key if in_encoder else key] = piece.detach().contiguous().cpu()
     return out
 
 
@@ -447,8 +540,9 @@ def save_pretrained(model: nn.Module, folder: str | Path, tokenizer=None) -> Pat
     """Write config.json + model.safetensors (+ the tokenizer) so transformers and we can load them."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _, _, head_name = _parts(model)
-    architecture = ARCHITECTURES.get(head_name, "BertModel")
+    encoder, _, head_name = _parts(model)
+    architectures = family_of(encoder).architectures
+    architecture = architectures.get(head_name, architectures[None])
     config = saved_config(model)
     if head_name == "span" and config.num_labels != 2:
         # transformers sizes qa_outputs from num_labels; a span head always has two (start, end).
@@ -509,7 +603,8 @@ def load_model(resolved: Resolved, head: str | nn.Module | None = None, *, label
     if head == "auto":
         head = _head_from_architectures(config_file)
     if head is None:
-        has_pooler = any(normalise_key(k).startswith("pooler.") for k in checkpoint)
+        family = family_of(config)
+        has_pooler = any(normalise_key(k, family).startswith("pooler") for k in checkpoint)
         model: nn.Module = BertModel(config, add_pooler=has_pooler)
     else:
         # A task passes a head factory: it needs the checkpoint's config (sizes, labels) first.
@@ -520,10 +615,12 @@ def load_model(resolved: Resolved, head: str | nn.Module | None = None, *, label
 
 
 def _head_from_architectures(config_file: Path) -> str | None:
-    names = json.loads(config_file.read_text(encoding="utf-8")).get("architectures") or ["BertModel"]
+    data = json.loads(config_file.read_text(encoding="utf-8"))
+    family = FAMILIES.get(data.get("model_type", "bert"), FAMILIES["bert"])
+    names = data.get("architectures") or [family.architectures[None]]
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise CheckpointError(f"{config_file.name}: architectures must be a list of class names, got {names!r:.80}")
-    by_class = {cls: head for head, cls in ARCHITECTURES.items()}
+    by_class = {cls: head for head, cls in family.architectures.items()}
     if names[0] not in by_class:
         raise CheckpointError(f"{config_file}: architecture {names[0]!r} is not one of {sorted(by_class)}")
     return by_class[names[0]]

@@ -90,23 +90,37 @@ ATTENTION_BACKENDS = {"eager": eager_attention, "sdpa": sdpa_attention}
 # -- modules in forward order --------------------------------------------------------------------
 
 class BertEmbeddings(nn.Module):
-    """Token + learned absolute position + segment embeddings, then LayerNorm and dropout."""
+    """Token + learned absolute position + segment embeddings, then LayerNorm and dropout.
+
+    Per family: ALBERT's are embedding_size wide (BertModel projects them to hidden_size); RoBERTa
+    numbers positions from pad_token_id + 1 and gives padding the position pad_token_id; DistilBERT
+    has no segment embeddings (token_type_ids are ignored).
+    """
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        E = config.embedding_width
+        self.word_embeddings = nn.Embedding(config.vocab_size, E, padding_idx=config.pad_token_id)
+        padding = config.pad_token_id if config.model_type == "roberta" else None
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, E, padding_idx=padding)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, E) if config.type_vocab_size else None
+        self.layer_norm = nn.LayerNorm(E, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.roberta_padding = padding
         self.register_buffer("position_ids", torch.arange(config.max_position_embeddings), persistent=False)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
         B, T = input_ids.shape
         if position_ids is None:
-            position_ids = self.position_ids[:T]  # (T,) broadcast over the batch
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)  # (B, T, H)
-        x = x + self.position_embeddings(position_ids)  # (B, T, H)
+            if self.roberta_padding is None:
+                position_ids = self.position_ids[:T]  # (T,) broadcast over the batch
+            else:  # RoBERTa: real tokens count from padding_idx + 1, padding keeps padding_idx
+                real = input_ids.ne(self.roberta_padding).to(torch.long)  # (B, T)
+                position_ids = torch.cumsum(real, dim=1) * real + self.roberta_padding
+        x = self.word_embeddings(input_ids)  # (B, T, E)
+        if self.token_type_embeddings is not None:
+            x = x + self.token_type_embeddings(token_type_ids)
+        x = x + self.position_embeddings(position_ids)  # (B, T, E)
         return self.dropout(self.layer_norm(x))
 
 
@@ -168,18 +182,26 @@ class BertLayer(nn.Module):
 
 
 class Pooler(nn.Module):
-    """tanh(dense(hidden state of the first token, [CLS])): the sentence vector NSP was trained on."""
+    """act(dense(hidden state of the first token, [CLS])): the sentence vector NSP was trained on.
+
+    tanh for BERT, ALBERT and RoBERTa (whose classification head's dense + tanh loads here); ReLU for
+    DistilBERT (its pre_classifier), so sequence heads see one `pooled` vector in every family.
+    """
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = torch.relu if config.model_type == "distilbert" else torch.tanh
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return torch.tanh(self.dense(hidden_states[:, 0]))  # (B, H)
+        return self.act(self.dense(hidden_states[:, 0]))  # (B, H)
 
 
 class BertModel(nn.Module):
-    """The BERT encoder.
+    """The BERT encoder, and the encoders of RoBERTa, ALBERT and DistilBERT (config.model_type): the
+    same post-LN layers; the families differ in their embeddings (BertEmbeddings), ALBERT's projection
+    from embedding_size and its shared layers (`layers` holds the distinct ones, `schedule` the order
+    they run in), and the pooler's activation.
 
     Args:
         config: the hyper-parameters; `config.attn_backend` picks the attention backend.
@@ -190,7 +212,10 @@ class BertModel(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = BertEmbeddings(config)
-        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        albert = config.model_type == "albert"
+        self.embedding_projection = nn.Linear(config.embedding_width, config.hidden_size) if albert else None
+        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.distinct_layers))
+        self.schedule = config.layer_schedule()
         self.pooler = Pooler(config) if add_pooler else None
         self.apply(lambda module: init_weights(module, config.initializer_range))
 
@@ -214,14 +239,16 @@ class BertModel(nn.Module):
         B, T = input_ids.shape
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)  # (B, T)
-        x = self.embeddings(input_ids, token_type_ids, position_ids)  # (B, T, H)
+        x = self.embeddings(input_ids, token_type_ids, position_ids)  # (B, T, E)
+        if self.embedding_projection is not None:
+            x = self.embedding_projection(x)  # (B, T, H)
         # An all-ones mask changes nothing; dropping it lets SDPA pick its fastest kernel.
         mask = None
         if attention_mask is not None and not bool(attention_mask.all()):
             mask = additive_padding_mask(attention_mask, x.dtype)  # (B, 1, 1, T)
         attentions, states = [], [x]
-        for layer in self.layers:
-            x, weights = layer(x, mask, output_attentions)
+        for index in self.schedule:
+            x, weights = self.layers[index](x, mask, output_attentions)
             if output_attentions:
                 attentions.append(weights)
             if output_hidden_states:
@@ -235,10 +262,11 @@ class BertModel(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
         T = input_ids.shape[1]
-        if T > config.max_position_embeddings:
+        if T > config.max_tokens:
             raise ValueError(
-                f"sequence length {T} exceeds max_position_embeddings {config.max_position_embeddings}; "
-                "truncate or split the input into windows"
+                f"sequence length {T} exceeds max_position_embeddings {config.max_position_embeddings}"
+                + (f" less RoBERTa's offset of {config.position_offset}" if config.position_offset else "")
+                + "; truncate or split the input into windows"
             )
         if input_ids.numel():
             low, high = torch.aminmax(input_ids)  # one kernel and one device sync per forward, not two
@@ -246,7 +274,7 @@ class BertModel(nn.Module):
             if low < 0 or high >= config.vocab_size:
                 bad = low if low < 0 else high
                 raise ValueError(f"token id {bad} is outside the vocabulary of size {config.vocab_size}")
-        if token_type_ids is not None and token_type_ids.numel():
+        if token_type_ids is not None and token_type_ids.numel() and config.type_vocab_size:
             high = int(token_type_ids.max())
             if high >= config.type_vocab_size or int(token_type_ids.min()) < 0:
                 raise ValueError(f"token_type_ids must lie in [0, {config.type_vocab_size}), got {high}")

@@ -1,0 +1,171 @@
+"""RoBERTa, ALBERT and DistilBERT: parity with transformers on identical weights, both ways.
+
+Random tiny configs with odd sizes (hidden 36 over 4 heads of 9, intermediate 37, ALBERT's embeddings 20
+wide and its layers shared in groups), every head each family has, both attention backends, padded rows.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+from bert_engine import BertConfig, BertModel, BertWithHead, load_pretrained, save_pretrained
+from bert_engine.loading import CheckpointError
+
+T = transformers
+FAMILIES = {
+    "roberta": dict(
+        config=lambda **kw: T.RobertaConfig(vocab_size=101, hidden_size=36, num_hidden_layers=3, num_attention_heads=4,
+                                            intermediate_size=37, max_position_embeddings=42, type_vocab_size=1,
+                                            pad_token_id=1, bos_token_id=0, eos_token_id=2, **kw),
+        ours=BertConfig(model_type="roberta", vocab_size=101, hidden_size=36, num_hidden_layers=3, num_attention_heads=4,
+                        intermediate_size=37, max_position_embeddings=42, type_vocab_size=1, pad_token_id=1,
+                        layer_norm_eps=1e-5),
+        heads={None: (T.RobertaModel, [("last_hidden_state", "last_hidden_state"), ("pooled", "pooler_output")]),
+               "mlm": (T.RobertaForMaskedLM, [("logits", "logits")]),
+               "sequence": (T.RobertaForSequenceClassification, [("logits", "logits")]),
+               "token": (T.RobertaForTokenClassification, [("logits", "logits")]),
+               "span": (T.RobertaForQuestionAnswering, [("start_logits", "start_logits"), ("end_logits", "end_logits")])},
+    ),
+    "albert": dict(
+        config=lambda **kw: T.AlbertConfig(**{**dict(vocab_size=101, embedding_size=20, hidden_size=36,
+                                                     num_hidden_layers=4, num_hidden_groups=2, inner_group_num=1,
+                                                     num_attention_heads=4, intermediate_size=37,
+                                                     max_position_embeddings=40, type_vocab_size=2, pad_token_id=0,
+                                                     hidden_act="gelu_new"), **kw}),
+        ours=BertConfig(model_type="albert", vocab_size=101, embedding_size=20, hidden_size=36, num_hidden_layers=4,
+                        num_hidden_groups=2, inner_group_num=1, num_attention_heads=4, intermediate_size=37,
+                        max_position_embeddings=40, hidden_act="gelu_new"),
+        heads={None: (T.AlbertModel, [("last_hidden_state", "last_hidden_state"), ("pooled", "pooler_output")]),
+               "mlm": (T.AlbertForMaskedLM, [("logits", "logits")]),
+               "pretraining": (T.AlbertForPreTraining, [("mlm_logits", "prediction_logits"),
+                                                        ("nsp_logits", "sop_logits")]),
+               "sequence": (T.AlbertForSequenceClassification, [("logits", "logits")]),
+               "token": (T.AlbertForTokenClassification, [("logits", "logits")]),
+               "span": (T.AlbertForQuestionAnswering, [("start_logits", "start_logits"), ("end_logits", "end_logits")])},
+    ),
+    "distilbert": dict(
+        config=lambda **kw: T.DistilBertConfig(vocab_size=101, dim=36, n_layers=3, n_heads=4, hidden_dim=37,
+                                               max_position_embeddings=40, pad_token_id=0, **kw),
+        ours=BertConfig(model_type="distilbert", vocab_size=101, hidden_size=36, num_hidden_layers=3,
+                        num_attention_heads=4, intermediate_size=37, max_position_embeddings=40, type_vocab_size=0),
+        heads={None: (T.DistilBertModel, [("last_hidden_state", "last_hidden_state")]),
+               "mlm": (T.DistilBertForMaskedLM, [("logits", "logits")]),
+               "sequence": (T.DistilBertForSequenceClassification, [("logits", "logits")]),
+               "token": (T.DistilBertForTokenClassification, [("logits", "logits")]),
+               "span": (T.DistilBertForQuestionAnswering, [("start_logits", "start_logits"), ("end_logits", "end_logits")])},
+    ),
+}
+CASES = [(family, head) for family, spec in FAMILIES.items() for head in spec["heads"]]
+IDS = [f"{family}-{head}" for family, head in CASES]
+
+
+def _batch(family: str) -> tuple[dict, dict]:
+    """Padded rows (13, 9, 4 and 1 real tokens) for our model and for the reference (DistilBERT's takes no
+    segment ids; RoBERTa has one segment and pads with id 1)."""
+    pad = 1 if family == "roberta" else 0
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, 101, (4, 13), generator=g)
+    attention_mask = torch.ones(4, 13, dtype=torch.long)
+    for row, length in enumerate([13, 9, 4, 1]):
+        attention_mask[row, length:] = 0
+    input_ids[attention_mask == 0] = pad
+    segments = 1 if family == "roberta" else 2
+    token_type_ids = torch.randint(0, segments, (4, 13), generator=g) * attention_mask
+    ours = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    theirs = {k: v for k, v in ours.items() if not (family == "distilbert" and k == "token_type_ids")}
+    return ours, theirs
+
+
+def _reference(family: str, head, attn_implementation: str = "eager"):
+    cls, _ = FAMILIES[family]["heads"][head]
+    labels = 2 if head in ("span", "pretraining") else 5  # ALBERT sizes its sentence-order classifier by num_labels
+    config = FAMILIES[family]["config"](num_labels=labels, attn_implementation=attn_implementation)
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():  # random, non-trivial values everywhere (biases and LayerNorms included)
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    return model
+
+
+def _assert_same(ours, reference, family, head, atol=1e-5):
+    mine_inputs, their_inputs = _batch(family)
+    with torch.no_grad():
+        mine, theirs = ours(**mine_inputs), reference(**their_inputs)
+    for our_name, ref_name in FAMILIES[family]["heads"][head][1]:
+        torch.testing.assert_close(getattr(mine, our_name), getattr(theirs, ref_name), atol=atol, rtol=1e-5,
+                                   msg=lambda m, names=(our_name, ref_name): f"{names[0]} vs {names[1]}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("family, head", CASES, ids=IDS)
+def test_reference_checkpoint_loads_with_identical_outputs(tmp_path, family, head, backend):
+    reference = _reference(family, head, attn_implementation=backend)
+    reference.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, head, attn_backend=backend, strict=True)
+    assert ours.config.model_type == family if head is None else ours.encoder.config.model_type == family
+    _assert_same(ours, reference, family, head)
+
+
+@pytest.mark.parametrize("family, head", CASES, ids=IDS)
+def test_our_save_loads_in_reference_with_identical_outputs(tmp_path, family, head):
+    config = FAMILIES[family]["ours"].with_labels(["a", "b"] if head in ("span", "pretraining") else list("abcde"))
+    torch.manual_seed(0)
+    ours = (BertModel(config) if head is None else BertWithHead(config, head)).eval()
+    with torch.no_grad():
+        for param in ours.parameters():
+            param.normal_(0, 0.2)
+    save_pretrained(ours, tmp_path)
+    cls, _ = FAMILIES[family]["heads"][head]
+    reference = cls.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(reference.config).__name__.lower().startswith(family)
+    _assert_same(ours, reference, family, head)
+    _assert_same(load_pretrained(tmp_path, head, strict=True), reference, family, head)  # and our loader reads it
+
+
+def test_albert_runs_its_shared_layer_groups_in_transformers_order(tmp_path):
+    """Three layers from one group of two inner layers: six layer applications, four weights sets fewer."""
+    config = FAMILIES["albert"]["config"](num_hidden_layers=3, num_hidden_groups=1, inner_group_num=2)
+    torch.manual_seed(0)
+    reference = T.AlbertModel(config).eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0, 0.2)
+    reference.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, strict=True)
+    assert len(ours.layers) == 2 and ours.schedule == [0, 1, 0, 1, 0, 1]
+    _assert_same(ours, reference, "albert", None)
+
+
+def test_a_roberta_base_checkpoint_starts_a_classifier_with_a_fresh_pooler(tmp_path):
+    """RoBERTa's classification head owns the dense + tanh BERT calls the pooler: from a bare RobertaModel the
+    sequence head (pooler included) starts fresh instead of the load failing for a missing encoder weight."""
+    _reference("roberta", None).save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, "sequence", labels=["NEGATIVE", "POSITIVE"])
+    assert model.encoder.pooler is not None
+
+
+def test_a_family_without_next_sentence_prediction_refuses_that_head(tmp_path):
+    _reference("roberta", None).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="roberta model has no next-sentence head"):
+        load_pretrained(tmp_path, "nsp")
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(model_type="gpt2"), "model_type 'gpt2' is not one of"),
+    (dict(model_type="bert", embedding_size=20), "embedding_size, num_hidden_groups and inner_group_num are ALBERT's"),
+    (dict(model_type="distilbert", type_vocab_size=2), "type_vocab_size must be 0 for distilbert"),
+    (dict(model_type="roberta", pad_token_id=1, max_position_embeddings=2), "leaves no position after"),
+])
+def test_impossible_family_configs_are_refused_by_name(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(BertConfig(), **changes)
+
+
+def test_roberta_counts_positions_from_after_the_padding_id():
+    config = FAMILIES["roberta"]["ours"]
+    assert config.position_offset == 2 and config.max_tokens == 40
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings 42 less RoBERTa's offset of 2"):
+        BertModel(config)(torch.full((1, 41), 5))
