@@ -248,6 +248,7 @@ class Predictor:
         dtype = self.precision or str(next(self.model.parameters()).dtype).removeprefix("torch.")
         info = {"plugin": self.task.plugin, "plugin_version": self.task.plugin_version, "task": self.task.spec.name,
                 "model": self.model_id, "revision": self.revision, "device": str(self.device), "dtype": dtype,
+                "family": getattr(getattr(self.model, "encoder", self.model), "config", None).model_type,
                 "untrained_head": self.untrained_head}
         if latency_ms is not None:
             info["latency_ms"] = round(latency_ms, 2)

@@ -237,7 +237,7 @@ class BertModel(nn.Module):
         """
         self._check_inputs(input_ids, token_type_ids)
         B, T = input_ids.shape
-        if token_type_ids is None:
+        if token_type_ids is None or self.config.type_vocab_size <= 1:  # RoBERTa, DistilBERT: one segment
             token_type_ids = torch.zeros_like(input_ids)  # (B, T)
         x = self.embeddings(input_ids, token_type_ids, position_ids)  # (B, T, E)
         if self.embedding_projection is not None:
@@ -274,7 +274,7 @@ class BertModel(nn.Module):
             if low < 0 or high >= config.vocab_size:
                 bad = low if low < 0 else high
                 raise ValueError(f"token id {bad} is outside the vocabulary of size {config.vocab_size}")
-        if token_type_ids is not None and token_type_ids.numel() and config.type_vocab_size:
+        if token_type_ids is not None and token_type_ids.numel() and config.type_vocab_size > 1:
             high = int(token_type_ids.max())
             if high >= config.type_vocab_size or int(token_type_ids.min()) < 0:
                 raise ValueError(f"token_type_ids must lie in [0, {config.type_vocab_size}), got {high}")

@@ -163,12 +163,13 @@ def special_mask(input_ids: Tensor, tokenizer: Tokenizer) -> Tensor:
 
 
 def continuation_mask(input_ids: Tensor, tokenizer: Tokenizer) -> Tensor:
-    """(B, T) bool: wordpieces that continue a word ("##" pieces), for whole-word masking."""
+    """(B, T) bool: pieces that continue a word, for whole-word masking: "##" pieces of WordPiece, the
+    pieces without a word-start mark of BPE ("Ġ") and Unigram ("▁") (Tokenizer.starts_word)."""
     is_continuation = getattr(tokenizer, "_continuation_ids", None)
     if is_continuation is None:  # one scan of the vocabulary per tokenizer, not one per batch
         vocab = tokenizer.backend.get_vocab()
         is_continuation = torch.zeros(max(vocab.values()) + 1, dtype=torch.bool)
-        is_continuation[[i for token, i in vocab.items() if token.startswith("##")]] = True
+        is_continuation[[i for token, i in vocab.items() if not tokenizer.starts_word(token)]] = True
         tokenizer._continuation_ids = is_continuation
     return is_continuation[input_ids.clamp(max=len(is_continuation) - 1)]
 
@@ -187,7 +188,8 @@ def mask_tokens(input_ids: Tensor, tokenizer: Tokenizer, *, mlm_prob: float = 0.
     special = special_mask(input_ids, tokenizer)
     draw = torch.rand(input_ids.shape, generator=generator)
     if whole_word:
-        continuation = continuation_mask(input_ids, tokenizer) & ~special
+        after_special = torch.nn.functional.pad(special[:, :-1], (1, 0), value=True)  # a text's first piece
+        continuation = continuation_mask(input_ids, tokenizer) & ~special & ~after_special  # starts a word (BPE: no "Ġ")
         # Each piece takes the draw of its word's first piece: carry the draw forward over "##" pieces.
         word_start = torch.where(continuation, torch.zeros_like(input_ids), torch.arange(input_ids.shape[1]))
         word_start = torch.cummax(word_start, dim=1).values

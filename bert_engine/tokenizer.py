@@ -66,7 +66,9 @@ class Batch:
 
 
 class Tokenizer:
-    """WordPiece tokenizer with BERT's special tokens, from tokenizer.json or vocab.txt.
+    """A tokenizer from tokenizer.json (WordPiece for BERT and DistilBERT, byte-level BPE for RoBERTa,
+    Unigram for ALBERT: whatever the file's model, normaliser and post-processor say) or BERT's vocab.txt,
+    with the special tokens by role (tokenizer_config.json names them; BERT's by default).
 
     Args:
         backend: a configured `tokenizers.Tokenizer` (normaliser, pre-tokeniser, post-processor).
@@ -75,8 +77,11 @@ class Tokenizer:
     """
 
     def __init__(self, backend: Backend, *, model_max_length: int = 512,
-                 special_tokens: dict[str, str] | None = None, do_lower_case: bool | None = None) -> None:
+                 special_tokens: dict[str, str] | None = None, do_lower_case: bool | None = None,
+                 tokenizer_class: str = "BertTokenizer") -> None:
         self.backend = backend
+        self.tokenizer_class = tokenizer_class
+        self.kind = type(backend.model).__name__  # "WordPiece", "BPE" or "Unigram"
         self.model_max_length = model_max_length
         self.special_tokens = {**SPECIAL_TOKENS, **(special_tokens or {})}
         self.do_lower_case = do_lower_case
@@ -142,7 +147,9 @@ class Tokenizer:
                 backend = Backend.from_file(str(folder / "tokenizer.json"))
             except Exception as err:  # the Rust library raises a bare Exception on parse errors
                 raise ValueError(f"{folder / 'tokenizer.json'}: cannot be parsed ({err})") from None
-            return cls(backend, model_max_length=max_length, special_tokens=specials, do_lower_case=lowercase)
+            kind = config.get("tokenizer_class")
+            return cls(backend, model_max_length=max_length, special_tokens=specials, do_lower_case=lowercase,
+                       tokenizer_class=kind if isinstance(kind, str) and kind.isidentifier() else "BertTokenizer")
         if (folder / "vocab.txt").is_file():
             return cls.from_vocab(folder / "vocab.txt", lowercase=lowercase if lowercase is not None else True,
                                   strip_accents=config.get("strip_accents"),
@@ -155,9 +162,11 @@ class Tokenizer:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(folder / "tokenizer.json"))
-        vocab = sorted(self.backend.get_vocab(with_added_tokens=False).items(), key=lambda item: item[1])
-        (folder / "vocab.txt").write_text("".join(token + "\n" for token, _ in vocab), encoding="utf-8")
-        config = {"tokenizer_class": "BertTokenizer", "model_max_length": self.model_max_length, **self.special_tokens}
+        if self.kind == "WordPiece":  # a vocab.txt says all of a WordPiece model; BPE and Unigram live in the JSON
+            vocab = sorted(self.backend.get_vocab(with_added_tokens=False).items(), key=lambda item: item[1])
+            (folder / "vocab.txt").write_text("".join(token + "\n" for token, _ in vocab), encoding="utf-8")
+        config = {"tokenizer_class": self.tokenizer_class, "model_max_length": self.model_max_length,
+                  **self.special_tokens}
         if self.do_lower_case is not None:
             config["do_lower_case"] = self.do_lower_case
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -183,6 +192,24 @@ class Tokenizer:
     @property
     def mask_token(self) -> str:
         return self.special_tokens["mask_token"]
+
+    def starts_word(self, token: str) -> bool:
+        """Whether a piece begins a word, by the model's convention: WordPiece marks continuations ("##ing"),
+        byte-level BPE marks word starts after a space ("Ġword"), Unigram marks word starts ("▁word")."""
+        if self.kind == "BPE":
+            return token.startswith("Ġ")
+        if self.kind == "Unigram":
+            return token.startswith("▁")
+        prefix = getattr(self.backend.model, "continuing_subword_prefix", "##") or "##"
+        return not token.startswith(prefix)
+
+    def piece_text(self, token_id: int) -> str:
+        """A piece as a reader sees it: "capital" for "Ġcapital", "▁capital" or "capital"; "ing" for "##ing"."""
+        token = self.backend.id_to_token(int(token_id)) or ""
+        if self.kind == "WordPiece":
+            prefix = getattr(self.backend.model, "continuing_subword_prefix", "##") or "##"
+            return token[len(prefix):] if token.startswith(prefix) else token
+        return self.backend.decode([int(token_id)], skip_special_tokens=False).strip()
 
     def tokenize(self, text: str) -> list[str]:
         """Word pieces of `text`, without special tokens."""
@@ -232,7 +259,7 @@ class Tokenizer:
             if len(pairs) != len(texts):
                 raise ValueError(f"got {len(texts)} texts but {len(pairs)} text pairs")
         max_length = max_length or self.model_max_length
-        num_specials = 3 if pairs is not None else 2
+        num_specials = self.backend.num_special_tokens_to_add(pairs is not None)  # RoBERTa pairs: 4
         if truncation is not None and max_length <= num_specials:
             raise ValueError(f"max_length {max_length} leaves no room for text after {num_specials} special tokens")
         if return_overflowing and not 0 <= stride < max_length - num_specials:
@@ -256,12 +283,17 @@ class Tokenizer:
             if return_overflowing:
                 rows.extend(encoding.overflowing)
                 sample_index.extend([index] * len(encoding.overflowing))
+        offsets = [list(e.offsets) for e in rows]
+        if self.kind != "WordPiece":  # Unigram's "▁word" (and BPE's "Ġword") spans start at the space before it
+            for r, row in enumerate(offsets):
+                sources = (texts[sample_index[r]], pairs[sample_index[r]] if pairs is not None else "")
+                offsets[r] = _without_leading_space(row, rows[r].sequence_ids, sources)
         width = max_length if padding == "max_length" else max(len(e.ids) for e in rows)
         if pad_to_multiple_of:
             width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
-        return self._pad(rows, width, sample_index, truncated)
+        return self._pad(rows, width, sample_index, truncated, offsets)
 
-    def _pad(self, rows, width: int, sample_index: list[int], truncated: list[bool]) -> Batch:
+    def _pad(self, rows, width: int, sample_index: list[int], truncated: list[bool], offsets) -> Batch:
         ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
         mask = np.zeros((len(rows), width), dtype=np.int64)
         types = np.zeros((len(rows), width), dtype=np.int64)
@@ -269,8 +301,20 @@ class Tokenizer:
             n = len(encoding.ids)
             ids[r, :n], types[r, :n], mask[r, :n] = encoding.ids, encoding.type_ids, 1
         return Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(types),
-                     offsets=[list(e.offsets) for e in rows], sequence_ids=[e.sequence_ids for e in rows],
+                     offsets=offsets, sequence_ids=[e.sequence_ids for e in rows],
                      word_ids=[e.word_ids for e in rows], sample_index=sample_index, truncated=truncated)
+
+
+def _without_leading_space(offsets, sequence_ids, texts: tuple[str, str]) -> list[tuple[int, int]]:
+    """Offsets that start at the piece's first character, not at the space its word-start mark stands for."""
+    out = []
+    for (start, end), sequence in zip(offsets, sequence_ids):
+        if sequence is not None:
+            text = texts[sequence]
+            while start < end and text[start].isspace():
+                start += 1
+        out.append((start, end))
+    return out
 
 
 def _clean(text: str) -> str:

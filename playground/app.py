@@ -233,7 +233,9 @@ def describe(predictor: LazyPredictor) -> str:
         return f"Model: `{name}` (loads on first use)"
     info = predictor.get().provenance()
     head = " · **head not trained**" if info["untrained_head"] else ""
-    return f"Model: `{info['model']}` · {info['device']} · {info['dtype']}{head}"
+    family = {"bert": "BERT", "roberta": "RoBERTa", "albert": "ALBERT", "distilbert": "DistilBERT"}.get(info["family"],
+                                                                                                     info["family"])
+    return f"Model: `{info['model']}` · {family} · {info['device']} · {info['dtype']}{head}"
 
 
 def allowed_model_dirs() -> list[Path]:

@@ -67,6 +67,8 @@ OPTIONS = {"top_k": 5, "mode": "independent", "targets": None, "beam_width": 8, 
 def preprocess(inputs, tokenizer, *, top_k, mode, targets, beam_width, max_masks, max_length):
     text = inputs["text"]
     mask = tokenizer.mask_token
+    if mask != "[MASK]":  # a model whose mask is "<mask>" (RoBERTa) still reads the tab's "[MASK]"
+        text = text.replace("[MASK]", mask)
     check_int("fill_mask", "top_k", top_k, 1, 100)
     if mode not in MODES:
         raise InputError(f"fill_mask: mode {mode!r} is not one of {MODES}")
@@ -156,9 +158,13 @@ def postprocess(output: FillMaskOutput, batch, *, context: TaskContext, top_k, m
 
 
 def _candidate(tokenizer, token_id: int, score: Tensor, text: str, spans, mask_index: int) -> dict[str, Any]:
-    token = tokenizer.convert_ids_to_tokens([token_id])[0]
+    """One candidate: the piece (WordPiece's as it is, "##s" included, as transformers shows it; BPE's and
+    Unigram's without their "Ġ"/"▁" marks) and the filled-in text, where a piece that continues a word
+    joins the word before the mask."""
+    raw = tokenizer.convert_ids_to_tokens([token_id])[0]
+    token = raw if tokenizer.kind == "WordPiece" else tokenizer.piece_text(token_id)
     pieces = [tokenizer.mask_token] * len(spans)
-    pieces[mask_index] = token
+    pieces[mask_index] = token if tokenizer.kind == "WordPiece" or tokenizer.starts_word(raw) else "##" + token
     return {"token_id": token_id, "token": token, "score": _sig(float(score)), "sequence": _fill(text, spans, pieces)}
 
 

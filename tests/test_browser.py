@@ -138,9 +138,13 @@ def test_fill_mask_tab(browser_page):
 
 def test_an_example_click_runs_it(browser_page):
     panel = _open(browser_page, "Sentiment")
-    panel.get_by_text("The plot is predictable and the acting is wooden.").first.click()
-    panel.get_by_text("NEGATIVE").first.wait_for(timeout=60_000)
-    assert panel.locator("textarea").first.input_value() == "The plot is predictable and the acting is wooden."
+    from playwright.sync_api import expect
+
+    example = "The plot is predictable and the acting is wooden."
+    panel.get_by_text(example).first.click()
+    expect(panel.locator("textarea").first).to_have_value(example, timeout=60_000)
+    # the label's headline (the top class), not the NEGATIVE bar an earlier result also shows
+    expect(panel.locator(".output-class").first).to_have_text("NEGATIVE", timeout=60_000)
 
 
 def test_ctrl_enter_runs_the_tab(browser_page):

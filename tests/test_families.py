@@ -5,6 +5,7 @@ wide and its layers shared in groups), every head each family has, both attentio
 """
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import transformers
 
 from bert_engine import BertConfig, BertModel, BertWithHead, load_pretrained, save_pretrained
 from bert_engine.loading import CheckpointError
+from bert_engine.pretraining import continuation_mask, mask_tokens
+from bert_engine.tokenizer import Tokenizer
 
 T = transformers
 FAMILIES = {
@@ -169,3 +172,88 @@ def test_roberta_counts_positions_from_after_the_padding_id():
     assert config.position_offset == 2 and config.max_tokens == 40
     with pytest.raises(ValueError, match="exceeds max_position_embeddings 42 less RoBERTa's offset of 2"):
         BertModel(config)(torch.full((1, 41), 5))
+
+
+# -- tokenizers and tasks on every family ----------------------------------------------------------------
+
+TOKENIZERS = Path(__file__).parent / "fixtures" / "tokenizers"  # scripts/train_family_tokenizers.py made them
+KINDS = {"roberta": ("BPE", 4, "<mask>"), "albert": ("Unigram", 3, "[MASK]"), "distilbert": ("WordPiece", 3, "[MASK]")}
+TEXT = "Alice was beginning to get very tired of sitting by her sister on the bank."
+
+
+@pytest.mark.parametrize("family", KINDS)
+def test_each_family_tokenizer_keeps_offsets_pairs_and_its_mask(family, tmp_path):
+    tokenizer = Tokenizer.from_pretrained(TOKENIZERS / family)
+    kind, pair_specials, mask = KINDS[family]
+    assert tokenizer.kind == kind and tokenizer.mask_token == mask
+    batch = tokenizer(TEXT, "Once or twice she had peeped into the book.")
+    assert int(batch.attention_mask.sum()) == len(tokenizer.tokenize(TEXT)) + len(
+        tokenizer.tokenize("Once or twice she had peeped into the book.")) + pair_specials
+    for (start, end), sequence, token_id in zip(batch.offsets[0], batch.sequence_ids[0], batch.input_ids[0].tolist()):
+        if sequence == 0 and end > start:  # every piece's span is its own text, no leading space
+            assert not TEXT[start].isspace()
+            assert TEXT[start:end].lower() == tokenizer.piece_text(token_id).lower()
+    masked = tokenizer(f"She was {mask} tired.")
+    assert (masked.input_ids[0] == tokenizer.mask_token_id).sum() == 1  # the mask is one token
+    tokenizer.save(tmp_path)
+    again = Tokenizer.from_pretrained(tmp_path)
+    assert again.tokenizer_class == tokenizer.tokenizer_class and (tmp_path / "vocab.txt").exists() == (kind == "WordPiece")
+    assert torch.equal(again(TEXT).input_ids, tokenizer(TEXT).input_ids)
+
+
+@pytest.mark.parametrize("family", KINDS)
+def test_whole_word_masking_follows_each_family_word_marks(family):
+    tokenizer = Tokenizer.from_pretrained(TOKENIZERS / family)
+    batch = tokenizer([" ".join([TEXT] * 3)])
+    continuation = continuation_mask(batch.input_ids, tokenizer)[0]
+    pieces = tokenizer.convert_ids_to_tokens(batch.input_ids[0].tolist())
+    words = batch.word_ids[0]
+    for i in range(2, len(pieces) - 1):  # a piece continues a word exactly when it has the word of the piece before
+        # (punctuation glued to a word, "bank.", goes with it: BPE's pre-tokeniser alone splits it off)
+        if words[i] is not None and words[i - 1] is not None and tokenizer.piece_text(batch.input_ids[0, i]).isalnum():
+            assert bool(continuation[i]) == (words[i] == words[i - 1]), (pieces[i - 1], pieces[i])
+    masked, labels = mask_tokens(batch.input_ids, tokenizer, mlm_prob=0.5, whole_word=True,
+                                 generator=torch.Generator().manual_seed(0))
+    chosen = labels[0] != -100
+    specials = set(tokenizer.special_tokens.values())
+    for i in range(2, len(pieces)):  # (the text's first piece starts a word whatever its mark; specials never masked)
+        if continuation[i] and pieces[i] not in specials:
+            assert chosen[i] == chosen[i - 1]  # a word is masked whole or not at all
+
+
+def _family_checkpoint(family: str, folder: Path) -> Path:
+    tokenizer = Tokenizer.from_pretrained(TOKENIZERS / family)
+    base = FAMILIES[family]["ours"]
+    config = dataclasses.replace(base, vocab_size=tokenizer.vocab_size,
+                                 max_position_embeddings=514 if family == "roberta" else 512)
+    torch.manual_seed(0)
+    save_pretrained(BertModel(config), folder, tokenizer)
+    return folder
+
+
+TASK_INPUTS = {"sentiment": {"text": "Alice was happy."}, "ner": {"text": "Alice met the Queen in London."},
+               "qa": {"question": "Who was tired?", "context": "Alice was tired of sitting by her sister."},
+               "summary": {"text": "Alice was tired. She sat by her sister on the bank. The book had no pictures."},
+               "fill_mask": {"text": "Alice was [MASK] of sitting by her sister."}}
+
+
+@pytest.mark.parametrize("family", KINDS)
+def test_every_task_answers_on_every_family(family, tmp_path):
+    """A task's head sees an encoder output, never the family: each task answers on a RoBERTa-, ALBERT-
+    and DistilBERT-shaped checkpoint (random weights, a real tokenizer); the tab's "[MASK]" works with
+    RoBERTa's "<mask>", and candidates read without their "Ġ"/"▁" marks."""
+    from bert_engine.registry import load_registry
+    from bert_engine.serving import LazyPredictor
+
+    folder = _family_checkpoint(family, tmp_path / family)
+    registry = load_registry(entry_points=False)
+    for name, inputs in TASK_INPUTS.items():
+        output = LazyPredictor(registry.tasks[name], str(folder)).predict(inputs)
+        assert output["provenance"]["family"] == family, name
+        result = output["result"]
+        if name == "qa":
+            assert result["answers"] and result["answers"][0]["answer"] == result["answers"][0]["answer"].strip()
+        if name == "fill_mask":
+            candidates = result["predictions"][0]["candidates"]
+            assert len(candidates) == 5 and not any(c["token"].startswith(("Ġ", "▁")) for c in candidates)
+            assert all("[MASK]" not in c["sequence"] and "<mask>" not in c["sequence"] for c in candidates)
