@@ -443,11 +443,16 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="fine-tune a registered task (built-in or plugin); works under torchrun",
                            description="Fine-tune TASK's head on a checkpoint, optionally with LoRA adapters.")
     train.add_argument("task", help="task name, e.g. sentiment, ner, qa, summary, fill_mask")
-    _add_training_flags(train, skip=("task", "preset", "max_seq_len", "whole_word_mask", "short_seq_prob"))
+    from .train_config import PRETRAIN_ONLY  # noqa: PLC0415 - as _add_training_flags: a light module
+
+    _add_training_flags(train, skip=("task", *PRETRAIN_ONLY))
     train.set_defaults(run=_train)
-    pretrain = sub.add_parser("pretrain", help="masked-LM + next-sentence pretraining on raw text; works under torchrun",
-                              description="Pretrain BERT on text documents (a file or folder; blank lines "
-                                          "separate documents), from a size preset or from a checkpoint.")
+    pretrain = sub.add_parser("pretrain", help="masked-LM pretraining (+ next-sentence or sentence-order) on raw text; "
+                                               "works under torchrun",
+                              description="Pretrain BERT, RoBERTa, ALBERT or DistilBERT on text documents (a file or "
+                                          "folder; blank lines separate documents), from a size preset or from a "
+                                          "checkpoint, with the family's objective: MLM + NSP (BERT), MLM + SOP "
+                                          "(ALBERT), MLM only (RoBERTa, DistilBERT).")
     _add_training_flags(pretrain, skip=("task",))
     pretrain.set_defaults(run=_pretrain)
     evaluate = sub.add_parser("eval", help="score a checkpoint on a task's data with the task's standard metrics")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .config import PRESETS
+from .config import PRESETS, BertConfig
 from .heads import IGNORE_INDEX, BertWithHead
 from .hookspecs import TaskSpec
 from .hub import default_backbone
@@ -28,7 +28,16 @@ from .inference import Predictor
 from .loader import load, load_tokenizer
 from .loading import Loaded, save_pretrained
 from .lora import LoraConfig, add_lora, merge_lora, save_adapter
-from .pretraining import PairBuilder, collate_pairs, mask_tokens, masked_lm_counts, read_documents, tokenize_documents
+from .pretraining import (
+    FAMILY_OBJECTIVES,
+    OBJECTIVES,
+    PairBuilder,
+    collate_pairs,
+    mask_tokens,
+    masked_lm_counts,
+    read_documents,
+    tokenize_documents,
+)
 from .registry import RegisteredTask
 from .training import Distributed, TrainConfig, gather_objects, parse_best_metric, seed_everything
 
@@ -171,14 +180,56 @@ class TaskJob:
         save_model(model, folder, self.tokenizer, self.lora, self.base_name, self.cfg, self.loaded)
 
 
+def preset_config(preset: str, family: str, tokenizer, max_seq_len: int) -> BertConfig:
+    """A size preset as a `family` encoder for `tokenizer`: its vocabulary and padding id, RoBERTa's
+    position offset and one segment, DistilBERT's no segments, ALBERT's embeddings at most 128 wide."""
+    base = PRESETS[preset]
+    extra: dict[str, Any] = {}
+    if family == "roberta":
+        extra["type_vocab_size"] = 1
+    elif family == "distilbert":
+        extra["type_vocab_size"] = 0
+    elif family == "albert":
+        extra["embedding_size"] = min(128, base.hidden_size // 2)
+    offset = tokenizer.pad_token_id + 1 if family == "roberta" else 0
+    return dataclasses.replace(base, model_type=family, vocab_size=tokenizer.vocab_size,
+                               pad_token_id=tokenizer.pad_token_id,
+                               max_position_embeddings=max(base.max_position_embeddings, max_seq_len + offset), **extra)
+
+
+def _objective(asked: str | None, family: str) -> str:
+    """The pretraining objective: the one asked for, checked against the family's heads, or the family's own."""
+    objective = asked or FAMILY_OBJECTIVES[family]
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    if objective == "mlm+nsp" and family != "bert":
+        raise ValueError(f"objective mlm+nsp needs BERT's next-sentence head; a {family} model has none "
+                         f"(its objective: {FAMILY_OBJECTIVES[family]})")
+    if objective == "mlm+sop" and family != "albert":
+        raise ValueError(f"objective mlm+sop needs ALBERT's sentence-order head; a {family} model has none "
+                         f"(its objective: {FAMILY_OBJECTIVES[family]})")
+    return objective
+
+
+def _checkpoint_family(name: str) -> str:
+    """The family a local checkpoint folder declares (a Hub id: BERT's objective unless --objective says)."""
+    try:
+        return BertConfig.from_json_file(Path(name) / "config.json").model_type
+    except (OSError, ValueError):
+        return "bert"  # load() says what is wrong with a broken checkpoint
+
+
 class PretrainJob:
-    """Masked-LM + next-sentence pretraining from raw documents, from scratch or from a checkpoint."""
+    """Masked-LM pretraining from raw documents, from scratch or from a checkpoint, with the family's
+    objective: MLM + NSP (BERT), MLM + SOP (ALBERT), MLM on one segment (RoBERTa, DistilBERT)."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         if not cfg.train_file:
             raise ValueError("train_file (a text file or folder) is required to pretrain")
         if cfg.preset and cfg.model not in (None, "default"):
             raise ValueError("give either preset (from scratch) or model (continue), not both")
+        if cfg.family not in FAMILY_OBJECTIVES:
+            raise ValueError(f"family {cfg.family!r} is not one of {sorted(FAMILY_OBJECTIVES)}")
         self.cfg = cfg
         seed_everything(cfg.seed)
         self.base_name = cfg.model or "default"
@@ -186,26 +237,30 @@ class PretrainJob:
         if cfg.preset:
             if cfg.preset not in PRESETS:
                 raise ValueError(f"preset {cfg.preset!r} is not one of {sorted(PRESETS)}")
-            self.tokenizer = load_tokenizer(resolve_model_name(cfg.model))
-
-            config = dataclasses.replace(PRESETS[cfg.preset], vocab_size=self.tokenizer.vocab_size,
-                                         max_position_embeddings=max(PRESETS[cfg.preset].max_position_embeddings,
-                                                                     cfg.max_seq_len))
-            self.model = BertWithHead(config, "pretraining")
+            self.tokenizer = load_tokenizer(cfg.tokenizer or resolve_model_name(cfg.model))
+            config = preset_config(cfg.preset, cfg.family, self.tokenizer, cfg.max_seq_len)
+            self.objective = _objective(cfg.objective, config.model_type)
+            self.model = BertWithHead(config, "mlm" if self.objective == "mlm" else "pretraining")
         else:
-            self.loaded = load(resolve_model_name(cfg.model), "pretraining")
+            if cfg.tokenizer:
+                raise ValueError("tokenizer is for --preset runs; a checkpoint brings its own")
+            resolved = resolve_model_name(cfg.model)
+            family = _checkpoint_family(resolved)
+            self.objective = _objective(cfg.objective, family)
+            self.loaded = load(resolved, "mlm" if self.objective == "mlm" else "pretraining")
             self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
             if self.loaded.untrained:
-                logger.info("the checkpoint has no pretraining head; training a new one")
+                logger.info("the checkpoint has no %s head; training a new one", self.objective)
+        logger.info("pretraining objective: %s (%s)", self.objective, self.model.encoder.config.model_type)
         builder = PairBuilder(tokenize_documents(read_documents(cfg.train_file), self.tokenizer), cfg.max_seq_len,
-                              cfg.short_seq_prob)
+                              cfg.short_seq_prob, objective=self.objective)
         self.builder = builder
         self._epoch = 0
         self.examples: list = builder.pairs(cfg.seed)  # epoch 0's pairs; new_epoch rebuilds them later
         self.eval_pairs = []
         if cfg.eval_file:
             eval_builder = PairBuilder(tokenize_documents(read_documents(cfg.eval_file), self.tokenizer),
-                                       cfg.max_seq_len, cfg.short_seq_prob)
+                                       cfg.max_seq_len, cfg.short_seq_prob, objective=self.objective)
             self.eval_pairs = eval_builder.pairs(cfg.seed + 99991)[:cfg.eval_limit or 512]
         self.lora = _prepare_lora(self.model, cfg)
 
@@ -221,6 +276,9 @@ class PretrainJob:
         device = next(model.parameters()).device
         labels, nsp = labels.to(device), nsp.to(device)
         output = model(**batch.to(device).model_inputs())
+        if self.objective == "mlm":
+            mlm_loss, mlm_correct, count = _mlm_loss(output.logits, labels)
+            return mlm_loss, {"mlm_loss": mlm_loss.item(), "mlm_accuracy": mlm_correct / max(count, 1)}
         mlm_loss, mlm_correct, count = _mlm_loss(output.mlm_logits, labels)
         nsp_loss = nn.functional.cross_entropy(output.nsp_logits.float(), nsp)
         nsp_acc = (output.nsp_logits.argmax(-1) == nsp).float().mean().item()
@@ -241,8 +299,9 @@ class PretrainJob:
             output = model(**batch.to(device).model_inputs())
             labels, nsp = labels.to(device), nsp.to(device)
             chosen = labels != IGNORE_INDEX
-            counts = masked_lm_counts(output.mlm_logits[chosen], labels[chosen])
-            counts["nsp_correct"] = (output.nsp_logits.argmax(-1) == nsp).sum().item()
+            logits = output.logits if self.objective == "mlm" else output.mlm_logits
+            counts = masked_lm_counts(logits[chosen], labels[chosen])
+            counts["nsp_correct"] = 0 if self.objective == "mlm" else (output.nsp_logits.argmax(-1) == nsp).sum().item()
             counts["pairs"] = nsp.numel()
             totals = {k: totals[k] + counts[k] for k in totals}
         parts = gather_objects([totals], Distributed(rank, world))
@@ -250,7 +309,8 @@ class PretrainJob:
         masked = max(summed["masked"], 1)
         return {"mlm_accuracy": summed["top1"] / masked, "mlm_top5": summed["top5"] / masked,
                 "mlm_loss": summed["nll"] / masked, "perplexity": math.exp(min(summed["nll"] / masked, 50)),
-                "nsp_accuracy": summed["nsp_correct"] / max(summed["pairs"], 1)}
+                **({} if self.objective == "mlm" else
+                   {f"{self.objective[4:]}_accuracy": summed["nsp_correct"] / max(summed["pairs"], 1)})}
 
     def new_epoch(self, epoch: int) -> None:
         """Fresh NSP pairs for each epoch (masks are fresh in every batch anyway), as many as before."""

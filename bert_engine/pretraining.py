@@ -71,12 +71,17 @@ class PairBuilder:
     """
 
     def __init__(self, documents: list[list[list[int]]], max_seq_len: int = 128, short_seq_prob: float = 0.1,
-                 nsp_prob: float = 0.5) -> None:
+                 nsp_prob: float = 0.5, objective: str = "mlm+nsp") -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective {objective!r} is not one of {OBJECTIVES}")
+        self.objective = objective
         if max_seq_len < 8:
             raise ValueError(f"max_seq_len {max_seq_len} is too small for a sentence pair (at least 8)")
         self.documents = [d for d in documents if any(d)]
-        if len(self.documents) < 2:
+        if len(self.documents) < 2 and objective == "mlm+nsp":
             raise ValueError(f"next-sentence pairs need at least 2 non-empty documents, got {len(self.documents)}")
+        if not self.documents:
+            raise ValueError("no non-empty document to pretrain on")
         self.max_seq_len, self.short_seq_prob, self.nsp_prob = max_seq_len, short_seq_prob, nsp_prob
 
     def pairs(self, seed: int) -> list[Pair]:
@@ -89,6 +94,8 @@ class PairBuilder:
         return out
 
     def _document_pairs(self, index: int, rng: random.Random) -> list[Pair]:
+        if self.objective == "mlm":
+            return self._document_rows(index, rng)
         document = self.documents[index]
         max_tokens = self.max_seq_len - 3
         target = rng.randint(2, max_tokens) if rng.random() < self.short_seq_prob else max_tokens
@@ -107,6 +114,18 @@ class PairBuilder:
                 if len(chunk) >= 2 or chunk[0]:
                     a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
                     a = [t for unit in chunk[:a_end] for t in unit]
+                    if self.objective == "mlm+sop":  # ALBERT: the true continuation, in or out of order
+                        is_random = False
+                        b = [t for unit in chunk[a_end:] for t in unit]
+                        a, b = _truncate_pair(a, b, max_tokens, rng)
+                        if a and b and rng.random() < 0.5:
+                            a, b, is_random = b, a, True  # label 1: swapped
+                        if a and b:
+                            pairs.append(Pair(a, b, is_random))
+                        chunk, length = [], 0
+                        target = rng.randint(2, max_tokens) if rng.random() < self.short_seq_prob else max_tokens
+                        i += 1
+                        continue
                     if len(chunk) == 1 or rng.random() < self.nsp_prob:
                         is_random = True
                         other = rng.randrange(len(self.documents) - 1)
@@ -128,6 +147,30 @@ class PairBuilder:
         return pairs
 
 
+    def _document_rows(self, index: int, rng: random.Random) -> list[Pair]:
+        """RoBERTa's FULL-SENTENCES rows: the document's units packed up to max_seq_len - 2 tokens, one
+        segment each (Pair.b empty); a shorter target with short_seq_prob, as for pairs."""
+        max_tokens = self.max_seq_len - 2
+        rows, current = [], []
+        target = rng.randint(2, max_tokens) if rng.random() < self.short_seq_prob else max_tokens
+        for unit in self.documents[index]:
+            while unit:
+                room = target - len(current)
+                current.extend(unit[:room])
+                unit = unit[room:]
+                if len(current) >= target:
+                    rows.append(Pair(current, [], False))
+                    current = []
+                    target = rng.randint(2, max_tokens) if rng.random() < self.short_seq_prob else max_tokens
+        if current:
+            rows.append(Pair(current, [], False))
+        return rows
+
+
+OBJECTIVES = ("mlm", "mlm+sop", "mlm+nsp")
+FAMILY_OBJECTIVES = {"bert": "mlm+nsp", "roberta": "mlm", "albert": "mlm+sop", "distilbert": "mlm"}
+
+
 def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> tuple[list[int], list[int]]:
     """Cut the longer segment, from the front or the back at random, until both fit."""
     a, b = list(a), list(b)
@@ -138,14 +181,15 @@ def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Rand
 
 
 def collate_pairs(pairs: list[Pair], tokenizer: Tokenizer) -> tuple[Batch, Tensor]:
-    """[CLS] A [SEP] B [SEP] rows padded to the longest; returns the batch and NSP labels (1 = random B)."""
+    """[CLS] A [SEP] B [SEP] rows (one segment, [CLS] A [SEP], where B is empty) padded to the longest;
+    returns the batch and the pair labels (NSP: 1 = random B; SOP: 1 = swapped)."""
     cls_id, sep_id, pad_id = tokenizer.token_id("cls_token"), tokenizer.token_id("sep_token"), tokenizer.pad_token_id
-    width = max(len(p.a) + len(p.b) + 3 for p in pairs)
+    width = max(len(p.a) + len(p.b) + (3 if p.b else 2) for p in pairs)
     ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
     types = torch.zeros_like(ids)
     mask = torch.zeros_like(ids)
     for r, pair in enumerate(pairs):
-        row = [cls_id, *pair.a, sep_id, *pair.b, sep_id]
+        row = [cls_id, *pair.a, sep_id, *pair.b, sep_id] if pair.b else [cls_id, *pair.a, sep_id]
         ids[r, :len(row)] = torch.tensor(row)
         mask[r, :len(row)] = 1
         types[r, len(pair.a) + 2:len(row)] = 1

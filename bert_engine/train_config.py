@@ -66,6 +66,12 @@ class TrainConfig:
     mlm_prob: float = _help("pretraining and fill-mask: fraction of tokens chosen for MLM", default=0.15)
     whole_word_mask: bool = _help("pretraining: choose whole words for MLM", default=False)
     short_seq_prob: float = _help("pretraining: probability of a shorter pair", default=0.1)
+    objective: str | None = _help("pretraining: mlm (RoBERTa: one segment, dynamic masks), mlm+sop (ALBERT: "
+                                  "sentence order) or mlm+nsp (BERT: next sentence); default: the family's",
+                                  default=None)
+    family: str = _help("pretraining from a preset: bert, roberta, albert or distilbert", default="bert")
+    tokenizer: str | None = _help("pretraining from a preset: a tokenizer folder (default: the default backbone's)",
+                                  default=None)
 
     def __post_init__(self) -> None:
         from .precision import TRAINING_NAMES  # noqa: PLC0415 - torch loads when a run is set up, not for --help
@@ -116,3 +122,7 @@ def parse_best_metric(value: str | None, spec: Any = None) -> tuple[str | None, 
         else:
             goal = "min" if "loss" in name or "perplexity" in name else "max"
     return name, goal
+
+
+# Settings only pretraining reads: `bert-engine train` has no flags for them.
+PRETRAIN_ONLY = ("preset", "max_seq_len", "whole_word_mask", "short_seq_prob", "objective", "family", "tokenizer")

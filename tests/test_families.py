@@ -5,6 +5,7 @@ wide and its layers shared in groups), every head each family has, both attentio
 """
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,126 @@ def test_every_task_answers_on_every_family(family, tmp_path):
             candidates = result["predictions"][0]["candidates"]
             assert len(candidates) == 5 and not any(c["token"].startswith(("Ġ", "▁")) for c in candidates)
             assert all("[MASK]" not in c["sequence"] and "<mask>" not in c["sequence"] for c in candidates)
+
+
+# -- pretraining objectives per family ------------------------------------------------------------------
+
+def _book_corpus(path: Path, documents: int = 60) -> Path:
+    """Real text: the committed tokenizer-fixture texts are not at hand here, so paragraphs of a fixed
+    public-domain passage, shuffled per document (documents of several lines, blank lines between)."""
+    import random
+
+    lines = ["Alice was beginning to get very tired of sitting by her sister on the bank.",
+             "Once or twice she had peeped into the book her sister was reading.",
+             "It had no pictures or conversations in it, and what is the use of a book, thought Alice.",
+             "So she was considering in her own mind whether the pleasure of making a daisy chain was worth it.",
+             "Suddenly a White Rabbit with pink eyes ran close by her.",
+             "There was nothing so very remarkable in that, nor did Alice think it so very much out of the way.",
+             "The Rabbit actually took a watch out of its waistcoat pocket, and looked at it, and hurried on."]
+    rng = random.Random(0)
+    with open(path, "w", encoding="utf-8") as handle:
+        for _ in range(documents):
+            start = rng.randrange(len(lines))
+            handle.write("\n".join(lines[(start + k) % len(lines)] for k in range(rng.randint(3, 6))) + "\n\n")
+    return path
+
+
+def test_sentence_order_pairs_are_true_continuations_half_swapped(tmp_path):
+    from bert_engine.pretraining import PairBuilder, collate_pairs, read_documents, tokenize_documents
+
+    tokenizer = Tokenizer.from_pretrained(TOKENIZERS / "albert")
+    documents = tokenize_documents(read_documents(_book_corpus(tmp_path / "corpus.txt")), tokenizer)
+    pairs = PairBuilder(documents, max_seq_len=64, objective="mlm+sop").pairs(seed=0)
+    assert len(pairs) > 50 and sum(p.is_random_next for p in pairs) / len(pairs) == pytest.approx(0.5, abs=0.1)
+    streams = [[t for unit in d for t in unit] for d in documents]
+
+    def follows(first, second):  # `second` comes after `first` in one document
+        return any(_find(s, first) >= 0 and _find(s[_find(s, first) + len(first):], second) >= 0 for s in streams)
+
+    for pair in pairs[:40]:  # in order: B follows A; swapped: A follows B; never another document's text
+        assert follows(pair.b, pair.a) if pair.is_random_next else follows(pair.a, pair.b)
+    batch, labels = collate_pairs(pairs[:4], tokenizer)
+    assert labels.tolist() == [int(p.is_random_next) for p in pairs[:4]]
+
+
+def test_roberta_rows_are_one_segment_packed_from_one_document(tmp_path):
+    from bert_engine.pretraining import PairBuilder, collate_pairs, read_documents, tokenize_documents
+
+    tokenizer = Tokenizer.from_pretrained(TOKENIZERS / "roberta")
+    documents = tokenize_documents(read_documents(_book_corpus(tmp_path / "corpus.txt")), tokenizer)
+    rows = PairBuilder(documents, max_seq_len=40, short_seq_prob=0.0, objective="mlm").pairs(seed=0)
+    assert all(not row.b and 0 < len(row.a) <= 38 for row in rows)
+    assert sum(len(row.a) == 38 for row in rows) > len(rows) / 2  # packed full, the document's tail shorter
+    batch, _ = collate_pairs(rows[:3], tokenizer)
+    assert batch.input_ids[0, 0] == tokenizer.token_id("cls_token") and int(batch.token_type_ids.max()) == 0
+    assert batch.input_ids[0, len(rows[0].a) + 1] == tokenizer.token_id("sep_token")
+
+
+def _find(stream, piece):
+    n = len(piece)
+    return next((i for i in range(len(stream) - n + 1) if stream[i:i + n] == piece), -1)
+
+
+@pytest.mark.parametrize("family, objective, head_class", [
+    ("roberta", "mlm", T.RobertaForMaskedLM), ("albert", "mlm+sop", T.AlbertForPreTraining),
+    ("distilbert", "mlm", T.DistilBertForMaskedLM)])
+def test_each_family_pretrains_with_its_objective_and_falling_loss(tmp_path, family, objective, head_class):
+    from bert_engine.jobs import PretrainJob
+    from bert_engine.training import TrainConfig, train
+
+    corpus = _book_corpus(tmp_path / "corpus.txt", 40)
+    cfg = TrainConfig(preset="tiny", family=family, tokenizer=str(TOKENIZERS / family), train_file=str(corpus),
+                      eval_file=str(corpus), output_dir=str(tmp_path / "run"), max_steps=40, batch_size=16, lr=5e-3,
+                      max_seq_len=48, log_every=10, warmup_ratio=0.1)
+    job = PretrainJob(cfg)
+    assert job.objective == objective
+    result = train(job, cfg)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [line["loss"] for line in lines if "loss" in line]
+    assert losses[-1] < losses[0] * 0.8, losses
+    expected = {"mlm_accuracy", "perplexity"} | ({"sop_accuracy"} if objective == "mlm+sop" else set())
+    assert expected <= set(result["last_eval"]) and "nsp_accuracy" not in result["last_eval"]
+    reference = head_class.from_pretrained(str(tmp_path / "run" / "best"))  # a standard checkpoint of the family
+    assert reference.config.model_type == family
+
+
+@pytest.mark.parametrize("family, objective, message", [
+    ("roberta", "mlm+nsp", "mlm\\+nsp needs BERT's next-sentence head; a roberta model has none"),
+    ("bert", "mlm+sop", "mlm\\+sop needs ALBERT's sentence-order head; a bert model has none"),
+    ("gpt2", None, "family 'gpt2' is not one of")])
+def test_an_objective_the_family_cannot_train_is_refused(tmp_path, family, objective, message):
+    from bert_engine.jobs import PretrainJob
+    from bert_engine.training import TrainConfig
+
+    cfg = TrainConfig(preset="tiny", family=family, objective=objective, train_file=str(_book_corpus(tmp_path / "c.txt")),
+                      tokenizer=str(TOKENIZERS / "roberta"), output_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match=message):
+        PretrainJob(cfg)
+
+
+@pytest.mark.parametrize("family", KINDS)
+def test_lora_fine_tuning_runs_and_loads_back_on_every_family(family, tmp_path):
+    """`bert-engine train` with LoRA on a family checkpoint: the adapter (ALBERT's on its shared layers)
+    and head load back to the live model's outputs, and the merged copy is a checkpoint of the family."""
+    from bert_engine import load
+    from bert_engine.jobs import TaskJob
+    from bert_engine.registry import load_registry
+    from bert_engine.training import TrainConfig, train
+
+    folder = _family_checkpoint(family, tmp_path / family)
+    task = load_registry(entry_points=False).task("sentiment")
+    sst = Path(__file__).parent / "fixtures" / "sst_tiny.tsv"
+    cfg = TrainConfig(task="sentiment", model=str(folder), train_file=str(sst), eval_file=str(sst),
+                      output_dir=str(tmp_path / "run"), max_steps=6, batch_size=8, lr=1e-2, log_every=2,
+                      save_every=100, lora_rank=4, lora_targets="query,value,ffn_down", merge_lora=True)
+    job = TaskJob(task, cfg)
+    train(job, cfg)
+    adapted, tokenizer = load(tmp_path / "run" / "last", task.spec.build_head)
+    merged, _ = load(tmp_path / "run" / "last" / "merged", task.spec.build_head)
+    batch = tokenizer(["Alice was happy.", "The Queen was very angry indeed."])
+    job.model.eval()
+    with torch.no_grad():
+        live = job.model(**batch.model_inputs()).logits
+        torch.testing.assert_close(adapted(**batch.model_inputs()).logits, live, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(merged(**batch.model_inputs()).logits, live, atol=1e-5, rtol=1e-4)
+    assert merged.encoder.config.model_type == family
