@@ -309,6 +309,13 @@ def _pretrain(args: argparse.Namespace) -> dict:
     return _run_training(PretrainJob, _training_config(args))
 
 
+def _distill(args: argparse.Namespace) -> dict:
+    from .distill import DistillJob
+
+    task = _task(args.task)
+    return _run_training(lambda c: DistillJob(task, c), _training_config(args, task=args.task))
+
+
 def _eval(args: argparse.Namespace) -> dict:
     from .inference import Predictor
     from .jobs import evaluate_task, resolve_model_name
@@ -443,9 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="fine-tune a registered task (built-in or plugin); works under torchrun",
                            description="Fine-tune TASK's head on a checkpoint, optionally with LoRA adapters.")
     train.add_argument("task", help="task name, e.g. sentiment, ner, qa, summary, fill_mask")
-    from .train_config import PRETRAIN_ONLY  # noqa: PLC0415 - as _add_training_flags: a light module
+    from .train_config import DISTILL_ONLY, NOT_FOR_DISTILL, PRETRAIN_ONLY  # noqa: PLC0415 - a light module
 
-    _add_training_flags(train, skip=("task", *PRETRAIN_ONLY))
+    _add_training_flags(train, skip=("task", *PRETRAIN_ONLY, *DISTILL_ONLY))
     train.set_defaults(run=_train)
     pretrain = sub.add_parser("pretrain", help="masked-LM pretraining (+ next-sentence or sentence-order) on raw text; "
                                                "works under torchrun",
@@ -453,8 +460,15 @@ def build_parser() -> argparse.ArgumentParser:
                                           "folder; blank lines separate documents), from a size preset or from a "
                                           "checkpoint, with the family's objective: MLM + NSP (BERT), MLM + SOP "
                                           "(ALBERT), MLM only (RoBERTa, DistilBERT).")
-    _add_training_flags(pretrain, skip=("task",))
+    _add_training_flags(pretrain, skip=("task", *DISTILL_ONLY))
     pretrain.set_defaults(run=_pretrain)
+    distill = sub.add_parser("distill", help="distil a fine-tuned task model into a smaller student (DistilBERT-style)",
+                             description="Train a student with fewer layers (from every other teacher layer) on "
+                                         "TASK's data with the teacher's soft targets, the task loss and a "
+                                         "hidden-state cosine loss; saves a plain checkpoint of the teacher's family.")
+    distill.add_argument("task", help="task name, e.g. sentiment, ner, qa")
+    _add_training_flags(distill, skip=("task", *PRETRAIN_ONLY, *NOT_FOR_DISTILL))
+    distill.set_defaults(run=_distill)
     evaluate = sub.add_parser("eval", help="score a checkpoint on a task's data with the task's standard metrics")
     evaluate.add_argument("task", help="task name")
     evaluate.add_argument("--data", required=True, help="data file in the task's format (e.g. eng.testb, dev-v1.1.json)")

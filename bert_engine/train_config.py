@@ -72,6 +72,13 @@ class TrainConfig:
     family: str = _help("pretraining from a preset: bert, roberta, albert or distilbert", default="bert")
     tokenizer: str | None = _help("pretraining from a preset: a tokenizer folder (default: the default backbone's)",
                                   default=None)
+    teacher: str | None = _help("distillation: the fine-tuned task model to learn from (folder, Hub id or starter "
+                                "folder)", default=None)
+    student_layers: int = _help("distillation: the student's layers, from every other teacher layer", default=3)
+    temperature: float = _help("distillation: softmax temperature of the soft targets", default=2.0)
+    alpha_soft: float = _help("distillation: weight of the soft-target (KL) loss", default=0.5)
+    alpha_task: float = _help("distillation: weight of the task's own loss on the labels", default=0.5)
+    alpha_cos: float = _help("distillation: weight of the hidden-state cosine loss", default=0.1)
 
     def __post_init__(self) -> None:
         from .precision import TRAINING_NAMES  # noqa: PLC0415 - torch loads when a run is set up, not for --help
@@ -126,3 +133,6 @@ def parse_best_metric(value: str | None, spec: Any = None) -> tuple[str | None, 
 
 # Settings only pretraining reads: `bert-engine train` has no flags for them.
 PRETRAIN_ONLY = ("preset", "max_seq_len", "whole_word_mask", "short_seq_prob", "objective", "family", "tokenizer")
+# Settings only distillation reads; it trains the whole student, so it has no LoRA flags either.
+DISTILL_ONLY = ("teacher", "student_layers", "temperature", "alpha_soft", "alpha_task", "alpha_cos")
+NOT_FOR_DISTILL = ("model", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "merge_lora", "freeze_encoder")
