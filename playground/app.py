@@ -233,8 +233,7 @@ def describe(predictor: LazyPredictor) -> str:
         return f"Model: `{name}` (loads on first use)"
     info = predictor.get().provenance()
     head = " · **head not trained**" if info["untrained_head"] else ""
-    family = {"bert": "BERT", "roberta": "RoBERTa", "albert": "ALBERT", "distilbert": "DistilBERT"}.get(info["family"],
-                                                                                                     info["family"])
+    family = FAMILY_NAMES.get(info["family"], info["family"])
     return f"Model: `{info['model']}` · {family} · {info['device']} · {info['dtype']}{head}"
 
 
@@ -277,6 +276,19 @@ def find_checkpoints(allowed: list[Path], task: str | None = None, depth: int = 
                 "/".join(folder.parts[-2:])
             found.setdefault(name, str(folder))
     return dict(sorted(found.items()))
+
+
+FAMILY_NAMES = {"bert": "BERT", "roberta": "RoBERTa", "albert": "ALBERT", "distilbert": "DistilBERT"}
+
+
+def family_label(folder: str | Path) -> str:
+    """The family a model folder's config.json declares, as people write it ("RoBERTa"); "?" if unreadable."""
+    try:
+        data = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "?"
+    family = data.get("model_type", "bert") if isinstance(data, dict) else "?"
+    return FAMILY_NAMES.get(family, str(family)[:20])
 
 
 def check_model_choice(value: str, allowed: list[Path], known: dict[str, str] | None = None) -> str | None:
@@ -341,7 +353,8 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
     known = find_checkpoints(model_dirs, name)
     with gr.Accordion("Model", open=False):
         with gr.Row():
-            choice = gr.Dropdown(choices=[("default (the task's starter model)", ""), *[(k, k) for k in known]],
+            choice = gr.Dropdown(choices=[("default (the task's starter model)", ""),
+                                          *[(f"{k} · {family_label(v)}", k) for k, v in known.items()]],
                                  value="", allow_custom_value=True, show_label=False, scale=4,
                                  info="a listed model, or a Hub id such as owner/name", filterable=True)
             load = gr.Button("Load", scale=1)

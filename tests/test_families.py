@@ -381,3 +381,11 @@ def test_lora_fine_tuning_runs_and_loads_back_on_every_family(family, tmp_path):
         torch.testing.assert_close(adapted(**batch.model_inputs()).logits, live, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(merged(**batch.model_inputs()).logits, live, atol=1e-5, rtol=1e-4)
     assert merged.encoder.config.model_type == family
+
+
+def test_the_model_picker_names_each_family(tmp_path):
+    from playground.app import family_label
+
+    for family, shown in (("roberta", "RoBERTa"), ("albert", "ALBERT"), ("distilbert", "DistilBERT")):
+        assert family_label(_family_checkpoint(family, tmp_path / family)) == shown
+    assert family_label(tmp_path / "nothing here") == "?"
