@@ -29,7 +29,8 @@ for task in "${TASKS[@]}"; do
     sentiment)
       train_and_pack sentiment --eval-data "$DATA/sst2/dev.tsv" -- \
         --train-file "$DATA/sst2/train.tsv" --eval-file "$DATA/sst2/dev.tsv" \
-        --lora-rank 8 --lr 1e-3 --batch-size 32 --max-steps 600 --log-every 50 ;;
+        --lora-rank 16 --lora-targets query,key,value,attention_output,ffn_up,ffn_down --lr 1e-3 --batch-size 32 \
+        --max-steps 4000 --eval-every 1000 --save-every 500 --log-every 100 ;;
     ner)
       train_and_pack ner --eval-data "$DATA/conll2003/eng.testa" --eval-data "$DATA/conll2003/eng.testb" -- \
         --train-file "$DATA/conll2003/eng.train" --eval-file "$DATA/conll2003/eng.testa" --eval-limit 1000 \
