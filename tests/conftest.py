@@ -344,3 +344,14 @@ def fit_tiny_model(build_head, batch, targets, loss, *, steps: int, lr: float):
         optimizer.step()
         losses.append(value.item())
     return model.eval(), losses
+
+
+def randomised(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in eval mode with random, non-trivial values everywhere (biases and LayerNorms included),
+    seeded: parity tests compare implementations on weights that exercise every parameter."""
+    torch.manual_seed(0)
+    model.eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    return model

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import randomised
 
 from bert_engine import BertConfig, BertModel, BertWithHead, load_pretrained, save_pretrained
 from bert_engine.loading import CheckpointError
@@ -88,9 +89,7 @@ def _reference(family: str, head, attn_implementation: str = "eager"):
     config = FAMILIES[family]["config"](num_labels=labels, attn_implementation=attn_implementation)
     torch.manual_seed(0)
     model = cls(config).eval()
-    with torch.no_grad():  # random, non-trivial values everywhere (biases and LayerNorms included)
-        for param in model.parameters():
-            param.normal_(0, 0.2)
+    randomised(model)
     return model
 
 
@@ -118,9 +117,7 @@ def test_our_save_loads_in_reference_with_identical_outputs(tmp_path, family, he
     config = FAMILIES[family]["ours"].with_labels(["a", "b"] if head in ("span", "pretraining") else list("abcde"))
     torch.manual_seed(0)
     ours = (BertModel(config) if head is None else BertWithHead(config, head)).eval()
-    with torch.no_grad():
-        for param in ours.parameters():
-            param.normal_(0, 0.2)
+    randomised(ours)
     save_pretrained(ours, tmp_path)
     cls, _ = FAMILIES[family]["heads"][head]
     reference = cls.from_pretrained(tmp_path, attn_implementation="eager").eval()
@@ -134,9 +131,7 @@ def test_albert_runs_its_shared_layer_groups_in_transformers_order(tmp_path):
     config = FAMILIES["albert"]["config"](num_hidden_layers=3, num_hidden_groups=1, inner_group_num=2)
     torch.manual_seed(0)
     reference = T.AlbertModel(config).eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.normal_(0, 0.2)
+    randomised(reference)
     reference.save_pretrained(tmp_path)
     ours = load_pretrained(tmp_path, strict=True)
     assert len(ours.layers) == 2 and ours.schedule == [0, 1, 0, 1, 0, 1]

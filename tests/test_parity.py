@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformers
-from conftest import SENTENCES
+from conftest import SENTENCES, randomised
 
 from bert_engine import PRESETS, BertModel, BertWithHead, load, load_pretrained, save_pretrained
 
@@ -43,9 +43,7 @@ def _reference(head, sizes, attn_implementation="eager"):
                                      attn_implementation=attn_implementation)
     torch.manual_seed(0)
     model = cls(config).eval()
-    with torch.no_grad():  # random, non-trivial values everywhere (biases and LayerNorms included)
-        for param in model.parameters():
-            param.normal_(0, 0.2)
+    randomised(model)
     return model
 
 
@@ -71,9 +69,7 @@ def test_reference_save_loads_with_identical_outputs(tmp_path, head, sizes, back
 def test_our_save_loads_in_reference_with_identical_outputs(tmp_path, head):
     config = PRESETS["tiny"].with_labels(["a", "b", "c", "d", "e"])
     ours = (BertModel(config) if head is None else BertWithHead(config, head)).eval()
-    with torch.no_grad():
-        for param in ours.parameters():
-            param.normal_(0, 0.2)
+    randomised(ours)
     save_pretrained(ours, tmp_path)
     cls, _ = REFERENCE[head]
     reference = cls.from_pretrained(tmp_path, attn_implementation="eager").eval()
