@@ -372,6 +372,11 @@ def _pack(args: argparse.Namespace) -> dict:
         "metrics": metrics, "command": args.command_line, "date": datetime.date.today().isoformat(),
         "files": {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.name != "manifest.json"},
     }
+    # A task whose evaluation tunes a no-answer threshold on one half of the data (QA on SQuAD 2.0):
+    # the packed model answers with it by default (plugins.qa.calibrated_threshold reads it).
+    tuned = [m["tuned_threshold"] for m in metrics.values() if "tuned_threshold" in m]
+    if tuned:
+        manifest["null_threshold"] = tuned[0]
     (target / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
 

@@ -10,7 +10,9 @@ rule), and duplicate spans are merged. The null score comes from [CLS] (SQuAD 2.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
+import math
 import re
 import string
 from html import escape
@@ -158,6 +160,8 @@ def normalize_answer(text: str) -> str:
 
 def f1_score(prediction: str, truth: str) -> float:
     predicted, gold = normalize_answer(prediction).split(), normalize_answer(truth).split()
+    if not predicted or not gold:  # SQuAD 2.0: "no answer" is right exactly when the truth is "no answer"
+        return float(predicted == gold)
     common = collections.Counter(predicted) & collections.Counter(gold)
     same = sum(common.values())
     if same == 0:
@@ -176,24 +180,102 @@ def squad_scores(predictions: list[str], golds: list[list[str]]) -> dict[str, fl
 
 
 def metric(results: list[dict], targets: list[dict]) -> dict[str, float]:
-    """Official SQuAD EM / F1 of the results' best answers against the targets' gold answers."""
-    return squad_scores([r["answer"] or "" for r in results], [t["answers"] for t in targets])
+    """Official SQuAD EM / F1 of the results' best answers against the targets' gold answers; on data
+    with unanswerable questions (SQuAD 2.0) also the official v2 figures (`v2_scores`)."""
+    scores = squad_scores([r["answer"] or "" for r in results], [t["answers"] for t in targets])
+    if any(t["answers"] == [""] for t in targets):
+        scores.update(v2_scores(results, targets))
+    return scores
+
+
+def _question_scores(result: dict, gold: list[str]) -> tuple[float, float, float, float]:
+    """(null gap, F1 and EM of the best span answer, the score of answering nothing) for one question."""
+    best = result["answers"][0]["answer"] if result["answers"] else ""
+    gap = result["no_answer"]["null_gap"]
+    gap = math.inf if gap is None else gap  # no span at all: no answer at any threshold
+    span_f1 = max(f1_score(best, t) for t in gold)
+    span_em = float(max(normalize_answer(best) == normalize_answer(t) for t in gold))
+    return gap, span_f1, span_em, float(gold == [""])
+
+
+def best_threshold(scored: list[tuple[float, float, float, float]], key: int = 1) -> tuple[float, float]:
+    """The null-gap threshold that maximises the mean score (F1 for key 1, EM for key 2) when a
+    question is answered "no answer" where its gap exceeds it, as the official v2 script's
+    find_best_thresh does; returns (best score in percent, threshold)."""
+    if not scored:
+        raise ValueError("no questions to score")
+    ordered = sorted(scored, key=lambda q: q[0])
+    total = sum(q[3] for q in ordered)  # everything answered "no answer": right where there is none
+    best, threshold = total, min(ordered[0][0], 0.0) - 1.0
+    for gap, f1, em, none in ordered:  # answer this one (and every smaller gap) with its span instead
+        total += (f1 if key == 1 else em) - none
+        if total > best and math.isfinite(gap):
+            best, threshold = total, gap
+    return 100.0 * best / len(ordered), threshold
+
+
+def v2_scores(results: list[dict], targets: list[dict]) -> dict[str, float]:
+    """The official SQuAD 2.0 figures: HasAns / NoAns EM and F1 of the results as predicted, best_exact /
+    best_f1 with their thresholds (on the null gap), and an honest variant: the F1 threshold tuned on
+    the first half of the questions, scored on the second half (`heldout_f1` at `tuned_threshold`)."""
+    scored = [_question_scores(r, t["answers"]) for r, t in zip(results, targets)]
+    has = [i for i, t in enumerate(targets) if t["answers"] != [""]]
+    none = [i for i, t in enumerate(targets) if t["answers"] == [""]]
+    predicted = [r["no_answer"]["predicted"] for r in results]
+
+    def as_predicted(indices: list[int], key: int) -> float:
+        if not indices:
+            return 0.0
+        return 100.0 * sum(scored[i][3] if predicted[i] else scored[i][key] for i in indices) / len(indices)
+
+    out = {"HasAns_exact": as_predicted(has, 2), "HasAns_f1": as_predicted(has, 1), "HasAns_total": len(has),
+           "NoAns_exact": as_predicted(none, 2), "NoAns_f1": as_predicted(none, 1), "NoAns_total": len(none)}
+    out["best_exact"], out["best_exact_thresh"] = best_threshold(scored, key=2)
+    out["best_f1"], out["best_f1_thresh"] = best_threshold(scored, key=1)
+    half = len(scored) // 2
+    if half:
+        _, tuned = best_threshold(scored[:half], key=1)
+        heldout = scored[half:]
+        out["tuned_threshold"] = tuned
+        out["heldout_f1"] = 100.0 * sum(q[3] if q[0] > tuned else q[1] for q in heldout) / len(heldout)
+        out["heldout_total"] = len(heldout)
+    return out
+
+
+NEGATIVES_SUFFIX = "+negatives"  # a split name ending in it adds unanswerable questions (read_data)
+NEGATIVE_SHARE = 0.33  # about a third of the questions get a second, unanswerable copy: SQuAD 2.0's ratio
 
 
 def read_data(path, split: str = "dev"):
-    """A SQuAD-format JSON file; yields ({"question", "context"}, {"answers": texts, "starts": char offsets})."""
+    """A SQuAD-format JSON file (v1.1, or v2.0 with unanswerable questions: answers [""], starts [-1]);
+    yields ({"question", "context"}, {"answers": texts, "starts": char offsets}).
+
+    A split ending in "+negatives" (e.g. "train+negatives") also yields, for about a third of the
+    questions (chosen by a hash of the question id, so the same ones every time), the question over
+    another paragraph of the same article as an unanswerable example, unless that paragraph contains
+    one of the answers: the standard construction of no-answer training data from SQuAD 1.1.
+    """
     with open(path, encoding="utf-8") as handle:
         try:
             data = json.load(handle)["data"]
         except (ValueError, KeyError) as err:
             raise ValueError(f"{path}: not a SQuAD-format JSON file ({err})") from None
+    negatives = str(split).endswith(NEGATIVES_SUFFIX)
     for article in data:
-        for paragraph in article["paragraphs"]:
+        paragraphs = article["paragraphs"]
+        for index, paragraph in enumerate(paragraphs):
             for qa in paragraph["qas"]:
-                answers = qa["answers"]
+                answers = [] if qa.get("is_impossible") else qa["answers"]
                 yield ({"question": qa["question"], "context": paragraph["context"]},
                        {"answers": [a["text"] for a in answers] or [""],
                         "starts": [a["answer_start"] for a in answers] or [-1]})
+                if negatives and len(paragraphs) > 1 and answers:
+                    draw = int(hashlib.sha256(str(qa.get("id", qa["question"])).encode()).hexdigest()[:8], 16)
+                    if draw / 0xFFFFFFFF >= NEGATIVE_SHARE:
+                        continue
+                    other = paragraphs[(index + 1 + draw % (len(paragraphs) - 1)) % len(paragraphs)]["context"]
+                    if not any(normalize_answer(a["text"]) in normalize_answer(other) for a in answers):
+                        yield {"question": qa["question"], "context": other}, {"answers": [""], "starts": [-1]}
 
 
 def _padded(batches: list, name: str, value: int) -> torch.Tensor:

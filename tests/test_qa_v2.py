@@ -1,0 +1,83 @@
+"""SQuAD 2.0 for the QA task: unanswerable training examples built from SQuAD 1.1, and the official v2 figures."""
+
+import json
+
+import pytest
+
+from plugins.qa import NEGATIVE_SHARE, best_threshold, metric, normalize_answer, read_data, v2_scores
+
+
+def _result(answer: str, gap: float | None, predicted: bool = False) -> dict:
+    return {"answer": None if predicted else answer, "answers": [{"answer": answer, "score": 0.5}] if answer else [],
+            "no_answer": {"null_gap": gap, "predicted": predicted}}
+
+
+def _target(*answers: str) -> dict:
+    return {"answers": list(answers) or [""], "starts": [0] * len(answers) or [-1]}
+
+
+def test_best_threshold_is_the_official_find_best_thresh():
+    # two answerable (span F1 1.0 and 0.5), two unanswerable; gaps -5, 1 and -2, 3
+    results = [_result("Paris", -5.0), _result("in 1889 then", 1.0), _result("London", -2.0), _result("Rome", 3.0)]
+    targets = [_target("Paris"), _target("in 1889"), _target(), _target()]
+    scores = v2_scores(results, targets)
+    # the best: answer only the first (gap -5), say "no answer" to the rest: 1 + 0 + 1 + 1 of 4
+    assert scores["best_f1"] == pytest.approx(75.0) and scores["best_f1_thresh"] == -5.0
+    assert scores["HasAns_total"] == 2 and scores["NoAns_total"] == 2
+    assert scores["NoAns_f1"] == 0.0 and scores["HasAns_exact"] == 50.0  # as predicted: every span answered
+    assert best_threshold([(float("inf"), 0.0, 0.0, 1.0)]) == (100.0, -1.0)  # no span at all: no answer
+
+
+def test_the_honest_threshold_is_tuned_on_one_half_and_scored_on_the_other():
+    results = [_result("a", 2.0), _result("b", -1.0), _result("c", 0.5), _result("d", -3.0)]
+    targets = [_target(), _target("b"), _target(), _target("d")]
+    scores = v2_scores(results, targets)
+    assert scores["tuned_threshold"] == -1.0  # from the first two: answer gaps <= -1
+    assert scores["heldout_total"] == 2 and scores["heldout_f1"] == pytest.approx(100.0)  # c: none (0.5 > -1); d: d
+
+
+def test_metric_adds_the_v2_figures_only_on_data_with_unanswerable_questions():
+    v1 = metric([_result("Paris", -5.0)], [_target("Paris")])
+    assert set(v1) == {"exact_match", "f1"}
+    v2 = metric([_result("Paris", -5.0), _result("x", 4.0, predicted=True)], [_target("Paris"), _target()])
+    assert v2["f1"] == 100.0 and v2["NoAns_f1"] == 100.0 and "best_f1_thresh" in v2
+
+
+def _squad(path, articles: int = 6, paragraphs: int = 3, questions: int = 4):
+    data = {"data": [{"title": f"a{a}", "paragraphs": [
+        {"context": f"Paragraph {p} of article {a} says " + " ".join(f"word{a}x{p}q{k}." for k in range(questions)),
+         "qas": [{"id": f"{a}-{p}-{q}", "question": f"What does paragraph {p} of {a} say, {q}?",
+                  "answers": [{"text": f"word{a}x{p}q{q}", "answer_start": 0}]} for q in range(questions)]}
+        for p in range(paragraphs)]} for a in range(articles)]}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_negatives_pair_a_question_with_another_paragraph_of_its_article(tmp_path):
+    path = _squad(tmp_path / "train.json")
+    plain = list(read_data(path, "train"))
+    mixed = list(read_data(path, "train+negatives"))
+    negatives = [(inputs, target) for inputs, target in mixed if target["answers"] == [""]]
+    assert len(plain) == 72 and len(mixed) == len(plain) + len(negatives)
+    assert abs(len(negatives) / len(plain) - NEGATIVE_SHARE) < 0.15
+    by_question = {inputs["question"]: (inputs, target) for inputs, target in plain}
+    for inputs, target in negatives:
+        original_inputs, original = by_question[inputs["question"]]
+        assert inputs["context"] != original_inputs["context"]  # another paragraph ...
+        article = original_inputs["context"].split("article ")[1].split(" ")[0]
+        assert f"article {article} " in inputs["context"]  # ... of the same article
+        assert normalize_answer(original["answers"][0]) not in normalize_answer(inputs["context"])
+        assert target["starts"] == [-1]
+    assert negatives == [x for x in read_data(path, "train+negatives") if x[1]["answers"] == [""]]  # the same ones
+
+
+def test_squad_v2_unanswerable_questions_read_as_no_answer(tmp_path):
+    path = tmp_path / "dev-v2.json"
+    path.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": "Paris is in France.", "qas": [
+        {"id": "1", "question": "Where is Paris?", "answers": [{"text": "France", "answer_start": 12}],
+         "is_impossible": False},
+        {"id": "2", "question": "Where is Rome?", "answers": [], "plausible_answers": [{"text": "France",
+                                                                                       "answer_start": 12}],
+         "is_impossible": True}]}]}]}))
+    (_, first), (_, second) = read_data(path, "dev")
+    assert first == {"answers": ["France"], "starts": [12]} and second == {"answers": [""], "starts": [-1]}
