@@ -61,15 +61,17 @@ def log_probs_at(head: FillMaskHead, encode, input_ids: Tensor, attention_mask: 
 # The task's options and their defaults, declared once: the Predictor passes every one to preprocess
 # and postprocess (a caller's values over these).
 OPTIONS = {"top_k": 5, "mode": "independent", "targets": None, "beam_width": 8, "max_masks": 5,
-           "max_length": None}
+           "max_length": None, "subwords": False}
 
 
-def preprocess(inputs, tokenizer, *, top_k, mode, targets, beam_width, max_masks, max_length):
+def preprocess(inputs, tokenizer, *, top_k, mode, targets, beam_width, max_masks, max_length, subwords):
     text = inputs["text"]
     mask = tokenizer.mask_token
     if mask != "[MASK]":  # a model whose mask is "<mask>" (RoBERTa) still reads the tab's "[MASK]"
         text = text.replace("[MASK]", mask)
     check_int("fill_mask", "top_k", top_k, 1, 100)
+    if not isinstance(subwords, bool):
+        raise InputError(f"fill_mask: subwords must be true or false, got {subwords!r}")
     if mode not in MODES:
         raise InputError(f"fill_mask: mode {mode!r} is not one of {MODES}")
     if not isinstance(beam_width, int) or not 1 <= beam_width <= 64:
@@ -130,7 +132,8 @@ def _fill(text: str, spans: list[tuple[int, int]], pieces: list[str]) -> str:
     return "".join(out) + text[cursor:]
 
 
-def postprocess(output: FillMaskOutput, batch, *, context: TaskContext, top_k, mode, targets, beam_width, max_masks, max_length):
+def postprocess(output: FillMaskOutput, batch, *, context: TaskContext, top_k, mode, targets, beam_width, max_masks,
+                max_length, subwords):
     tokenizer, text = context.tokenizer, batch.meta["text"]
     ids = batch.input_ids[0]
     positions = (ids == tokenizer.mask_token_id).nonzero().squeeze(-1)
@@ -141,13 +144,16 @@ def postprocess(output: FillMaskOutput, batch, *, context: TaskContext, top_k, m
         return {"mode": "targets", "masks": len(spans),
                 "candidates": _score_targets(head, context.encode, batch, positions[0], batch.meta["targets"],
                                               tokenizer, text, spans[0])}
+    blocked = [] if subwords else word_piece_blocks(tokenizer, text, spans)
     if mode == "joint" and len(spans) > 1:
         return {"mode": "joint", "masks": len(spans),
                 "candidates": _beam(head, context.encode, batch, positions, spans, tokenizer, text, top_k, beam_width,
-                                   specials)}
+                                   specials, blocked)}
     hidden = output.hidden_states[0, positions.to(output.hidden_states.device)]  # (M, H)
     log_probs = head.logits(hidden).float().log_softmax(-1).cpu()  # (M, V)
     log_probs[:, specials] = -math.inf  # special tokens are never a word
+    for m, pieces in blocked:  # a mask standing for a whole word gets words, not "##s"
+        log_probs[m, pieces[:log_probs.shape[1]]] = -math.inf
     per_mask = []
     for m, span in enumerate(spans):
         scores, token_ids = log_probs[m].topk(top_k)
@@ -227,7 +233,30 @@ def _target_pieces(targets: list[str], tokenizer, length: int) -> dict[str, list
     return pieces
 
 
-def _beam(head, encode, batch, positions: Tensor, spans, tokenizer, text, top_k: int, beam_width: int, specials):
+def word_piece_blocks(tokenizer, text: str, spans) -> list[tuple[int, Tensor]]:
+    """For each mask that stands alone as a word (no letter or digit right after it; before it, anything
+    but a letter or digit for WordPiece, a space for BPE and Unigram, whose word-start marks follow
+    spaces), the ids of the pieces that only continue a word ("##s", BPE's pieces without "Ġ"), as
+    (mask index, ids): such a mask is never filled with half a word."""
+    from bert_engine.pretraining import continuation_mask  # noqa: PLC0415 - the cached vocabulary scan
+
+    vocab_size = max(tokenizer.backend.get_vocab().values()) + 1
+    pieces = continuation_mask(torch.arange(vocab_size).unsqueeze(0), tokenizer)[0].nonzero().squeeze(-1)
+    blocked = []
+    for m, (start, end) in enumerate(spans):
+        before = text[start - 1] if start > 0 else ""
+        after = text[end] if end < len(text) else ""
+        if after.isalnum():
+            continue
+        if tokenizer.kind == "WordPiece" and not before.isalnum():  # punctuation splits words too: "(x)"
+            blocked.append((m, pieces))
+        elif tokenizer.kind != "WordPiece" and before.isspace():  # BPE / Unigram mark a word after a space
+            blocked.append((m, pieces))
+    return blocked
+
+
+def _beam(head, encode, batch, positions: Tensor, spans, tokenizer, text, top_k: int, beam_width: int, specials,
+          blocked=()):
     """Beam search over the masks left to right, re-encoding each partial filling."""
     beams = [(batch.input_ids[0].clone(), 0.0, [])]  # (ids, log-prob, chosen token ids)
     mask, types = batch.attention_mask[:1], batch.token_type_ids[:1]
@@ -237,6 +266,9 @@ def _beam(head, encode, batch, positions: Tensor, spans, tokenizer, text, top_k:
         log_probs = log_probs_at(head, encode, stacked, mask.expand_as(stacked), types.expand_as(stacked),
                                  torch.full((len(beams),), position))  # (beams, V)
         log_probs[:, specials] = -math.inf
+        for m, pieces in blocked:
+            if positions[m] == position:
+                log_probs[:, pieces[:log_probs.shape[1]]] = -math.inf
         scores, token_ids = log_probs.topk(width, dim=-1)
         expanded = []
         for b, (ids, total, chosen) in enumerate(beams):

@@ -1,6 +1,7 @@
 """Fill-mask: parity with the transformers pipeline, targets, joint beam decoding, bad input."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,11 @@ from conftest import reference_checkpoint
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.registry import load_registry
-from plugins.fill_mask import candidate_bars
+from bert_engine.tokenizer import Tokenizer
+from plugins.fill_mask import candidate_bars, word_piece_blocks
+from plugins.starter import STARTER_ROOT
+
+TOKENIZERS = Path(__file__).parents[1] / "fixtures" / "tokenizers"
 
 TEXTS = [
     "The capital of France is [MASK].",
@@ -49,7 +54,8 @@ def test_single_mask_matches_the_reference_pipeline(predictor, pipeline):
     tokenizer = predictor.tokenizer
     specials = {tokenizer.token_id(n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")}
     for text in TEXTS:
-        ours = predictor.predict({"text": text}, top_k=5)["result"]["predictions"][0]["candidates"]
+        # subwords=True: the reference ranks the whole vocabulary, word pieces included
+        ours = predictor.predict({"text": text}, top_k=5, subwords=True)["result"]["predictions"][0]["candidates"]
         theirs = _reference_top(pipeline, text, 5, specials)
         assert [c["token_id"] for c in ours] == [r["token"] for r in theirs]
         for mine, ref in zip(ours, theirs):
@@ -70,7 +76,7 @@ def test_several_masks_independent_match_the_pipeline_per_mask(predictor, pipeli
     text = "I [MASK] to the [MASK] to buy some bread."
     tokenizer = predictor.tokenizer
     specials = {tokenizer.token_id(n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")}
-    ours = predictor.predict({"text": text}, top_k=3)["result"]["predictions"]
+    ours = predictor.predict({"text": text}, top_k=3, subwords=True)["result"]["predictions"]
     theirs = pipeline(text, top_k=3 + len(specials))
     assert len(ours) == len(theirs) == 2
     for mine, ref in zip(ours, theirs):
@@ -168,3 +174,38 @@ def test_minilm_encoder_with_a_fresh_head_gives_valid_offsets(task, minilm_dir):
     mask = output["result"]["predictions"][0]
     assert text[mask["start"]:mask["end"]] == "[MASK]" and len(mask["candidates"]) == 3
     assert output["provenance"]["untrained_head"] is True
+
+
+# -- whole-word masks -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["distilbert", "roberta", "albert"])
+def test_only_a_mask_standing_alone_blocks_word_pieces(family):
+    tokenizer = Tokenizer.from_pretrained(TOKENIZERS / family)
+    mask = tokenizer.mask_token
+    text = f"It was a {mask}. Un{mask}able, {mask}ly and ({mask})."
+    spans, start = [], 0
+    while (start := text.find(mask, start)) >= 0:
+        spans.append((start, start + len(mask)))
+        start += len(mask)
+    blocked = dict(word_piece_blocks(tokenizer, text, spans))
+    # "a <mask>." is a whole word, "(<mask>)" too where punctuation splits words (WordPiece); never parts
+    # of a word ("Un<mask>able", " <mask>ly")
+    assert set(blocked) == ({0, 3} if tokenizer.kind == "WordPiece" else {0})
+    pieces = set(tokenizer.convert_ids_to_tokens(blocked[0].tolist()))
+    assert pieces and not any(tokenizer.starts_word(p) for p in pieces)
+    words = {t for t in tokenizer.backend.get_vocab() if tokenizer.starts_word(t)}
+    assert not pieces & words
+
+
+@pytest.mark.skipif(not (STARTER_ROOT / "fill_mask" / "manifest.json").is_file(), reason="no fill-mask starter")
+def test_the_starter_never_offers_a_word_piece_for_a_whole_word_unless_asked():
+    from bert_engine.inference import Predictor
+    from bert_engine.registry import load_registry
+
+    predictor = Predictor.load(load_registry(entry_points=False).task("fill_mask"))
+    text = "It was a dark and stormy [MASK]."
+    tokens = [c["token"] for c in predictor.predict({"text": text}, top_k=20)["result"]["predictions"][0]["candidates"]]
+    assert len(tokens) == 20 and not any(t.startswith("##") for t in tokens)
+    asked = predictor.predict({"text": text}, top_k=20, subwords=True)["result"]["predictions"][0]["candidates"]
+    assert any(c["token"].startswith("##") for c in asked)  # this model ranks "##s" first when allowed
