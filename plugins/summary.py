@@ -377,7 +377,28 @@ def evaluate(predictor, examples, *, batch_size: int = 8, progress: bool = True,
     table["lead-3"] = rouge([lead(t, 3) for t in texts], references)
     table["first-k (k as the model)"] = rouge([lead(t, len(r["selected"])) for t, r in zip(texts, model_results)],
                                               references)
-    return {**table[f"model ({mode})"], "documents": len(examples), "rouge_f1": table}
+    lead_share = {f"model ({mode})": keeps_lead(model_results)}
+    if mode != "centroid":
+        lead_share["centroid (unsupervised)"] = keeps_lead(centroid)
+    lead_share["references"] = references_with_lead(model_results, references)
+    return {**table[f"model ({mode})"], "documents": len(examples), "lead_kept": lead_share[f"model ({mode})"],
+            "rouge_f1": table, "first_sentence_kept": lead_share}
+
+
+def keeps_lead(results: list[dict]) -> float:
+    """The share of summaries that contain the document's first sentence (news puts its key fact there)."""
+    return sum(0 in r["selected"] for r in results) / max(len(results), 1)
+
+
+def references_with_lead(results: list[dict], references: list[str]) -> float:
+    """The share of reference summaries that contain the document's first sentence (spacing ignored:
+    the BBC references join their sentences without one)."""
+    def squeeze(text: str) -> str:
+        return "".join(text.split())
+
+    found = sum(bool(r["sentences"]) and squeeze(r["sentences"][0]["text"]) in squeeze(reference)
+                for r, reference in zip(results, references))
+    return found / max(len(references), 1)
 
 
 # -- the tab ---------------------------------------------------------------------------------------

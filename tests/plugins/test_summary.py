@@ -172,6 +172,19 @@ def test_evaluate_reports_model_lead3_and_first_k(minilm):
     assert set(table["rouge_f1"]) == {"model (centroid)", "lead-3", "first-k (k as the model)"}
     for scores in table["rouge_f1"].values():
         assert 0 < scores["rouge2"] <= scores["rouge1"] <= 100
+    shares = table["first_sentence_kept"]
+    assert set(shares) == {"model (centroid)", "references"} and table["lead_kept"] == shares["model (centroid)"]
+    assert all(0 <= v <= 1 for v in shares.values())
+
+
+def test_lead_shares_count_the_first_sentence_in_summaries_and_references():
+    from plugins.summary import keeps_lead, references_with_lead
+
+    results = [{"selected": [0, 2], "sentences": [{"text": "First one here."}]},
+               {"selected": [1], "sentences": [{"text": "Lead  of two."}]}]
+    assert keeps_lead(results) == 0.5
+    assert references_with_lead(results, ["First one here.Other.", "Something else."]) == 0.5
+    assert references_with_lead(results, ["x", "Lead of two. More."]) == 0.5  # spacing ignored
 
 
 def test_split_is_fixed_and_bad_lines_name_the_line(tmp_path):
