@@ -391,16 +391,21 @@ def test_train_help_explains_every_setting():
 
     out = subprocess.run([sys.executable, "-m", "bert_engine", "train", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    from bert_engine.train_config import PRETRAIN_ONLY
+    from bert_engine.train_config import DISTILL_ONLY, PRETRAIN_ONLY
 
-    pretrain = subprocess.run([sys.executable, "-m", "bert_engine", "pretrain", "--help"], capture_output=True,
+    def usage(command: str) -> str:
+        return subprocess.run([sys.executable, "-m", "bert_engine", command, "--help"], capture_output=True,
                               text=True, check=True).stdout
+
+    pretrain, distill = usage("pretrain"), usage("distill")
     for f in dataclasses.fields(TrainConfig):
         flag = "--option" if f.name == "options" else "--" + f.name.replace("_", "-")  # -o NAME=VALUE, as predict
-        if f.name not in ("task", *PRETRAIN_ONLY):
-            assert flag in out, flag
-        elif f.name != "task":
+        if f.name in PRETRAIN_ONLY:
             assert flag in pretrain and flag not in out, flag
+        elif f.name in DISTILL_ONLY:
+            assert flag in distill and flag not in out and flag not in pretrain, flag
+        elif f.name != "task":
+            assert flag in out, flag
     assert "--lora-rank" in out and "LoRA adapters" in " ".join(out.split())
 
 
