@@ -153,7 +153,7 @@ def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
     import asyncio
 
     from mcp import ClientSession
-    from mcp.client.streamable_http import streamablehttp_client
+    from mcp.client.streamable_http import streamable_http_client
 
     app = build_app(registry)
     app.queue(default_concurrency_limit=2)
@@ -161,7 +161,7 @@ def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, mcp_server=True)
 
     async def session_calls():
-        async with streamablehttp_client(f"http://127.0.0.1:{port}/gradio_api/mcp/") as (read, write, _):
+        async with streamable_http_client(f"http://127.0.0.1:{port}/gradio_api/mcp/") as (read, write, _):
             async with ClientSession(read, write) as session:
                 await session.initialize()
                 tools = {tool.name: tool for tool in (await session.list_tools()).tools}
