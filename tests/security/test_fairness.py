@@ -134,17 +134,18 @@ def test_time_waiting_at_the_gate_is_counted_while_it_goes_on():
 
     gate = ComputeGate(slots=1)
     holder, release = _hold(gate, "busy")
-    waited = Waited()
+    waited, served = Waited(), threading.Event()
 
     def wait_for_turn():
         WAITED.set(waited)
         with gate.turn(1, key="late"):
-            pass
+            served.set()  # the turn came, after the holder let go
 
     waiter = threading.Thread(target=wait_for_turn)
     waiter.start()
     _wait_until(lambda: waited.seconds > 0.3)  # still waiting: counted live
+    assert not served.is_set()
     release.set()
     holder.join(10)
     waiter.join(10)
-    assert 0.3 < waited.seconds < 10
+    assert served.is_set() and 0.3 < waited.seconds < 10
