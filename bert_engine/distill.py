@@ -96,9 +96,8 @@ class DistillJob(TaskJob):
             raise ValueError("teacher (a fine-tuned model folder of the task, or a starter model) is required")
         if cfg.lora_rank:
             raise ValueError("distillation trains the whole student; lora_rank is not used here")
-        for name in ("temperature",):
-            if not getattr(cfg, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)!r}")
+        if not cfg.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {cfg.temperature!r}")
         weights = {n: getattr(cfg, n) for n in ("alpha_soft", "alpha_task", "alpha_cos")}
         if any(w < 0 for w in weights.values()) or not any(weights.values()):
             raise ValueError(f"the loss weights must be >= 0 and not all 0, got {weights}")

@@ -93,12 +93,16 @@ class PairBuilder:
         rng.shuffle(out)
         return out
 
+    def _target(self, rng: random.Random, max_tokens: int) -> int:
+        """The next row's length: full, or with short_seq_prob a shorter one, so short inputs are seen too."""
+        return rng.randint(2, max_tokens) if rng.random() < self.short_seq_prob else max_tokens
+
     def _document_pairs(self, index: int, rng: random.Random) -> list[Pair]:
         if self.objective == "mlm":
             return self._document_rows(index, rng)
         document = self.documents[index]
         max_tokens = self.max_seq_len - 3
-        target = rng.randint(2, max_tokens) if rng.random() < self.short_seq_prob else max_tokens
+        target = self._target(rng, max_tokens)
         pairs, chunk, length, i = [], [], 0, 0
         while i < len(document):
             chunk.append(document[i])
@@ -114,19 +118,10 @@ class PairBuilder:
                 if len(chunk) >= 2 or chunk[0]:
                     a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
                     a = [t for unit in chunk[:a_end] for t in unit]
-                    if self.objective == "mlm+sop":  # ALBERT: the true continuation, in or out of order
+                    if self.objective == "mlm+sop":  # ALBERT: the true continuation, swapped below or not
                         is_random = False
                         b = [t for unit in chunk[a_end:] for t in unit]
-                        a, b = _truncate_pair(a, b, max_tokens, rng)
-                        if a and b and rng.random() < 0.5:
-                            a, b, is_random = b, a, True  # label 1: swapped
-                        if a and b:
-                            pairs.append(Pair(a, b, is_random))
-                        chunk, length = [], 0
-                        target = rng.randint(2, max_tokens) if rng.random() < self.short_seq_prob else max_tokens
-                        i += 1
-                        continue
-                    if len(chunk) == 1 or rng.random() < self.nsp_prob:
+                    elif len(chunk) == 1 or rng.random() < self.nsp_prob:
                         is_random = True
                         other = rng.randrange(len(self.documents) - 1)
                         other += other >= index  # any document but this one
@@ -139,20 +134,21 @@ class PairBuilder:
                         is_random = False
                         b = [t for unit in chunk[a_end:] for t in unit]
                     a, b = _truncate_pair(a, b, max_tokens, rng)
+                    if self.objective == "mlm+sop" and a and b and rng.random() < 0.5:
+                        a, b, is_random = b, a, True  # SOP label 1: the two segments swapped
                     if a and b:
                         pairs.append(Pair(a, b, is_random))
                 chunk, length = [], 0
-                target = rng.randint(2, max_tokens) if rng.random() < self.short_seq_prob else max_tokens
+                target = self._target(rng, max_tokens)
             i += 1
         return pairs
-
 
     def _document_rows(self, index: int, rng: random.Random) -> list[Pair]:
         """RoBERTa's FULL-SENTENCES rows: the document's units packed up to max_seq_len - 2 tokens, one
         segment each (Pair.b empty); a shorter target with short_seq_prob, as for pairs."""
         max_tokens = self.max_seq_len - 2
         rows, current = [], []
-        target = rng.randint(2, max_tokens) if rng.random() < self.short_seq_prob else max_tokens
+        target = self._target(rng, max_tokens)
         for unit in self.documents[index]:
             while unit:
                 room = target - len(current)
@@ -161,7 +157,7 @@ class PairBuilder:
                 if len(current) >= target:
                     rows.append(Pair(current, [], False))
                     current = []
-                    target = rng.randint(2, max_tokens) if rng.random() < self.short_seq_prob else max_tokens
+                    target = self._target(rng, max_tokens)
         if current:
             rows.append(Pair(current, [], False))
         return rows
@@ -209,13 +205,20 @@ def special_mask(input_ids: Tensor, tokenizer: Tokenizer) -> Tensor:
 def continuation_mask(input_ids: Tensor, tokenizer: Tokenizer) -> Tensor:
     """(B, T) bool: pieces that continue a word, for whole-word masking: "##" pieces of WordPiece, the
     pieces without a word-start mark of BPE ("Ġ") and Unigram ("▁") (Tokenizer.starts_word)."""
+    is_continuation = continuation_ids(tokenizer)
+    return is_continuation[input_ids.clamp(max=len(is_continuation) - 1)]
+
+
+def continuation_ids(tokenizer: Tokenizer) -> Tensor:
+    """(V,) bool by token id: the pieces that continue a word (Tokenizer.starts_word is false); one scan
+    of the vocabulary per tokenizer, kept on it."""
     is_continuation = getattr(tokenizer, "_continuation_ids", None)
-    if is_continuation is None:  # one scan of the vocabulary per tokenizer, not one per batch
+    if is_continuation is None:
         vocab = tokenizer.backend.get_vocab()
         is_continuation = torch.zeros(max(vocab.values()) + 1, dtype=torch.bool)
         is_continuation[[i for token, i in vocab.items() if not tokenizer.starts_word(token)]] = True
         tokenizer._continuation_ids = is_continuation
-    return is_continuation[input_ids.clamp(max=len(is_continuation) - 1)]
+    return is_continuation
 
 
 def mask_tokens(input_ids: Tensor, tokenizer: Tokenizer, *, mlm_prob: float = 0.15, whole_word: bool = False,

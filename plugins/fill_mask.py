@@ -23,7 +23,7 @@ from bert_engine import ui
 from bert_engine.heads import IGNORE_INDEX, MaskedLMHead
 from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.inference import MAX_REQUEST_TOKENS
-from bert_engine.pretraining import mask_tokens, masked_lm_counts, read_documents
+from bert_engine.pretraining import continuation_ids, mask_tokens, masked_lm_counts, read_documents
 from plugins.starter import starter_checkpoint
 
 MODES = ("independent", "joint")
@@ -238,10 +238,7 @@ def word_piece_blocks(tokenizer, text: str, spans) -> list[tuple[int, Tensor]]:
     but a letter or digit for WordPiece, a space for BPE and Unigram, whose word-start marks follow
     spaces), the ids of the pieces that only continue a word ("##s", BPE's pieces without "Ġ"), as
     (mask index, ids): such a mask is never filled with half a word."""
-    from bert_engine.pretraining import continuation_mask  # noqa: PLC0415 - the cached vocabulary scan
-
-    vocab_size = max(tokenizer.backend.get_vocab().values()) + 1
-    pieces = continuation_mask(torch.arange(vocab_size).unsqueeze(0), tokenizer)[0].nonzero().squeeze(-1)
+    pieces = continuation_ids(tokenizer).nonzero().squeeze(-1)  # cached on the tokenizer
     blocked = []
     for m, (start, end) in enumerate(spans):
         before = text[start - 1] if start > 0 else ""
