@@ -77,7 +77,7 @@ class BertConfig:
     problem_type: str | None = None  # "single_label_classification" | "multi_label_classification" | "regression"
     model_type: str = "bert"  # the family: bert, roberta, albert or distilbert
     # ALBERT: embeddings of this size projected to hidden_size, and layers shared in groups (layer i of
-    # num_hidden_layers runs group i * num_hidden_groups // num_hidden_layers, each of inner_group_num layers)
+    # num_hidden_layers runs group int(i / (num_hidden_layers / num_hidden_groups)), all inner_group_num layers of it)
     embedding_size: int | None = None
     num_hidden_groups: int = 1
     inner_group_num: int = 1

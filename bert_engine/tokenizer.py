@@ -193,6 +193,11 @@ class Tokenizer:
     def mask_token(self) -> str:
         return self.special_tokens["mask_token"]
 
+    @property
+    def _continuing_prefix(self) -> str:
+        """WordPiece's mark of a piece that continues a word ("##" unless the model says otherwise)."""
+        return getattr(self.backend.model, "continuing_subword_prefix", "##") or "##"
+
     def starts_word(self, token: str) -> bool:
         """Whether a piece begins a word, by the model's convention: WordPiece marks continuations ("##ing"),
         byte-level BPE marks word starts after a space ("Ġword"), Unigram marks word starts ("▁word")."""
@@ -200,14 +205,13 @@ class Tokenizer:
             return token.startswith("Ġ")
         if self.kind == "Unigram":
             return token.startswith("▁")
-        prefix = getattr(self.backend.model, "continuing_subword_prefix", "##") or "##"
-        return not token.startswith(prefix)
+        return not token.startswith(self._continuing_prefix)
 
     def piece_text(self, token_id: int) -> str:
         """A piece as a reader sees it: "capital" for "Ġcapital", "▁capital" or "capital"; "ing" for "##ing"."""
         token = self.backend.id_to_token(int(token_id)) or ""
         if self.kind == "WordPiece":
-            prefix = getattr(self.backend.model, "continuing_subword_prefix", "##") or "##"
+            prefix = self._continuing_prefix
             return token[len(prefix):] if token.startswith(prefix) else token
         return self.backend.decode([int(token_id)], skip_special_tokens=False).strip()
 
