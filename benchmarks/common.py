@@ -68,10 +68,11 @@ def machine() -> dict[str, Any]:
             "cpu": _cpu_name(), "cpu_capability": cpu_capability().describe(), "platform": platform.platform()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
-    try:
-        info["transformers"] = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        info["transformers"] = None  # the engine-only benchmarks run without the reference
+    for package in ("transformers", "onnxruntime"):  # the engine-only benchmarks run without either
+        try:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            info[package] = None
     return info
 
 

@@ -1,14 +1,20 @@
-"""Encoder forward: bert_engine vs transformers' BertModel (SDPA) on identical weights and inputs.
+"""Encoder forward: bert_engine vs transformers' BertModel (SDPA) vs ONNX Runtime, on identical
+weights and inputs.
 
     python -m benchmarks.encoder                     # MiniLM + bert-base, 1x128, 32x128, 8x512, fp32
     python -m benchmarks.encoder --models minilm --shapes 1x128 --repeats 30 --json out.json
     python -m benchmarks.encoder --precisions fp32,bf16,int8   # also the engine's faster CPU modes
+    python -m benchmarks.encoder --no-onnx                     # without ONNX Runtime
 
 For each model and shape: checks the outputs agree (max |difference| of the last hidden state
 <= 1e-4) before timing, then runs the contenders in turn and reports median latency, tokens/s,
 the ratio to the reference and the fraction of the machine's matmul peak (measured in the same
 run, in the precision's own dtype) that the encoder's matmul FLOPs reach: on a GPU this is the
-model-FLOPs utilisation (MFU). bert-base uses random weights in bert-base-uncased's
+model-FLOPs utilisation (MFU). ONNX Runtime (CPU only, when onnxruntime is installed) runs the
+same checkpoint exported from transformers and fused by its BERT optimiser (benchmarks/onnx_runtime.py),
+in fp32 and, with --precisions int8, as its dynamically quantised int8 graph; `vs_ort` is ONNX
+Runtime's time over this row's in the same precision. The header names the CPU's capability class
+(AVX2 / AVX-512 / AMX): the figures hold for that class only. bert-base uses random weights in bert-base-uncased's
 shape (no bert-base checkpoint installs offline); MiniLM is the real all-MiniLM-L6-v2.
 """
 
@@ -21,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import onnx_runtime
 from benchmarks.common import interleaved, machine, matmul_peak_gflops, median, print_table, write_json
 
 SHAPES = ((1, 128), (32, 128), (8, 512))
@@ -71,15 +78,18 @@ def load_pair(folder: Path, device: str, precision: str):
 
 
 def run(names: list[str], shapes: list[tuple[int, int]], precisions: list[str], repeats: int, device: str,
-        workdir: Path) -> dict:
+        workdir: Path, onnx: bool = True) -> dict:
     # Each precision is held to the matmul peak of its own dtype (int8 to fp32's: its activations
     # are quantised per call, and the fp32 peak is the bar it has to beat).
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
     peaks = {p: matmul_peak_gflops(dtypes[p], device=device) for p in precisions}
     rows = []
+    onnx = onnx and device == "cpu" and onnx_runtime.available()
     for name, folder in model_folders(names, workdir).items():
+        exported = onnx_runtime.export(folder, workdir / "onnx", name) if onnx else {}
         for precision in precisions:
             ours, reference = load_pair(folder, device, precision)
+            ort = onnx_runtime.load(exported[precision], torch.get_num_threads()) if precision in exported else None
             config = ours.config
             for batch, tokens in shapes:
                 g = torch.Generator().manual_seed(batch * 1000 + tokens)
@@ -89,9 +99,13 @@ def run(names: list[str], shapes: list[tuple[int, int]], precisions: list[str], 
                 with torch.inference_mode():
                     mine = ours(**inputs).last_hidden_state.float()
                     theirs = reference(**inputs).last_hidden_state.float()
-                diff = float((mine - theirs).abs().max())
-                if precision == "fp32" and diff > AGREEMENT:  # lower precisions: reported, not required
-                    raise SystemExit(f"{name} {batch}x{tokens}: outputs differ by {diff:.2e} > {AGREEMENT}; not timing")
+                diffs = {"engine": float((mine - theirs).abs().max()), "transformers": 0.0}
+                if ort is not None:
+                    diffs["onnxruntime"] = float((torch.from_numpy(ort(inputs)) - theirs).abs().max())
+                for impl, diff in diffs.items():
+                    if precision == "fp32" and diff > AGREEMENT:  # lower precisions: reported, not required
+                        raise SystemExit(f"{name} {batch}x{tokens}: {impl}'s output differs from transformers' by "
+                                         f"{diff:.2e} > {AGREEMENT}; not timing")
 
                 def engine(ours=ours, inputs=inputs):
                     with torch.inference_mode():
@@ -101,9 +115,11 @@ def run(names: list[str], shapes: list[tuple[int, int]], precisions: list[str], 
                     with torch.inference_mode():
                         reference(**inputs)
 
-                # int8 has no reference counterpart: it is compared with the reference in fp32.
+                # int8 has no transformers counterpart: it is compared with transformers in fp32.
                 contenders = {"engine": engine} if precision == "int8" else {"engine": engine,
                                                                              "transformers": transformers_sdpa}
+                if ort is not None:
+                    contenders["onnxruntime"] = lambda ort=ort, inputs=inputs: ort(inputs)
                 times = interleaved(contenders, repeats, device=device)
                 flops = matmul_flops(config, batch, tokens)
                 for impl, ts in times.items():
@@ -112,17 +128,23 @@ def run(names: list[str], shapes: list[tuple[int, int]], precisions: list[str], 
                     rows.append({"model": name, "shape": f"{batch}x{tokens}", "impl": impl, "precision": precision,
                                  "ms": seconds * 1000, "tokens_per_s": batch * tokens / seconds,
                                  "gflops": flops / seconds / 1e9, "roofline": flops / seconds / 1e9 / peak,
-                                 "max_abs_diff": diff if impl == "engine" else 0.0})
+                                 "max_abs_diff": diffs[impl]})
     _add_ratios(rows)
     return {"machine": machine(), "device": device, "matmul_peak_gflops": peaks, "repeats": repeats, "rows": rows}
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """speedup = reference time / this time, against transformers in the same precision (int8: fp32)."""
-    reference = {(r["model"], r["shape"], r["precision"]): r["ms"] for r in rows if r["impl"] == "transformers"}
+    """speedup = transformers' time / this time, in the same precision (int8: against fp32);
+    vs_ort = ONNX Runtime's time / this time, in the same precision."""
+    def times(impl):
+        return {(r["model"], r["shape"], r["precision"]): r["ms"] for r in rows if r["impl"] == impl}
+
+    reference, ort = times("transformers"), times("onnxruntime")
     for r in rows:
-        base = reference.get((r["model"], r["shape"], r["precision"] if r["precision"] != "int8" else "fp32"))
+        key = (r["model"], r["shape"], r["precision"])
+        base = reference.get((*key[:2], r["precision"] if r["precision"] != "int8" else "fp32"))
         r["speedup"] = base / r["ms"] if base else None
+        r["vs_ort"] = ort[key] / r["ms"] if key in ort and r["impl"] != "onnxruntime" else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,19 +156,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workdir", default=None, help="where the random bert-base folder is kept (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--no-onnx", action="store_true", help="leave ONNX Runtime out")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     precisions = ["fp32"] + [p for p in args.precisions.split(",") if p and p != "fp32"]
     with tempfile.TemporaryDirectory() as tmp:
         result = run(args.models.split(","), shapes, precisions, args.repeats, args.device,
-                     Path(args.workdir) if args.workdir else Path(tmp))
+                     Path(args.workdir) if args.workdir else Path(tmp), onnx=not args.no_onnx)
     info = result["machine"]
-    print(f"# encoder forward, {args.device}, {info['cpu']}, {info['threads']} threads, torch {info['torch']}, "
-          f"transformers {info.get('transformers')}; median of {args.repeats}; matmul peak GFLOP/s: "
+    print(f"# encoder forward, {args.device}, {info['cpu']} ({info['cpu_capability']}), {info['threads']} threads, "
+          f"torch {info['torch']}, transformers {info.get('transformers')}, onnxruntime {info.get('onnxruntime')}; "
+          f"median of {args.repeats}; matmul peak GFLOP/s: "
           + ", ".join(f"{p} {v:,.0f}" for p, v in result["matmul_peak_gflops"].items()))
-    print_table(result["rows"], ["model", "shape", "impl", "precision", "ms", "tokens_per_s", "speedup", "gflops",
-                                 "roofline", "max_abs_diff"])
+    print_table(result["rows"], ["model", "shape", "impl", "precision", "ms", "tokens_per_s", "speedup", "vs_ort",
+                                 "gflops", "roofline", "max_abs_diff"])
     write_json(args.json, result)
 
 

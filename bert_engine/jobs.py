@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import glob
 import inspect
 import logging
 import math
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +70,23 @@ def evaluate_task(spec: TaskSpec, predictor, examples: list, *, rank: int = 0, w
     return spec.metric([r for _, r in ordered], [examples[i][1] for i, _ in ordered])
 
 
+def data_files(path: str) -> list[str]:
+    """`path` itself, or, for a glob pattern that names no file as such ("train-*.json"), the files it
+    matches in sorted order, so several shards train as one set."""
+    text = str(path)
+    if any(c in text for c in "*?[") and not Path(text).exists():
+        files = sorted(glob.glob(text))
+        if not files:
+            raise ValueError(f"{text}: no file matches this pattern")
+        return files
+    return [path]
+
+
 def read_examples(spec: TaskSpec, path: str, split: str, limit: int | None) -> list:
     """The task's examples from `path`; every way a reader can fail on a bad file is a ValueError
     naming the file (a binary file, a reader's own KeyError), not a traceback from inside the task."""
     try:
-        return list(islice(spec.read_data(path, split), limit))
+        return list(islice(chain.from_iterable(spec.read_data(p, split) for p in data_files(path)), limit))
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start:err.start + 1]!r}); "
                          f"task {spec.name!r} reads text files") from None
@@ -82,6 +95,17 @@ def read_examples(spec: TaskSpec, path: str, split: str, limit: int | None) -> l
     except Exception as err:  # noqa: BLE001 - a third-party reader's failure on this file
         raise ValueError(f"{path}: task {spec.name!r} could not read its {split!r} split "
                          f"({type(err).__name__}: {err})") from None
+
+
+def _texts(value) -> list[str]:
+    """Every string inside an example's inputs (a dict of fields, lists of words), in order."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _texts(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _texts(v)]
+    return []
 
 
 def check_targets(spec: TaskSpec, labels, examples: list, path: str) -> None:
@@ -149,6 +173,16 @@ class TaskJob:
             check_targets(spec, getattr(self.model.head, "labels", None), self.eval_examples, eval_file)
         self.lora = _prepare_lora(self.model, cfg)
         self.batch_options, self.eval_options = split_task_options(spec, cfg.options)
+        self._lengths: list[int] | None = None
+
+    def example_lengths(self) -> list[int]:
+        """Each training example's token count (its text inputs together), for length bucketing."""
+        if self._lengths is None:
+            texts = [_texts(inputs) for inputs, _ in self.examples]
+            unique = list(dict.fromkeys(t for parts in texts for t in parts))  # QA contexts repeat: count each once
+            counts = {t: len(encoding.ids) for t, encoding in zip(unique, self.tokenizer.pieces(unique))}
+            self._lengths = [sum(counts[t] for t in parts) for parts in texts]
+        return self._lengths
 
     @property
     def best_metric(self) -> tuple[str | None, str]:
@@ -263,6 +297,10 @@ class PretrainJob:
                                        cfg.max_seq_len, cfg.short_seq_prob, objective=self.objective)
             self.eval_pairs = eval_builder.pairs(cfg.seed + 99991)[:cfg.eval_limit or 512]
         self.lora = _prepare_lora(self.model, cfg)
+
+    def example_lengths(self) -> list[int]:
+        """Each pair's token count (this epoch's pairs), for length bucketing."""
+        return [len(pair.a) + len(pair.b) for pair in self.examples]
 
     def collate(self, pairs: list, generator: torch.Generator):
         batch, nsp = collate_pairs(pairs, self.tokenizer)

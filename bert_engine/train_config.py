@@ -22,7 +22,8 @@ class TrainConfig:
     model: str | None = _help("starting checkpoint: folder, Hub id, or 'default' (the offline MiniLM backbone)",
                               default=None)
     preset: str | None = _help("pretrain from scratch with this size: tiny, mini, small or base", default=None)
-    train_file: str | None = _help("training data (file or folder, in the task's format)", default=None)
+    train_file: str | None = _help("training data (file, folder or glob pattern of shards, in the task's format)",
+                                   default=None)
     eval_file: str | None = _help("evaluation data (default: the training file's eval split)", default=None)
     train_split: str = _help("split of the training file to read (for files holding several)", default="train")
     eval_split: str = _help("split of the evaluation file to read", default="dev")
@@ -55,6 +56,9 @@ class TrainConfig:
     resume: bool = _help("continue from output_dir/last (weights, optimizer, scheduler, data position)",
                          default=False)
     log_every: int = _help("log the running loss every N steps", default=10)
+    length_buckets: int = _help("batch examples of similar length: sort each window of N batches by length, then "
+                                "shuffle the batches (0: plain shuffling); cuts padding, see `padding` in the log",
+                                default=0)
     best_metric: str | None = _help("metric that picks the best checkpoint, as name, name:max or name:min (default: "
                                     "the task's declared one, else F1/accuracy/...; names with 'loss' are minimised)",
                                     default=None)
@@ -85,6 +89,8 @@ class TrainConfig:
 
         if self.precision not in TRAINING_NAMES:
             raise ValueError(f"precision {self.precision!r} is not one of {', '.join(TRAINING_NAMES)}")
+        if isinstance(self.length_buckets, bool) or self.length_buckets < 0:
+            raise ValueError(f"length_buckets must be 0 (off) or a number of batches, got {self.length_buckets}")
         for name in ("batch_size", "grad_accum", "log_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -48,6 +48,8 @@ class Job(Protocol):
     def loss(self, model: nn.Module, batch: Any, targets: Any) -> tuple[torch.Tensor, dict[str, float]]: ...
     def evaluate(self, model: nn.Module, rank: int, world: int) -> dict[str, Any]: ...
     def save(self, model: nn.Module, folder: Path) -> None: ...
+    # optional: example_lengths() -> list[int], the token count of each example, for length bucketing
+
 
 
 # -- distributed -------------------------------------------------------------------------------------
@@ -133,6 +135,30 @@ def linear_schedule(warmup: int, total: int) -> Callable[[int], float]:
     return factor
 
 
+def epoch_order(n: int, seed: int, *, batch: int, lengths: list[int] | None = None, buckets: int = 0) -> list[int]:
+    """The epoch's example order, a permutation of range(n) seeded by `seed`.
+
+    With `lengths` and `buckets`, consecutive runs of `batch` examples have similar lengths: the
+    shuffled order is cut into windows of `buckets` batches, each window is sorted by length and cut
+    into batches, and the batches are shuffled, so the model still sees a random mix of batch lengths.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n, generator=generator).tolist()
+    if not lengths or buckets < 1:
+        return order
+    if len(lengths) != n:
+        raise ValueError(f"example_lengths gave {len(lengths)} lengths for {n} examples")
+    window = batch * buckets
+    chunks = []
+    for start in range(0, n, window):
+        part = sorted(order[start:start + window], key=lengths.__getitem__)
+        chunks.extend(part[i:i + batch] for i in range(0, len(part), batch))
+    full = [c for c in chunks if len(c) == batch]  # a short batch stays last, where the epoch ends
+    short = [c for c in chunks if len(c) < batch]
+    shuffled = [full[i] for i in torch.randperm(len(full), generator=generator).tolist()]
+    return [i for chunk in shuffled + short for i in chunk]
+
+
 def pick_best_metric(metrics: dict[str, Any], preferred: str | None) -> str | None:
     """`preferred` (it must be among `metrics`), else the first of BEST_METRIC_PREFERENCE reported,
     else the first number that is not a loss."""
@@ -216,6 +242,8 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
         logger.info("training %d examples, %d steps (%d per epoch), global batch %d x %d accumulation on %s%s",
                     n, total, steps_per_epoch, global_batch, cfg.grad_accum, device,
                     f" with {dist_info.world} processes" if dist_info.world > 1 else "")
+    if cfg.length_buckets and not hasattr(job, "example_lengths"):
+        logger.warning("length_buckets: this kind of training does not report example lengths; plain shuffling")
     bar = tqdm(total=total, initial=state["step"], disable=not dist_info.is_main, desc="train", unit="step")
     running: dict[str, float] = {}
     running_count = 0
@@ -225,7 +253,8 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
             epoch, within = divmod(step, steps_per_epoch)
             if hasattr(job, "new_epoch"):
                 job.new_epoch(epoch)
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+            lengths = job.example_lengths() if cfg.length_buckets and hasattr(job, "example_lengths") else None
+            order = epoch_order(n, cfg.seed + epoch, batch=global_batch, lengths=lengths, buckets=cfg.length_buckets)
             for s in range(within, steps_per_epoch):
                 stats = _one_step(job, cfg, forward_model, model, optimizer, scheduler, scaler, amp_dtype, device,
                                   order, s, dist_info)
@@ -287,6 +316,9 @@ def _one_step(job, cfg, forward_model, model, optimizer, scheduler, scaler, amp_
                 loss, stats = job.loss(forward_model, batch, targets)
             scaler.scale(loss / cfg.grad_accum).backward()
         totals["loss"] = totals.get("loss", 0.0) + loss.item() / cfg.grad_accum
+        mask = getattr(batch, "attention_mask", None)
+        if isinstance(mask, torch.Tensor) and mask.numel():
+            stats = {**stats, "padding": 1.0 - float(mask.sum()) / mask.numel()}  # the share of padded positions
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v / cfg.grad_accum
     scaler.unscale_(optimizer)

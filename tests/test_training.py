@@ -20,7 +20,14 @@ from bert_engine.loading import CheckpointError, save_pretrained
 from bert_engine.lora import LoraConfig, add_lora, merge_lora, save_adapter
 from bert_engine.pretraining import PairBuilder, collate_pairs, mask_tokens, special_mask, tokenize_documents
 from bert_engine.registry import load_registry
-from bert_engine.training import TrainConfig, linear_schedule, parameter_groups, parse_best_metric, train
+from bert_engine.training import (
+    TrainConfig,
+    epoch_order,
+    linear_schedule,
+    parameter_groups,
+    parse_best_metric,
+    train,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SST = FIXTURES / "sst_tiny.tsv"
@@ -150,6 +157,50 @@ def _sentiment_cfg(tiny_checkpoint, out, **overrides):
                   warmup_ratio=0.25)
     values.update(overrides)
     return TrainConfig(**values)
+
+
+def test_length_buckets_group_similar_lengths_and_keep_every_example():
+    lengths = [(i * 7919) % 300 + 10 for i in range(1000)]
+    plain = epoch_order(1000, 3, batch=16)
+    bucketed = epoch_order(1000, 3, batch=16, lengths=lengths, buckets=20)
+    assert sorted(bucketed) == list(range(1000)) and bucketed == epoch_order(1000, 3, batch=16, lengths=lengths,
+                                                                            buckets=20)
+
+    def padding(order):  # the share of padded positions when each batch pads to its longest row
+        batches = [order[i:i + 16] for i in range(0, len(order), 16)]
+        cells = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+        return 1 - sum(lengths) / cells
+
+    assert padding(plain) > 0.4 and padding(bucketed) < 0.1
+    # the batches are shuffled, not served shortest first: the first ten are not in length order
+    firsts = [max(lengths[i] for i in bucketed[b * 16:(b + 1) * 16]) for b in range(10)]
+    assert firsts != sorted(firsts)
+    assert epoch_order(1000, 3, batch=16, lengths=None, buckets=20) == plain
+    with pytest.raises(ValueError, match="999 lengths for 1000 examples"):
+        epoch_order(1000, 3, batch=16, lengths=lengths[:-1], buckets=20)
+
+
+def test_bucketed_training_logs_less_padding(tiny_checkpoint, tmp_path):
+    task = load_registry(entry_points=False).task("sentiment")
+    shares = {}
+    for buckets in (0, 3):
+        cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / f"run{buckets}", max_steps=3, batch_size=4, log_every=1,
+                             length_buckets=buckets, eval_file=None)
+        train(TaskJob(task, cfg), cfg)
+        rows = [json.loads(line) for line in (tmp_path / f"run{buckets}" / "metrics.jsonl").read_text().splitlines()]
+        shares[buckets] = sum(r["padding"] for r in rows if "padding" in r) / 3
+    assert 0 <= shares[3] < shares[0]
+
+
+def test_a_glob_pattern_trains_on_every_shard_it_matches(tiny_checkpoint, tmp_path):
+    header, *rows = SST.read_text(encoding="utf-8").splitlines(keepends=True)
+    for part in range(3):
+        (tmp_path / f"shard-{part}.tsv").write_text(header + "".join(rows[part::3]), encoding="utf-8")
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", train_file=str(tmp_path / "shard-*.tsv"))
+    assert len(TaskJob(task, cfg).examples) == len(rows)
+    with pytest.raises(ValueError, match=r"nothing-\*\.tsv: no file matches this pattern"):
+        TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "run", train_file=str(tmp_path / "nothing-*.tsv")))
 
 
 def test_resume_after_interrupt_continues_from_the_same_step(tiny_checkpoint, tmp_path):

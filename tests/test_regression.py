@@ -1,0 +1,43 @@
+"""The starter pack's quality floors: each task's packed model scored on a small fixed slice of real
+data it was not trained on (tests/fixtures/regression/, cut by scripts/cut_regression_slices.py),
+with the same evaluation as `bert-engine eval`. A pack that scores below a floor fails here, so a
+worse model cannot land silently. Each floor sits a few points under the figure the committed pack
+measured on that slice (the `measured` column); after packing a better model, raise both."""
+
+from pathlib import Path
+
+import pytest
+
+from bert_engine.inference import Predictor
+from bert_engine.jobs import evaluate_task, read_examples
+from bert_engine.registry import load_registry
+from plugins.starter import STARTER_ROOT
+
+SLICES = Path(__file__).parent / "fixtures" / "regression"
+
+# task: (slice, split, metric, measured on the committed pack, floor)
+FLOORS = {
+    "sentiment": ("sst2_dev_every4th.tsv", "all", "accuracy", 0.92, 0.89),
+    "ner": ("conll_testb_first250.txt", "all", "f1", 89.7, 86.5),
+    "qa": ("squad_v2_dev_second_half.json", "dev", "f1", 31.6, 28.0),
+    "summary": ("bbc_test_first16.jsonl", "all", "rouge2", 46.3, 43.0),
+    "fill_mask": ("wikitext2_test_first3.txt", "all", "top1", 0.19, 0.16),
+}
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return load_registry(entry_points=False)
+
+
+@pytest.mark.parametrize("task", sorted(FLOORS))
+def test_the_starter_model_stays_above_its_floor(registry, task):
+    if not (STARTER_ROOT / task / "manifest.json").is_file():
+        pytest.skip(f"no {task} starter model packed")
+    name, split, metric, measured, floor = FLOORS[task]
+    assert floor < measured
+    spec = registry.task(task).spec
+    examples = read_examples(spec, str(SLICES / name), split, None)
+    metrics = evaluate_task(spec, Predictor.load(registry.task(task)), examples)
+    assert metrics[metric] >= floor, (f"{task}: {metric} {metrics[metric]:.4g} on {name} is under its floor {floor} "
+                                      f"(the committed pack measured {measured})")
