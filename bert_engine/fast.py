@@ -23,16 +23,99 @@ from .model import gelu_tanh
 logger = logging.getLogger(__name__)
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """Replace the encoder layers' nn.Linear modules by dynamically quantised int8 ones, in place."""
+def onednn_int8_available() -> bool:
+    """oneDNN's int8 matmul (torch.ops.onednn.qlinear_*) is in this torch build and usable on this CPU."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops, "onednn")
+            and hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise"))
+
+
+class Int8Linear(nn.Module):
+    """An inference-only nn.Linear in int8 on the CPU, through oneDNN: the weight quantised once per
+    output channel (symmetric, int8) and pre-packed; each call quantises its input per tensor to
+    uint8 (asymmetric: the scale and zero point from the input's own range), multiplies in int8 and
+    returns fp32 with the bias (and optionally a GELU) fused into the same call."""
+
+    _GELU = {F.gelu: "none", gelu_tanh: "tanh"}
+
+    def __init__(self, linear: nn.Linear, activation=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
+        quantised = torch.clamp(torch.round(weight / scale[:, None]), -127, 127).to(torch.int8)
+        self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(quantised, None), persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
+        self.register_buffer("weight_zero_point", torch.zeros(self.out_features, dtype=torch.long), persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.post_op, self.algorithm = ("gelu", self._GELU[activation]) if activation is not None else ("none", "")
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features).float()
+        low, high = torch.aminmax(x)
+        low, high = min(float(low), 0.0), max(float(high), 0.0)  # the range must hold 0 exactly
+        scale = (high - low) / 255 or 1.0
+        zero_point = min(255, max(0, round(-low / scale)))
+        qx = torch.quantize_per_tensor(x, scale, zero_point, torch.quint8).int_repr()
+        out = torch.ops.onednn.qlinear_pointwise(qx, scale, zero_point, self.packed, self.weight_scale,
+                                                 self.weight_zero_point, self.bias, 1.0, 0, torch.float32,
+                                                 self.post_op, [], self.algorithm)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8, fused={self.post_op}"
+
+
+LINEAR_NAMES = ("attention.qkv", "attention.out", "ffn.up", "ffn.down")  # each encoder layer's projections
+
+
+def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None) -> nn.Module:
+    """Replace the encoder layers' projections by int8 ones, in place: oneDNN's (Int8Linear) where
+    this torch has it, else torch.ao's dynamic quantisation (fbgemm).
+
+    `keep_fp32` names projections to leave in fp32 (packed), as "LAYER.NAME" ("5.ffn.down") or a bare
+    NAME for every layer ("ffn.down"); default KEEP_FP32, the ones that moved predictions most when
+    quantised alone (benchmarks/int8_sensitivity.py).
+    """
+    keep = set(KEEP_FP32 if keep_fp32 is None else keep_fp32)
+    known = set(LINEAR_NAMES)
+    unknown = sorted(k for k in keep if k.split(".", 1)[-1] not in known and k not in known)
+    if unknown:
+        raise ValueError(f"keep_fp32: {unknown} name no encoder projection; use NAME or LAYER.NAME with NAME one "
+                         f"of {LINEAR_NAMES}")
     encoder = getattr(model, "encoder", model)
-    with warnings.catch_warnings():
-        # torch marks its quantised-tensor API as deprecated in favour of torchao; it still works.
-        warnings.simplefilter("ignore", (UserWarning, DeprecationWarning, FutureWarning))
-        for layer in encoder.layers:
-            torch.ao.quantization.quantize_dynamic(layer, {nn.Linear}, dtype=torch.qint8, inplace=True)
-    logger.info("quantised %d encoder layers to dynamic int8", len(encoder.layers))
+    if not onednn_int8_available():
+        with warnings.catch_warnings():
+            # torch marks its quantised-tensor API as deprecated in favour of torchao; it still works.
+            warnings.simplefilter("ignore", (UserWarning, DeprecationWarning, FutureWarning))
+            for layer in encoder.layers:
+                torch.ao.quantization.quantize_dynamic(layer, {nn.Linear}, dtype=torch.qint8, inplace=True)
+        logger.info("quantised %d encoder layers to dynamic int8 (torch.ao; no oneDNN int8 here)", len(encoder.layers))
+        return model
+    quantised = 0
+    for index, layer in enumerate(encoder.layers):
+        for name in LINEAR_NAMES:
+            owner_name, attr = name.split(".")
+            owner = getattr(layer, owner_name)
+            linear = getattr(owner, attr)
+            if not isinstance(linear, nn.Linear):  # already packed or quantised
+                continue
+            fused_gelu = name == "ffn.up" and owner.act in Int8Linear._GELU
+            kept = name in keep or f"{index}.{name}" in keep
+            if kept:
+                replacement = PackedLinear(linear, owner.act if fused_gelu else None) if can_pack(model) else linear
+            else:
+                replacement = Int8Linear(linear, owner.act if fused_gelu else None)
+                quantised += 1
+            if fused_gelu and replacement is not linear:
+                owner.act = _identity
+            setattr(owner, attr, replacement)
+    logger.info("quantised %d of %d encoder projections to int8 (oneDNN), kept %s in fp32", quantised,
+                len(encoder.layers) * len(LINEAR_NAMES), sorted(keep) or "none")
     return model
+
+
+KEEP_FP32: tuple[str, ...] = ()
 
 
 class PackedLinear(nn.Module):

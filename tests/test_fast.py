@@ -9,7 +9,14 @@ from conftest import SENTENCES
 from torch import nn
 
 from bert_engine import PRESETS, BertModel, load
-from bert_engine.fast import PackedLinear, can_pack, pack_linear_layers
+from bert_engine.fast import (
+    Int8Linear,
+    PackedLinear,
+    can_pack,
+    onednn_int8_available,
+    pack_linear_layers,
+    quantize_int8,
+)
 from bert_engine.precision import prepare_for_inference
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
@@ -55,10 +62,46 @@ def test_packing_twice_is_a_no_op_and_other_devices_or_dtypes_are_left_alone():
     assert isinstance(pack_linear_layers(half).layers[0].attention.qkv, nn.Linear)
 
 
+needs_onednn_int8 = pytest.mark.skipif(not onednn_int8_available(), reason="this torch build has no oneDNN int8")
+
+
+@needs_onednn_int8
 def test_prepare_for_inference_int8_quantises_only_encoder_linears(minilm_dir):
     model, _ = load(minilm_dir)
     prepare_for_inference(model, "int8")
-    quantised = torch.ao.nn.quantized.dynamic.Linear
-    linears = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, quantised, PackedLinear))]
-    assert len(linears) == 4 * 6 and all(isinstance(m, quantised) for m in linears)
+    linears = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, Int8Linear, PackedLinear))]
+    assert len(linears) == 4 * 6 and all(isinstance(m, (Int8Linear, PackedLinear)) for m in linears)
     assert isinstance(model.pooler.dense, nn.Linear)
+
+
+@needs_onednn_int8
+@pytest.mark.parametrize("activation", [None, torch.nn.functional.gelu])
+def test_int8_linear_stays_within_its_quantisation_error(activation):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 64)
+    x = torch.randn(2, 7, 96) * 3 + 1  # not centred on 0: the asymmetric input range matters
+    expected = linear(x) if activation is None else activation(linear(x))
+    with torch.inference_mode():
+        out = Int8Linear(linear, activation)(x)
+    assert out.shape == (2, 7, 64) and out.dtype == torch.float32
+    # input step (range / 255) and weight step (max |w| / 127), summed over 96 products: a few hundredths
+    error = (out - expected).abs()
+    assert float(error.max()) < 0.05 * float(expected.abs().max())
+    assert float(error.mean()) < 0.01 * float(expected.abs().mean())
+
+
+@needs_onednn_int8
+def test_int8_keeps_the_named_projections_in_fp32_and_refuses_unknown_names(minilm_dir):
+    model, tokenizer = load(minilm_dir)
+    batch = tokenizer(SENTENCES).model_inputs()
+    plain = _encode(model, batch)
+    quantised = quantize_int8(copy.deepcopy(model), keep_fp32=("ffn.down", "0.attention.qkv"))
+    first, last = quantised.layers[0], quantised.layers[5]
+    assert isinstance(first.attention.qkv, PackedLinear) and isinstance(last.attention.qkv, Int8Linear)
+    assert all(isinstance(layer.ffn.down, PackedLinear) for layer in quantised.layers)
+    assert isinstance(last.ffn.up, Int8Linear) and last.ffn.up.post_op == "gelu"  # GELU fused into the int8 call
+    real = batch["attention_mask"].bool()
+    similarity = torch.nn.functional.cosine_similarity(_encode(quantised, batch)[real], plain[real], dim=-1)
+    assert float(similarity.min()) > 0.98
+    with pytest.raises(ValueError, match=r"\['ffn.gate'\] name no encoder projection"):
+        quantize_int8(copy.deepcopy(model), keep_fp32=("ffn.gate",))

@@ -1,0 +1,140 @@
+"""Which encoder projections to keep in fp32 when the rest run in int8: per-layer sensitivity.
+
+    python -m benchmarks.int8_sensitivity                       # sentiment, ner, qa starters on ../shared/data
+    python -m benchmarks.int8_sensitivity --probe qa --keep-candidates 4
+
+Agreement is the share of predictions identical to the fp32 model's: sentiment labels on SST-2
+dev, NER entity sets (CRF decoding) on CoNLL eng.testb sentences, QA answers on SQuAD dev-v1.1
+questions. Steps:
+
+1. every projection in int8 (oneDNN, bert_engine.fast.Int8Linear): the agreement to beat;
+2. on the probe task, each of the 24 projections (6 layers x qkv, attention output, FFN up, FFN
+   down) kept in fp32 alone: how much agreement it buys back;
+3. the K projections that bought most kept together, K = 0..--keep-candidates, on every task, with
+   the encoder's speed-up over fp32 (32x128, interleaved medians).
+
+The first K whose agreement meets the targets (sentiment and NER >= 99 %, QA >= 97 %) is the
+recommendation, written as a `KEEP_FP32` tuple for bert_engine/fast.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import interleaved, machine, median, print_table, write_json
+from benchmarks.workloads import DATA
+
+TARGETS = {"sentiment": 99.0, "ner": 99.0, "qa": 97.0}
+
+
+def _workload(task_name: str, data: Path, limit: int):
+    """(items, predict(predictor) -> comparable predictions) for a task."""
+    from bert_engine.inference import predict_texts
+    from bert_engine.registry import load_registry
+    from plugins.qa import predict_many
+
+    task = load_registry(entry_points=False).task(task_name)
+    if task_name == "sentiment":
+        texts = [x["text"] for x, _ in task.spec.read_data(str(data / "sst2" / "dev.tsv"), "dev")][:limit]
+        return task, lambda p: [r["label_id"] for r in predict_texts(p, texts, batch_size=32)]
+    if task_name == "ner":
+        texts = [x["text"] for x, _ in task.spec.read_data(str(data / "conll2003" / "eng.testb"), "test")][:limit]
+        return task, lambda p: [sorted((e["start"], e["end"], e["type"]) for e in r["entities"])
+                                for r in predict_texts(p, texts, batch_size=32)]
+    items = [x for x, _ in task.spec.read_data(str(data / "squad" / "dev-v1.1.json"), "dev")][:limit]
+    return task, lambda p: [r["answer"] or "" for r in predict_many(p, items, max_rows=32)]
+
+
+def _agreement(a: list, b: list) -> float:
+    return 100.0 * sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+class Task:
+    def __init__(self, name: str, data: Path, limit: int) -> None:
+        from bert_engine.inference import Predictor
+
+        self.name = name
+        self.task, self.predict = _workload(name, data, limit)
+        fp32 = Predictor.load(self.task, precision="fp32", pack=False)
+        self.plain, self.tokenizer, self.model_id = fp32.model, fp32.tokenizer, fp32.model_id
+        self.reference = self.predict(Predictor.load(self.task, precision="fp32"))
+
+    def quantised(self, keep: tuple[str, ...]):
+        from bert_engine.fast import quantize_int8
+        from bert_engine.inference import Predictor
+
+        model = quantize_int8(copy.deepcopy(self.plain), keep_fp32=keep)
+        return Predictor(self.task, model, self.tokenizer, model_id=self.model_id)
+
+    def agreement(self, keep: tuple[str, ...]) -> float:
+        return _agreement(self.predict(self.quantised(keep)), self.reference)
+
+
+def encoder_speedup(task: Task, keep: tuple[str, ...], repeats: int) -> float:
+    """fp32 (packed) time over int8 time of the task model's encoder on 32x128."""
+    from bert_engine.fast import pack_linear_layers
+
+    encoder_fp32 = pack_linear_layers(copy.deepcopy(task.plain)).encoder
+    encoder_int8 = task.quantised(keep).model.encoder
+    ids = torch.randint(1000, 20000, (32, 128), generator=torch.Generator().manual_seed(0))
+
+    def run(encoder):
+        def call():
+            with torch.inference_mode():
+                encoder(input_ids=ids)
+        return call
+
+    times = interleaved({"fp32": run(encoder_fp32), "int8": run(encoder_int8)}, repeats)
+    return median(times["fp32"]) / median(times["int8"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bert_engine.fast import LINEAR_NAMES
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", default="sentiment,ner,qa")
+    parser.add_argument("--probe", default="qa", help="the task whose agreement ranks the projections")
+    parser.add_argument("--limit", type=int, default=500, help="items per task (sentiment: up to 872)")
+    parser.add_argument("--probe-limit", type=int, default=200, help="items of the probe task in step 2")
+    parser.add_argument("--keep-candidates", type=int, default=6, help="largest K tried in step 3")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--data", default=str(DATA))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    data = Path(args.data)
+    tasks = {name: Task(name, data, args.limit) for name in args.tasks.split(",")}
+    probe = Task(args.probe, data, args.probe_limit)
+    layers = len(probe.plain.encoder.layers)
+    names = [f"{i}.{n}" for i in range(layers) for n in LINEAR_NAMES]
+    base = probe.agreement(())
+    gains = sorted(((probe.agreement((n,)) - base, n) for n in names), reverse=True)
+    ranking = [{"projection": n, "probe": args.probe, "agreement_gain": g} for g, n in gains]
+    print(f"# {args.probe}, {args.probe_limit} items: every projection int8 agrees {base:.1f} %; kept alone in fp32:")
+    print_table(ranking[:10], ["projection", "probe", "agreement_gain"])
+    rows = []
+    for k in range(args.keep_candidates + 1):
+        keep = tuple(n for _, n in gains[:k])
+        row = {"kept_fp32": k, "projections": ", ".join(keep) or "-"}
+        for name, task in tasks.items():
+            row[name] = task.agreement(keep)
+        row["speedup"] = encoder_speedup(next(iter(tasks.values())), keep, args.repeats)
+        row["meets_targets"] = all(row[n] >= TARGETS.get(n, 99.0) for n in tasks)
+        rows.append(row)
+    info = machine()
+    print(f"# int8 agreement with fp32 (%), {info['cpu']} ({info['cpu_capability']}), {info['threads']} threads; "
+          f"speed-up: encoder fp32 / int8 at 32x128; targets {TARGETS}")
+    print_table(rows, ["kept_fp32", *tasks, "speedup", "meets_targets", "projections"])
+    chosen = next((r for r in rows if r["meets_targets"]), None)
+    print("recommended: KEEP_FP32 =", tuple(chosen["projections"].split(", ")) if chosen and chosen["kept_fp32"]
+          else () if chosen else "none of these meets the targets")
+    write_json(args.json, {"machine": info, "ranking": ranking, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
