@@ -12,6 +12,7 @@ predictions that stay identical to fp32; benchmarks/README.md lists the figures.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 import torch
@@ -29,11 +30,25 @@ def onednn_int8_available() -> bool:
             and hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise"))
 
 
+_BELOW_VNNI = {"SSE41", "AVX", "AVX2", "AVX512_CORE"}  # ONEDNN_MAX_CPU_ISA values without u8 x s8 dot products
+
+
+def int8_weight_limit() -> int:
+    """The largest |weight| level of Int8Linear: 127 where the CPU has VNNI (int32 dot products of
+    u8 x s8), 63 elsewhere: AVX2's vpmaddubsw adds pairs of u8 x s8 products in int16, which
+    saturates for 8-bit weights (2 x 255 x 127 > 32767) and fits for 7-bit ones (2 x 255 x 63)."""
+    from .precision import cpu_capability  # noqa: PLC0415 - precision imports this module
+
+    limited = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _BELOW_VNNI
+    return 127 if cpu_capability().vnni and not limited else 63
+
+
 class Int8Linear(nn.Module):
     """An inference-only nn.Linear in int8 on the CPU, through oneDNN: the weight quantised once per
-    output channel (symmetric, int8) and pre-packed; each call quantises its input per tensor to
-    uint8 (asymmetric: the scale and zero point from the input's own range), multiplies in int8 and
-    returns fp32 with the bias (and optionally a GELU) fused into the same call."""
+    output channel (symmetric; 8 bits with VNNI, 7 without, see int8_weight_limit) and pre-packed;
+    each call quantises its input per tensor to uint8 (asymmetric: the scale and zero point from the
+    input's own range), multiplies in int8 and returns fp32 with the bias (and optionally a GELU)
+    fused into the same call."""
 
     _GELU = {F.gelu: "none", gelu_tanh: "tanh"}
 
@@ -41,8 +56,9 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
-        scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
-        quantised = torch.clamp(torch.round(weight / scale[:, None]), -127, 127).to(torch.int8)
+        self.levels = int8_weight_limit()
+        scale = (weight.abs().amax(dim=1) / self.levels).clamp_min(1e-12)
+        quantised = torch.clamp(torch.round(weight / scale[:, None]), -self.levels, self.levels).to(torch.int8)
         self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(quantised, None), persistent=False)
         self.register_buffer("weight_scale", scale, persistent=False)
         self.register_buffer("weight_zero_point", torch.zeros(self.out_features, dtype=torch.long), persistent=False)
@@ -63,7 +79,8 @@ class Int8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8, fused={self.post_op}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 (weights +-{self.levels}), "
+                f"fused={self.post_op}")
 
 
 LINEAR_NAMES = ("attention.qkv", "attention.out", "ffn.up", "ffn.down")  # each encoder layer's projections

@@ -87,7 +87,7 @@ def test_int8_linear_stays_within_its_quantisation_error(activation):
     # input step (range / 255) and weight step (max |w| / 127), summed over 96 products: a few hundredths
     error = (out - expected).abs()
     assert float(error.max()) < 0.05 * float(expected.abs().max())
-    assert float(error.mean()) < 0.01 * float(expected.abs().mean())
+    assert float(error.mean()) < 0.02 * float(expected.abs().mean())  # 7-bit weights without VNNI: about 1 %
 
 
 @needs_onednn_int8
