@@ -369,6 +369,7 @@ def _pack(args: argparse.Namespace) -> dict:
         "training": json.loads((run / "train_config.json").read_text(encoding="utf-8")),
         "best_eval_during_training": json.loads((source / "eval.json").read_text(encoding="utf-8"))
         if (source / "eval.json").is_file() else None,
+        "run": _run_record(run),
         "metrics": metrics, "command": args.command_line, "date": datetime.date.today().isoformat(),
         "files": {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.name != "manifest.json"},
     }
@@ -379,6 +380,20 @@ def _pack(args: argparse.Namespace) -> dict:
         manifest["null_threshold"] = tuned[0]
     (target / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
+
+
+def _run_record(run: Path) -> dict | None:
+    """The run's wall time, device and machine (run.json, written when training ends); for a run from
+    before run.json existed, the wall time the metrics log spans, pauses of over an hour left out."""
+    record = run / "run.json"
+    if record.is_file():
+        return json.loads(record.read_text(encoding="utf-8"))
+    log = run / "metrics.jsonl"
+    if not log.is_file():
+        return None
+    times = [json.loads(line)["time"] for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
+    gaps = [b - a for a, b in zip(times, times[1:]) if 0 <= b - a < 3600]
+    return {"wall_seconds": round(sum(gaps), 1), "from": "metrics.jsonl"} if gaps else None
 
 
 def _parse_options(items: list[str]) -> dict:

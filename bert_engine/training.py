@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import platform
 import random
 import shutil
 import time
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .precision import autocast_dtype, pick_device
+from .precision import autocast_dtype, cpu_capability, pick_device
 from .train_config import TrainConfig, parse_best_metric
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,19 @@ def linear_schedule(warmup: int, total: int) -> Callable[[int], float]:
             return (step + 1) / max(1, warmup)
         return max(0.0, (total - step) / max(1, total - warmup))
     return factor
+
+
+def machine_description(device: torch.device) -> dict[str, Any]:
+    """What a run's figures depend on: the CPU (model, capability class), the GPU, torch's version."""
+    names = []
+    if Path("/proc/cpuinfo").is_file():
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+    info = {"cpu": names[0] if names else platform.processor() or "unknown", "cpu_capability": cpu_capability().describe(),
+            "cpu_threads": torch.get_num_threads(), "torch": torch.__version__}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
 
 
 def epoch_order(n: int, seed: int, *, batch: int, lengths: list[int] | None = None, buckets: int = 0) -> list[int]:
@@ -244,6 +258,8 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                     f" with {dist_info.world} processes" if dist_info.world > 1 else "")
     if cfg.length_buckets and not hasattr(job, "example_lengths"):
         logger.warning("length_buckets: this kind of training does not report example lengths; plain shuffling")
+    state.setdefault("wall_seconds", 0.0)  # summed over the run's parts when resumed
+    started, wall_before = time.monotonic(), state["wall_seconds"]
     bar = tqdm(total=total, initial=state["step"], disable=not dist_info.is_main, desc="train", unit="step")
     running: dict[str, float] = {}
     running_count = 0
@@ -274,6 +290,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                 if (cfg.eval_every and step % cfg.eval_every == 0) or (not cfg.eval_every and end_of_epoch) or step == total:
                     _evaluate_and_keep_best(job, cfg, model, step, state, dist_info, log, out)
                     model.train()
+                state["wall_seconds"] = wall_before + time.monotonic() - started
                 if step % cfg.save_every == 0 and dist_info.is_main:
                     _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
                 if on_step is not None:
@@ -289,6 +306,10 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
         bar.close()
     if dist_info.is_main:
         _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
+        record = {"steps": step, "wall_seconds": round(state["wall_seconds"], 1), "device": str(device),
+                  "autocast": str(amp_dtype).replace("torch.", "") if amp_dtype else None, "processes": dist_info.world,
+                  **machine_description(device)}
+        (out / "run.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         if state["best"] is None:  # no evaluation data: the final weights are the result
             with atomic_folder(out / "best") as scratch:
                 job.save(model, scratch)

@@ -515,3 +515,21 @@ def test_task_options_reach_training_batches_and_unknown_ones_are_named(tiny_che
     assert batch.input_ids.shape[1] <= 16 and job.eval_options == {"max_length": 16, "stride": 4}
     with pytest.raises(ValueError, match="task 'ner' has no training option 'bogus'; its options: .*max_length"):
         TaskJob(task, dataclasses.replace(cfg, options={"bogus": 1}))
+
+
+def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_checkpoint, tmp_path, capsys):
+    from bert_engine.cli import main
+
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", lora_rank=4, max_steps=4, eval_every=4,
+                         precision="fp32")
+    train(TaskJob(task, cfg), cfg)
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["steps"] == 4 and record["wall_seconds"] > 0 and record["device"] == "cpu"
+    assert record["cpu_capability"] and record["torch"] == torch.__version__ and record["autocast"] is None
+    capsys.readouterr()
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "packed"),
+                 "--eval-data", str(SST), "--eval-split", "all", "--command-line", "bert-engine train sentiment"]) == 0
+    manifest = json.loads((tmp_path / "packed" / "manifest.json").read_text())
+    assert manifest["run"] == record and manifest["metrics"][f"{SST.name}:all"]["examples"] == 24
+    assert sorted(manifest["files"]) == ["adapter.safetensors", "adapter_config.json", "config.json"]
