@@ -353,6 +353,7 @@ def _pack(args: argparse.Namespace) -> dict:
     target.mkdir(parents=True, exist_ok=True)
     for name in ("adapter.safetensors", "adapter_config.json", "config.json"):
         shutil.copy(source / name, target / name)
+    (target / "manifest.json").unlink(missing_ok=True)  # the evaluation below must not use an old pack's options
     predictor = Predictor.load(task, str(target))
     metrics = {}
     for data in args.eval_data:
@@ -374,10 +375,10 @@ def _pack(args: argparse.Namespace) -> dict:
         "files": {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.name != "manifest.json"},
     }
     # A task whose evaluation tunes a no-answer threshold on one half of the data (QA on SQuAD 2.0):
-    # the packed model answers with it by default (plugins.qa.calibrated_threshold reads it).
+    # the packed model answers with it by default, in the tab and the API (Predictor.model_options).
     tuned = [m["tuned_threshold"] for m in metrics.values() if "tuned_threshold" in m]
-    if tuned:
-        manifest["null_threshold"] = tuned[0]
+    if tuned and "null_threshold" in task.spec.options:
+        manifest["options"] = {"null_threshold": tuned[0]}
     (target / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
 

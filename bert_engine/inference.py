@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -17,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,6 +92,22 @@ def check_unicode(task: str, field: str, value: str) -> None:
                          f"{found.start():,}; text must be valid Unicode")
 
 
+def model_options(folder: Path, spec) -> dict[str, Any]:
+    """The option defaults in `folder`/manifest.json ("options": {name: value}) that the task knows;
+    a missing or unreadable manifest gives none, an unknown option is logged and left out."""
+    try:
+        options = json.loads((Path(folder) / "manifest.json").read_text(encoding="utf-8")).get("options") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(options, dict):
+        logger.warning("%s/manifest.json: \"options\" is not a mapping; ignored", folder)
+        return {}
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        logger.warning("%s/manifest.json: option(s) %s are not options of task %r; ignored", folder, unknown, spec.name)
+    return {k: v for k, v in options.items() if k in spec.options}
+
+
 class Predictor:
     """Runs one registered task. `predict` returns {"task", "result", "provenance"}."""
 
@@ -107,6 +125,9 @@ class Predictor:
         self.device = next(model.parameters()).device
         self._last: OrderedDict[str | None, LastInput] = OrderedDict()  # per visitor, for the attention view
         self.max_rows = 32  # rows (windows) per forward pass
+        # Option defaults the model folder was calibrated with (its manifest's "options", e.g. QA's
+        # null_threshold): over the task's defaults, under the caller's own options.
+        self.model_options: dict[str, Any] = {}
         self._lock = ModelLock()  # one forward pass at a time per model; callers queue, a cut-off one lets go
 
     @classmethod
@@ -129,6 +150,7 @@ class Predictor:
         predictor = cls(task, model, loaded.tokenizer, model_id=str(name), loaded=loaded,
                         revision=loaded.checkpoint.commit or loaded.checkpoint.revision, untrained_head=loaded.untrained)
         predictor.precision = "int8" if precision == "int8" else None
+        predictor.model_options = model_options(loaded.checkpoint.folder, task.spec)
         return predictor
 
     def check_inputs(self, inputs: Any, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -158,7 +180,7 @@ class Predictor:
             for text in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(text, str):
                     check_unicode(spec.name, name, text)
-        return {**spec.options, **options}
+        return {**spec.options, **self.model_options, **options}
 
     def get(self) -> Predictor:
         """Itself: the same call as LazyPredictor.get, so callers need not know which they hold."""

@@ -16,7 +16,6 @@ import math
 import re
 import string
 from html import escape
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from tqdm.auto import tqdm
 from bert_engine import ui
 from bert_engine.heads import SpanHead, SpanOutput
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.inference import model_options
 from bert_engine.ui import percent
 from plugins.starter import starter_checkpoint
 
@@ -378,18 +378,6 @@ def loss(output, targets: list[tuple[int, int]]):
 EXCERPT_CHARS = 600  # a longer context shows this much around the answer, the whole text one click away
 
 
-def calibrated_threshold(checkpoint: str | None) -> float | None:
-    """The null threshold a model folder was calibrated with (its manifest's "null_threshold"), if any;
-    read without loading the model."""
-    if not checkpoint:
-        return None
-    try:
-        value = json.loads((Path(checkpoint) / "manifest.json").read_text(encoding="utf-8")).get("null_threshold")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 def answer_view(context: str, result: dict) -> str:
     """The headline ("Answer: ... - 88 %" or "No answer in this context") over the context with the
     answer marked inline; a long context shows an excerpt around the answer and the rest on demand."""
@@ -428,7 +416,9 @@ def candidate_scores(result: dict) -> dict[str, float]:
 def build_tab(predictor) -> None:
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
-    threshold = calibrated_threshold(getattr(predictor, "checkpoint", None) or predictor.task.spec.default_checkpoint)
+    # The default model's calibrated value (its manifest's options), read without loading the model.
+    folder = getattr(predictor, "checkpoint", None) or predictor.task.spec.default_checkpoint
+    threshold = model_options(folder, predictor.task.spec).get("null_threshold") if folder else None
     question = gr.Textbox(label="Question", value=EXAMPLES[0]["question"])
     context = gr.Textbox(label="Context", lines=6, max_lines=16, value=EXAMPLES[0]["context"])
     with gr.Accordion("Options", open=False):

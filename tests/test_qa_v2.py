@@ -81,3 +81,29 @@ def test_squad_v2_unanswerable_questions_read_as_no_answer(tmp_path):
          "is_impossible": True}]}]}]}))
     (_, first), (_, second) = read_data(path, "dev")
     assert first == {"answers": ["France"], "starts": [12]} and second == {"answers": [""], "starts": [-1]}
+
+
+def test_a_model_folder_s_calibrated_threshold_is_the_default_of_the_api_and_the_tab(tmp_path, caplog):
+    import shutil
+
+    from bert_engine.inference import Predictor
+    from bert_engine.registry import load_registry
+    from plugins.starter import STARTER_ROOT
+
+    folder = tmp_path / "qa"
+    shutil.copytree(STARTER_ROOT / "qa", folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["options"] = {"null_threshold": -1000.0, "beam_width": 4}  # any gap exceeds it: always "no answer"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    task = load_registry(entry_points=False).task("qa")
+    predictor = Predictor.load(task, str(folder))
+    assert predictor.model_options == {"null_threshold": -1000.0} and "beam_width" in caplog.text
+    inputs = {"question": "Who wrote the book?", "context": "The book was written by Herman Melville in 1851."}
+    calibrated = predictor.predict(inputs)["result"]
+    assert calibrated["answer"] is None and calibrated["no_answer"] == {**calibrated["no_answer"], "threshold": -1000.0,
+                                                                       "predicted": True}
+    assert predictor.predict(inputs, null_threshold=None)["result"]["answer"] == "Herman Melville"  # the caller's own
+    broken = tmp_path / "broken"
+    shutil.copytree(STARTER_ROOT / "qa", broken)
+    (broken / "manifest.json").write_text("{not json")
+    assert Predictor.load(task, str(broken)).model_options == {}
