@@ -262,14 +262,31 @@ def _rerun_centroid(head, context, batch, num_sentences, ratio, min_words, mmr_l
     return postprocess(output, sub, context=context, **options)
 
 
+SENTENCE_END = (".", "!", "?", '"', "'", "\u201d", "\u2019", ")")
+
+
+def body_start(text: str, spans: list[tuple[int, int]]) -> int:
+    """The index of the body's first sentence (the lead): 1 when the first "sentence" is a headline
+    (a line of its own that does not end like a sentence, as news articles open), else 0."""
+    if len(spans) < 2:
+        return 0
+    (a, b), (c, _) = spans[0], spans[1]
+    return int("\n" in text[b:c] and not text[a:b].rstrip().endswith(SENTENCE_END))
+
+
 def _choose(text, spans, scores, vectors, num_sentences, ratio, min_words, mmr_lambda, mode) -> dict[str, Any]:
     sentences = [text[a:b] for a, b in spans]
-    dropped = [{"index": k, "start": a, "end": b, "text": text[a:b],
-                "reason": f"shorter than min_words={min_words} ({len(text[a:b].split())} words)"}
-               for k, (a, b) in enumerate(spans) if len(text[a:b].split()) < min_words]
+    start = body_start(text, spans)
+    dropped = [{"index": 0, "start": spans[0][0], "end": spans[0][1], "text": sentences[0],
+                "reason": "the headline (a first line that does not end like a sentence)"}] if start else []
+    dropped += [{"index": k, "start": a, "end": b, "text": text[a:b],
+                 "reason": f"shorter than min_words={min_words} ({len(text[a:b].split())} words)"}
+                for k, (a, b) in enumerate(spans) if k >= start and len(text[a:b].split()) < min_words]
     dropped_index = {item["index"] for item in dropped}
     candidates = [k for k in range(len(spans)) if k not in dropped_index]
-    chosen = sorted(mmr_select(scores, vectors, candidates, target_count(len(candidates), num_sentences, ratio),
+    # The length follows the whole text, headline included (its share of the ratio goes to the body).
+    count = min(len(candidates), target_count(len(candidates) + start, num_sentences, ratio))
+    chosen = sorted(mmr_select(scores, vectors, candidates, count,
                                mmr_lambda if mode == "centroid" else 1.0)) if candidates else []
     result = {
         "summary": " ".join(sentences[k] for k in chosen),
@@ -277,6 +294,7 @@ def _choose(text, spans, scores, vectors, num_sentences, ratio, min_words, mmr_l
         "sentences": [{"index": k, "start": a, "end": b, "text": sentences[k], "score": round(float(scores[k]), 6),
                        "selected": k in chosen} for k, (a, b) in enumerate(spans)],
         "dropped": dropped,
+        "lead": start,
         "mode": mode,
     }
     if not chosen:
@@ -357,8 +375,10 @@ def metric(results: list[dict], targets: list[dict]) -> dict[str, float]:
 
 
 def lead(text: str, k: int) -> str:
-    """The first k sentences: the Lead-k baseline."""
-    return " ".join(text[a:b] for a, b in split_sentences(text)[:k])
+    """The first k sentences after any headline: the Lead-k baseline."""
+    spans = split_sentences(text)
+    start = body_start(text, spans)
+    return " ".join(text[a:b] for a, b in spans[start:start + k])
 
 
 def evaluate(predictor, examples, *, batch_size: int = 8, progress: bool = True, **options) -> dict[str, Any]:
@@ -386,18 +406,19 @@ def evaluate(predictor, examples, *, batch_size: int = 8, progress: bool = True,
 
 
 def keeps_lead(results: list[dict]) -> float:
-    """The share of summaries that contain the document's first sentence (news puts its key fact there)."""
-    return sum(0 in r["selected"] for r in results) / max(len(results), 1)
+    """The share of summaries that contain the document's lead, its first sentence after any headline
+    (news puts its key fact there)."""
+    return sum(r.get("lead", 0) in r["selected"] for r in results) / max(len(results), 1)
 
 
 def references_with_lead(results: list[dict], references: list[str]) -> float:
-    """The share of reference summaries that contain the document's first sentence (spacing ignored:
-    the BBC references join their sentences without one)."""
+    """The share of reference summaries that contain the document's lead (after any headline; spacing
+    ignored: the BBC references join their sentences without one)."""
     def squeeze(text: str) -> str:
         return "".join(text.split())
 
-    found = sum(bool(r["sentences"]) and squeeze(r["sentences"][0]["text"]) in squeeze(reference)
-                for r, reference in zip(results, references))
+    found = sum(len(r["sentences"]) > r.get("lead", 0) and squeeze(r["sentences"][r.get("lead", 0)]["text"])
+                in squeeze(reference) for r, reference in zip(results, references))
     return found / max(len(references), 1)
 
 

@@ -52,7 +52,26 @@ def test_centroid_mode_on_minilm_returns_spans_scores_and_document_order(minilm)
         assert text[sentence["start"]:sentence["end"]] == sentence["text"]
         assert 0.0 <= sentence["score"] <= 1.0
     ratio = minilm.predict({"text": text}, ratio=0.5)["result"]
-    assert len(ratio["selected"]) == 4  # ceil(0.5 * 7 sentences)
+    # the BBC article opens with its headline, never a summary sentence: ceil(0.5 * 7) sentences, all from the body
+    assert ratio["lead"] == 1 and ratio["dropped"][0]["index"] == 0 and ratio["dropped"][0]["reason"].startswith("the headline")
+    assert len(ratio["selected"]) == 4 and 0 not in ratio["selected"]
+
+
+@pytest.mark.parametrize(("text", "start"), [
+    ("Yukos loses US bankruptcy battle\n\nA judge has dismissed it. It was late.", 1),
+    ("Results\nThe team won. Then it lost.", 1),
+    ("A judge has dismissed it.\n\nIt was late. Nobody came.", 0),  # a first line that ends like a sentence
+    ("Yukos loses US bankruptcy battle and a judge dismissed it. It was late.", 0),  # no line of its own
+    ('He said "it is over!"\nThen he left. Nobody came.', 0),
+    ("Only a headline", 0),
+])
+def test_the_lead_is_the_first_sentence_after_a_headline(text, start):
+    from plugins.sentences import split_sentences
+    from plugins.summary import body_start, lead
+
+    spans = split_sentences(text)
+    assert body_start(text, spans) == start
+    assert lead(text, 1) == text[spans[start][0]:spans[start][1]]
 
 
 def test_centroid_scores_are_cosines_to_the_mean_embedding(minilm, minilm_dir):
