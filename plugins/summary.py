@@ -8,7 +8,10 @@ ROUGE from plugins/rouge.py. Two modes:
 - "supervised": BertSum-style; sentences are packed into windows as [CLS] s1 [SEP] [CLS] s2 [SEP] ...
   with alternating segment ids; a linear scorer scores every token and a sentence's score is the
   mean over its own tokens (sentence_logits).
-"auto" uses the scorer when the checkpoint has a trained one. Output is in document order.
+- "hybrid": hybrid_weight x the scorer's probability + (1 - hybrid_weight) x the centroid
+  similarity, top-k: the scorer knows where news puts its facts, the centroid what the text is about.
+"auto" is hybrid when the checkpoint has a trained scorer, else centroid. A first line that does
+not end like a sentence (a headline) is never chosen. Output is in document order.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from plugins.rouge import rouge
 from plugins.sentences import split_sentences
 from plugins.starter import starter_checkpoint
 
-MODES = ("auto", "centroid", "supervised")
+MODES = ("auto", "centroid", "supervised", "hybrid")
 MAX_SENTENCES = 2000
 MAX_CHARS = 200_000  # per document; sentence splitting and embedding stay within seconds
 
@@ -71,7 +74,8 @@ class SentenceScorerHead(nn.Module):
 
 # -- preprocessing ---------------------------------------------------------------------------------
 
-def _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, layer, max_length, tokenizer) -> int:
+def _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weight, layer, max_length,
+                   tokenizer) -> int:
     if num_sentences is not None:
         check_int("summary", "num_sentences", num_sentences, 1, 100)
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
@@ -81,6 +85,8 @@ def _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, layer, max
         raise InputError(f"summary: mode {mode!r} is not one of {MODES}")
     if not isinstance(mmr_lambda, (int, float)) or isinstance(mmr_lambda, bool) or not 0 <= mmr_lambda <= 1:
         raise InputError(f"summary: mmr_lambda must lie in [0, 1], got {mmr_lambda!r}")
+    if not isinstance(hybrid_weight, (int, float)) or isinstance(hybrid_weight, bool) or not 0 <= hybrid_weight <= 1:
+        raise InputError(f"summary: hybrid_weight must lie in [0, 1], got {hybrid_weight!r}")
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise InputError(f"summary: layer must be an integer (-1 is the last layer), got {layer!r}")
     return length_option("summary", "max_length", max_length, 512, 32, tokenizer)
@@ -88,14 +94,20 @@ def _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, layer, max
 
 # The task's options and their defaults, declared once: the Predictor passes every one to preprocess
 # and postprocess (a caller's values over these).
-OPTIONS = {"num_sentences": None, "ratio": 0.3, "min_words": 4, "mode": "auto", "mmr_lambda": 0.7, "layer": -1,
-           "max_length": None}
+# hybrid_weight: in hybrid mode, each sentence's score is hybrid_weight x the trained scorer's
+# probability + (1 - hybrid_weight) x its centroid similarity; a packed model's manifest carries the
+# weight tuned on its dev split (the starter's: 0.2, see MODEL_CARD.md).
+OPTIONS = {"num_sentences": None, "ratio": 0.3, "min_words": 4, "mode": "auto", "mmr_lambda": 0.7,
+           "hybrid_weight": 0.5, "layer": -1, "max_length": None}
 
 
-def preprocess(inputs, tokenizer, *, num_sentences, ratio, min_words, mode, mmr_lambda, layer, max_length):
+def preprocess(inputs, tokenizer, *, num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weight, layer,
+               max_length):
     """Split into sentences; rows are one per sentence in centroid mode, packed BertSum windows
-    otherwise ("auto" starts with the windows and re-encodes per sentence if the scorer is untrained)."""
-    max_length = _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, layer, max_length, tokenizer)
+    otherwise ("auto" starts with the windows and re-encodes per sentence if the scorer is untrained;
+    hybrid mode encodes each sentence alone too, in postprocess)."""
+    max_length = _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weight, layer, max_length,
+                                tokenizer)
     texts = inputs["text"] if isinstance(inputs["text"], list) else [inputs["text"]]
     documents = []
     for text in texts:
@@ -207,37 +219,54 @@ def target_count(num_candidates: int, num_sentences: int | None, ratio: float) -
 
 
 def postprocess(output: SummaryOutput, batch, *, context: TaskContext, num_sentences, ratio, min_words, mode,
-                mmr_lambda, layer, max_length):
+                mmr_lambda, hybrid_weight, layer, max_length):
     """Per document: the summary, every sentence with its span, score and whether it was chosen, and
-    the sentences a length filter dropped (with the reason)."""
+    the sentences left out before scoring (a headline, short ones; with the reason)."""
     head = output.head
     used = mode
     if mode == "auto":
-        used = "supervised" if float(head.is_trained) > 0 else "centroid"
+        used = "hybrid" if float(head.is_trained) > 0 else "centroid"
     texts, documents = batch.meta["texts"], batch.meta["spans"]
+    options = dict(num_sentences=num_sentences, ratio=ratio, min_words=min_words, mmr_lambda=mmr_lambda,
+                   hybrid_weight=hybrid_weight, layer=layer, max_length=max_length)
     if used == "centroid" and batch.meta["mode"] != "centroid":
         # "auto" fell back to centroid mode: embed each sentence alone (a second, cheaper pass).
-        return _rerun_centroid(head, context, batch, num_sentences, ratio, min_words, mmr_lambda, layer, max_length)
+        return _rerun_centroid(head, context, texts, options)
     per_doc_scores: list[Tensor] = []
     per_doc_embeddings: list[Tensor | None] = []
-    if used == "supervised":
+    if used in ("supervised", "hybrid"):
         per_doc_scores = [torch.zeros(len(spans)) for spans in documents]
         per_doc_embeddings = [None] * len(documents)
         logits = sentence_logits(output.token_scores.float().cpu(), batch.meta["cls"])
         for row, row_logits in zip(batch.meta["cls"], logits):
             for (_, _, d, k), logit in zip(row, row_logits):
                 per_doc_scores[d][k] = torch.sigmoid(logit)
+        if used == "hybrid":
+            similarities = _centroid_similarities(context, texts, options)
+            per_doc_scores = [hybrid_weight * p + (1 - hybrid_weight) * c for p, c in zip(per_doc_scores, similarities)]
     else:
         embeddings = _mean_pool(output.encoder, batch, layer)  # one row per sentence, documents in order
-        start = 0
-        for spans in documents:
-            vectors = embeddings[start:start + len(spans)]
-            start += len(spans)
-            per_doc_scores.append(centroid_scores(vectors).clamp(min=0.0))
-            per_doc_embeddings.append(vectors)
+        per_doc_embeddings = _by_document(embeddings, documents)
+        per_doc_scores = [centroid_scores(vectors).clamp(min=0.0) for vectors in per_doc_embeddings]
     results = [_choose(text, spans, scores, vectors, num_sentences, ratio, min_words, mmr_lambda, used)
                for text, spans, scores, vectors in zip(texts, documents, per_doc_scores, per_doc_embeddings)]
     return results[0] if len(results) == 1 else results
+
+
+def _by_document(rows: Tensor, documents: list[list[tuple[int, int]]]) -> list[Tensor]:
+    """Per-sentence rows of several documents (in order) split into one tensor per document."""
+    out, start = [], 0
+    for spans in documents:
+        out.append(rows[start:start + len(spans)])
+        start += len(spans)
+    return out
+
+
+def _centroid_similarities(context: TaskContext, texts: list[str], options: dict) -> list[Tensor]:
+    """Each document's centroid similarities (clamped at 0), from a pass over each sentence alone."""
+    sub = preprocess({"text": texts}, context.tokenizer, **options, mode="centroid")
+    embeddings = _mean_pool(context.encode(sub.model_inputs()), sub, options["layer"])
+    return [centroid_scores(vectors).clamp(min=0.0) for vectors in _by_document(embeddings, sub.meta["spans"])]
 
 
 def _mean_pool(encoded, batch, layer: int) -> Tensor:
@@ -254,12 +283,10 @@ def _layer(encoded, layer: int) -> Tensor:
     return states[layer]
 
 
-def _rerun_centroid(head, context, batch, num_sentences, ratio, min_words, mmr_lambda, layer, max_length):
-    options = dict(num_sentences=num_sentences, ratio=ratio, min_words=min_words, mode="centroid",
-                   mmr_lambda=mmr_lambda, layer=layer, max_length=max_length)
-    sub = preprocess({"text": batch.meta["texts"]}, context.tokenizer, **options)
+def _rerun_centroid(head, context, texts: list[str], options: dict):
+    sub = preprocess({"text": texts}, context.tokenizer, **options, mode="centroid")
     output = SummaryOutput(torch.zeros(0), head, context.encode(sub.model_inputs()))
-    return postprocess(output, sub, context=context, **options)
+    return postprocess(output, sub, context=context, **options, mode="centroid")
 
 
 SENTENCE_END = (".", "!", "?", '"', "'", "\u201d", "\u2019", ")")
@@ -390,6 +417,10 @@ def evaluate(predictor, examples, *, batch_size: int = 8, progress: bool = True,
     model_results = predict_texts(predictor, texts, batch_size=batch_size, progress=progress, **options)
     mode = model_results[0]["mode"] if model_results else "centroid"
     table[f"model ({mode})"] = rouge([r["summary"] for r in model_results], references)
+    if mode == "hybrid":
+        alone = predict_texts(predictor, texts, batch_size=batch_size, progress=progress,
+                              **{**options, "mode": "supervised"})
+        table["supervised (the scorer alone)"] = rouge([r["summary"] for r in alone], references)
     if mode != "centroid":
         centroid = predict_texts(predictor, texts, batch_size=batch_size, progress=progress,
                                  **{**options, "mode": "centroid"})
@@ -448,10 +479,10 @@ def build_tab(predictor) -> None:
         count = gr.Slider(0, 20, value=3, step=1, label="Sentences (0: use the ratio)")  # the API default: the ratio
         ratio = gr.Slider(0.05, 1.0, value=OPTIONS["ratio"], step=0.05, label="Ratio of sentences")
         min_words = gr.Slider(0, 20, value=OPTIONS["min_words"], step=1, label="Drop sentences shorter than (words)")
-        # On BBC News the unsupervised centroid mode scores higher than the starter's trained scorer
-        # (ROUGE-2 51.8 vs 48.1, MODEL_CARD.md), so the tab starts there; "auto" uses a trained scorer.
-        mode = gr.Radio(list(MODES), value="centroid", label="Mode",
-                        info="centroid: unsupervised, best on news here; supervised: the trained scorer")
+        # "auto": hybrid with a trained scorer (the starter's: best on BBC News, MODEL_CARD.md), else centroid.
+        mode = gr.Radio(list(MODES), value="auto", label="Mode",
+                        info="hybrid: the trained scorer and the centroid together; centroid: unsupervised; "
+                             "supervised: the scorer alone")
     button = ui.run_button(gr, "Summarise")
     summary = gr.Textbox(label="Summary", lines=4)
     document = gr.HTML(label="Document with chosen sentences")
@@ -461,7 +492,7 @@ def build_tab(predictor) -> None:
     details = ui.details(gr)
 
     def run(text_value: str, k: float = 3, ratio_value: float = OPTIONS["ratio"],
-            min_words_value: float = OPTIONS["min_words"], mode_value: str = "centroid"):
+            min_words_value: float = OPTIONS["min_words"], mode_value: str = "auto"):
         output = predictor.predict({"text": text_value}, num_sentences=int(k) or None, ratio=float(ratio_value),
                                    min_words=int(min_words_value), mode=mode_value)
         result = output["result"]

@@ -176,9 +176,16 @@ def test_scorer_trains_saves_and_is_used_in_auto_mode(task, minilm_dir, tmp_path
     predictor = Predictor.load(task, str(tmp_path))
     assert predictor.untrained_head is False
     inputs, target = examples[0]
-    result = predictor.predict(inputs, num_sentences=2)["result"]
-    assert result["mode"] == "supervised"
+    result = predictor.predict(inputs, num_sentences=2, mode="supervised")["result"]
     assert result["summary"].replace(" ", "") == target["summary"].replace(" ", "")
+    auto = predictor.predict(inputs, num_sentences=2)["result"]  # a trained scorer: auto is hybrid
+    assert auto["mode"] == "hybrid" and len(auto["selected"]) == 2
+    scorer_only = predictor.predict(inputs, num_sentences=2, mode="hybrid", hybrid_weight=1.0)["result"]
+    assert [s["score"] for s in scorer_only["sentences"]] == [s["score"] for s in result["sentences"]]
+    centroid = predictor.predict(inputs, num_sentences=2, mode="centroid")["result"]
+    centroid_only = predictor.predict(inputs, num_sentences=2, mode="hybrid", hybrid_weight=0.0)["result"]
+    assert [s["score"] for s in centroid_only["sentences"]] == pytest.approx(
+        [s["score"] for s in centroid["sentences"]], abs=1e-5)
 
 
 def test_lead_baseline():
