@@ -37,10 +37,11 @@ def int8_weight_limit() -> int:
     """The largest |weight| level of Int8Linear: 127 where the CPU has VNNI (int32 dot products of
     u8 x s8), 63 elsewhere: AVX2's vpmaddubsw adds pairs of u8 x s8 products in int16, which
     saturates for 8-bit weights (2 x 255 x 127 > 32767) and fits for 7-bit ones (2 x 255 x 63)."""
-    from .precision import cpu_capability  # noqa: PLC0415 - precision imports this module
-
-    limited = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _BELOW_VNNI
-    return 127 if cpu_capability().vnni and not limited else 63
+    limited = (os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _BELOW_VNNI
+               # precision.CAPABILITY_ENV (precision imports this module, so the name is not imported)
+               or os.environ.get("BERT_ENGINE_CPU_CAPABILITY", "").strip().lower() in ("avx2", "default"))
+    vnni = bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
+    return 127 if vnni and not limited else 63
 
 
 class Int8Linear(nn.Module):
