@@ -71,9 +71,16 @@ def evaluate_task(spec: TaskSpec, predictor, examples: list, *, rank: int = 0, w
 
 
 def data_files(path: str) -> list[str]:
-    """`path` itself, or, for a glob pattern that names no file as such ("train-*.json"), the files it
-    matches in sorted order, so several shards train as one set."""
+    """`path` itself; for a glob pattern that names no file as such ("train-*.json"), the files it
+    matches in sorted order, so several shards train as one set; for a comma-separated list that names
+    no file as such ("books/,wiki.valid.tokens"), each part in turn (itself a path or a pattern), so
+    sources of one format mix."""
     text = str(path)
+    if "," in text and not Path(text).exists():
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        if not parts:
+            raise ValueError(f"{text!r}: names no file")
+        return [file for part in parts for file in data_files(part)]
     if any(c in text for c in "*?[") and not Path(text).exists():
         files = sorted(glob.glob(text))
         if not files:

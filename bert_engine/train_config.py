@@ -22,7 +22,7 @@ class TrainConfig:
     model: str | None = _help("starting checkpoint: folder, Hub id, or 'default' (the offline MiniLM backbone)",
                               default=None)
     preset: str | None = _help("pretrain from scratch with this size: tiny, mini, small or base", default=None)
-    train_file: str | None = _help("training data (file, folder or glob pattern of shards, in the task's format)",
+    train_file: str | None = _help("training data (file, folder, glob pattern of shards, or a comma-separated list of these; in the task's format)",
                                    default=None)
     eval_file: str | None = _help("evaluation data (default: the training file's eval split)", default=None)
     train_split: str = _help("split of the training file to read (for files holding several)", default="train")

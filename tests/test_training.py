@@ -203,6 +203,20 @@ def test_a_glob_pattern_trains_on_every_shard_it_matches(tiny_checkpoint, tmp_pa
         TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "run", train_file=str(tmp_path / "nothing-*.tsv")))
 
 
+def test_a_comma_separated_list_mixes_sources_and_names_a_missing_one(tiny_checkpoint, tmp_path):
+    header, *rows = SST.read_text(encoding="utf-8").splitlines(keepends=True)
+    (tmp_path / "a.tsv").write_text(header + "".join(rows[:5]), encoding="utf-8")
+    for part in range(2):
+        (tmp_path / f"shard-{part}.tsv").write_text(header + "".join(rows[5 + part::2]), encoding="utf-8")
+    task = load_registry(entry_points=False).task("sentiment")
+    sources = f"{tmp_path / 'a.tsv'}, {tmp_path / 'shard-*.tsv'}"
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", train_file=sources)
+    assert len(TaskJob(task, cfg).examples) == len(rows)
+    missing = f"{tmp_path / 'a.tsv'},{tmp_path / 'absent.tsv'}"
+    with pytest.raises(FileNotFoundError, match="absent.tsv"):
+        TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "run", train_file=missing))
+
+
 def test_resume_after_interrupt_continues_from_the_same_step(tiny_checkpoint, tmp_path):
     task = load_registry(entry_points=False).task("sentiment")
     full_cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "full")
