@@ -71,7 +71,14 @@ def make_steps(folder: Path, device: str, precision: str, batch: int, tokens: in
                         lambda logits: torch.nn.functional.cross_entropy(logits[chosen].float(), labels[chosen]),
                         device, precision)
 
-    return config, masked, {"engine": mlm_step(ours), "transformers": mlm_step(reference)}
+    # The engine as `bert-engine pretrain` runs it: vocabulary logits at the masked positions only
+    # (predict_positions); "engine, all positions" is the same model computing them everywhere, as
+    # BertForMaskedLM does, to show what that choice is worth.
+    engine_step = _stepper(ours, lambda m: m(input_ids=input_ids, predict_positions=chosen).logits,
+                           lambda logits: torch.nn.functional.cross_entropy(logits.float(), labels[chosen]),
+                           device, precision)
+    return config, masked, {"engine": engine_step, "engine, all positions": mlm_step(ours),
+                            "transformers": mlm_step(reference)}
 
 
 def _stepper(model, logits_of, loss_of, device: str, precision: str):

@@ -73,7 +73,8 @@ class Int8Linear(nn.Module):
         low, high = min(float(low), 0.0), max(float(high), 0.0)  # the range must hold 0 exactly
         scale = (high - low) / 255 or 1.0
         zero_point = min(255, max(0, round(-low / scale)))
-        qx = torch.quantize_per_tensor(x, scale, zero_point, torch.quint8).int_repr()
+        # uint8 codes by hand: torch.quantize_per_tensor (quantised tensors) is deprecated
+        qx = torch.round(x * (1.0 / scale)).add_(zero_point).clamp_(0, 255).to(torch.uint8)
         out = torch.ops.onednn.qlinear_pointwise(qx, scale, zero_point, self.packed, self.weight_scale,
                                                  self.weight_zero_point, self.bias, 1.0, 0, torch.float32,
                                                  self.post_op, [], self.algorithm)

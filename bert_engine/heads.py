@@ -75,8 +75,10 @@ class MaskedLMHead(nn.Module):
         h = self.transform_norm(self.act(self.transform(hidden_states)))
         return self.decoder(h) + self.bias
 
-    def forward(self, encoded: EncoderOutput) -> MaskedLMOutput:
-        return MaskedLMOutput(self.logits(encoded.last_hidden_state))  # (B, T, V)
+    def forward(self, encoded: EncoderOutput, positions: Tensor | None = None) -> MaskedLMOutput:
+        """Logits (B, T, V); with `positions` ((B, T) bool), only there: (N, V), N = positions.sum()."""
+        hidden = encoded.last_hidden_state
+        return MaskedLMOutput(self.logits(hidden if positions is None else hidden[positions]))
 
 
 class NextSentenceHead(nn.Module):
@@ -107,8 +109,8 @@ class PretrainingHead(nn.Module):
     def tie_to(self, word_embeddings: nn.Embedding) -> None:
         self.mlm.tie_to(word_embeddings)
 
-    def forward(self, encoded: EncoderOutput) -> PretrainingOutput:
-        return PretrainingOutput(self.mlm(encoded).logits, self.nsp(encoded).logits)
+    def forward(self, encoded: EncoderOutput, positions: Tensor | None = None) -> PretrainingOutput:
+        return PretrainingOutput(self.mlm(encoded, positions).logits, self.nsp(encoded).logits)
 
 
 class _LinearClassifierHead(nn.Module):
@@ -203,10 +205,19 @@ class BertWithHead(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None, position_ids: Tensor | None = None,
-                output_attentions: bool = False, output_hidden_states: bool = False):
+                output_attentions: bool = False, output_hidden_states: bool = False,
+                predict_positions: Tensor | None = None):
+        """`predict_positions` ((B, T) bool), for the masked-LM heads only: vocabulary logits at those
+        positions alone, (N, V), as training needs them; the V-wide matmul over every other position
+        is most of an MLM step's time on a small encoder."""
         encoded = self.encoder(input_ids, attention_mask, token_type_ids, position_ids, output_attentions,
                                output_hidden_states)
-        output = self.head(encoded)
+        if predict_positions is None:
+            output = self.head(encoded)
+        elif isinstance(self.head, (MaskedLMHead, PretrainingHead)):
+            output = self.head(encoded, predict_positions)
+        else:
+            raise ValueError(f"predict_positions applies to masked-LM heads, not {type(self.head).__name__}")
         if hasattr(output, "encoder"):
             output.encoder = encoded
         return output

@@ -320,7 +320,8 @@ class PretrainJob:
         labels, nsp = targets
         device = next(model.parameters()).device
         labels, nsp = labels.to(device), nsp.to(device)
-        output = model(**batch.to(device).model_inputs())
+        chosen = labels != IGNORE_INDEX
+        output = model(**batch.to(device).model_inputs(), predict_positions=chosen)  # (N, V) logits
         if self.objective == "mlm":
             mlm_loss, mlm_correct, count = _mlm_loss(output.logits, labels)
             return mlm_loss, {"mlm_loss": mlm_loss.item(), "mlm_accuracy": mlm_correct / max(count, 1)}
@@ -341,11 +342,11 @@ class PretrainJob:
         mine = self.eval_pairs[rank::world]
         for start in range(0, len(mine), 64):
             batch, (labels, nsp) = self.collate(mine[start:start + 64], generator)
-            output = model(**batch.to(device).model_inputs())
             labels, nsp = labels.to(device), nsp.to(device)
             chosen = labels != IGNORE_INDEX
-            logits = output.logits if self.objective == "mlm" else output.mlm_logits
-            counts = masked_lm_counts(logits[chosen], labels[chosen])
+            output = model(**batch.to(device).model_inputs(), predict_positions=chosen)
+            logits = output.logits if self.objective == "mlm" else output.mlm_logits  # (N, V)
+            counts = masked_lm_counts(logits, labels[chosen])
             counts["nsp_correct"] = 0 if self.objective == "mlm" else (output.nsp_logits.argmax(-1) == nsp).sum().item()
             counts["pairs"] = nsp.numel()
             totals = {k: totals[k] + counts[k] for k in totals}
@@ -370,8 +371,9 @@ class PretrainJob:
 
 
 def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """Cross-entropy over the labelled positions; `logits` are (B, T, V), or (N, V) already at them."""
     chosen = labels != IGNORE_INDEX
-    picked = logits[chosen].float()
+    picked = (logits if logits.dim() == 2 else logits[chosen]).float()
     gold = labels[chosen]
     if gold.numel() == 0:
         return logits.sum() * 0.0, 0, 0

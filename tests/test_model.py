@@ -92,6 +92,21 @@ def test_mlm_decoder_is_tied_to_word_embeddings(tiny_config):
     assert model.head.mlm.decoder.weight is model.encoder.embeddings.word_embeddings.weight
 
 
+@pytest.mark.parametrize("kind", ["mlm", "pretraining"])
+def test_mlm_logits_at_chosen_positions_equal_the_full_logits_there(tiny_config, kind):
+    torch.manual_seed(0)
+    model = BertWithHead(tiny_config, kind).eval()
+    ids = torch.randint(5, 99, (2, 7))
+    chosen = torch.zeros(2, 7, dtype=torch.bool)
+    chosen[0, 2] = chosen[1, 5] = chosen[1, 6] = True
+    full, picked = model(ids), model(ids, predict_positions=chosen)
+    field = "logits" if kind == "mlm" else "mlm_logits"
+    assert getattr(picked, field).shape == (3, tiny_config.vocab_size)
+    torch.testing.assert_close(getattr(picked, field), getattr(full, field)[chosen])
+    with pytest.raises(ValueError, match="masked-LM heads, not SequenceClassificationHead"):
+        BertWithHead(tiny_config.with_labels(["a", "b"]), "sequence")(ids, predict_positions=chosen)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
