@@ -376,7 +376,9 @@ def _pack(args: argparse.Namespace) -> dict:
     }
     # A task whose evaluation tunes a no-answer threshold on one half of the data (QA on SQuAD 2.0):
     # the packed model answers with it by default, in the tab and the API (Predictor.model_options).
-    tuned = [m["tuned_threshold"] for m in metrics.values() if "tuned_threshold" in m]
+    # It is the cautious threshold (refusing few answerable questions: qa.cautious_threshold), not
+    # best_f1's, which is tuned for a half-unanswerable mix.
+    tuned = [m["default_threshold"] for m in metrics.values() if "default_threshold" in m]
     if tuned and "null_threshold" in task.spec.options:
         manifest["options"] = {"null_threshold": tuned[0]}
     (target / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")

@@ -239,7 +239,32 @@ def v2_scores(results: list[dict], targets: list[dict]) -> dict[str, float]:
         out["tuned_threshold"] = tuned
         out["heldout_f1"] = 100.0 * sum(q[3] if q[0] > tuned else q[1] for q in heldout) / len(heldout)
         out["heldout_total"] = len(heldout)
+        cautious = cautious_threshold(scored[:half])
+        if cautious is not None:
+            out["default_threshold"] = cautious
+            out["default_heldout_f1"] = 100.0 * sum(q[3] if q[0] > cautious else q[1] for q in heldout) / len(heldout)
+            has_held = [q for q in heldout if not q[3]]
+            none_held = [q for q in heldout if q[3]]
+            out["default_heldout_HasAns_refused"] = sum(q[0] > cautious for q in has_held) / max(len(has_held), 1)
+            out["default_heldout_NoAns_caught"] = sum(q[0] > cautious for q in none_held) / max(len(none_held), 1)
     return out
+
+
+ANSWERABLE_REFUSAL = 0.05  # the share of answerable questions the default threshold may refuse
+
+
+def cautious_threshold(scored: list[tuple[float, float, float, float]],
+                       refusal: float = ANSWERABLE_REFUSAL) -> float | None:
+    """The null-gap threshold a user-facing default uses: the lowest that refuses at most `refusal`
+    of the answerable questions (their gap's (1 - refusal) quantile). best_f1's threshold is tuned for
+    SQuAD 2.0's half-unanswerable mix and refuses many answerable questions; a visitor asks mostly
+    answerable ones, so the default errs toward answering and says "no answer" where the model is
+    clearly surer of it than of any span. None without answerable questions."""
+    gaps = sorted(q[0] for q in scored if not q[3] and math.isfinite(q[0]))
+    if not gaps:
+        return None
+    index = min(len(gaps) - 1, math.ceil((1.0 - refusal) * len(gaps)) - 1)
+    return gaps[max(index, 0)]
 
 
 NEGATIVES_SUFFIX = "+negatives"  # a split name ending in it adds unanswerable questions (read_data)
@@ -451,6 +476,9 @@ EXAMPLES = (
                 "other rain drops or ice crystals within a cloud."},
     {"question": "Who wrote the book?",
      "context": "The book, published in 1851, was written by Herman Melville and follows the voyage of a whaler."},
+    {"question": "Who is the president of France?",  # not in the text: the default threshold says "no answer"
+     "context": "Florida is a state in the southeastern United States. Its capital is Tallahassee and its largest "
+                "city is Jacksonville."},
 )
 
 

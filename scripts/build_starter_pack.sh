@@ -42,10 +42,14 @@ for task in "${TASKS[@]}"; do
         --eval-limit 60 --lora-rank 8 --lr 1e-3 --head-lr 5e-3 --batch-size 8 --max-steps 150 --eval-every 75 \
         --log-every 25 ;;
     fill_mask)
+      # Gutenberg + WikiText-2 valid + SQuAD train's Wikipedia paragraphs (as text), LoRA r32 on every linear,
+      # bf16 autocast (needs AVX512-BF16/AMX, or a GPU: add --device cuda); about 45 min on a 2-core AVX-512 EPYC
+      python scripts/squad_contexts.py "$DATA/squad/train-v1.1.part0*of08.json" "$RUNS/corpus/squad-train.txt"
       train_and_pack fill_mask --eval-data "$DATA/wikitext2/wiki.test.tokens" --eval-split all --eval-limit 400 -- \
-        --train-file "$DATA/gutenberg" --train-split train --eval-file "$DATA/gutenberg" --eval-split test \
-        --eval-limit 300 --lora-rank 8 --lr 1e-3 --head-lr 2e-3 --batch-size 32 --max-steps 400 --eval-every 200 \
-        --log-every 50 ;;
+        --train-file "$DATA/gutenberg,$DATA/wikitext2/wiki.valid.tokens,$RUNS/corpus/squad-train.txt" \
+        --train-split train --eval-file "$DATA/gutenberg" --eval-split test --eval-limit 300 --lora-rank 32 \
+        --lora-targets query,key,value,attention_output,ffn_up,ffn_down --lr 1e-3 --head-lr 2e-3 --batch-size 32 \
+        --max-steps 1500 --eval-every 500 --save-every 100 --log-every 50 --precision bf16 --length-buckets 50 ;;
     qa)
       # SQuAD v1.1 train (all shards) with unanswerable pairs; bf16 autocast needs a CPU with AVX512-BF16/AMX
       # (or a GPU: add --device cuda); about 1 h 30 min on a 2-core AVX-512 EPYC

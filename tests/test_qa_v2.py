@@ -4,7 +4,15 @@ import json
 
 import pytest
 
-from plugins.qa import NEGATIVE_SHARE, best_threshold, metric, normalize_answer, read_data, v2_scores
+from plugins.qa import (
+    NEGATIVE_SHARE,
+    best_threshold,
+    cautious_threshold,
+    metric,
+    normalize_answer,
+    read_data,
+    v2_scores,
+)
 
 
 def _result(answer: str, gap: float | None, predicted: bool = False) -> dict:
@@ -34,6 +42,21 @@ def test_the_honest_threshold_is_tuned_on_one_half_and_scored_on_the_other():
     scores = v2_scores(results, targets)
     assert scores["tuned_threshold"] == -1.0  # from the first two: answer gaps <= -1
     assert scores["heldout_total"] == 2 and scores["heldout_f1"] == pytest.approx(100.0)  # c: none (0.5 > -1); d: d
+
+
+def test_the_default_threshold_refuses_at_most_the_allowed_share_of_answerable_questions():
+    # 20 answerable questions with gaps -20..-1, 4 unanswerable with gaps 0, 5, -30, 2
+    scored = [(float(-g), 1.0, 1.0, 0.0) for g in range(20, 0, -1)] + [(g, 0.0, 0.0, 1.0) for g in (0.0, 5.0, -30.0, 2.0)]
+    threshold = cautious_threshold(scored, refusal=0.05)
+    assert threshold == -2.0  # only the answerable gap -1 exceeds it: 1 of 20 refused
+    assert sum(q[0] > threshold for q in scored if not q[3]) == 1
+    assert sum(q[0] > threshold for q in scored if q[3]) == 3  # the unanswerable -30 is still answered
+    assert cautious_threshold(scored, refusal=0.0) == -1.0  # refuse none
+    assert cautious_threshold([(1.0, 0.0, 0.0, 1.0)]) is None  # no answerable question to calibrate on
+    results = [_result("a", -4.0), _result("", 3.0), _result("c", -5.0), _result("", 2.0)]
+    scores = v2_scores(results, [_target("a"), _target(), _target("c"), _target()])
+    assert scores["default_threshold"] == -4.0  # from the first half's answerable gap
+    assert scores["default_heldout_HasAns_refused"] == 0.0 and scores["default_heldout_NoAns_caught"] == 1.0
 
 
 def test_metric_adds_the_v2_figures_only_on_data_with_unanswerable_questions():
