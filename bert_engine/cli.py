@@ -336,6 +336,19 @@ def _eval(args: argparse.Namespace) -> dict:
             "metrics": metrics, "model": predictor.provenance()}
 
 
+def _halve_adapter(path: Path) -> None:
+    """Store an adapter's float32 tensors as float16 (half the file; loading casts them back), refusing
+    a value float16 cannot hold."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        if tensor.dtype == torch.float32 and tensor.numel() and tensor.abs().max() > torch.finfo(torch.float16).max:
+            raise ValueError(f"{path}: tensor {name} holds values beyond float16's range; pack without --adapter-dtype fp16")
+    save_file({k: v.half() if v.dtype == torch.float32 else v for k, v in tensors.items()}, str(path))
+
+
 def _pack(args: argparse.Namespace) -> dict:
     """Copy a run's best adapter + head into a starter folder, evaluate it there, write its manifest."""
     import datetime
@@ -353,6 +366,8 @@ def _pack(args: argparse.Namespace) -> dict:
     target.mkdir(parents=True, exist_ok=True)
     for name in ("adapter.safetensors", "adapter_config.json", "config.json"):
         shutil.copy(source / name, target / name)
+    if args.adapter_dtype == "fp16":
+        _halve_adapter(target / "adapter.safetensors")
     (target / "manifest.json").unlink(missing_ok=True)  # the evaluation below must not use an old pack's options
     predictor = Predictor.load(task, str(target))
     metrics = {}
@@ -371,7 +386,8 @@ def _pack(args: argparse.Namespace) -> dict:
         "best_eval_during_training": json.loads((source / "eval.json").read_text(encoding="utf-8"))
         if (source / "eval.json").is_file() else None,
         "run": _run_record(run),
-        "metrics": metrics, "command": args.command_line, "date": datetime.date.today().isoformat(),
+        "metrics": metrics, "command": args.command_line, "adapter_dtype": args.adapter_dtype,
+        "date": datetime.date.today().isoformat(),
         "files": {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.name != "manifest.json"},
     }
     # A task whose evaluation tunes a no-answer threshold on one half of the data (QA on SQuAD 2.0):
@@ -511,6 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--eval-split", default="test")
     pack.add_argument("--eval-limit", type=int, default=None)
     pack.add_argument("--command-line", default="", help="the training command, recorded in the manifest")
+    pack.add_argument("--adapter-dtype", choices=("fp32", "fp16"), default="fp32",
+                      help="store the adapter's tensors in this precision (fp16: half the size; evaluated as stored)")
     pack.set_defaults(run=_pack)
     push = sub.add_parser("push", help="upload a trained model or adapter to the Hub with a generated model card")
     push.add_argument("--run", dest="run_dir", required=True,

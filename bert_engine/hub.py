@@ -25,6 +25,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 OPTIONAL_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 ADAPTER_WEIGHTS = "adapter.safetensors"  # a LoRA adapter folder (lora.py) has this instead of full weights
+PACK_MANIFEST = "manifest.json"  # a packed adapter's figures and calibrated option defaults (inference.model_options)
 
 
 class HubError(RuntimeError):
@@ -80,7 +81,7 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
     if weights.name == ADAPTER_WEIGHTS:
         # A LoRA adapter + head: its base model is resolved when loading, and may bring the tokenizer.
         fetch("adapter_config.json", required=True)
-        for optional in TOKENIZER_FILES:
+        for optional in (*TOKENIZER_FILES, PACK_MANIFEST):
             fetch(optional, required=False)
     else:
         if weights.name.endswith(".index.json"):

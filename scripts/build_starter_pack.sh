@@ -45,7 +45,8 @@ for task in "${TASKS[@]}"; do
       # Gutenberg + WikiText-2 valid + SQuAD train's Wikipedia paragraphs (as text), LoRA r32 on every linear,
       # bf16 autocast (needs AVX512-BF16/AMX, or a GPU: add --device cuda); about 45 min on a 2-core AVX-512 EPYC
       python scripts/squad_contexts.py "$DATA/squad/train-v1.1.part0*of08.json" "$RUNS/corpus/squad-train.txt"
-      train_and_pack fill_mask --eval-data "$DATA/wikitext2/wiki.test.tokens" --eval-split all --eval-limit 400 -- \
+      train_and_pack fill_mask --eval-data "$DATA/wikitext2/wiki.test.tokens" --eval-split all --eval-limit 400 \
+        --adapter-dtype fp16 -- \
         --train-file "$DATA/gutenberg,$DATA/wikitext2/wiki.valid.tokens,$RUNS/corpus/squad-train.txt" \
         --train-split train --eval-file "$DATA/gutenberg" --eval-split test --eval-limit 300 --lora-rank 32 \
         --lora-targets query,key,value,attention_output,ffn_up,ffn_down --lr 1e-3 --head-lr 2e-3 --batch-size 32 \

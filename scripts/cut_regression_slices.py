@@ -14,7 +14,8 @@ deterministic: rerunning this script rewrites the same bytes.
 - qa: SQuAD 2.0 dev, whole paragraphs from the second half of the questions (the QA threshold is
   calibrated on the first half), 200 questions, answerable and not.
 - summary: BBC News Summary, the first 16 test-split documents (training used train, selection dev).
-- fill_mask: WikiText-2 test, 3 articles (the fill-mask run trained and was selected on Gutenberg).
+- fill_mask: WikiText-2 test, 3 articles (the fill-mask run trained on Gutenberg, WikiText-2 valid and SQuAD
+  train paragraphs, none of them these articles, and was selected on Gutenberg).
 """
 
 from __future__ import annotations

@@ -547,3 +547,15 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
     manifest = json.loads((tmp_path / "packed" / "manifest.json").read_text())
     assert manifest["run"] == record and manifest["metrics"][f"{SST.name}:all"]["examples"] == 24
     assert sorted(manifest["files"]) == ["adapter.safetensors", "adapter_config.json", "config.json"]
+    assert manifest["adapter_dtype"] == "fp32"
+
+    # --adapter-dtype fp16 halves the float tensors, and the folder still loads and scores alike
+    from safetensors.torch import load_file
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "half"),
+                 "--eval-data", str(SST), "--eval-split", "all", "--adapter-dtype", "fp16"]) == 0
+    half = json.loads((tmp_path / "half" / "manifest.json").read_text())
+    assert half["adapter_dtype"] == "fp16"
+    assert {t.dtype for t in load_file(tmp_path / "half" / "adapter.safetensors").values()} == {torch.float16}
+    assert half["files"]["adapter.safetensors"] < 0.6 * manifest["files"]["adapter.safetensors"]
+    full_acc = manifest["metrics"][f"{SST.name}:all"]["accuracy"]
+    assert abs(half["metrics"][f"{SST.name}:all"]["accuracy"] - full_acc) <= 1 / 24
