@@ -323,9 +323,9 @@ class PretrainJob:
         chosen = labels != IGNORE_INDEX
         output = model(**batch.to(device).model_inputs(), predict_positions=chosen)  # (N, V) logits
         if self.objective == "mlm":
-            mlm_loss, mlm_correct, count = _mlm_loss(output.logits, labels)
+            mlm_loss, mlm_correct, count = _mlm_loss(output.logits, labels[chosen])
             return mlm_loss, {"mlm_loss": mlm_loss.item(), "mlm_accuracy": mlm_correct / max(count, 1)}
-        mlm_loss, mlm_correct, count = _mlm_loss(output.mlm_logits, labels)
+        mlm_loss, mlm_correct, count = _mlm_loss(output.mlm_logits, labels[chosen])
         nsp_loss = nn.functional.cross_entropy(output.nsp_logits.float(), nsp)
         nsp_acc = (output.nsp_logits.argmax(-1) == nsp).float().mean().item()
         stats = {"mlm_loss": mlm_loss.item(), "nsp_loss": nsp_loss.item(),
@@ -370,11 +370,9 @@ class PretrainJob:
         save_model(model, folder, self.tokenizer, self.lora, self.base_name, self.cfg, self.loaded)
 
 
-def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """Cross-entropy over the labelled positions; `logits` are (B, T, V), or (N, V) already at them."""
-    chosen = labels != IGNORE_INDEX
-    picked = (logits if logits.dim() == 2 else logits[chosen]).float()
-    gold = labels[chosen]
+def _mlm_loss(logits: torch.Tensor, gold: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """Cross-entropy of (N, V) logits at the masked positions against their (N,) original ids."""
+    picked = logits.float()
     if gold.numel() == 0:
         return logits.sum() * 0.0, 0, 0
     loss = nn.functional.cross_entropy(picked, gold)

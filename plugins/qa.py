@@ -237,17 +237,21 @@ def v2_scores(results: list[dict], targets: list[dict]) -> dict[str, float]:
         _, tuned = best_threshold(scored[:half], key=1)
         heldout = scored[half:]
         out["tuned_threshold"] = tuned
-        out["heldout_f1"] = 100.0 * sum(q[3] if q[0] > tuned else q[1] for q in heldout) / len(heldout)
+        out["heldout_f1"] = _f1_at(heldout, tuned)
         out["heldout_total"] = len(heldout)
         cautious = cautious_threshold(scored[:half])
         if cautious is not None:
             out["default_threshold"] = cautious
-            out["default_heldout_f1"] = 100.0 * sum(q[3] if q[0] > cautious else q[1] for q in heldout) / len(heldout)
-            has_held = [q for q in heldout if not q[3]]
-            none_held = [q for q in heldout if q[3]]
-            out["default_heldout_HasAns_refused"] = sum(q[0] > cautious for q in has_held) / max(len(has_held), 1)
-            out["default_heldout_NoAns_caught"] = sum(q[0] > cautious for q in none_held) / max(len(none_held), 1)
+            out["default_heldout_f1"] = _f1_at(heldout, cautious)
+            for name, unanswerable in (("default_heldout_HasAns_refused", 0.0), ("default_heldout_NoAns_caught", 1.0)):
+                gaps = [q[0] for q in heldout if q[3] == unanswerable]
+                out[name] = sum(gap > cautious for gap in gaps) / max(len(gaps), 1)
     return out
+
+
+def _f1_at(scored: list[tuple[float, float, float, float]], threshold: float) -> float:
+    """Mean F1 in percent when a question whose null gap exceeds `threshold` is answered "no answer"."""
+    return 100.0 * sum(q[3] if q[0] > threshold else q[1] for q in scored) / len(scored)
 
 
 ANSWERABLE_REFUSAL = 0.05  # the share of answerable questions the default threshold may refuse

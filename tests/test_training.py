@@ -549,13 +549,17 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
     assert sorted(manifest["files"]) == ["adapter.safetensors", "adapter_config.json", "config.json"]
     assert manifest["adapter_dtype"] == "fp32"
 
-    # --adapter-dtype fp16 halves the float tensors, and the folder still loads and scores alike
+    # --adapter-dtype fp16 stores the same tensors rounded to float16, and the folder still loads and scores
+    # (accuracies are not compared: 4 steps leave near-ties that rounding may flip)
     from safetensors.torch import load_file
     assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "half"),
                  "--eval-data", str(SST), "--eval-split", "all", "--adapter-dtype", "fp16"]) == 0
     half = json.loads((tmp_path / "half" / "manifest.json").read_text())
-    assert half["adapter_dtype"] == "fp16"
-    assert {t.dtype for t in load_file(tmp_path / "half" / "adapter.safetensors").values()} == {torch.float16}
+    assert half["adapter_dtype"] == "fp16" and half["metrics"][f"{SST.name}:all"]["examples"] == 24
+    full_tensors = load_file(tmp_path / "packed" / "adapter.safetensors")
+    half_tensors = load_file(tmp_path / "half" / "adapter.safetensors")
+    assert half_tensors.keys() == full_tensors.keys()
+    for name, tensor in half_tensors.items():
+        assert tensor.dtype == torch.float16
+        torch.testing.assert_close(tensor.float(), full_tensors[name], rtol=1e-3, atol=1e-4)
     assert half["files"]["adapter.safetensors"] < 0.6 * manifest["files"]["adapter.safetensors"]
-    full_acc = manifest["metrics"][f"{SST.name}:all"]["accuracy"]
-    assert abs(half["metrics"][f"{SST.name}:all"]["accuracy"] - full_acc) <= 1 / 24
