@@ -17,7 +17,7 @@ SLICES = Path(__file__).parent / "fixtures" / "regression"
 
 # task: (slice, split, metric, measured on the committed pack, floor)
 FLOORS = {
-    "sentiment": ("sst2_dev_every4th.tsv", "all", "accuracy", 0.92, 0.89),
+    "sentiment": ("sst2_dev_every4th.tsv", "all", "accuracy", 0.908, 0.88),
     "ner": ("conll_testb_first250.txt", "all", "f1", 91.4, 88.5),
     "qa": ("squad_v2_dev_second_half.json", "dev", "best_f1", 66.9, 63.0),  # answers and the null score together
     "summary": ("bbc_test_first16.jsonl", "all", "rouge2", 53.6, 50.5),  # hybrid mode (auto)
