@@ -26,6 +26,7 @@ from bert_engine.heads import SpanHead, SpanOutput
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.inference import model_options
 from bert_engine.ui import percent
+from plugins.sentences import split_sentences
 from plugins.starter import starter_checkpoint
 
 N_BEST_PER_WINDOW = 20  # best spans kept per window before merging across windows
@@ -272,39 +273,78 @@ def cautious_threshold(scored: list[tuple[float, float, float, float]],
 
 
 NEGATIVES_SUFFIX = "+negatives"  # a split name ending in it adds unanswerable questions (read_data)
+REMOVED_SUFFIX = "+removed"  # ... and in this: unanswerable questions over their paragraph less the answer
 NEGATIVE_SHARE = 0.33  # about a third of the questions get a second, unanswerable copy: SQuAD 2.0's ratio
+
+
+def _draw(qa: dict, salt: str = "") -> int:
+    """A fixed pseudo-random 32-bit number per question (a hash of its id): the same choices every run."""
+    return int(hashlib.sha256((salt + str(qa.get("id", qa["question"]))).encode()).hexdigest()[:8], 16)
+
+
+def without_answer_sentences(context: str, answers: list[dict], sentences: list[tuple[int, int]] | None = None,
+                             ) -> str | None:
+    """The paragraph with every sentence that holds (part of) an answer removed, or None when nothing
+    is left, or an answer's text still occurs in what is left (then the question may still be
+    answerable from it). `sentences`: the paragraph's sentence spans, if already split."""
+    spans = [(a["answer_start"], a["answer_start"] + len(a["text"])) for a in answers]
+    kept = [context[start:end] for start, end in (split_sentences(context) if sentences is None else sentences)
+            if not any(start < a_end and a_start < end for a_start, a_end in spans)]
+    rest = " ".join(kept)
+    if not rest.strip() or any(normalize_answer(a["text"]) in normalize_answer(rest) for a in answers):
+        return None
+    return rest
 
 
 def read_data(path, split: str = "dev"):
     """A SQuAD-format JSON file (v1.1, or v2.0 with unanswerable questions: answers [""], starts [-1]);
     yields ({"question", "context"}, {"answers": texts, "starts": char offsets}).
 
-    A split ending in "+negatives" (e.g. "train+negatives") also yields, for about a third of the
-    questions (chosen by a hash of the question id, so the same ones every time), the question over
-    another paragraph of the same article as an unanswerable example, unless that paragraph contains
-    one of the answers: the standard construction of no-answer training data from SQuAD 1.1.
+    Splits can add unanswerable questions built from the answerable ones, each for about a third of
+    the questions (chosen by a hash of the question id, so the same ones every time) and each only
+    where no answer's text is left in the new context:
+
+    - "+negatives" (e.g. "train+negatives"): the question over another paragraph of the same
+      article, the standard construction of no-answer training data from SQuAD 1.1. These are easy:
+      the paragraph is about something else.
+    - "+removed" (e.g. "train+negatives+removed"): the question over its own paragraph with the
+      sentences holding the answer taken out. These are hard, as SQuAD 2.0's are: the paragraph is
+      on topic and still names the question's entities, but no longer says the answer.
     """
     with open(path, encoding="utf-8") as handle:
         try:
             data = json.load(handle)["data"]
         except (ValueError, KeyError) as err:
             raise ValueError(f"{path}: not a SQuAD-format JSON file ({err})") from None
-    negatives = str(split).endswith(NEGATIVES_SUFFIX)
+    kinds = str(split).split("+")[1:]
+    unknown = sorted(set(kinds) - {NEGATIVES_SUFFIX[1:], REMOVED_SUFFIX[1:]})
+    if unknown:
+        raise ValueError(f"qa: split {split!r} adds {unknown}; known additions are {NEGATIVES_SUFFIX!r} and "
+                         f"{REMOVED_SUFFIX!r}")
+    negatives, removed = NEGATIVES_SUFFIX[1:] in kinds, REMOVED_SUFFIX[1:] in kinds
     for article in data:
         paragraphs = article["paragraphs"]
         for index, paragraph in enumerate(paragraphs):
+            sentences = None  # split once per paragraph, when a question first needs it
             for qa in paragraph["qas"]:
                 answers = [] if qa.get("is_impossible") else qa["answers"]
                 yield ({"question": qa["question"], "context": paragraph["context"]},
                        {"answers": [a["text"] for a in answers] or [""],
                         "starts": [a["answer_start"] for a in answers] or [-1]})
-                if negatives and len(paragraphs) > 1 and answers:
-                    draw = int(hashlib.sha256(str(qa.get("id", qa["question"])).encode()).hexdigest()[:8], 16)
-                    if draw / 0xFFFFFFFF >= NEGATIVE_SHARE:
-                        continue
-                    other = paragraphs[(index + 1 + draw % (len(paragraphs) - 1)) % len(paragraphs)]["context"]
-                    if not any(normalize_answer(a["text"]) in normalize_answer(other) for a in answers):
-                        yield {"question": qa["question"], "context": other}, {"answers": [""], "starts": [-1]}
+                if not answers:
+                    continue
+                if negatives and len(paragraphs) > 1:
+                    draw = _draw(qa)
+                    if draw / 0xFFFFFFFF < NEGATIVE_SHARE:
+                        other = paragraphs[(index + 1 + draw % (len(paragraphs) - 1)) % len(paragraphs)]["context"]
+                        if not any(normalize_answer(a["text"]) in normalize_answer(other) for a in answers):
+                            yield {"question": qa["question"], "context": other}, {"answers": [""], "starts": [-1]}
+                if removed and _draw(qa, "removed") / 0xFFFFFFFF < NEGATIVE_SHARE:
+                    if sentences is None:
+                        sentences = split_sentences(paragraph["context"])
+                    rest = without_answer_sentences(paragraph["context"], answers, sentences)
+                    if rest is not None:
+                        yield {"question": qa["question"], "context": rest}, {"answers": [""], "starts": [-1]}
 
 
 def _padded(batches: list, name: str, value: int) -> torch.Tensor:

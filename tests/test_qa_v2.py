@@ -94,6 +94,27 @@ def test_negatives_pair_a_question_with_another_paragraph_of_its_article(tmp_pat
     assert negatives == [x for x in read_data(path, "train+negatives") if x[1]["answers"] == [""]]  # the same ones
 
 
+def test_removed_negatives_drop_the_sentence_that_holds_the_answer(tmp_path):
+    context = "The Eiffel Tower is in Paris. It was completed in 1889. Gustave Eiffel's company built it."
+    when = {"text": "1889", "answer_start": context.index("1889")}
+    who = {"text": "Eiffel", "answer_start": context.index("Eiffel's")}  # "Eiffel" is in another sentence too
+    qas = [{"id": f"w{k}", "question": f"When was it completed ({k})?", "answers": [when]} for k in range(60)]
+    qas += [{"id": f"c{k}", "question": f"Whose company built it ({k})?", "answers": [who]} for k in range(60)]
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": context, "qas": qas}]}]}))
+    examples = list(read_data(path, "train+removed"))
+    negatives = [(inputs, target) for inputs, target in examples if target["answers"] == [""]]
+    assert negatives and abs(len(negatives) / 60 - NEGATIVE_SHARE) < 0.15
+    for inputs, target in negatives:
+        assert inputs["question"].startswith("When was it completed")  # never where the answer's text is left
+        assert inputs["context"] == "The Eiffel Tower is in Paris. Gustave Eiffel's company built it."
+        assert target["starts"] == [-1]
+    # the other-paragraph kind needs a second paragraph; both kinds together are the union
+    assert list(read_data(path, "train+negatives+removed")) == examples
+    with pytest.raises(ValueError, match=r"\['bogus'\]"):
+        list(read_data(path, "train+bogus"))
+
+
 def test_squad_v2_unanswerable_questions_read_as_no_answer(tmp_path):
     path = tmp_path / "dev-v2.json"
     path.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": "Paris is in France.", "qas": [
