@@ -306,7 +306,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
         bar.close()
     if dist_info.is_main:
         _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
-        record = {"steps": step, "wall_seconds": round(state["wall_seconds"], 1), "device": str(device),
+        record = {"steps": step, "wall_seconds": round(state["wall_seconds"], 3), "device": str(device),
                   "autocast": str(amp_dtype).replace("torch.", "") if amp_dtype else None, "processes": dist_info.world,
                   **machine_description(device)}
         (out / "run.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
