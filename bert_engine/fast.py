@@ -47,9 +47,15 @@ def int8_weight_limit() -> int:
 class Int8Linear(nn.Module):
     """An inference-only nn.Linear in int8 on the CPU, through oneDNN: the weight quantised once per
     output channel (symmetric; 8 bits with VNNI, 7 without, see int8_weight_limit) and pre-packed;
-    each call quantises its input per tensor to uint8 (asymmetric: the scale and zero point from the
-    input's own range), multiplies in int8 and returns fp32 with the bias (and optionally a GELU)
-    fused into the same call."""
+    each call quantises its input per token (each row scaled by its own largest |value|, so one
+    token with large activations, such as [SEP], does not coarsen every other token's steps) to
+    int8, multiplies in int8 and returns fp32 with each row's scale, the bias and optionally a GELU
+    applied after.
+
+    oneDNN's int8 linear in torch takes one input scale per call; per-token scales go through it
+    exactly because a matmul is linear in each row: W (x / s) = (W x) / s. On the starter models
+    (300 items each) per token keeps 99.7 % of sentiment, 98.3 % of NER and 89.3 % of QA predictions
+    identical to fp32, against 98.3 / 94.7 / 83.0 % with one scale per tensor (benchmarks/README.md)."""
 
     _GELU = {F.gelu: "none", gelu_tanh: "tanh"}
 
@@ -69,20 +75,25 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features).float()
-        low, high = torch.aminmax(x)
-        low, high = min(float(low), 0.0), max(float(high), 0.0)  # the range must hold 0 exactly
-        scale = (high - low) / 255 or 1.0
-        zero_point = min(255, max(0, round(-low / scale)))
-        # uint8 codes by hand: torch.quantize_per_tensor (quantised tensors) is deprecated
-        qx = torch.round(x * (1.0 / scale)).add_(zero_point).clamp_(0, 255).to(torch.uint8)
-        out = torch.ops.onednn.qlinear_pointwise(qx, scale, zero_point, self.packed, self.weight_scale,
-                                                 self.weight_zero_point, self.bias, 1.0, 0, torch.float32,
-                                                 self.post_op, [], self.algorithm)
+        # each row's largest |value| (amax and amin: aminmax along a dimension is many times slower)
+        row_scale = torch.maximum(x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True).neg_()).clamp_min_(1e-12)
+        # each row to codes in [-127, 127], made by hand (torch's quantised tensors are deprecated), then
+        # shifted by 128 into uint8: oneDNN's fast kernels take u8 activations only (an int8 input runs a
+        # reference path thousands of times slower). Float to int8 is vectorised where float to uint8 is
+        # not, and the shift is a wrapping uint8 add on the same bytes. One input scale (1/127) per call.
+        qx = (x * (127.0 / row_scale)).round_().to(torch.int8).view(torch.uint8).add_(128)
+        out = torch.ops.onednn.qlinear_pointwise(qx, 1.0 / 127, 128, self.packed, self.weight_scale,
+                                                 self.weight_zero_point, None, 1.0, 0, torch.float32,
+                                                 "none", [], "")
+        # the row scales and the bias in one pass, in place (these outputs are large: each pass costs)
+        out = out.mul_(row_scale) if self.bias is None else torch.addcmul(self.bias, out, row_scale, out=out)
+        if self.post_op == "gelu":
+            out = torch.ops.aten.gelu_(out, approximate=self.algorithm)
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 (weights +-{self.levels}), "
-                f"fused={self.post_op}")
+                f"activation={self.post_op}, per-token input scales")
 
 
 LINEAR_NAMES = ("attention.qkv", "attention.out", "ffn.up", "ffn.down")  # each encoder layer's projections

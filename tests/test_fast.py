@@ -91,6 +91,21 @@ def test_int8_linear_stays_within_its_quantisation_error(activation):
 
 
 @needs_onednn_int8
+def test_int8_linear_scales_each_token_on_its_own():
+    # one token 1,000x larger than the rest (as [SEP] rows can be): with one input scale per call every
+    # other token would fall into a handful of uint8 steps around 0; per-token scales keep each row's
+    # error at its own few-percent level
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 64, bias=False)
+    x = torch.randn(8, 96)
+    x[3] *= 1000
+    with torch.inference_mode():
+        expected, out = linear(x), Int8Linear(linear)(x)
+    relative = (out - expected).norm(dim=1) / expected.norm(dim=1)
+    assert float(relative.max()) < 0.03, relative
+
+
+@needs_onednn_int8
 def test_int8_keeps_the_named_projections_in_fp32_and_refuses_unknown_names(minilm_dir):
     model, tokenizer = load(minilm_dir)
     batch = tokenizer(SENTENCES).model_inputs()
@@ -99,7 +114,7 @@ def test_int8_keeps_the_named_projections_in_fp32_and_refuses_unknown_names(mini
     first, last = quantised.layers[0], quantised.layers[5]
     assert isinstance(first.attention.qkv, PackedLinear) and isinstance(last.attention.qkv, Int8Linear)
     assert all(isinstance(layer.ffn.down, PackedLinear) for layer in quantised.layers)
-    assert isinstance(last.ffn.up, Int8Linear) and last.ffn.up.post_op == "gelu"  # GELU fused into the int8 call
+    assert isinstance(last.ffn.up, Int8Linear) and last.ffn.up.post_op == "gelu"  # GELU applied inside the int8 module
     real = batch["attention_mask"].bool()
     similarity = torch.nn.functional.cosine_similarity(_encode(quantised, batch)[real], plain[real], dim=-1)
     assert float(similarity.min()) > 0.98
