@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rebuild the offline starter pack (plugins/starter/<task>/) with bert-engine commands only:
 # LoRA adapters + heads on the all-MiniLM-L6-v2 encoder, trained on ../shared/data, then packed
-# (copied, evaluated, manifest written). Steps are sized for a 2-core CPU (about 3 h 30 min in all on a
+# (copied, evaluated, manifest written). Steps are sized for a 2-core CPU (about 3 h in all on a
 # 2-core AVX-512 EPYC: sentiment 25 min, QA 1 h 30 min, fill-mask 50 min, NER 12 min, summary minutes; all but
 # summary use bf16 autocast, which needs AVX512-BF16/AMX or a GPU);
 # on a GPU raise --max-steps (the figures in MODEL_CARD.md say which settings produced them).
