@@ -282,6 +282,13 @@ def _draw(qa: dict, salt: str = "") -> int:
     return int(hashlib.sha256((salt + str(qa.get("id", qa["question"]))).encode()).hexdigest()[:8], 16)
 
 
+def _says_an_answer(text: str, answers: list[dict]) -> bool:
+    """Whether any answer's text occurs in `text` (normalised as the SQuAD metric does): a context that
+    does cannot be labelled unanswerable."""
+    text = normalize_answer(text)
+    return any(normalize_answer(a["text"]) in text for a in answers)
+
+
 def without_answer_sentences(context: str, answers: list[dict], sentences: list[tuple[int, int]] | None = None,
                              ) -> str | None:
     """The paragraph with every sentence that holds (part of) an answer removed, or None when nothing
@@ -291,7 +298,7 @@ def without_answer_sentences(context: str, answers: list[dict], sentences: list[
     kept = [context[start:end] for start, end in (split_sentences(context) if sentences is None else sentences)
             if not any(start < a_end and a_start < end for a_start, a_end in spans)]
     rest = " ".join(kept)
-    if not rest.strip() or any(normalize_answer(a["text"]) in normalize_answer(rest) for a in answers):
+    if not rest.strip() or _says_an_answer(rest, answers):
         return None
     return rest
 
@@ -337,7 +344,7 @@ def read_data(path, split: str = "dev"):
                     draw = _draw(qa)
                     if draw / 0xFFFFFFFF < NEGATIVE_SHARE:
                         other = paragraphs[(index + 1 + draw % (len(paragraphs) - 1)) % len(paragraphs)]["context"]
-                        if not any(normalize_answer(a["text"]) in normalize_answer(other) for a in answers):
+                        if not _says_an_answer(other, answers):
                             yield {"question": qa["question"], "context": other}, {"answers": [""], "starts": [-1]}
                 if removed and _draw(qa, "removed") / 0xFFFFFFFF < NEGATIVE_SHARE:
                     if sentences is None:
