@@ -62,6 +62,7 @@ class Task:
         self.task, self.predict = _workload(name, data, limit)
         fp32 = Predictor.load(self.task, precision="fp32", pack=False)
         self.plain, self.tokenizer, self.model_id = fp32.model, fp32.tokenizer, fp32.model_id
+        self.model_options = fp32.model_options  # e.g. QA's calibrated null_threshold, from the pack's manifest
         self.reference = self.predict(Predictor.load(self.task, precision="fp32"))
 
     def quantised(self, keep: tuple[str, ...]):
@@ -69,7 +70,9 @@ class Task:
         from bert_engine.inference import Predictor
 
         model = quantize_int8(copy.deepcopy(self.plain), keep_fp32=keep)
-        return Predictor(self.task, model, self.tokenizer, model_id=self.model_id)
+        # the reference's option defaults too: without them QA would never say "no answer" where the
+        # fp32 model, calibrated, does, and every such question would count as a disagreement
+        return Predictor(self.task, model, self.tokenizer, model_id=self.model_id, model_options=self.model_options)
 
     def agreement(self, keep: tuple[str, ...]) -> float:
         return _agreement(self.predict(self.quantised(keep)), self.reference)

@@ -113,7 +113,14 @@ class Predictor:
 
     def __init__(self, task: RegisteredTask, model: nn.Module, tokenizer: Tokenizer, *,
                  model_id: str, revision: str | None = None, untrained_head: bool = False,
-                 loaded: Loaded | None = None) -> None:
+                 loaded: Loaded | None = None, model_options: Mapping[str, Any] | None = None) -> None:
+        """`model_options`: option defaults this model was calibrated with (a packed model's manifest
+        "options", e.g. QA's null_threshold; `load` reads them from the folder). A model built by hand
+        from a loaded one (quantised, pruned) passes them on, or it answers with the task's defaults."""
+        unknown = sorted(set(model_options or {}) - set(task.spec.options))
+        if unknown:
+            raise ValueError(f"{task.spec.name}: model_options {unknown} are not options of this task "
+                             f"(it has {sorted(task.spec.options)})")
         self.task = task
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -127,7 +134,7 @@ class Predictor:
         self.max_rows = 32  # rows (windows) per forward pass
         # Option defaults the model folder was calibrated with (its manifest's "options", e.g. QA's
         # null_threshold): over the task's defaults, under the caller's own options.
-        self.model_options: dict[str, Any] = {}
+        self.model_options: dict[str, Any] = dict(model_options or {})
         self._lock = ModelLock()  # one forward pass at a time per model; callers queue, a cut-off one lets go
 
     @classmethod
@@ -148,9 +155,9 @@ class Predictor:
                       **load_kwargs)
         model = prepare_for_inference(loaded.model, precision, pack=pack, compile=compile)
         predictor = cls(task, model, loaded.tokenizer, model_id=str(name), loaded=loaded,
-                        revision=loaded.checkpoint.commit or loaded.checkpoint.revision, untrained_head=loaded.untrained)
+                        revision=loaded.checkpoint.commit or loaded.checkpoint.revision, untrained_head=loaded.untrained,
+                        model_options=model_options(loaded.checkpoint.folder, task.spec))
         predictor.precision = "int8" if precision == "int8" else None
-        predictor.model_options = model_options(loaded.checkpoint.folder, task.spec)
         return predictor
 
     def check_inputs(self, inputs: Any, options: Mapping[str, Any]) -> dict[str, Any]:

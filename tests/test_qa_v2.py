@@ -151,3 +151,22 @@ def test_a_model_folder_s_calibrated_threshold_is_the_default_of_the_api_and_the
     shutil.copytree(STARTER_ROOT / "qa", broken)
     (broken / "manifest.json").write_text("{not json")
     assert Predictor.load(task, str(broken)).model_options == {}
+
+
+def test_a_predictor_built_from_a_loaded_one_keeps_its_calibrated_defaults_when_passed_on():
+    from bert_engine.fast import quantize_int8
+    from bert_engine.inference import Predictor
+    from bert_engine.registry import load_registry
+
+    task = load_registry(entry_points=False).task("qa")
+    loaded = Predictor.load(task, precision="fp32", pack=False)
+    assert loaded.model_options.get("null_threshold") is not None  # the starter's calibrated threshold
+    model = quantize_int8(loaded.model)
+    passed_on = Predictor(task, model, loaded.tokenizer, model_id=loaded.model_id, model_options=loaded.model_options)
+    inputs = {"question": "Who is the president of France?",
+              "context": "Florida is a state in the southeastern United States. Its capital is Tallahassee."}
+    assert passed_on.predict(inputs)["result"]["no_answer"]["threshold"] == loaded.model_options["null_threshold"]
+    # without them the task's defaults apply (no threshold): the reason the int8 benchmark passes them on
+    assert Predictor(task, model, loaded.tokenizer, model_id="m").predict(inputs)["result"]["no_answer"]["threshold"] is None
+    with pytest.raises(ValueError, match=r"\['beam_width'\]"):
+        Predictor(task, model, loaded.tokenizer, model_id="m", model_options={"beam_width": 4})
