@@ -60,13 +60,19 @@ class Int8Linear(nn.Module):
 
     _GELU = {F.gelu: "none", gelu_tanh: "tanh"}
 
-    def __init__(self, linear: nn.Linear, activation=None) -> None:
+    def __init__(self, linear: nn.Linear, activation=None, *, one_sided_input: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
         self.levels = int8_weight_limit()
         scale = (weight.abs().amax(dim=1) / self.levels).clamp_min(1e-12)
         quantised = torch.clamp(torch.round(weight / scale[:, None]), -self.levels, self.levels).to(torch.int8)
+        # An input far from symmetric about 0 (a GELU's output: >= -0.17, up to several units) would use
+        # about half the 255 codes with steps symmetric about 0; each row's own [min, max] in 255 steps
+        # uses them all. The offset's share of the output, midpoint x (row sums of W), is added back.
+        self.one_sided_input = one_sided_input
+        self.register_buffer("weight_row_sum", (quantised.float() * scale[:, None]).sum(dim=1) if one_sided_input
+                             else None, persistent=False)
         self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(quantised, None), persistent=False)
         self.register_buffer("weight_scale", scale, persistent=False)
         self.register_buffer("weight_zero_point", torch.zeros(self.out_features, dtype=torch.long), persistent=False)
@@ -76,6 +82,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features).float()
+        if self.one_sided_input:
+            return self._forward_one_sided(x).reshape(*shape[:-1], self.out_features)
         # each row's largest |value| (amax and amin: aminmax along a dimension is many times slower)
         row_scale = torch.maximum(x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True).neg_()).clamp_min_(1e-12)
         # each row to codes in [-127, 127], made by hand (torch's quantised tensors are deprecated), then
@@ -92,9 +100,29 @@ class Int8Linear(nn.Module):
             out = torch.ops.aten.gelu_(out, approximate=self.algorithm)
         return out.reshape(*shape[:-1], self.out_features)
 
+    def _forward_one_sided(self, x: Tensor) -> Tensor:
+        """forward for one_sided_input: each row x ~ mid + step * c, c = codes in [-128, 127] over the
+        row's [min, max], so W x = step * (W c) + mid * (W 1)."""
+        low, high = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
+        step = (high - low).div_(255.0).clamp_min_(1e-12)
+        inverse = step.reciprocal()
+        mid = low.add_(step * 128.0)  # low + 128 steps: codes 0..255 become c = -128..127
+        # (x - mid) / step in one pass, rounded to int8, then shifted into uint8 as in forward
+        qx = torch.addcmul(mid.mul(inverse).neg_(), x, inverse).round_().clamp_(-128, 127).to(torch.int8)
+        qx = qx.view(torch.uint8).add_(128)
+        out = torch.ops.onednn.qlinear_pointwise(qx, 1.0, 128, self.packed, self.weight_scale,
+                                                 self.weight_zero_point, None, 1.0, 0, torch.float32,
+                                                 "none", [], "")
+        out = out.mul_(step) if self.bias is None else torch.addcmul(self.bias, out, step, out=out)
+        out = out.addr_(mid.squeeze(1), self.weight_row_sum)
+        if self.post_op == "gelu":
+            out = torch.ops.aten.gelu_(out, approximate=self.algorithm)
+        return out
+
     def extra_repr(self) -> str:
+        inputs = "per-token [min, max] input steps" if self.one_sided_input else "per-token input scales"
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 (weights +-{self.levels}), "
-                f"activation={self.post_op}, per-token input scales")
+                f"activation={self.post_op}, {inputs}")
 
 
 LINEAR_NAMES = ("attention.qkv", "attention.out", "ffn.up", "ffn.down")  # each encoder layer's projections
@@ -135,7 +163,10 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None) ->
             if kept:
                 replacement = PackedLinear(linear, owner.act if fused_gelu else None) if can_pack(model) else linear
             else:
-                replacement = Int8Linear(linear, owner.act if fused_gelu else None)
+                # FFN down's input is a GELU's (fused into up: act is then _identity) or a ReLU's
+                # output, or SiLU's: one-sided (see Int8Linear)
+                one_sided = name == "ffn.down" and owner.act in (*Int8Linear._GELU, _identity, F.relu, F.silu)
+                replacement = Int8Linear(linear, owner.act if fused_gelu else None, one_sided_input=one_sided)
                 quantised += 1
             if fused_gelu and replacement is not linear:
                 owner.act = _identity

@@ -106,6 +106,34 @@ def test_int8_linear_scales_each_token_on_its_own():
 
 
 @needs_onednn_int8
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_spends_every_code_on_a_one_sided_input(bias):
+    # a GELU's output (>= -0.17, up to several units), as FFN down's input is: steps symmetric about 0
+    # leave about half the codes unused; each row's [min, max] in 255 steps is about twice as fine
+    torch.manual_seed(0)
+    linear = nn.Linear(384, 96, bias=bias)
+    x = torch.nn.functional.gelu(torch.randn(16, 384) * 2 - 1)
+    x[5] *= 50  # and each row keeps its own range
+    with torch.inference_mode():
+        expected = linear(x)
+        symmetric, one_sided = Int8Linear(linear)(x), Int8Linear(linear, one_sided_input=True)(x)
+    error = {name: float(((out - expected).norm(dim=1) / expected.norm(dim=1)).mean())
+             for name, out in (("symmetric", symmetric), ("one_sided", one_sided))}
+    assert error["one_sided"] < 0.75 * error["symmetric"], error
+    assert error["one_sided"] < 0.02, error
+
+
+@needs_onednn_int8
+def test_int8_quantises_ffn_down_for_its_one_sided_input_and_only_it(minilm_dir):
+    model, _ = load(minilm_dir)
+    quantised = quantize_int8(copy.deepcopy(model))
+    for layer in quantised.layers:
+        assert layer.ffn.down.one_sided_input
+        assert not any(p.one_sided_input for p in (layer.attention.qkv, layer.attention.out, layer.ffn.up))
+    assert "per-token [min, max] input steps" in repr(quantised.layers[0].ffn.down)
+
+
+@needs_onednn_int8
 def test_int8_keeps_the_named_projections_in_fp32_and_refuses_unknown_names(minilm_dir):
     model, tokenizer = load(minilm_dir)
     batch = tokenizer(SENTENCES).model_inputs()
