@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Rebuild the offline starter pack (plugins/starter/<task>/) with bert-engine commands only:
 # LoRA adapters + heads on the all-MiniLM-L6-v2 encoder, trained on ../shared/data, then packed
-# (copied, evaluated, manifest written). Steps are sized for a 2-core CPU (about 3 h in all on a
-# 2-core AVX-512 EPYC: sentiment 25 min, QA 1 h 30 min, fill-mask 50 min, NER 12 min, summary minutes; all but
+# (copied, evaluated, manifest written). Steps are sized for a 2-core CPU (about 4 h in all on a
+# 2-core AVX-512 EPYC: sentiment 25 min, QA 1 h 30 min, fill-mask 1 h 45 min, NER 12 min, summary minutes; all but
 # summary use bf16 autocast, which needs AVX512-BF16/AMX or a GPU);
 # on a GPU raise --max-steps (the figures in MODEL_CARD.md say which settings produced them).
 # Usage: scripts/build_starter_pack.sh [task ...]   (default: all five)
@@ -53,14 +53,17 @@ for task in "${TASKS[@]}"; do
         --log-every 25 ;;
     fill_mask)
       # Gutenberg + WikiText-2 valid + SQuAD train's Wikipedia paragraphs (as text), LoRA r32 on every linear,
-      # bf16 autocast (needs AVX512-BF16/AMX, or a GPU: add --device cuda); about 45 min on a 2-core AVX-512 EPYC
+      # bf16 autocast (needs AVX512-BF16/AMX, or a GPU: add --device cuda); 1,500 steps, then resumed to 4,500
+      # (the schedule restarts at 70 %); about 1 h 45 min on a 2-core AVX-512 EPYC
       python scripts/squad_contexts.py "$DATA/squad/train-v1.1.part0*of08.json" "$RUNS/corpus/squad-train.txt"
+      args=(--train-file "$DATA/gutenberg,$DATA/wikitext2/wiki.valid.tokens,$RUNS/corpus/squad-train.txt"
+        --train-split train --eval-file "$DATA/gutenberg" --eval-split test --eval-limit 300 --lora-rank 32
+        --lora-targets query,key,value,attention_output,ffn_up,ffn_down --lr 1e-3 --head-lr 2e-3 --batch-size 32
+        --eval-every 500 --save-every 100 --log-every 50 --precision bf16 --length-buckets 50)
+      python -m bert_engine train fill_mask --output-dir "$RUNS/fill_mask" "${args[@]}" --max-steps 1500 \
+        > "$RUNS/fill_mask.part1.json"
       train_and_pack fill_mask --eval-data "$DATA/wikitext2/wiki.test.tokens" --eval-split all --eval-limit 400 \
-        --adapter-dtype fp16 -- \
-        --train-file "$DATA/gutenberg,$DATA/wikitext2/wiki.valid.tokens,$RUNS/corpus/squad-train.txt" \
-        --train-split train --eval-file "$DATA/gutenberg" --eval-split test --eval-limit 300 --lora-rank 32 \
-        --lora-targets query,key,value,attention_output,ffn_up,ffn_down --lr 1e-3 --head-lr 2e-3 --batch-size 32 \
-        --max-steps 1500 --eval-every 500 --save-every 100 --log-every 50 --precision bf16 --length-buckets 50 ;;
+        --adapter-dtype fp16 -- "${args[@]}" --max-steps 4500 --resume ;;
     qa)
       # SQuAD v1.1 train (all shards) with unanswerable pairs; bf16 autocast needs a CPU with AVX512-BF16/AMX
       # (or a GPU: add --device cuda); about 1 h 30 min on a 2-core AVX-512 EPYC

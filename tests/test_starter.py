@@ -79,7 +79,7 @@ def test_fill_mask_starter(registry):
     predictor = _predictor(registry, "fill_mask")
     # Trained on 19th-century novels: everyday nouns and adjectives of that prose, not world facts.
     for text, expected in (("She opened the [MASK] and walked into the garden.", "door"),
-                           ("Once upon a [MASK] there lived a king.", "king"),
+                           ("Once upon a [MASK] there lived a king.", "time"),
                            ("He was a [MASK] man.", "old")):
         result = predictor.predict({"text": text})["result"]
         assert expected in [c["token"] for c in result["predictions"][0]["candidates"]], text
