@@ -84,7 +84,7 @@ class Task:
         """Agreement with only the projections' weights rounded as Int8Linear rounds them (per output
         channel, fast.int8_weight_limit levels) and everything else in fp32: the bound that the weight
         format alone sets, whatever the activations' scheme."""
-        from bert_engine.fast import LINEAR_NAMES, int8_weight_limit
+        from bert_engine.fast import LINEAR_NAMES, int8_weight_limit, quantise_weight
         from bert_engine.inference import Predictor
 
         model, levels = copy.deepcopy(self.plain), int8_weight_limit()
@@ -93,8 +93,8 @@ class Task:
                 for name in LINEAR_NAMES:
                     owner, attr = name.split(".")
                     weight = getattr(getattr(layer, owner), attr).weight
-                    scale = (weight.abs().amax(dim=1, keepdim=True) / levels).clamp_min(1e-12)
-                    weight.copy_(torch.clamp(torch.round(weight / scale), -levels, levels) * scale)
+                    codes, scale = quantise_weight(weight, levels)
+                    weight.copy_(codes.float() * scale[:, None])
         predictor = Predictor(self.task, model, self.tokenizer, model_id=self.model_id, model_options=self.model_options)
         return _agreement(self.predict(predictor), self.reference)
 

@@ -44,6 +44,13 @@ def int8_weight_limit() -> int:
     return 127 if vnni and not limited else 63
 
 
+def quantise_weight(weight: Tensor, levels: int) -> tuple[Tensor, Tensor]:
+    """A weight's int8 codes in [-levels, levels] and its scale per output channel (symmetric): the
+    rounding Int8Linear multiplies with; codes * scale[:, None] is the weight it computes with."""
+    scale = (weight.abs().amax(dim=1) / levels).clamp_min(1e-12)
+    return torch.clamp(torch.round(weight / scale[:, None]), -levels, levels).to(torch.int8), scale
+
+
 class Int8Linear(nn.Module):
     """An inference-only nn.Linear in int8 on the CPU, through oneDNN: the weight quantised once per
     output channel (symmetric; 8 bits with VNNI, 7 without, see int8_weight_limit) and pre-packed;
@@ -65,8 +72,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
         self.levels = int8_weight_limit()
-        scale = (weight.abs().amax(dim=1) / self.levels).clamp_min(1e-12)
-        quantised = torch.clamp(torch.round(weight / scale[:, None]), -self.levels, self.levels).to(torch.int8)
+        quantised, scale = quantise_weight(weight, self.levels)
         # An input far from symmetric about 0 (a GELU's output: >= -0.17, up to several units) would use
         # about half the 255 codes with steps symmetric about 0; each row's own [min, max] in 255 steps
         # uses them all. The offset's share of the output, midpoint x (row sums of W), is added back.
@@ -82,42 +88,41 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features).float()
-        if self.one_sided_input:
-            return self._forward_one_sided(x).reshape(*shape[:-1], self.out_features)
-        # each row's largest |value| (amax and amin: aminmax along a dimension is many times slower)
-        row_scale = torch.maximum(x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True).neg_()).clamp_min_(1e-12)
-        # each row to codes in [-127, 127], made by hand (torch's quantised tensors are deprecated), then
-        # shifted by 128 into uint8: oneDNN's fast kernels take u8 activations only (an int8 input runs a
-        # reference path thousands of times slower). Float to int8 is vectorised where float to uint8 is
-        # not, and the shift is a wrapping uint8 add on the same bytes. One input scale (1/127) per call.
-        qx = (x * (127.0 / row_scale)).round_().to(torch.int8).view(torch.uint8).add_(128)
-        out = torch.ops.onednn.qlinear_pointwise(qx, 1.0 / 127, 128, self.packed, self.weight_scale,
+        qx, input_scale, row_scale, mid = self._one_sided_codes(x) if self.one_sided_input else self._codes(x)
+        # the codes are int8; shifted by 128 into uint8: oneDNN's fast kernels take u8 activations only (an
+        # int8 input runs a reference path thousands of times slower). Float to int8 is vectorised where
+        # float to uint8 is not, and the shift is a wrapping uint8 add on the same bytes.
+        qx = qx.view(torch.uint8).add_(128)
+        out = torch.ops.onednn.qlinear_pointwise(qx, input_scale, 128, self.packed, self.weight_scale,
                                                  self.weight_zero_point, None, 1.0, 0, torch.float32,
                                                  "none", [], "")
         # the row scales and the bias in one pass, in place (these outputs are large: each pass costs)
         out = out.mul_(row_scale) if self.bias is None else torch.addcmul(self.bias, out, row_scale, out=out)
+        if mid is not None:
+            out = out.addr_(mid.squeeze(1), self.weight_row_sum)
         if self.post_op == "gelu":
             out = torch.ops.aten.gelu_(out, approximate=self.algorithm)
         return out.reshape(*shape[:-1], self.out_features)
 
-    def _forward_one_sided(self, x: Tensor) -> Tensor:
-        """forward for one_sided_input: each row x ~ mid + step * c, c = codes in [-128, 127] over the
-        row's [min, max], so W x = step * (W c) + mid * (W 1)."""
+    @staticmethod
+    def _codes(x: Tensor) -> tuple[Tensor, float, Tensor, None]:
+        """Each row to int8 codes in [-127, 127] by its own largest |value| s (made by hand: torch's
+        quantised tensors are deprecated); one input scale (1/127) per call, the output times s."""
+        # amax and amin: aminmax along a dimension is many times slower
+        row_scale = torch.maximum(x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True).neg_()).clamp_min_(1e-12)
+        return (x * (127.0 / row_scale)).round_().to(torch.int8), 1.0 / 127, row_scale, None
+
+    @staticmethod
+    def _one_sided_codes(x: Tensor) -> tuple[Tensor, float, Tensor, Tensor]:
+        """Each row x ~ mid + step * c, c = int8 codes in [-128, 127] over the row's [min, max], so
+        W x = step * (W c) + mid * (W 1): the output times step, plus mid times W's row sums."""
         low, high = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
         step = (high - low).div_(255.0).clamp_min_(1e-12)
         inverse = step.reciprocal()
         mid = low.add_(step * 128.0)  # low + 128 steps: codes 0..255 become c = -128..127
-        # (x - mid) / step in one pass, rounded to int8, then shifted into uint8 as in forward
-        qx = torch.addcmul(mid.mul(inverse).neg_(), x, inverse).round_().clamp_(-128, 127).to(torch.int8)
-        qx = qx.view(torch.uint8).add_(128)
-        out = torch.ops.onednn.qlinear_pointwise(qx, 1.0, 128, self.packed, self.weight_scale,
-                                                 self.weight_zero_point, None, 1.0, 0, torch.float32,
-                                                 "none", [], "")
-        out = out.mul_(step) if self.bias is None else torch.addcmul(self.bias, out, step, out=out)
-        out = out.addr_(mid.squeeze(1), self.weight_row_sum)
-        if self.post_op == "gelu":
-            out = torch.ops.aten.gelu_(out, approximate=self.algorithm)
-        return out
+        # (x - mid) / step in one pass
+        codes = torch.addcmul(mid.mul(inverse).neg_(), x, inverse).round_().clamp_(-128, 127).to(torch.int8)
+        return codes, 1.0, step, mid
 
     def extra_repr(self) -> str:
         inputs = "per-token [min, max] input steps" if self.one_sided_input else "per-token input scales"
