@@ -138,10 +138,15 @@ def pack_sentences(tokenizer, texts: list[str], documents: list[list[tuple[int, 
     """BertSum input: sentences as [CLS] pieces [SEP] with alternating segment ids, packed greedily into
     rows of at most `max_length` tokens (a new row per document). Each sentence is cut to
     `max_sentence_tokens` pieces. meta["cls"]: per row, (start, end, document, sentence index) with
-    [start, end) the sentence's tokens in the row, its [CLS] and [SEP] included."""
+    [start, end) the sentence's tokens in the row, its [CLS] and [SEP] included.
+
+    A headline (body_start) is left out of the rows, in training and prediction alike: BBC articles
+    open with one, never part of a summary, so a scorer that saw it learned "the first sentence of a
+    row is never chosen" and dropped the lead of every article without a headline."""
     cls_id, sep_id = tokenizer.token_id("cls_token"), tokenizer.token_id("sep_token")
-    sentences = [texts[d][a:b] for d, spans in enumerate(documents) for a, b in spans]
-    owners = [(d, k) for d, spans in enumerate(documents) for k in range(len(spans))]
+    owners = [(d, k) for d, spans in enumerate(documents)
+              for k in range(body_start(texts[d], spans), len(spans))]
+    sentences = [texts[d][slice(*documents[d][k])] for d, k in owners]
     limit = min(max_sentence_tokens, max_length - 2)
     rows, types, cls, sample_index = [], [], [], []
     current: list[int] = []

@@ -16,12 +16,15 @@ from bert_engine.loading import save_pretrained
 from bert_engine.registry import load_registry
 from plugins.sentences import split_sentences
 from plugins.summary import (
+    OPTIONS,
     SentenceScorerHead,
+    body_start,
     evaluate,
     lead,
     loss,
     mmr_select,
     oracle_labels,
+    preprocess,
     read_data,
     split_of,
     training_batch,
@@ -147,6 +150,23 @@ def test_training_batch_packs_sentences_bertsum_style(minilm_dir):
         assert segments == [k % 2 for k in range(len(positions))]  # interval segment ids
     labels = [y for row in targets for *_, y in row]
     assert sum(labels) == 6  # two reference sentences per fixture document
+
+
+def test_the_scorer_never_sees_a_headline(minilm_dir):
+    # trained with BBC headlines as each row's first sentence (always label 0), the scorer learned to
+    # drop the first sentence, and with it the lead of every article that has no headline
+    tokenizer = load_tokenizer(minilm_dir)
+    examples = list(read_data(FIXTURE, "all"))
+    batch, _ = training_batch(examples, tokenizer, max_length=512)
+    packed = {(d, k) for row in batch.meta["cls"] for *_, d, k in row}
+    texts = [inputs["text"] for inputs, _ in examples]
+    for d, text in enumerate(texts):
+        spans = split_sentences(text)
+        assert body_start(text, spans) == 1  # the fixture's articles open with a headline line
+        assert {k for doc, k in packed if doc == d} == set(range(1, len(spans)))
+    plain = preprocess({"text": "No headline here. The lead comes first. Then the rest follows."}, tokenizer,
+                       **{**OPTIONS, "mode": "supervised", "max_length": 512})
+    assert [k for row in plain.meta["cls"] for *_, k in row] == [0, 1, 2]
 
 
 def test_sentence_logits_are_the_linear_scorer_on_mean_pooled_sentences():
