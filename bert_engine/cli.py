@@ -370,11 +370,13 @@ def _pack(args: argparse.Namespace) -> dict:
         _halve_adapter(target / "adapter.safetensors")
     (target / "manifest.json").unlink(missing_ok=True)  # the evaluation below must not use an old pack's options
     predictor = Predictor.load(task, str(target))
+    options = _parse_options(args.option)  # tuned options (-o): evaluated with, and the packed model's defaults
+    predictor.check_options(options)
     metrics = {}
     for data in args.eval_data:
         examples = list(islice(task.spec.read_data(data, args.eval_split), args.eval_limit))
         metrics[f"{Path(data).name}:{args.eval_split}"] = {
-            "examples": len(examples), **evaluate_task(task.spec, predictor, examples, progress=True)}
+            "examples": len(examples), **evaluate_task(task.spec, predictor, examples, progress=True, **options)}
     adapter = json.loads((target / "adapter_config.json").read_text(encoding="utf-8"))
     head = getattr(predictor.model, "head", None)
     manifest = {
@@ -397,6 +399,8 @@ def _pack(args: argparse.Namespace) -> dict:
     tuned = [m["default_threshold"] for m in metrics.values() if "default_threshold" in m]
     if tuned and "null_threshold" in task.spec.options:
         manifest["options"] = {"null_threshold": tuned[0]}
+    if options:
+        manifest["options"] = {**manifest.get("options", {}), **options}
     (target / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
 
@@ -529,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--command-line", default="", help="the training command, recorded in the manifest")
     pack.add_argument("--adapter-dtype", choices=("fp32", "fp16"), default="fp32",
                       help="store the adapter's tensors in this precision (fp16: half the size; evaluated as stored)")
+    pack.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE",
+                      help="a task option tuned for this model: evaluated with and stored in the manifest, so the "
+                           "tab and the API use it by default (repeatable)")
     pack.set_defaults(run=_pack)
     push = sub.add_parser("push", help="upload a trained model or adapter to the Hub with a generated model card")
     push.add_argument("--run", dest="run_dir", required=True,

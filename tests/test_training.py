@@ -14,6 +14,7 @@ import torch
 from conftest import SENTENCES
 from safetensors.torch import load_file
 
+from bert_engine.inference import Predictor
 from bert_engine.jobs import PretrainJob, TaskJob
 from bert_engine.loader import load, load_tokenizer
 from bert_engine.loading import CheckpointError, save_pretrained
@@ -563,3 +564,13 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
         assert tensor.dtype == torch.float16
         torch.testing.assert_close(tensor.float(), full_tensors[name], rtol=1e-3, atol=1e-4)
     assert half["files"]["adapter.safetensors"] < 0.6 * manifest["files"]["adapter.safetensors"]
+
+    # -o: an option tuned for this model is evaluated with and rides in the manifest as the model's default
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "tuned"),
+                 "--eval-data", str(SST), "--eval-split", "all", "-o", "max_length=64"]) == 0
+    assert json.loads((tmp_path / "tuned" / "manifest.json").read_text())["options"] == {"max_length": 64}
+    assert Predictor.load(task, str(tmp_path / "tuned")).model_options == {"max_length": 64}
+    capsys.readouterr()
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "bad"),
+                 "-o", "max_lenght=64"]) == 2
+    assert "max_lenght" in capsys.readouterr().err
