@@ -158,7 +158,7 @@ def build_tab(predictor) -> None:
 EXAMPLES = (
     {"text": "A gorgeous, witty, seductive movie."},
     {"text": "The plot is predictable and the acting is wooden."},
-    {"text": "It's not bad, but I wouldn't watch it again."},
+    {"text": "I didn't hate it."},  # negation; the mixed "It's not bad, but I wouldn't watch it again." reads POSITIVE
 )
 
 

@@ -38,9 +38,11 @@ def test_the_pack_is_small_and_documented():
 
 @pytest.mark.skipif("sentiment" not in PACKED, reason="no sentiment starter model packed")
 def test_sentiment_starter(registry):
+    from plugins.sentiment import EXAMPLES
+
     predictor = _predictor(registry, "sentiment")
-    assert predictor.predict({"text": "A gorgeous, witty, seductive movie."})["result"]["label"] == "POSITIVE"
-    assert predictor.predict({"text": "The plot is predictable and the acting is wooden."})["result"]["label"] == "NEGATIVE"
+    labels = [predictor.predict(example)["result"]["label"] for example in EXAMPLES]  # the tab's examples
+    assert labels == ["POSITIVE", "NEGATIVE", "POSITIVE"]
     assert predictor.predict({"text": "I loved every minute of this wonderful film."})["result"]["score"] > 0.9
 
 
@@ -58,6 +60,10 @@ def test_qa_starter(registry):
     context = "The Eiffel Tower is a wrought-iron tower in Paris. It was completed in 1889 for the World's Fair."
     result = predictor.predict({"question": "When was the Eiffel Tower completed?", "context": context})["result"]
     assert "1889" in result["answer"]
+    from plugins.qa import EXAMPLES  # the tab's: two answerable, one not (the calibrated threshold says so)
+
+    answers = [predictor.predict(example)["result"]["answer"] for example in EXAMPLES]
+    assert "cloud" in answers[0] and "Herman Melville" in answers[1] and answers[2] is None
 
 
 @pytest.mark.skipif("summary" not in PACKED, reason="no summary starter model packed")
