@@ -56,17 +56,23 @@ for task in "${TASKS[@]}"; do
         --log-every 25 ;;
     fill_mask)
       # Gutenberg + WikiText-2 valid + SQuAD train's Wikipedia paragraphs (as text), LoRA r32 on every linear,
-      # bf16 autocast (needs AVX512-BF16/AMX, or a GPU: add --device cuda); 1,500 steps, then resumed to 4,500
-      # (the schedule restarts at 70 %); about 1 h 45 min on a 2-core AVX-512 EPYC
+      # bf16 autocast (needs AVX512-BF16/AMX, or a GPU: add --device cuda); 1,500 steps, resumed to 4,500 (the
+      # schedule restarts at 70 %), then to 9,000 with single sentences of the same train passages added
+      # (scripts/sentence_corpus.py); about 3 h 30 min in all on a 2-core AVX-512 EPYC
       python scripts/squad_contexts.py "$DATA/squad/train-v1.1.part0*of08.json" "$RUNS/corpus/squad-train.txt"
-      args=(--train-file "$DATA/gutenberg,$DATA/wikitext2/wiki.valid.tokens,$RUNS/corpus/squad-train.txt"
-        --train-split train --eval-file "$DATA/gutenberg" --eval-split test --eval-limit 300 --lora-rank 32
+      python scripts/sentence_corpus.py "$DATA/gutenberg,$DATA/wikitext2/wiki.valid.tokens,$RUNS/corpus/squad-train.txt" \
+        "$RUNS/corpus/sentences.txt"
+      passages="$DATA/gutenberg,$DATA/wikitext2/wiki.valid.tokens,$RUNS/corpus/squad-train.txt"
+      args=(--train-split train --eval-file "$DATA/gutenberg" --eval-split test --eval-limit 300 --lora-rank 32
         --lora-targets query,key,value,attention_output,ffn_up,ffn_down --lr 1e-3 --head-lr 2e-3 --batch-size 32
-        --eval-every 500 --save-every 100 --log-every 50 --precision bf16 --length-buckets 50)
-      python -m bert_engine train fill_mask --output-dir "$RUNS/fill_mask" "${args[@]}" --max-steps 1500 \
-        > "$RUNS/fill_mask.part1.json"
+        --save-every 100 --log-every 50 --precision bf16 --length-buckets 50)
+      python -m bert_engine train fill_mask --output-dir "$RUNS/fill_mask" --train-file "$passages" "${args[@]}" \
+        --eval-every 500 --max-steps 1500 > "$RUNS/fill_mask.part1.json"
+      python -m bert_engine train fill_mask --output-dir "$RUNS/fill_mask" --train-file "$passages" "${args[@]}" \
+        --eval-every 500 --max-steps 4500 --resume > "$RUNS/fill_mask.part2.json"
       train_and_pack fill_mask --eval-data "$DATA/wikitext2/wiki.test.tokens" --eval-split all --eval-limit 400 \
-        --adapter-dtype fp16 -- "${args[@]}" --max-steps 4500 --resume ;;
+        --adapter-dtype fp16 -- --train-file "$passages,$RUNS/corpus/sentences.txt" "${args[@]}" --eval-every 1000 \
+        --max-steps 9000 --resume ;;
     qa)
       # SQuAD v1.1 train (all shards) with unanswerable pairs; bf16 autocast needs a CPU with AVX512-BF16/AMX
       # (or a GPU: add --device cuda); about 1 h 30 min on a 2-core AVX-512 EPYC
