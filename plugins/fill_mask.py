@@ -336,6 +336,11 @@ EXAMPLES = (
 PASSAGE_WORDS = 80  # training passages: about 110 wordpieces, inside max_length 128
 
 
+def held_out(passage: str) -> bool:
+    """Whether a passage is in the fixed 5 % "test" split (by the CRC-32 of its text)."""
+    return zlib.crc32(passage.encode("utf-8")) % 20 == 0
+
+
 def read_data(path, split: str = "all"):
     """Plain text (a file or a folder; blank lines separate paragraphs) as passages of about
     PASSAGE_WORDS words; yields ({"text": passage}, None). `split` "train" / "test" keeps a fixed
@@ -349,8 +354,7 @@ def read_data(path, split: str = "all"):
             passage = " ".join(words[start:start + PASSAGE_WORDS])
             if len(passage.split()) < 8:
                 continue
-            held_out = zlib.crc32(passage.encode("utf-8")) % 20 == 0
-            if split == "all" or held_out == (split == "test"):
+            if split == "all" or held_out(passage) == (split == "test"):
                 yield {"text": passage}, None
 
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bert_engine.pretraining import read_documents  # noqa: E402
-from plugins.fill_mask import PASSAGE_WORDS  # noqa: E402
+from plugins.fill_mask import PASSAGE_WORDS, held_out  # noqa: E402
 
 # a sentence ends at . ! or ? (and any closing quotes or brackets) before a space and a capital,
 # a digit or an opening quote; enough for training text, where a rare wrong split costs little
@@ -32,16 +31,11 @@ _END = re.compile(r"""(?<=[.!?])["'\u201d\u2019)\]]*\s+(?=["'\u201c\u2018(\[]?[A
 MIN_WORDS, MAX_WORDS = 8, 60
 
 
-def held_out(passage_words: list[str]) -> bool:
-    """fill_mask.read_data's rule: a passage is "test" when the CRC-32 of its text is 0 mod 20."""
-    return zlib.crc32(" ".join(passage_words).encode("utf-8")) % 20 == 0
-
-
 def train_sentences(document: list[str]):
     """The sentences (as word lists) of one document that lie inside one of its train passages."""
     words = " ".join(document).split()
     text = " ".join(words)
-    passages = [(start, held_out(words[start:start + PASSAGE_WORDS])) for start in range(0, len(words), PASSAGE_WORDS)]
+    held = [held_out(" ".join(words[start:start + PASSAGE_WORDS])) for start in range(0, len(words), PASSAGE_WORDS)]
     first_word = 0
     for piece in _END.split(text):
         sentence = piece.split()
@@ -49,7 +43,7 @@ def train_sentences(document: list[str]):
         first_word = end
         if not MIN_WORDS <= len(sentence) <= MAX_WORDS:
             continue
-        if start // PASSAGE_WORDS != (end - 1) // PASSAGE_WORDS or passages[start // PASSAGE_WORDS][1]:
+        if start // PASSAGE_WORDS != (end - 1) // PASSAGE_WORDS or held[start // PASSAGE_WORDS]:
             continue  # crosses a passage boundary, or lies in a held-out passage
         yield sentence
 
