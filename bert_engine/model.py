@@ -22,7 +22,8 @@ from .config import BertConfig
 class EncoderOutput:
     """What the encoder returns.
 
-    last_hidden_state: (B, T, H) float. pooled: (B, H) tanh(dense(h_[CLS])), or None without a pooler.
+    last_hidden_state: (B, T, H) float; zeros at padding where the padding-free path ran
+        (BertModel.padding_free). pooled: (B, H) tanh(dense(h_[CLS])), or None without a pooler.
     attentions: one (B, N, T, T) tensor per layer when asked for, else None.
     attention_mask: the (B, T) padding mask the encoder was given (None: no padding).
     hidden_states: the embeddings' output and every layer's, (B, T, H) each, when asked for.
@@ -87,6 +88,27 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout
 ATTENTION_BACKENDS = {"eager": eager_attention, "sdpa": sdpa_attention}
 
 
+class Unpadded:
+    """Where the real tokens of a padded (B, T) batch lie, to run the token-wise work (every linear
+    layer, LayerNorm, GELU) on those R tokens alone and pad only for attention, which needs the
+    (B, N, T, T) layout. On a mixed-length batch that skips the padding's share of the matmuls;
+    the real tokens' values are the padded path's (the same maths, rows in another order).
+    """
+
+    def __init__(self, attention_mask: Tensor) -> None:
+        self.batch, self.tokens = attention_mask.shape
+        self.index = attention_mask.reshape(-1).nonzero().squeeze(-1)  # (R,) flat positions in B*T
+
+    def unpad(self, x: Tensor) -> Tensor:
+        """(B, T, ...) -> (R, ...)."""
+        return x.reshape(self.batch * self.tokens, *x.shape[2:]).index_select(0, self.index)
+
+    def pad(self, x: Tensor) -> Tensor:
+        """(R, ...) -> (B, T, ...), zeros at padding."""
+        full = x.new_zeros(self.batch * self.tokens, *x.shape[1:]).index_copy(0, self.index, x)
+        return full.view(self.batch, self.tokens, *x.shape[1:])
+
+
 # -- modules in forward order --------------------------------------------------------------------
 
 class BertEmbeddings(nn.Module):
@@ -139,14 +161,21 @@ class SelfAttention(nn.Module):
         self.dropout_p = config.attention_probs_dropout_prob
         self.attend = ATTENTION_BACKENDS[config.attn_backend]
 
-    def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-        B, T, H = x.shape
+    def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool = False,
+                unpadded: Unpadded | None = None) -> tuple[Tensor, Tensor | None]:
+        """x: (B, T, H), or (R, H) real tokens with `unpadded` saying where they lie in (B, T)."""
+        qkv = self.qkv(x)  # (B, T, 3H) or (R, 3H)
+        if unpadded is not None:
+            qkv = unpadded.pad(qkv)  # (B, T, 3H): attention needs the batch layout
+        B, T, H3 = qkv.shape
         N = self.num_heads
-        qkv = self.qkv(x).view(B, T, 3, N, H // N).permute(2, 0, 3, 1, 4)  # (3, B, N, T, D)
+        qkv = qkv.view(B, T, 3, N, H3 // (3 * N)).permute(2, 0, 3, 1, 4)  # (3, B, N, T, D)
         attend = eager_attention if need_weights else self.attend
         context, weights = attend(qkv[0], qkv[1], qkv[2], mask, self.dropout_p if self.training else 0.0,
                                   need_weights)  # (B, N, T, D)
-        context = context.transpose(1, 2).reshape(B, T, H)  # (B, T, H)
+        context = context.transpose(1, 2).reshape(B, T, H3 // 3)  # (B, T, H)
+        if unpadded is not None:
+            context = unpadded.unpad(context)  # (R, H)
         return self.out(context), weights
 
 
@@ -174,10 +203,11 @@ class BertLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-        attended, weights = self.attention(x, mask, need_weights)
-        x = self.attention_norm(x + self.dropout(attended))  # (B, T, H)
-        x = self.ffn_norm(x + self.dropout(self.ffn(x)))  # (B, T, H)
+    def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool = False,
+                unpadded: Unpadded | None = None) -> tuple[Tensor, Tensor | None]:
+        attended, weights = self.attention(x, mask, need_weights, unpadded)
+        x = self.attention_norm(x + self.dropout(attended))  # (B, T, H) or (R, H)
+        x = self.ffn_norm(x + self.dropout(self.ffn(x)))
         return x, weights
 
 
@@ -207,6 +237,11 @@ class BertModel(nn.Module):
         config: the hyper-parameters; `config.attn_backend` picks the attention backend.
         add_pooler: build the tanh pooler (checkpoints of masked-LM models have none).
     """
+
+    # Padding-free layers (Unpadded): None (the default) in training only, where nothing reads the
+    # padding; True always (inference sets it: precision.prepare_for_inference); False never. Where they
+    # do not run, padding is computed as transformers does, so every output, padding included, matches.
+    padding_free: bool | None = None
 
     def __init__(self, config: BertConfig, add_pooler: bool = True) -> None:
         super().__init__()
@@ -243,16 +278,22 @@ class BertModel(nn.Module):
         if self.embedding_projection is not None:
             x = self.embedding_projection(x)  # (B, T, H)
         # An all-ones mask changes nothing; dropping it lets SDPA pick its fastest kernel.
-        mask = None
+        mask = unpadded = None
         if attention_mask is not None and not bool(attention_mask.all()):
             mask = additive_padding_mask(attention_mask, x.dtype)  # (B, 1, 1, T)
+            if self.padding_free or (self.padding_free is None and self.training):
+                unpadded = Unpadded(attention_mask)
         attentions, states = [], [x]
+        if unpadded is not None:
+            x = unpadded.unpad(x)  # (R, H): the real tokens only
         for index in self.schedule:
-            x, weights = self.layers[index](x, mask, output_attentions)
+            x, weights = self.layers[index](x, mask, output_attentions, unpadded)
             if output_attentions:
                 attentions.append(weights)
             if output_hidden_states:
-                states.append(x)
+                states.append(x if unpadded is None else unpadded.pad(x))
+        if unpadded is not None:
+            x = unpadded.pad(x)  # (B, T, H), zeros at padding
         pooled = self.pooler(x) if self.pooler is not None else None
         return EncoderOutput(x, pooled, tuple(attentions) if output_attentions else None, attention_mask,
                              tuple(states) if output_hidden_states else None)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import fast
+from .model import BertModel
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +149,14 @@ def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
 def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = True,
                           compile: bool = False) -> nn.Module:
     """What the Predictor does to a loaded model: the precision's dtype, then its preparation (int8
-    quantisation, or on the CPU pre-packed linear layers), then optionally torch.compile."""
+    quantisation, or on the CPU pre-packed linear layers), then optionally torch.compile. The encoder
+    runs padding-free (model.Unpadded): outputs at padding are zeros, real tokens' are unchanged."""
     device = next(model.parameters()).device
     precision = resolve(name, device)
     model = model.to(dtype=precision.dtype).eval()
+    for module in model.modules():
+        if isinstance(module, BertModel):
+            module.padding_free = True  # heads read real tokens only; the padding's share of the work is skipped
     if precision.prepare == "quantize":
         fast.quantize_int8(model)
     elif precision.prepare == "pack" and pack:

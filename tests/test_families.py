@@ -384,3 +384,22 @@ def test_the_model_picker_names_each_family(tmp_path):
     for family, shown in (("roberta", "RoBERTa"), ("albert", "ALBERT"), ("distilbert", "DistilBERT")):
         assert family_label(_family_checkpoint(family, tmp_path / family)) == shown
     assert family_label(tmp_path / "nothing here") == "?"
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_padding_free_encoder_gives_the_reference_real_token_outputs(tmp_path, family, backend):
+    # Inference and training run the layers on the real tokens alone (model.Unpadded); each family's
+    # real tokens keep the reference's values, padding reads zero.
+    reference = _reference(family, None, attn_implementation=backend)
+    reference.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, None, attn_backend=backend, strict=True)
+    ours.padding_free = True
+    mine_inputs, their_inputs = _batch(family)
+    real = mine_inputs["attention_mask"].bool()
+    with torch.no_grad():
+        mine, theirs = ours(**mine_inputs), reference(**their_inputs)
+    torch.testing.assert_close(mine.last_hidden_state[real], theirs.last_hidden_state[real], atol=1e-5, rtol=1e-5)
+    assert not mine.last_hidden_state[~real].any()
+    if family != "distilbert":
+        torch.testing.assert_close(mine.pooled, theirs.pooler_output, atol=1e-5, rtol=1e-5)

@@ -3,9 +3,11 @@
 import pytest
 import torch
 
+from bert_engine import BertWithHead
 from bert_engine.conformance import tiny_predictor
 from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, hookimpl
 from bert_engine.inference import MAX_INPUT_CHARS, predict_in_batches
+from bert_engine.precision import prepare_for_inference
 from bert_engine.registry import Registry, load_registry
 
 BUILTIN = load_registry(entry_points=False)
@@ -64,3 +66,8 @@ def test_a_postprocess_declaring_context_gets_the_tokenizer_and_the_encoder():
     predictor.predict({"text": "hello there"})
     assert seen == {"tokenizer": predictor.tokenizer, "same": True}
     assert not BUILTIN.task("sentiment").takes_context and BUILTIN.task("fill_mask").takes_context
+
+
+def test_inference_runs_the_encoder_padding_free(tiny_config):
+    model = prepare_for_inference(BertWithHead(tiny_config.with_labels(["a", "b"]), "token"), "fp32")
+    assert model.encoder.padding_free

@@ -143,3 +143,46 @@ def test_one_tiny_batch_overfits(tiny_config):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.05 < losses[0]
+
+
+def _padding_free_pair(config):
+    """The same weights twice: one computing padding as transformers does, one padding-free."""
+    padded = BertModel(config).eval()
+    free = BertModel(config).eval()
+    free.load_state_dict(padded.state_dict())
+    free.padding_free = True
+    return padded, free
+
+
+def test_padding_free_layers_keep_every_real_output_and_zero_the_padding(tiny_config):
+    padded, free = _padding_free_pair(tiny_config)
+    ids, mask, types = _batch(tiny_config)
+    real = mask.bool()
+    a = padded(ids, mask, types, output_attentions=True, output_hidden_states=True)
+    b = free(ids, mask, types, output_attentions=True, output_hidden_states=True)
+    torch.testing.assert_close(b.last_hidden_state[real], a.last_hidden_state[real], atol=1e-6, rtol=1e-5)
+    assert not b.last_hidden_state[~real].any()
+    torch.testing.assert_close(b.pooled, a.pooled, atol=1e-6, rtol=1e-5)
+    for x, y in zip(b.hidden_states, a.hidden_states, strict=True):
+        torch.testing.assert_close(x[real], y[real], atol=1e-6, rtol=1e-5)
+    for x, y in zip(b.attentions, a.attentions, strict=True):  # a padded query's row means nothing either way
+        torch.testing.assert_close(x.transpose(1, 2)[real], y.transpose(1, 2)[real], atol=1e-6, rtol=1e-5)
+
+
+def test_padding_free_gradients_equal_the_padded_ones(tiny_config):
+    padded, free = _padding_free_pair(tiny_config)
+    ids, mask, types = _batch(tiny_config)
+    real = mask.bool()
+    for model in (padded, free):
+        out = model(ids, mask, types)
+        (out.last_hidden_state[real].square().sum() + out.pooled.sum()).backward()
+    for (name, p), q in zip(padded.named_parameters(), free.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_training_runs_padding_free_and_evaluation_computes_padding_as_the_reference(tiny_config):
+    config = dataclasses.replace(tiny_config, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertModel(config)
+    ids, mask, types = _batch(config)
+    assert not model.train()(ids, mask, types).last_hidden_state[~mask.bool()].any()
+    assert model.eval()(ids, mask, types).last_hidden_state[~mask.bool()].abs().sum() > 0
