@@ -354,21 +354,29 @@ def _pack(args: argparse.Namespace) -> dict:
     import datetime
     import shutil
 
+    from .hub import PACK_MANIFEST
     from .inference import Predictor
     from .jobs import evaluate_task
 
     task = _task(args.task)
     run = Path(args.run_dir)
     source = run / "best"
+    # A packed folder as --run: packed again (re-evaluated, options re-tuned) with its training record,
+    # for when the run that made it is gone.
+    earlier = json.loads((run / PACK_MANIFEST).read_text(encoding="utf-8")) \
+        if not source.is_dir() and (run / PACK_MANIFEST).is_file() else None
+    if earlier is not None:
+        source = run
     if not (source / "adapter_config.json").is_file():
         raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
     target = Path(args.to)
     target.mkdir(parents=True, exist_ok=True)
-    for name in ("adapter.safetensors", "adapter_config.json", "config.json"):
-        shutil.copy(source / name, target / name)
+    if source.resolve() != target.resolve():
+        for name in ("adapter.safetensors", "adapter_config.json", "config.json"):
+            shutil.copy(source / name, target / name)
     if args.adapter_dtype == "fp16":
         _halve_adapter(target / "adapter.safetensors")
-    (target / "manifest.json").unlink(missing_ok=True)  # the evaluation below must not use an old pack's options
+    (target / PACK_MANIFEST).unlink(missing_ok=True)  # the evaluation below must not use an old pack's options
     predictor = Predictor.load(task, str(target))
     options = _parse_options(args.option)  # tuned options (-o): evaluated with, and the packed model's defaults
     predictor.check_options(options)
@@ -384,25 +392,31 @@ def _pack(args: argparse.Namespace) -> dict:
         "base_hub_id": "sentence-transformers/all-MiniLM-L6-v2" if adapter["base_model"] == "default" else None,
         "labels": list(getattr(head, "labels", ()) or ()),
         "lora": {k: adapter[k] for k in ("rank", "alpha", "targets")},
-        "training": json.loads((run / "train_config.json").read_text(encoding="utf-8")),
-        "best_eval_during_training": json.loads((source / "eval.json").read_text(encoding="utf-8"))
-        if (source / "eval.json").is_file() else None,
-        "run": _run_record(run),
-        "metrics": metrics, "command": args.command_line, "adapter_dtype": args.adapter_dtype,
+        "training": earlier["training"] if earlier else json.loads((run / "train_config.json").read_text(encoding="utf-8")),
+        "best_eval_during_training": earlier["best_eval_during_training"] if earlier
+        else json.loads((source / "eval.json").read_text(encoding="utf-8")) if (source / "eval.json").is_file() else None,
+        "run": earlier["run"] if earlier else _run_record(run),
+        "metrics": metrics, "command": args.command_line or (earlier or {}).get("command"),
+        "adapter_dtype": args.adapter_dtype,
         "date": datetime.date.today().isoformat(),
         "files": {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.name != "manifest.json"},
     }
-    # A task whose evaluation tunes a no-answer threshold on one half of the data (QA on SQuAD 2.0):
-    # the packed model answers with it by default, in the tab and the API (Predictor.model_options).
-    # It is the cautious threshold (refusing few answerable questions: qa.cautious_threshold), not
-    # best_f1's, which is tuned for a half-unanswerable mix.
-    tuned = [m["default_threshold"] for m in metrics.values() if "default_threshold" in m]
-    if tuned and "null_threshold" in task.spec.options:
-        manifest["options"] = {"null_threshold": tuned[0]}
+    # A task whose evaluation tunes an option on one half of the data: the packed model answers with it
+    # by default, in the tab and the API (Predictor.model_options). QA on SQuAD 2.0: the cautious
+    # no-answer threshold (refusing few answerable questions: qa.cautious_threshold), not best_f1's,
+    # which is tuned for a half-unanswerable mix; sentiment: the temperature of its scores.
+    for metric_name, option in TUNED_OPTIONS.items():
+        tuned = [m[metric_name] for m in metrics.values() if metric_name in m]
+        if tuned and option in task.spec.options and option not in options:
+            manifest["options"] = {**manifest.get("options", {}), option: tuned[0]}
     if options:
         manifest["options"] = {**manifest.get("options", {}), **options}
     (target / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
+
+
+# metric an evaluation tunes on held-out data -> the task option `pack` makes the packed model's default
+TUNED_OPTIONS = {"default_threshold": "null_threshold", "tuned_temperature": "temperature"}
 
 
 def _run_record(run: Path) -> dict | None:
@@ -525,7 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     pack = sub.add_parser("pack", help="copy a LoRA run's best adapter + head into a starter folder, "
                                        "evaluate it and write manifest.json")
     pack.add_argument("task")
-    pack.add_argument("--run", dest="run_dir", required=True, help="the training output_dir (its best/ is packed)")
+    pack.add_argument("--run", dest="run_dir", required=True, help="the training output_dir (its best/ is packed), or a packed folder to pack "
+                      "again with its training record (re-evaluated, options re-tuned)")
     pack.add_argument("--to", required=True, help="destination folder, e.g. plugins/starter/sentiment")
     pack.add_argument("--eval-data", action="append", default=[], help="data to report metrics on (repeatable)")
     pack.add_argument("--eval-split", default="test")

@@ -53,10 +53,12 @@ class SentimentHead(SequenceClassificationHead):
         return SentimentOutput(super().forward(encoded).logits, self.labels, self.problem_type)
 
 
-def _check_options(top_k, function, long_input, max_length, stride, tokenizer) -> tuple[int, int]:
+def _check_options(top_k, function, long_input, max_length, stride, temperature, tokenizer) -> tuple[int, int]:
     """The checked options; returns max_length and stride with None resolved against the model."""
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise InputError(f"sentiment: top_k must be a positive integer or None, got {top_k!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0.05 <= temperature <= 20:
+        raise InputError(f"sentiment: temperature must be a number in [0.05, 20], got {temperature!r}")
     if function not in FUNCTIONS:
         raise InputError(f"sentiment: function {function!r} is not one of {FUNCTIONS}")
     if long_input not in POLICIES:
@@ -70,12 +72,15 @@ def _check_options(top_k, function, long_input, max_length, stride, tokenizer) -
 
 # The task's options and their defaults, declared once: the Predictor passes every one to preprocess
 # and postprocess (a caller's values over these).
-OPTIONS = {"top_k": None, "function": "auto", "long_input": "truncate", "max_length": None, "stride": None}
+# temperature divides the logits before softmax or sigmoid (1: as trained); a packed model's manifest
+# holds the value calibrated on held-out data (see metric), so its scores mean what they say.
+OPTIONS = {"top_k": None, "function": "auto", "long_input": "truncate", "max_length": None, "stride": None,
+           "temperature": 1.0}
 
 
-def preprocess(inputs, tokenizer, *, top_k, function, long_input, max_length, stride):
+def preprocess(inputs, tokenizer, *, top_k, function, long_input, max_length, stride, temperature):
     """One text (or a list of texts, for batches), optionally with a second text (`text_pair`)."""
-    max_length, stride = _check_options(top_k, function, long_input, max_length, stride, tokenizer)
+    max_length, stride = _check_options(top_k, function, long_input, max_length, stride, temperature, tokenizer)
     texts = inputs["text"] if isinstance(inputs["text"], list) else [inputs["text"]]
     pairs = inputs.get("text_pair")
     if pairs is not None and not isinstance(pairs, list):
@@ -109,21 +114,25 @@ def probabilities(logits: Tensor, function: str, problem_type: str | None) -> tu
     return logits, function
 
 
-def postprocess(output: SentimentOutput, batch, *, top_k, function, long_input, max_length, stride):
-    """Per input: the top label and score, all labels ranked (or `top_k`), and the long-input policy."""
-    scores, used = probabilities(output.logits, function, output.problem_type)  # (rows, L)
+def postprocess(output: SentimentOutput, batch, *, top_k, function, long_input, max_length, stride, temperature):
+    """Per input: the top label and score, all labels ranked (or `top_k`), the raw logits (of the one
+    window, or the windows' token-weighted mean) and the long-input policy."""
+    logits = output.logits.float()
+    _, used = probabilities(logits, function, output.problem_type)
+    scores, _ = probabilities(logits / temperature if used != "none" else logits, used, None)  # (rows, L)
     sample = torch.tensor(batch.sample_index)
-    weights = batch.attention_mask.sum(-1).float()  # a window counts by its number of tokens
+    weights = batch.attention_mask.sum(-1).float()[:, None]  # a window counts by its number of tokens
     results = []
     for i in range(batch.meta["num_inputs"]):
         rows = (sample == i).nonzero().squeeze(-1)
-        averaged = (scores[rows] * weights[rows, None]).sum(0) / weights[rows].sum()  # (L,)
+        averaged = (scores[rows] * weights[rows]).sum(0) / weights[rows].sum()  # (L,)
         ranked = sorted(zip(output.labels, averaged.tolist()), key=lambda item: -item[1])
         ranked = ranked[:top_k] if top_k else ranked
         results.append({
             "label": ranked[0][0], "label_id": output.labels.index(ranked[0][0]), "score": _round(ranked[0][1]),
             "labels": [{"label": label, "score": _round(score)} for label, score in ranked],
-            "function": used, "normalised": used == "softmax" and top_k is None,
+            "logits": [_round(x) for x in ((logits[rows] * weights[rows]).sum(0) / weights[rows].sum()).tolist()],
+            "function": used, "temperature": temperature, "normalised": used == "softmax" and top_k is None,
             "long_input": {"policy": long_input, "windows": len(rows), "truncated": bool(batch.truncated[i])},
         })
     return results[0] if len(results) == 1 else results
@@ -209,7 +218,48 @@ def metric(results: list[dict], targets: list[int]) -> dict[str, float]:
         fp = sum(p == label != t for p, t in zip(predictions, targets))
         fn = sum(t == label != p for p, t in zip(predictions, targets))
         f1s.append(2 * tp / (2 * tp + fp + fn) if tp else 0.0)
-    return {"accuracy": accuracy, "macro_f1": sum(f1s) / len(f1s)}
+    out = {"accuracy": accuracy, "macro_f1": sum(f1s) / len(f1s)}
+    if all(isinstance(r, dict) and r.get("function") == "softmax" and "logits" in r for r in results):
+        out.update(calibration(torch.tensor([r["logits"] for r in results]), torch.tensor(targets),
+                               results[0]["temperature"]))
+    return out
+
+
+ECE_BINS = 15
+TEMPERATURES = torch.logspace(-1, 1, 401)  # 0.1 .. 10, the grid the temperature is fitted on
+
+
+def calibration(logits: Tensor, targets: Tensor, temperature: float) -> dict[str, float]:
+    """How far the scores can be trusted: the expected calibration error (ECE: |accuracy - confidence|
+    over 15 equal-width confidence bins, weighted by their share) and the mean negative log-likelihood,
+    at the temperature used; and temperature scaling fitted honestly: the temperature of least NLL on
+    the first half of the examples (`tuned_temperature`), with the second half's ECE and NLL at 1 and at
+    that temperature. `bert-engine pack` stores the tuned temperature as the packed model's default."""
+    out = {"ece": expected_calibration_error(logits / temperature, targets),
+           "nll": float(torch.nn.functional.cross_entropy(logits / temperature, targets))}
+    half = len(targets) // 2
+    if half:
+        fit, held, held_targets = logits[:half], logits[half:], targets[half:]
+        nll = torch.stack([torch.nn.functional.cross_entropy(fit / t, targets[:half]) for t in TEMPERATURES])
+        tuned = float(TEMPERATURES[int(nll.argmin())])
+        out.update(tuned_temperature=round(tuned, 4), heldout_total=len(held_targets),
+                   heldout_ece_at_1=expected_calibration_error(held, held_targets),
+                   heldout_ece=expected_calibration_error(held / tuned, held_targets),
+                   heldout_nll_at_1=float(torch.nn.functional.cross_entropy(held, held_targets)),
+                   heldout_nll=float(torch.nn.functional.cross_entropy(held / tuned, held_targets)))
+    return out
+
+
+def expected_calibration_error(logits: Tensor, targets: Tensor, bins: int = ECE_BINS) -> float:
+    confidence, predicted = logits.softmax(-1).max(-1)
+    correct = (predicted == targets).float()
+    which = (confidence * bins).long().clamp(max=bins - 1)  # equal-width bins over [0, 1]
+    error = 0.0
+    for b in range(bins):
+        chosen = which == b
+        if chosen.any():
+            error += float(chosen.float().mean() * (correct[chosen].mean() - confidence[chosen].mean()).abs())
+    return error
 
 
 def pipeline_output(result: dict, options, single: bool):

@@ -1,13 +1,16 @@
 """Sentiment: parity with the transformers text-classification pipeline, long input, batches, Hub."""
 
+import math
+
 import pytest
+import torch
 import transformers
 from conftest import SENTENCES, reference_checkpoint
 
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.registry import load_registry
-from plugins.sentiment import classify_many
+from plugins.sentiment import calibration, classify_many, expected_calibration_error
 
 REVIEWS = [
     "a gorgeous , witty , seductive movie .",
@@ -119,6 +122,35 @@ def test_metric_and_reader(task, tmp_path):
     rows = list(task.spec.read_data(path))
     assert rows == [({"text": "good film"}, 1), ({"text": "bad film"}, 0)]
     assert task.spec.metric([{"label_id": 1}, {"label_id": 1}], [1, 0]) == {"accuracy": 0.5, "macro_f1": pytest.approx((0 + 2 / 3) / 2)}
+
+
+def test_temperature_divides_the_logits_and_is_checked(task, checkpoint):
+    predictor = Predictor.load(task, str(checkpoint))
+    plain = predictor.predict({"text": REVIEWS[0]})["result"]
+    warm = predictor.predict({"text": REVIEWS[0]}, temperature=2.0)["result"]
+    function = {"softmax": torch.softmax, "sigmoid": lambda x, dim: torch.sigmoid(x)}[plain["function"]]
+    expected = function(torch.tensor(plain["logits"]) / 2.0, dim=-1)
+    assert warm["label"] == plain["label"] and warm["logits"] == plain["logits"] and warm["temperature"] == 2.0
+    for item in warm["labels"]:
+        assert item["score"] == pytest.approx(float(expected[predictor.model.head.labels.index(item["label"])]), abs=1e-5)
+    for bad in (0, -1.0, "hot", True, 50):
+        with pytest.raises(InputError, match=f"temperature must be a number in \\[0.05, 20\\], got {bad!r}"):
+            predictor.predict({"text": "x"}, temperature=bad)
+
+
+def test_calibration_fits_the_temperature_on_one_half_and_scores_the_other():
+    # Over-confident logits: the true class wins 75 % of the time, at logit gaps of 4 (98 % confidence).
+    g = torch.Generator().manual_seed(0)
+    targets = torch.randint(0, 2, (2000,), generator=g)
+    right = torch.rand(2000, generator=g) < 0.75
+    predicted = torch.where(right, targets, 1 - targets)
+    logits = torch.nn.functional.one_hot(predicted, 2).float() * 4.0
+    figures = calibration(logits, targets, 1.0)
+    assert figures["ece"] == pytest.approx(0.98 - 0.75, abs=0.03)
+    assert figures["tuned_temperature"] == pytest.approx(4.0 / math.log(0.75 / 0.25), rel=0.1)  # conf. 75 %
+    assert figures["heldout_ece"] < 0.03 < figures["heldout_ece_at_1"]
+    assert figures["heldout_nll"] < figures["heldout_nll_at_1"] and figures["heldout_total"] == 1000
+    assert expected_calibration_error(torch.tensor([[0.0, 9.0], [9.0, 0.0]]), torch.tensor([1, 0])) < 1e-3
 
 
 def test_a_fresh_head_saves_its_label_names_for_the_reference(task, minilm_dir, tmp_path):
