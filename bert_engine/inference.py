@@ -146,7 +146,8 @@ class Predictor:
             precision: "auto" (fp32 on CPU, bf16/fp16 on GPU), "fp32", "bf16", "fp16" or "int8"
                 (dynamic quantisation of the encoder's linear layers, CPU only); see precision.py.
             pack: on the CPU, run the encoder's linear layers through pre-packed oneDNN matmuls.
-            compile: torch.compile the encoder layers (slow first calls, faster steady state).
+            compile: torch.compile the encoder layers (slow first calls, faster steady state); on
+                the CPU instead of the packed linears (Inductor cannot lower them); not with int8.
         """
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
         target = pick_device(device)

@@ -153,14 +153,17 @@ def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = 
     runs padding-free (model.Unpadded): outputs at padding are zeros, real tokens' are unchanged."""
     device = next(model.parameters()).device
     precision = resolve(name, device)
+    if compile and precision.prepare == "quantize":
+        raise ValueError(f"precision {name!r} cannot be combined with compile: torch.compile cannot lower "
+                         "the int8 matmuls; use one or the other")
     model = model.to(dtype=precision.dtype).eval()
     for module in model.modules():
         if isinstance(module, BertModel):
             module.padding_free = True  # heads read real tokens only; the padding's share of the work is skipped
     if precision.prepare == "quantize":
         fast.quantize_int8(model)
-    elif precision.prepare == "pack" and pack:
-        fast.pack_linear_layers(model)
+    elif precision.prepare == "pack" and pack and not compile:  # Inductor cannot lower the packed matmuls;
+        fast.pack_linear_layers(model)                          # it fuses the plain layers its own way
     if compile:
         fast.compile_encoder(model)
     return model

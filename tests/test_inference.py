@@ -71,3 +71,23 @@ def test_a_postprocess_declaring_context_gets_the_tokenizer_and_the_encoder():
 def test_inference_runs_the_encoder_padding_free(tiny_config):
     model = prepare_for_inference(BertWithHead(tiny_config.with_labels(["a", "b"]), "token"), "fp32")
     assert model.encoder.padding_free
+
+
+@pytest.mark.slow  # torch.compile's first calls take about 15 s
+def test_a_compiled_predictor_runs_padding_free_and_answers_as_the_eager_one(tiny_config):
+    from bert_engine.fast import onednn_int8_available  # noqa: PLC0415
+
+    eager = BertWithHead(tiny_config.with_labels(["a", "b"]), "token")
+    compiled = BertWithHead(tiny_config.with_labels(["a", "b"]), "token")
+    compiled.load_state_dict(eager.state_dict())
+    prepare_for_inference(eager, "fp32")
+    prepare_for_inference(compiled, "fp32", compile=True)  # the default pack=True gives way to the compiler
+    ids = torch.randint(5, 99, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = mask[2, 3:] = 0
+    real = mask.bool()
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(ids, mask).logits[real], eager(ids, mask).logits[real], atol=1e-5, rtol=1e-5)
+    if onednn_int8_available():
+        with pytest.raises(ValueError, match="compile"):
+            prepare_for_inference(BertWithHead(tiny_config.with_labels(["a", "b"]), "token"), "int8", compile=True)
