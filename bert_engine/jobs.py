@@ -27,8 +27,8 @@ from .hookspecs import TaskSpec
 from .hub import default_backbone
 from .inference import Predictor
 from .loader import load, load_tokenizer
-from .loading import Loaded, save_pretrained
-from .lora import LoraConfig, add_lora, merge_lora, save_adapter
+from .loading import Loaded, find_weights, save_pretrained
+from .lora import LoraConfig, add_lora, copy_adapter_weights, file_sha256, merge_lora, read_adapter_config, save_adapter
 from .pretraining import (
     FAMILY_OBJECTIVES,
     OBJECTIVES,
@@ -179,6 +179,8 @@ class TaskJob:
                 logger.warning("no evaluation data (%s); the final weights will be kept", err)
             check_targets(spec, getattr(self.model.head, "labels", None), self.eval_examples, eval_file)
         self.lora = _prepare_lora(self.model, cfg)
+        if cfg.init_adapter:
+            _warm_start(self.model, cfg.init_adapter, self.lora, self.loaded)
         self.batch_options, self.eval_options = split_task_options(spec, cfg.options)
         self._lengths: list[int] | None = None
 
@@ -398,6 +400,23 @@ def _prepare_lora(model: nn.Module, cfg: TrainConfig):
         for p in model.encoder.parameters():
             p.requires_grad_(False)
     return None
+
+
+def _warm_start(model: nn.Module, folder: str, lora, loaded: Loaded) -> None:
+    """Start from an adapter's tensors (init_adapter), checked against this run's LoRA and base weights."""
+    if lora is None:
+        raise ValueError(f"init_adapter {folder!r} needs LoRA training: set lora_rank (the adapter's rank)")
+    meta = read_adapter_config(folder)
+    mine = lora.to_dict()
+    for key in ("rank", "alpha", "targets"):
+        if meta[key] != mine[key]:
+            raise ValueError(f"init_adapter {folder!r}: its {key} is {meta[key]!r}, this run's is {mine[key]!r}")
+    found = file_sha256(find_weights(loaded.checkpoint.folder))
+    if meta.get("base_sha256") and meta["base_sha256"] != found:
+        raise ValueError(f"init_adapter {folder!r} was trained on base weights with sha256 {meta['base_sha256']}; "
+                         f"this run's base has {found}")
+    copy_adapter_weights(model, folder)
+    logger.info("LoRA tensors, head and pooler start from %s", folder)
 
 
 def save_model(model: nn.Module, folder: Path, tokenizer, lora, base_name: str, cfg: TrainConfig,

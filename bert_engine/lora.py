@@ -227,6 +227,26 @@ def check_local_base(base: str, adapter_folder, allowed_dirs) -> None:
                               "folders models may be loaded from; refused")
 
 
+def copy_adapter_weights(model: nn.Module, folder) -> dict[str, Tensor]:
+    """Copy the adapter file's tensors (LoRA, head, pooler) into `model`, which has its LoRA modules;
+    return them. Raises CheckpointError, naming the keys or the tensor, where the file does not fit."""
+    path = Path(folder) / ADAPTER_WEIGHTS
+    weights = load_file(path)
+    own = model.state_dict()
+    unexpected = sorted(set(weights) - set(own))
+    missing = sorted(set(lora_state(model)) - set(weights))
+    if unexpected or missing:
+        raise CheckpointError(f"{path}: does not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}")
+    for name, tensor in weights.items():
+        if own[name].shape != tensor.shape:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"the model expects {tuple(own[name].shape)}")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            own[name].copy_(tensor.to(own[name].dtype))
+    return weights
+
+
 def load_adapter(resolved: Resolved, head, *, merge: bool = True, allowed_dirs=None, local_files_only: bool = False,
                  **kwargs) -> Loaded:
     """The base model named in the adapter's config, with the task head, LoRA tensors applied.
@@ -264,21 +284,7 @@ def load_adapter(resolved: Resolved, head, *, merge: bool = True, allowed_dirs=N
         raise CheckpointError(f"{folder}: the adapter was trained on base weights with sha256 {meta['base_sha256']}, "
                               f"but {base_name} has {found}")
     add_lora(model.encoder, config)
-    weights = load_file(folder / ADAPTER_WEIGHTS)
-    own = model.state_dict()
-    unexpected = sorted(set(weights) - set(own))
-    expected = set(lora_state(model))
-    missing = sorted(expected - set(weights))
-    if unexpected or missing:
-        raise CheckpointError(f"{folder / ADAPTER_WEIGHTS}: does not fit the model: missing {missing[:6]}, "
-                              f"unexpected {unexpected[:6]}")
-    for name, tensor in weights.items():
-        if own[name].shape != tensor.shape:
-            raise CheckpointError(f"{folder / ADAPTER_WEIGHTS}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                  f"the model expects {tuple(own[name].shape)}")
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            own[name].copy_(tensor.to(own[name].dtype))
+    weights = copy_adapter_weights(model, folder)
     report = base.report
     report.missing = [k for k in report.missing if k not in weights]
     report.defaulted = [k for k in report.defaulted if k not in weights]

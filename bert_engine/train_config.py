@@ -48,6 +48,10 @@ class TrainConfig:
     lora_targets: str = _help("comma-separated projections: query, key, value, attention_output, ffn_up, ffn_down",
                               default="query,value")
     lora_dropout: float = _help("dropout on the LoRA input", default=0.0)
+    init_adapter: str | None = _help("start the LoRA tensors, head and pooler from this adapter folder (a packed "
+                                     "model, e.g. plugins/starter/TASK) with a fresh optimizer and schedule: continues "
+                                     "training it when its run is gone; rank, targets and base weights must match",
+                                     default=None)
     merge_lora: bool = _help("also write each checkpoint merged, in the Hugging Face layout (best/merged/, ...)",
                              default=False)
     freeze_encoder: bool = _help("train only the head", default=False)
@@ -141,4 +145,5 @@ def parse_best_metric(value: str | None, spec: Any = None) -> tuple[str | None, 
 PRETRAIN_ONLY = ("preset", "max_seq_len", "whole_word_mask", "short_seq_prob", "objective", "family", "tokenizer")
 # Settings only distillation reads; it trains the whole student, so it has no LoRA flags either.
 DISTILL_ONLY = ("teacher", "student_layers", "temperature", "alpha_soft", "alpha_task", "alpha_cos")
-NOT_FOR_DISTILL = ("model", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "merge_lora", "freeze_encoder")
+NOT_FOR_DISTILL = ("model", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "init_adapter", "merge_lora",
+                   "freeze_encoder")

@@ -587,3 +587,20 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
     assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "bad"),
                  "-o", "max_lenght=64"]) == 2
     assert "max_lenght" in capsys.readouterr().err
+
+
+def test_init_adapter_starts_a_run_from_a_packed_adapter_and_checks_it_fits(tiny_checkpoint, tmp_path):
+    task = load_registry(entry_points=False).task("sentiment")
+    first = _sentiment_cfg(tiny_checkpoint, tmp_path / "first", lora_rank=4, max_steps=4, eval_every=4, precision="fp32")
+    train(TaskJob(task, first), first)
+    adapter = tmp_path / "first" / "best"
+    saved = load_file(adapter / "adapter.safetensors")
+    warm = TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "second", lora_rank=4, init_adapter=str(adapter)))
+    state = warm.model.state_dict()
+    assert any(".lora_b." in name for name in saved)
+    for name, tensor in saved.items():  # LoRA tensors, head and pooler all start where the adapter ended
+        assert torch.equal(state[name], tensor), name
+    with pytest.raises(ValueError, match="its rank is 4, this run's is 8"):
+        TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "third", lora_rank=8, init_adapter=str(adapter)))
+    with pytest.raises(ValueError, match="needs LoRA training"):
+        TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "fourth", init_adapter=str(adapter)))
