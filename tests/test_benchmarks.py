@@ -1,0 +1,26 @@
+"""The benchmark scripts still run (tiny shapes, one repeat): their figures are in benchmarks/README.md."""
+
+import json
+from pathlib import Path
+
+from benchmarks import train_step
+
+SST = Path(__file__).parent / "fixtures" / "sst_tiny.tsv"
+
+
+def test_train_step_on_real_batches_times_the_padding_free_engine_beside_the_padded_one(tmp_path):
+    out = tmp_path / "step.json"
+    train_step.main(["--device", "cpu", "--model", "minilm", "--shape", "4x32", "--objective", "classify",
+                     "--data", str(SST), "--batches", "2", "--repeats", "1", "--json", str(out)])
+    rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"engine", "engine, padded", "transformers"}
+    assert rows["transformers"]["speedup"] == 1 and all(row["ms"] > 0 for row in rows.values())
+    assert "sentences, padded" in rows["engine"]["shape"]
+
+
+def test_real_batches_draw_whole_sentences_padded_to_each_batch_longest():
+    batches = train_step.real_batches(str(SST), count=3, batch=4, tokens=16)
+    assert len(batches) == 3
+    for batch in batches:
+        lengths = batch["attention_mask"].sum(1)
+        assert batch["input_ids"].shape == (4, int(lengths.max())) and int(lengths.max()) <= 16
