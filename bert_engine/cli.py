@@ -361,11 +361,14 @@ def _pack(args: argparse.Namespace) -> dict:
     task = _task(args.task)
     run = Path(args.run_dir)
     source = run / "best"
-    # A packed folder as --run: packed again (re-evaluated, options re-tuned) with its training record,
-    # for when the run that made it is gone.
-    earlier = json.loads((run / PACK_MANIFEST).read_text(encoding="utf-8")) \
-        if not source.is_dir() and (run / PACK_MANIFEST).is_file() else None
-    if earlier is not None:
+    if source.is_dir() or not (run / PACK_MANIFEST).is_file():
+        record = {"training": json.loads((run / "train_config.json").read_text(encoding="utf-8")),
+                  "best_eval_during_training": json.loads((source / "eval.json").read_text(encoding="utf-8"))
+                  if (source / "eval.json").is_file() else None,
+                  "run": _run_record(run), "command": None}
+    else:  # a packed folder as --run, packed again (re-evaluated, options re-tuned) when its run is gone
+        earlier = json.loads((run / PACK_MANIFEST).read_text(encoding="utf-8"))
+        record = {key: earlier.get(key) for key in ("training", "best_eval_during_training", "run", "command")}
         source = run
     if not (source / "adapter_config.json").is_file():
         raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
@@ -392,11 +395,7 @@ def _pack(args: argparse.Namespace) -> dict:
         "base_hub_id": "sentence-transformers/all-MiniLM-L6-v2" if adapter["base_model"] == "default" else None,
         "labels": list(getattr(head, "labels", ()) or ()),
         "lora": {k: adapter[k] for k in ("rank", "alpha", "targets")},
-        "training": earlier["training"] if earlier else json.loads((run / "train_config.json").read_text(encoding="utf-8")),
-        "best_eval_during_training": earlier["best_eval_during_training"] if earlier
-        else json.loads((source / "eval.json").read_text(encoding="utf-8")) if (source / "eval.json").is_file() else None,
-        "run": earlier["run"] if earlier else _run_record(run),
-        "metrics": metrics, "command": args.command_line or (earlier or {}).get("command"),
+        **record, "metrics": metrics, "command": args.command_line or record["command"],
         "adapter_dtype": args.adapter_dtype,
         "date": datetime.date.today().isoformat(),
         "files": {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.name != "manifest.json"},

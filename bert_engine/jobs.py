@@ -27,8 +27,16 @@ from .hookspecs import TaskSpec
 from .hub import default_backbone
 from .inference import Predictor
 from .loader import load, load_tokenizer
-from .loading import Loaded, find_weights, save_pretrained
-from .lora import LoraConfig, add_lora, copy_adapter_weights, file_sha256, merge_lora, read_adapter_config, save_adapter
+from .loading import Loaded, save_pretrained
+from .lora import (
+    LoraConfig,
+    add_lora,
+    check_base_weights,
+    copy_adapter_weights,
+    merge_lora,
+    read_adapter_config,
+    save_adapter,
+)
 from .pretraining import (
     FAMILY_OBJECTIVES,
     OBJECTIVES,
@@ -411,10 +419,7 @@ def _warm_start(model: nn.Module, folder: str, lora, loaded: Loaded) -> None:
     for key in ("rank", "alpha", "targets"):
         if meta[key] != mine[key]:
             raise ValueError(f"init_adapter {folder!r}: its {key} is {meta[key]!r}, this run's is {mine[key]!r}")
-    found = file_sha256(find_weights(loaded.checkpoint.folder))
-    if meta.get("base_sha256") and meta["base_sha256"] != found:
-        raise ValueError(f"init_adapter {folder!r} was trained on base weights with sha256 {meta['base_sha256']}; "
-                         f"this run's base has {found}")
+    check_base_weights(meta, loaded.checkpoint.folder, folder)
     copy_adapter_weights(model, folder)
     logger.info("LoRA tensors, head and pooler start from %s", folder)
 

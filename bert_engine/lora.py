@@ -227,6 +227,14 @@ def check_local_base(base: str, adapter_folder, allowed_dirs) -> None:
                               "folders models may be loaded from; refused")
 
 
+def check_base_weights(meta: dict, base_folder, adapter_folder) -> None:
+    """Raise CheckpointError unless the base's weights are those the adapter (its config `meta`) was trained on."""
+    found = file_sha256(find_weights(Path(base_folder)))
+    if meta.get("base_sha256") and found != meta["base_sha256"]:
+        raise CheckpointError(f"{adapter_folder}: the adapter was trained on base weights with sha256 "
+                              f"{meta['base_sha256']}, but {base_folder} has {found}")
+
+
 def copy_adapter_weights(model: nn.Module, folder) -> dict[str, Tensor]:
     """Copy the adapter file's tensors (LoRA, head, pooler) into `model`, which has its LoRA modules;
     return them. Raises CheckpointError, naming the keys or the tensor, where the file does not fit."""
@@ -279,10 +287,7 @@ def load_adapter(resolved: Resolved, head, *, merge: bool = True, allowed_dirs=N
     base = load_model(resolve(base_name, local_files_only=local_files_only, **hub_kwargs), head, labels=labels,
                       warn_missing=False, **kwargs)
     model = base.model
-    found = file_sha256(find_weights(base.checkpoint.folder))
-    if meta.get("base_sha256") and found != meta["base_sha256"]:
-        raise CheckpointError(f"{folder}: the adapter was trained on base weights with sha256 {meta['base_sha256']}, "
-                              f"but {base_name} has {found}")
+    check_base_weights(meta, base.checkpoint.folder, folder)
     add_lora(model.encoder, config)
     weights = copy_adapter_weights(model, folder)
     report = base.report
