@@ -170,7 +170,8 @@ class TaskJob:
         self.task, self.spec, self.cfg = task, spec, cfg
         seed_everything(cfg.seed)  # the new head's initialisation is part of the run
         self.base_name = cfg.model or "default"  # never the starter model: runs must not build on each other
-        self.loaded = load(resolve_model_name(self.base_name), spec.build_head)
+        # A warm start (init_adapter) supplies the head, so the base's missing head is no news then.
+        self.loaded = load(resolve_model_name(self.base_name), spec.build_head, warn_missing=not cfg.init_adapter)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.examples = read_examples(spec, cfg.train_file, cfg.train_split, cfg.train_limit)
         if not self.examples:
