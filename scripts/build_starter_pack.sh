@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Rebuild the offline starter pack (plugins/starter/<task>/) with bert-engine commands only:
 # LoRA adapters + heads on the all-MiniLM-L6-v2 encoder, trained on ../shared/data, then packed
-# (copied, evaluated, manifest written). Steps are sized for a 2-core CPU (about 4 h in all on a
-# 2-core AVX-512 EPYC: sentiment 25 min, QA 1 h 30 min, fill-mask 1 h 45 min, NER 12 min, summary 25 min; all but
+# (copied, evaluated, manifest written). Steps are sized for a 2-core CPU (about 6 h 30 min in all on a
+# 2-core AVX-512 EPYC: sentiment 25 min, QA 1 h 30 min, fill-mask 4 h, NER 12 min, summary 25 min; all but
 # summary use bf16 autocast, which needs AVX512-BF16/AMX or a GPU);
 # on a GPU raise --max-steps (the figures in MODEL_CARD.md say which settings produced them).
 # Usage: scripts/build_starter_pack.sh [task ...]   (default: all five)
@@ -13,16 +13,17 @@ RUNS=${BERT_ENGINE_RUNS:-runs/starter}
 TASKS=("$@")
 [ ${#TASKS[@]} -eq 0 ] && TASKS=(sentiment ner summary fill_mask qa)
 
-train_and_pack() {  # task, pack args..., -- , train args...
+train_and_pack() {  # task, pack args..., -- , train args...  (the run goes to $RUNS/${RUN:-task})
   local task=$1; shift
+  local run=${RUN:-$task}
   local pack_args=()
   while [ "$1" != "--" ]; do pack_args+=("$1"); shift; done
   shift
-  local cmd=(bert-engine train "$task" --output-dir "$RUNS/$task" "$@")
+  local cmd=(bert-engine train "$task" --output-dir "$RUNS/$run" "$@")
   echo "+ ${cmd[*]}"
-  python -m bert_engine "${cmd[@]:1}" > "$RUNS/$task.train.json"
-  python -m bert_engine pack "$task" --run "$RUNS/$task" --to "plugins/starter/$task" \
-    --command-line "${cmd[*]}" "${pack_args[@]}" > "$RUNS/$task.pack.json"
+  python -m bert_engine "${cmd[@]:1}" > "$RUNS/$run.train.json"
+  python -m bert_engine pack "$task" --run "$RUNS/$run" --to "plugins/starter/$task" \
+    --command-line "${cmd[*]}" "${pack_args[@]}" > "$RUNS/$run.pack.json"
 }
 
 mkdir -p "$RUNS"
@@ -58,21 +59,26 @@ for task in "${TASKS[@]}"; do
       # Gutenberg + WikiText-2 valid + SQuAD train's Wikipedia paragraphs (as text), LoRA r32 on every linear,
       # bf16 autocast (needs AVX512-BF16/AMX, or a GPU: add --device cuda); 1,500 steps, resumed to 4,500 (the
       # schedule restarts at 70 %), then to 9,000 with single sentences of the same train passages added
-      # (scripts/sentence_corpus.py); about 3 h 30 min in all on a 2-core AVX-512 EPYC
+      # (scripts/sentence_corpus.py), then warm-started for 4,000 more; about 4 h in all on a 2-core AVX-512 EPYC
       python scripts/squad_contexts.py "$DATA/squad/train-v1.1.part0*of08.json" "$RUNS/corpus/squad-train.txt"
       python scripts/sentence_corpus.py "$DATA/gutenberg,$DATA/wikitext2/wiki.valid.tokens,$RUNS/corpus/squad-train.txt" \
         "$RUNS/corpus/sentences.txt"
       passages="$DATA/gutenberg,$DATA/wikitext2/wiki.valid.tokens,$RUNS/corpus/squad-train.txt"
-      args=(--train-split train --eval-file "$DATA/gutenberg" --eval-split test --eval-limit 300 --lora-rank 32
-        --lora-targets query,key,value,attention_output,ffn_up,ffn_down --lr 1e-3 --head-lr 2e-3 --batch-size 32
+      common=(--train-split train --eval-file "$DATA/gutenberg" --eval-split test --eval-limit 300 --lora-rank 32
+        --lora-targets query,key,value,attention_output,ffn_up,ffn_down --batch-size 32
         --save-every 100 --log-every 50 --precision bf16 --length-buckets 50)
+      args=("${common[@]}" --lr 1e-3 --head-lr 2e-3)
       python -m bert_engine train fill_mask --output-dir "$RUNS/fill_mask" --train-file "$passages" "${args[@]}" \
         --eval-every 500 --max-steps 1500 > "$RUNS/fill_mask.part1.json"
       python -m bert_engine train fill_mask --output-dir "$RUNS/fill_mask" --train-file "$passages" "${args[@]}" \
         --eval-every 500 --max-steps 4500 --resume > "$RUNS/fill_mask.part2.json"
-      train_and_pack fill_mask --eval-data "$DATA/wikitext2/wiki.test.tokens" --eval-split all --eval-limit 400 \
-        --adapter-dtype fp16 -- --train-file "$passages,$RUNS/corpus/sentences.txt" "${args[@]}" --eval-every 1000 \
-        --max-steps 9000 --resume ;;
+      python -m bert_engine train fill_mask --output-dir "$RUNS/fill_mask" --train-file "$passages,$RUNS/corpus/sentences.txt" \
+        "${args[@]}" --eval-every 1000 --max-steps 9000 --resume > "$RUNS/fill_mask.part3.json"
+      # then 4,000 more steps warm-started from that adapter (--init-adapter: a fresh schedule at half the rates;
+      # session 14 started from the packed, float16 copy of it, the run being gone): about 25 min
+      RUN=fill_mask_warm train_and_pack fill_mask --eval-data "$DATA/wikitext2/wiki.test.tokens" --eval-split all \
+        --eval-limit 400 --adapter-dtype fp16 -- --train-file "$passages,$RUNS/corpus/sentences.txt" "${common[@]}" \
+        --lr 5e-4 --head-lr 1e-3 --eval-every 1000 --max-steps 4000 --init-adapter "$RUNS/fill_mask/best" ;;
     qa)
       # SQuAD v1.1 train (all shards) with unanswerable pairs; bf16 autocast needs a CPU with AVX512-BF16/AMX
       # (or a GPU: add --device cuda); about 1 h 30 min on a 2-core AVX-512 EPYC
