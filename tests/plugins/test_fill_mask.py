@@ -204,8 +204,10 @@ def test_the_starter_never_offers_a_word_piece_for_a_whole_word_unless_asked():
     from bert_engine.registry import load_registry
 
     predictor = Predictor.load(load_registry(entry_points=False).task("fill_mask"))
-    text = "It was a dark and stormy [MASK]."
-    tokens = [c["token"] for c in predictor.predict({"text": text}, top_k=100)["result"]["predictions"][0]["candidates"]]
-    assert len(tokens) == 100 and not any(t.startswith("##") for t in tokens)
-    asked = predictor.predict({"text": text}, top_k=100, subwords=True)["result"]["predictions"][0]["candidates"]
-    assert any(c["token"].startswith("##") for c in asked)  # "##ness", "##ly", "##s" rank in its top 100 when allowed
+    # The model sees no spaces: after "play" it wants "##s" most of all, which a mask standing alone must not get.
+    for text in ("It was a dark and stormy [MASK].", "The play [MASK] were tired after the game."):
+        tokens = [c["token"] for c in predictor.predict({"text": text}, top_k=100)["result"]["predictions"][0]["candidates"]]
+        assert len(tokens) == 100 and not any(t.startswith("##") for t in tokens), text
+    asked = predictor.predict({"text": "The play [MASK] were tired after the game."}, top_k=5,
+                              subwords=True)["result"]["predictions"][0]["candidates"]
+    assert any(c["token"].startswith("##") for c in asked)  # "##s", "##men", "##rs" rank first when allowed
