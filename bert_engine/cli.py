@@ -381,7 +381,10 @@ def _pack(args: argparse.Namespace) -> dict:
         _halve_adapter(target / "adapter.safetensors")
     (target / PACK_MANIFEST).unlink(missing_ok=True)  # the evaluation below must not use an old pack's options
     predictor = Predictor.load(task, str(target))
-    options = _parse_options(args.option)  # tuned options (-o): evaluated with, and the packed model's defaults
+    # The task options the model was trained with (`train -o`, e.g. NER's casing) are how it must be
+    # served; then the tuned ones (-o here): evaluated with, and the packed model's defaults.
+    trained = {k: v for k, v in ((record["training"] or {}).get("options") or {}).items() if k in task.spec.options}
+    options = {**trained, **_parse_options(args.option)}
     predictor.check_options(options)
     metrics = {}
     for data in args.eval_data:

@@ -5,6 +5,12 @@ is constrained Viterbi over the CRF, so even a checkpoint without a CRF (a plain
 BertForTokenClassification) never yields an invalid tag sequence; a trained CRF's transitions are
 used when the checkpoint has them (`head.crf.*`). Long texts run in overlapping windows; where
 entities from two windows overlap, the higher-scoring one wins. Scores are CRF marginals.
+
+An uncased encoder cannot see that a word is capitalised, the cue cased NER models lean on most. With
+the `casing` option (a model trained with it has it on by default: its manifest says so), every
+wordpiece of a word that starts with a capital letter gets segment id 1 instead of 0, so the
+encoder's second segment embedding marks it at the input and every layer can use it (a one-text task
+never uses that embedding otherwise). No effect on a model with one segment (RoBERTa, DistilBERT).
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ class NerHead(TokenClassificationHead):
 
 # -- preprocessing ---------------------------------------------------------------------------------
 
-def _check_options(tokenizer, max_length, stride, nbest, constrained, scheme) -> tuple[int, int]:
+def _check_options(tokenizer, max_length, stride, nbest, constrained, scheme, casing) -> tuple[int, int]:
     """The checked options; returns max_length and stride with None resolved against the model."""
     max_length = length_option("ner", "max_length", max_length, 256, 16, tokenizer)
     stride = min(64, max_length // 4) if stride is None else stride
@@ -71,6 +77,8 @@ def _check_options(tokenizer, max_length, stride, nbest, constrained, scheme) ->
     check_int("ner", "nbest", nbest, 1, MAX_NBEST)
     if not isinstance(constrained, bool):
         raise InputError(f"ner: constrained must be true or false, got {constrained!r}")
+    if not isinstance(casing, bool):
+        raise InputError(f"ner: casing must be true or false, got {casing!r}")
     if scheme != "auto" and scheme not in SCHEMES:
         raise InputError(f"ner: scheme {scheme!r} is not 'auto' or one of {SCHEMES}")
     return max_length, stride
@@ -78,12 +86,26 @@ def _check_options(tokenizer, max_length, stride, nbest, constrained, scheme) ->
 
 # The task's options and their defaults, declared once: the Predictor passes every one to preprocess
 # and postprocess (a caller's values over these).
-OPTIONS = {"max_length": None, "stride": None, "nbest": 3, "constrained": True, "scheme": "auto"}
+OPTIONS = {"max_length": None, "stride": None, "nbest": 3, "constrained": True, "scheme": "auto", "casing": False}
 
 
-def preprocess(inputs, tokenizer, *, max_length, stride, nbest, constrained, scheme):
+def mark_capitalised(batch, texts: list[str]) -> None:
+    """Segment id 1 on every wordpiece of a word (as the pre-tokeniser splits them) whose first
+    character in its text is a capital letter, 0 elsewhere: the `casing` option, in place."""
+    starts: dict[tuple[int, int], int] = {}
+    for r, sample in enumerate(batch.sample_index):
+        for (start, _), word, seq in zip(batch.offsets[r], batch.word_ids[r], batch.sequence_ids[r]):
+            if word is not None and seq == 0:
+                starts[(sample, word)] = min(start, starts.get((sample, word), start))
+    for r, sample in enumerate(batch.sample_index):
+        for t, (word, seq) in enumerate(zip(batch.word_ids[r], batch.sequence_ids[r])):
+            if word is not None and seq == 0 and texts[sample][starts[(sample, word)]].isupper():
+                batch.token_type_ids[r, t] = 1
+
+
+def preprocess(inputs, tokenizer, *, max_length, stride, nbest, constrained, scheme, casing):
     """One text (or a list, for batches) -> overlapping windows; first wordpieces are found after the model."""
-    max_length, stride = _check_options(tokenizer, max_length, stride, nbest, constrained, scheme)
+    max_length, stride = _check_options(tokenizer, max_length, stride, nbest, constrained, scheme, casing)
     texts = inputs["text"] if isinstance(inputs["text"], list) else [inputs["text"]]
     for text in texts:
         if not text.strip():
@@ -92,6 +114,8 @@ def preprocess(inputs, tokenizer, *, max_length, stride, nbest, constrained, sch
     if len(batch) > MAX_WINDOWS * len(texts):
         raise InputError(f"ner: the text needs {len(batch)} windows of {max_length} tokens; the limit is {MAX_WINDOWS}")
     batch.meta.update(texts=texts)
+    if casing:
+        mark_capitalised(batch, texts)
     return batch
 
 
@@ -124,7 +148,7 @@ def word_layout(batch) -> tuple[Tensor, Tensor, Tensor, dict]:
 
 # -- postprocessing --------------------------------------------------------------------------------
 
-def postprocess(output: NerOutput, batch, *, max_length, stride, nbest, constrained, scheme):
+def postprocess(output: NerOutput, batch, *, max_length, stride, nbest, constrained, scheme, casing):
     """Per input: entities (type, start, end, text, score, words), per-word tags (Viterbi and argmax),
     the n-best tag sequences of the first window with their probabilities."""
     head = output.head
@@ -228,8 +252,11 @@ def read_data(path, split: str = "train"):
         yield {"text": " ".join(words)}, {"words": words, "tags": convert(tags, "BIO")}
 
 
-def training_batch(examples, tokenizer, *, generator=None, max_length: int = 256, stride: int = 64):
-    """Tokenise sentences and place each word's tag on its first wordpiece (-100 elsewhere).
+def training_batch(examples, tokenizer, *, generator=None, max_length: int = 256, stride: int = 64,
+                   casing: bool = False):
+    """Tokenise sentences and place each word's tag on its first wordpiece (-100 elsewhere); `casing`
+    marks capitalised words as preprocess does (train with `-o casing=true`, and the packed model
+    answers with it).
 
     A data word the pre-tokeniser splits ("U.S.") tags its later pieces as the entity's continuation,
     the same way inference reads them. Returns (Batch, {"tags": per row per token tag or None,
@@ -237,6 +264,8 @@ def training_batch(examples, tokenizer, *, generator=None, max_length: int = 256
     """
     texts = [inputs["text"] for inputs, _ in examples]
     batch = tokenizer(texts, max_length=max_length, stride=stride, return_overflowing=True)
+    if casing:
+        mark_capitalised(batch, texts)
     mask, begins, ends, spans = word_layout(batch)
     starts = []
     for _, target in examples:  # the character start of each data word in the joined text

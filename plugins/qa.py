@@ -274,6 +274,7 @@ def cautious_threshold(scored: list[tuple[float, float, float, float]],
 
 NEGATIVES_SUFFIX = "+negatives"  # a split name ending in it adds unanswerable questions (read_data)
 REMOVED_SUFFIX = "+removed"  # ... and in this: unanswerable questions over their paragraph less the answer
+SWAPPED_SUFFIX = "+swapped"  # ... and in this: the question with one of its names or numbers swapped
 NEGATIVE_SHARE = 0.33  # about a third of the questions get a second, unanswerable copy: SQuAD 2.0's ratio
 
 
@@ -303,6 +304,67 @@ def without_answer_sentences(context: str, answers: list[dict], sentences: list[
     return rest
 
 
+# A name (a run of capitalised words, "of"/"the"/"de" allowed inside) or a number, as the questions of an
+# article write them; the question's first word is capitalised as a sentence start and is never one.
+_ENTITY = re.compile(r"\b(?:\d[\d,.]*\d|\d|[A-Z][\w'\u2019.-]*(?:\s+(?:(?:of|the|de|von|van|and)\s+)?[A-Z][\w'\u2019.-]*)*)")
+
+
+def _entity_kind(entity: str) -> str:
+    """"year", "number" or "name": a swap keeps the kind, so the question still reads naturally."""
+    if entity[0].isdigit():
+        return "year" if re.fullmatch(r"1\d{3}|20\d{2}", entity) else "number"
+    return "name"
+
+
+def question_entities(question: str) -> list[tuple[int, int]]:
+    """(start, end) character spans of the names and numbers in a question, the first word left out."""
+    first = re.match(r"\s*\S+", question)
+    skip = first.end() if first else 0
+    return [(m.start(), m.end()) for m in _ENTITY.finditer(question) if m.start() >= skip]
+
+
+def article_entities(questions: list[str], answers: list[str] = ()) -> dict[str, list[str]]:
+    """Every distinct name and number the article's questions use, and every answer that is one
+    whole name or number, by kind, in first-seen order."""
+    pool: dict[str, dict[str, None]] = collections.defaultdict(dict)
+    found = [question[start:end] for question in questions for start, end in question_entities(question)]
+    found += [answer for answer in answers if _ENTITY.fullmatch(answer)]
+    for entity in found:
+        entity = entity.rstrip(".")
+        pool[_entity_kind(entity)][entity] = None
+    return {kind: list(entities) for kind, entities in pool.items()}
+
+
+def _mentions(folded: str, entity: str) -> bool:
+    """Whether normalised text says a normalised name or number, as whole words (a possessive too)."""
+    return re.search(rf"(?<!\w){re.escape(entity)}s?(?!\w)", folded) is not None
+
+
+def swapped_question(question: str, context: str, answers: list[dict], pool: dict[str, list[str]],
+                     draw: int) -> str | None:
+    """The question with one of its names or numbers that the paragraph also says (and no answer
+    contains) replaced by another of the same kind from the article's other questions that the
+    paragraph never says, or None when there is no such pair. The paragraph then no longer answers
+    it: SQuAD 2.0's most common kind of unanswerable question (an entity swap)."""
+    folded = normalize_answer(context)
+    gold = [normalize_answer(a["text"]) for a in answers]
+    anchors = []
+    for start, end in question_entities(question):
+        entity = question[start:end].rstrip(".")
+        norm = normalize_answer(entity)
+        if norm and _mentions(folded, norm) and not any(_mentions(g, norm) or _mentions(norm, g) for g in gold if g):
+            anchors.append((start, start + len(entity), entity))
+    if not anchors:
+        return None
+    start, end, entity = anchors[draw % len(anchors)]
+    replacements = [other for other in pool.get(_entity_kind(entity), ())
+                    if normalize_answer(other) and not _mentions(folded, normalize_answer(other))
+                    and not _mentions(normalize_answer(entity), normalize_answer(other))]
+    if not replacements:
+        return None
+    return question[:start] + replacements[(draw // len(anchors)) % len(replacements)] + question[end:]
+
+
 def read_data(path, split: str = "dev"):
     """A SQuAD-format JSON file (v1.1, or v2.0 with unanswerable questions: answers [""], starts [-1]);
     yields ({"question", "context"}, {"answers": texts, "starts": char offsets}).
@@ -317,6 +379,11 @@ def read_data(path, split: str = "dev"):
     - "+removed" (e.g. "train+negatives+removed"): the question over its own paragraph with the
       sentences holding the answer taken out. These are hard, as SQuAD 2.0's are: the paragraph is
       on topic and still names the question's entities, but no longer says the answer.
+    - "+swapped": the question over its own paragraph with one name or number it shares with the
+      paragraph replaced by another from the same article that the paragraph never says
+      ("When did Beyonce leave Destiny's Child?" -> "When did Beyonce leave Def Jam?"), as SQuAD 2.0's
+      writers most often made theirs (`swapped_question`): the model must check what the question
+      asks about, not only that the paragraph is on topic.
     """
     with open(path, encoding="utf-8") as handle:
         try:
@@ -324,13 +391,15 @@ def read_data(path, split: str = "dev"):
         except (ValueError, KeyError) as err:
             raise ValueError(f"{path}: not a SQuAD-format JSON file ({err})") from None
     kinds = str(split).split("+")[1:]
-    unknown = sorted(set(kinds) - {NEGATIVES_SUFFIX[1:], REMOVED_SUFFIX[1:]})
+    known = (NEGATIVES_SUFFIX, REMOVED_SUFFIX, SWAPPED_SUFFIX)
+    unknown = sorted(set(kinds) - {suffix[1:] for suffix in known})
     if unknown:
-        raise ValueError(f"qa: split {split!r} adds {unknown}; known additions are {NEGATIVES_SUFFIX!r} and "
-                         f"{REMOVED_SUFFIX!r}")
-    negatives, removed = NEGATIVES_SUFFIX[1:] in kinds, REMOVED_SUFFIX[1:] in kinds
+        raise ValueError(f"qa: split {split!r} adds {unknown}; known additions are {', '.join(map(repr, known))}")
+    negatives, removed, swapped = (suffix[1:] in kinds for suffix in known)
     for article in data:
         paragraphs = article["paragraphs"]
+        pool = article_entities([qa["question"] for p in paragraphs for qa in p["qas"]],
+                                [a["text"] for p in paragraphs for qa in p["qas"] for a in qa["answers"]]) if swapped else {}
         for index, paragraph in enumerate(paragraphs):
             sentences = None  # split once per paragraph, when a question first needs it
             for qa in paragraph["qas"]:
@@ -352,6 +421,10 @@ def read_data(path, split: str = "dev"):
                     rest = without_answer_sentences(paragraph["context"], answers, sentences)
                     if rest is not None:
                         yield {"question": qa["question"], "context": rest}, {"answers": [""], "starts": [-1]}
+                if swapped and (draw := _draw(qa, "swapped")) / 0xFFFFFFFF < NEGATIVE_SHARE:
+                    question = swapped_question(qa["question"], paragraph["context"], answers, pool, draw)
+                    if question is not None:
+                        yield {"question": question, "context": paragraph["context"]}, {"answers": [""], "starts": [-1]}
 
 
 def _padded(batches: list, name: str, value: int) -> torch.Tensor:

@@ -115,6 +115,40 @@ def test_removed_negatives_drop_the_sentence_that_holds_the_answer(tmp_path):
         list(read_data(path, "train+bogus"))
 
 
+def test_swapped_negatives_ask_about_a_name_or_number_the_paragraph_never_says(tmp_path):
+    first = "Beyonce left Destiny's Child in 2004 and released Dangerously in Love."
+    second = "In 2008 Beyonce married Jay Z; Def Jam released her album in 2011."
+    when = {"text": "2004", "answer_start": first.index("2004")}
+    what = {"text": "Dangerously in Love", "answer_start": first.index("Dangerously")}
+    qas = [{"id": f"a{k}", "question": "When did Beyonce leave Destiny's Child?", "answers": [when]}
+           for k in range(40)]
+    qas += [{"id": f"b{k}", "question": "What did Beyonce release?", "answers": [what]} for k in range(40)]
+    other = [{"id": "c", "question": "Whom did Beyonce marry in 2008?",
+              "answers": [{"text": "Jay Z", "answer_start": second.index("Jay Z")}]},
+             {"id": "d", "question": "Which label released her album in 2011?",
+              "answers": [{"text": "Def Jam", "answer_start": second.index("Def Jam")}]}]
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": first, "qas": qas},
+                                                                       {"context": second, "qas": other}]}]}))
+    examples = list(read_data(path, "train+swapped"))
+    negatives = [(inputs, target) for inputs, target in examples if target["answers"] == [""]]
+    assert negatives and abs(len(negatives) / 80 - NEGATIVE_SHARE) < 0.15
+    assert all(target["starts"] == [-1] for _, target in negatives)
+    negatives = [(inputs, target) for inputs, target in negatives if inputs["context"] != second]
+    for inputs, _ in negatives:
+        assert inputs["context"] == first  # the same paragraph ...
+        # ... asked about a name it never says, in place of one it does (from the article's questions, and
+        # its answers that are one name); never the question's first word, never a word of the answer
+        assert inputs["question"] in {f"When did {a} leave {b}?" for a, b in (
+            ("Jay Z", "Destiny's Child"), ("Def Jam", "Destiny's Child"), ("Beyonce", "Jay Z"), ("Beyonce", "Def Jam"))
+        } | {"What did Jay Z release?", "What did Def Jam release?"}, inputs["question"]
+    assert len({inputs["question"] for inputs, _ in negatives}) > 1  # the choice varies by question
+    assert list(read_data(path, "train+swapped")) == examples  # the same every run
+    asked = {qa["question"] for qa in qas + other}  # with the other kind too, the same swapped ones
+    assert [x for x in read_data(path, "train+negatives+swapped") if x[0]["question"] not in asked] == [
+        x for x in examples if x[0]["question"] not in asked]
+
+
 def test_squad_v2_unanswerable_questions_read_as_no_answer(tmp_path):
     path = tmp_path / "dev-v2.json"
     path.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": "Paris is in France.", "qas": [

@@ -533,6 +533,27 @@ def test_task_options_reach_training_batches_and_unknown_ones_are_named(tiny_che
         TaskJob(task, dataclasses.replace(cfg, options={"bogus": 1}))
 
 
+def test_a_model_trained_with_a_task_option_is_packed_to_answer_with_it(tiny_checkpoint, tmp_path):
+    from bert_engine.cli import main
+
+    task = load_registry(entry_points=False).task("ner")
+    cfg = TrainConfig(task="ner", model=str(tiny_checkpoint), train_file=str(CONLL), eval_file=str(CONLL),
+                      output_dir=str(tmp_path / "run"), max_steps=2, batch_size=2, lora_rank=4, eval_every=2,
+                      precision="fp32", options={"casing": True, "max_length": 32, "stride": 8})
+    job = TaskJob(task, cfg)
+    batch, _ = job.collate(job.examples[:3], torch.Generator().manual_seed(0))
+    assert batch.token_type_ids.eq(1).any() and job.eval_options == {"casing": True, "max_length": 32, "stride": 8}
+    train(job, cfg)
+    # both are how the model was trained: evaluated with, and the packed model's defaults; -o still wins
+    assert main(["pack", "ner", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "packed"),
+                 "--eval-data", str(CONLL), "--eval-split", "all", "-o", "max_length=48"]) == 0
+    manifest = json.loads((tmp_path / "packed" / "manifest.json").read_text())
+    assert manifest["options"] == {"casing": True, "max_length": 48, "stride": 8}
+    predictor = Predictor.load(task, str(tmp_path / "packed"))
+    assert predictor.model_options == manifest["options"]
+    assert predictor.check_options({})["casing"] is True
+
+
 def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_checkpoint, tmp_path, capsys):
     from bert_engine.cli import main
 

@@ -10,6 +10,7 @@ import torch
 import transformers
 from conftest import SENTENCES, fit_tiny_model, reference_checkpoint
 
+import plugins.ner as ner
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.loader import load, load_pretrained, load_tokenizer
@@ -141,6 +142,31 @@ def test_training_batch_tags_the_first_piece_of_every_word(plain_checkpoint):
     assert tagged == [("angela", "B-PER"), ("mer", "I-PER"), ("visited", "O"), ("the", "O"), ("u", "B-LOC"),
                       (".", "I-LOC"), ("s", "I-LOC"), (".", "I-LOC"), ("on", "O"), ("monday", "O"), (".", "O")]
     assert targets["begins"].tolist() == [True] and targets["ends"].tolist() == [True]
+
+
+def test_casing_marks_capitalised_words_the_same_in_training_and_prediction(task, minilm_dir):
+    tokenizer = load_tokenizer(minilm_dir)
+    text = "Angela Merkel visited the U.S. on monday with eBay and NATO."
+    batch = ner.preprocess({"text": text}, tokenizer, **{**ner.OPTIONS, "casing": True})
+    tokens = tokenizer.convert_ids_to_tokens(batch.input_ids[0].tolist())
+    marked = [tok for tok, segment in zip(tokens, batch.token_type_ids[0].tolist()) if segment == 1]
+    # every piece of a capitalised word; "." and "ebay" (lower-case first letter) are not
+    assert marked == ["angela", "mer", "##kel", "u", "s", "nato"]
+    plain = ner.preprocess({"text": text}, tokenizer, **ner.OPTIONS)
+    assert plain.token_type_ids.eq(0).all() and torch.equal(plain.input_ids, batch.input_ids)
+    # training sees exactly what prediction sees, window by window
+    examples = [({"text": text}, {"words": text.split(), "tags": ["O"] * len(text.split())})]
+    trained, _ = training_batch(examples, tokenizer, casing=True, max_length=16, stride=4)
+    windows = ner.preprocess({"text": text}, tokenizer, **{**ner.OPTIONS, "casing": True, "max_length": 16, "stride": 4})
+    assert len(windows) > 1 and torch.equal(trained.token_type_ids, windows.token_type_ids)
+    assert training_batch(examples, tokenizer)[0].token_type_ids.eq(0).all()
+    # the encoder reads the mark: a model's emissions change with it
+    predictor = Predictor.load(task, str(minilm_dir))
+    with torch.no_grad():
+        on, off = (predictor.model(**b.model_inputs()).logits for b in (batch, plain))
+    assert (on - off).abs().amax() > 1e-3
+    with pytest.raises(InputError, match="casing must be true or false, got 'yes'"):
+        predictor.predict({"text": text}, casing="yes")
 
 
 def test_loss_trains_a_tiny_model_to_fit_the_fixture(task, minilm_dir):
