@@ -89,9 +89,10 @@ def _check_options(tokenizer, max_length, stride, nbest, constrained, scheme, ca
 OPTIONS = {"max_length": None, "stride": None, "nbest": 3, "constrained": True, "scheme": "auto", "casing": False}
 
 
-def mark_capitalised(batch, texts: list[str]) -> None:
+def mark_capitalised(batch, texts: list[str], skip: set[int] = frozenset()) -> None:
     """Segment id 1 on every wordpiece of a word (as the pre-tokeniser splits them) whose first
-    character in its text is a capital letter, 0 elsewhere: the `casing` option, in place."""
+    character in its text is a capital letter, 0 elsewhere: the `casing` option, in place. The rows
+    of the texts numbered in `skip` keep 0 throughout."""
     starts: dict[tuple[int, int], int] = {}
     for r, sample in enumerate(batch.sample_index):
         for (start, _), word, seq in zip(batch.offsets[r], batch.word_ids[r], batch.sequence_ids[r]):
@@ -99,7 +100,7 @@ def mark_capitalised(batch, texts: list[str]) -> None:
                 starts[(sample, word)] = min(start, starts.get((sample, word), start))
     for r, sample in enumerate(batch.sample_index):
         for t, (word, seq) in enumerate(zip(batch.word_ids[r], batch.sequence_ids[r])):
-            if word is not None and seq == 0 and texts[sample][starts[(sample, word)]].isupper():
+            if word is not None and seq == 0 and sample not in skip and texts[sample][starts[(sample, word)]].isupper():
                 batch.token_type_ids[r, t] = 1
 
 
@@ -253,10 +254,11 @@ def read_data(path, split: str = "train"):
 
 
 def training_batch(examples, tokenizer, *, generator=None, max_length: int = 256, stride: int = 64,
-                   casing: bool = False):
+                   casing: bool = False, casing_dropout: float = 0.0):
     """Tokenise sentences and place each word's tag on its first wordpiece (-100 elsewhere); `casing`
     marks capitalised words as preprocess does (train with `-o casing=true`, and the packed model
-    answers with it).
+    answers with it); `casing_dropout` leaves the marks off that share of the sentences (drawn from
+    `generator`), so the model also reads text that has no capitals (typed in lower case) by its words.
 
     A data word the pre-tokeniser splits ("U.S.") tags its later pieces as the entity's continuation,
     the same way inference reads them. Returns (Batch, {"tags": per row per token tag or None,
@@ -265,7 +267,10 @@ def training_batch(examples, tokenizer, *, generator=None, max_length: int = 256
     texts = [inputs["text"] for inputs, _ in examples]
     batch = tokenizer(texts, max_length=max_length, stride=stride, return_overflowing=True)
     if casing:
-        mark_capitalised(batch, texts)
+        if not 0.0 <= casing_dropout <= 1.0:
+            raise ValueError(f"ner: casing_dropout must lie in [0, 1], got {casing_dropout!r}")
+        drop = torch.rand(len(texts), generator=generator) < casing_dropout
+        mark_capitalised(batch, texts, skip={k for k, off in enumerate(drop.tolist()) if off})
     mask, begins, ends, spans = word_layout(batch)
     starts = []
     for _, target in examples:  # the character start of each data word in the joined text

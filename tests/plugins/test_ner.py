@@ -160,6 +160,13 @@ def test_casing_marks_capitalised_words_the_same_in_training_and_prediction(task
     windows = ner.preprocess({"text": text}, tokenizer, **{**ner.OPTIONS, "casing": True, "max_length": 16, "stride": 4})
     assert len(windows) > 1 and torch.equal(trained.token_type_ids, windows.token_type_ids)
     assert training_batch(examples, tokenizer)[0].token_type_ids.eq(0).all()
+    # casing_dropout: that share of the training sentences keeps no marks, as if typed in lower case
+    many = examples * 200
+    dropped, _ = training_batch(many, tokenizer, casing=True, casing_dropout=0.25,
+                                generator=torch.Generator().manual_seed(0))
+    unmarked = dropped.token_type_ids.eq(0).all(1).float().mean().item()
+    full = training_batch(examples, tokenizer, casing=True)[0].token_type_ids[0]
+    assert 0.18 < unmarked < 0.32 and dropped.token_type_ids[dropped.token_type_ids.any(1)].eq(full).all()
     # the encoder reads the mark: a model's emissions change with it
     predictor = Predictor.load(task, str(minilm_dir))
     with torch.no_grad():
