@@ -247,9 +247,16 @@ def transition_table(head: NerHead, constrained: bool = True) -> dict[str, Any]:
 
 # -- training and evaluation -----------------------------------------------------------------------
 
+LOWER_SUFFIX = "+lower"  # a split name ending in it reads the text in lower case (read_data)
+
+
 def read_data(path, split: str = "train"):
-    """A CoNLL-2003 file; yields ({"text": words joined by spaces}, {"words", "tags" in BIO}) per sentence."""
+    """A CoNLL-2003 file; yields ({"text": words joined by spaces}, {"words", "tags" in BIO}) per sentence.
+    A split ending in "+lower" (e.g. "test+lower") lower-cases every word: how the model reads text
+    typed without capitals, the cue a casing model leans on."""
+    lower = str(split).endswith(LOWER_SUFFIX)
     for words, tags in read_conll(path):
+        words = [word.lower() for word in words] if lower else words
         yield {"text": " ".join(words)}, {"words": words, "tags": convert(tags, "BIO")}
 
 

@@ -190,6 +190,9 @@ def test_loss_trains_a_tiny_model_to_fit_the_fixture(task, minilm_dir):
 
 def test_read_data_converts_iob1_to_bio():
     examples = list(read_data(FIXTURE))
+    lower = list(read_data(FIXTURE, "test+lower"))
+    assert [x[1]["tags"] for x in lower] == [x[1]["tags"] for x in examples]
+    assert [x[0]["text"] for x in lower] == [x[0]["text"].lower() for x in examples] != [x[0]["text"] for x in examples]
     assert len(examples) == 3
     assert examples[1][1]["tags"][3:5] == ["B-LOC", "B-LOC"]  # IOB1 "I-LOC B-LOC": two adjacent places
     assert examples[1][0]["text"].split() == examples[1][1]["words"]
