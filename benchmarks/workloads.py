@@ -11,7 +11,9 @@ and saved once in the Hugging Face layout, and both implementations load that fo
 - ner: CoNLL-2003 eng.testb (3,453 sentences); reference: `pipeline("token-classification",
   aggregation_strategy="first")`. Its argmax decoding is compared with the engine's argmax
   tags (`words[*].argmax`) grouped the same way; the engine's default CRF decoding is a different
-  algorithm, so its entity F1 is reported beside it rather than compared.
+  algorithm, so its entity F1 is reported beside it rather than compared. The starter's `casing`
+  marks (segment ids on capitalised words) are left off on both sides: transformers' pipeline
+  cannot add them, so the F1 here is that model reading text without them, not its testb figure.
 - qa: the first N questions of SQuAD dev-v1.1; transformers 5 dropped its QA pipeline, so the
   reference is BertForQuestionAnswering with the decoding of transformers' `run_qa` example
   (windows of 384 tokens, stride 128, best start + end logit over all windows, answers of at most

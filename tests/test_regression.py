@@ -15,10 +15,13 @@ from plugins.starter import STARTER_ROOT
 
 SLICES = Path(__file__).parent / "fixtures" / "regression"
 
-# task: (slice, split, metric, measured on the committed pack, floor)
+# task (+ a variant of the split): (slice, split, metric, measured on the committed pack, floor)
 FLOORS = {
     "sentiment": ("sst2_dev_every4th.tsv", "all", "accuracy", 0.908, 0.88),
-    "ner": ("conll_testb_first250.txt", "all", "f1", 94.1, 91.5),
+    "ner": ("conll_testb_first250.txt", "all", "f1", 91.8, 89.0),
+    # the same text typed in lower case: the casing model must still read words (a model trained
+    # without casing_dropout measured 85.3 here)
+    "ner+lower": ("conll_testb_first250.txt", "all+lower", "f1", 91.7, 89.0),
     "qa": ("squad_v2_dev_second_half.json", "dev", "best_f1", 66.9, 63.0),  # answers and the null score together
     "summary": ("bbc_test_first16.jsonl", "all", "rouge2", 60.1, 57.0),  # hybrid mode (auto)
     "fill_mask": ("wikitext2_test_first3.txt", "all", "top1", 0.480, 0.455),
@@ -32,9 +35,10 @@ def registry():
 
 @pytest.mark.parametrize("task", sorted(FLOORS))
 def test_the_starter_model_stays_above_its_floor(registry, task):
+    name, split, metric, measured, floor = FLOORS[task]
+    task = task.split("+")[0]
     if not (STARTER_ROOT / task / "manifest.json").is_file():
         pytest.skip(f"no {task} starter model packed")
-    name, split, metric, measured, floor = FLOORS[task]
     assert floor < measured
     spec = registry.task(task).spec
     examples = read_examples(spec, str(SLICES / name), split, None)
