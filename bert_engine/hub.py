@@ -26,6 +26,7 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 OPTIONAL_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 ADAPTER_WEIGHTS = "adapter.safetensors"  # a LoRA adapter folder (lora.py) has this instead of full weights
 PACK_MANIFEST = "manifest.json"  # a packed adapter's figures and calibrated option defaults (inference.model_options)
+TASK_OPTIONS = "task_options.json"  # the task options a checkpoint was trained with (inference.model_options)
 
 
 class HubError(RuntimeError):
@@ -81,14 +82,14 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
     if weights.name == ADAPTER_WEIGHTS:
         # A LoRA adapter + head: its base model is resolved when loading, and may bring the tokenizer.
         fetch("adapter_config.json", required=True)
-        for optional in (*TOKENIZER_FILES, PACK_MANIFEST):
+        for optional in (*TOKENIZER_FILES, PACK_MANIFEST, TASK_OPTIONS):
             fetch(optional, required=False)
     else:
         if weights.name.endswith(".index.json"):
             for shard in sorted(set(json.loads(weights.read_text(encoding="utf-8"))["weight_map"].values())):
                 fetch(shard, required=True)
         fetch.first_of(TOKENIZER_FILES, "tokenizer")
-    for optional in OPTIONAL_FILES:
+    for optional in (*OPTIONAL_FILES, TASK_OPTIONS) if weights.name != ADAPTER_WEIGHTS else OPTIONAL_FILES:
         fetch(optional, required=False)
     folder = config.parent
     commit = folder.name if folder.parent.name == "snapshots" else None

@@ -92,19 +92,29 @@ def check_unicode(task: str, field: str, value: str) -> None:
                          f"{found.start():,}; text must be valid Unicode")
 
 
-def model_options(folder: Path, spec) -> dict[str, Any]:
-    """The option defaults in `folder`/manifest.json ("options": {name: value}) that the task knows;
-    a missing or unreadable manifest gives none, an unknown option is logged and left out."""
+TASK_OPTIONS_FILE = "task_options.json"  # a training checkpoint's task options ({"options": ...}; jobs.TaskJob.save)
+
+
+def _options_in(path: Path) -> dict[str, Any]:
     try:
-        options = json.loads((Path(folder) / "manifest.json").read_text(encoding="utf-8")).get("options") or {}
+        options = json.loads(path.read_text(encoding="utf-8")).get("options") or {}
     except (OSError, ValueError, AttributeError):
         return {}
     if not isinstance(options, dict):
-        logger.warning("%s/manifest.json: \"options\" is not a mapping; ignored", folder)
+        logger.warning("%s: \"options\" is not a mapping; ignored", path)
         return {}
+    return options
+
+
+def model_options(folder: Path, spec) -> dict[str, Any]:
+    """The option defaults a model is served with, that the task knows: the task options it was
+    trained with (`folder`/task_options.json, which training writes beside each checkpoint, e.g.
+    NER's casing), under those of a packed model's manifest.json ("options": {name: value}). A
+    missing or unreadable file gives none; an unknown option is logged and left out."""
+    options = {**_options_in(Path(folder) / TASK_OPTIONS_FILE), **_options_in(Path(folder) / "manifest.json")}
     unknown = sorted(set(options) - set(spec.options))
     if unknown:
-        logger.warning("%s/manifest.json: option(s) %s are not options of task %r; ignored", folder, unknown, spec.name)
+        logger.warning("%s: option(s) %s are not options of task %r; ignored", folder, unknown, spec.name)
     return {k: v for k, v in options.items() if k in spec.options}
 
 

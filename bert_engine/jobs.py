@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import glob
 import inspect
+import json
 import logging
 import math
 from itertools import chain, islice
@@ -25,7 +26,7 @@ from .config import PRESETS, BertConfig
 from .heads import IGNORE_INDEX, BertWithHead
 from .hookspecs import TaskSpec
 from .hub import default_backbone
-from .inference import Predictor
+from .inference import TASK_OPTIONS_FILE, Predictor
 from .loader import load, load_tokenizer
 from .loading import Loaded, save_pretrained
 from .lora import (
@@ -230,6 +231,9 @@ class TaskJob:
 
     def save(self, model: nn.Module, folder: Path) -> None:
         save_model(model, folder, self.tokenizer, self.lora, self.base_name, self.cfg, self.loaded)
+        if self.eval_options:  # the task options it was trained with: how the checkpoint must be served
+            (Path(folder) / TASK_OPTIONS_FILE).write_text(json.dumps({"options": self.eval_options}, indent=2) + "\n",
+                                                          encoding="utf-8")
 
 
 def preset_config(preset: str, family: str, tokenizer, max_seq_len: int) -> BertConfig:

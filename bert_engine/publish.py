@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 # What a pushed repository holds; anything else in a run folder (trainer_state.pt, logs) stays home.
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "adapter.safetensors",
                "adapter_config.json", "tokenizer.json", "vocab.txt", "tokenizer_config.json",
-               "special_tokens_map.json", "manifest.json", "eval.json")
+               "special_tokens_map.json", "manifest.json", "eval.json", "task_options.json")
 SHARD_GLOB = "model-*-of-*.safetensors"
 # Hugging Face pipeline tags a task alias may name (the card's pipeline_tag and widget kind).
 PIPELINE_TAGS = ("text-classification", "token-classification", "question-answering", "fill-mask",

@@ -544,6 +544,10 @@ def test_a_model_trained_with_a_task_option_is_packed_to_answer_with_it(tiny_che
     batch, _ = job.collate(job.examples[:3], torch.Generator().manual_seed(0))
     assert batch.token_type_ids.eq(1).any() and job.eval_options == {"casing": True, "max_length": 32, "stride": 8}
     train(job, cfg)
+    # the run's checkpoints answer with them too, before any pack
+    for folder in ("best", "last"):
+        assert Predictor.load(task, str(tmp_path / "run" / folder)).model_options == {
+            "casing": True, "max_length": 32, "stride": 8}
     # both are how the model was trained: evaluated with, and the packed model's defaults; -o still wins
     assert main(["pack", "ner", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "packed"),
                  "--eval-data", str(CONLL), "--eval-split", "all", "-o", "max_length=48"]) == 0
