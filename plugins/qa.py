@@ -343,8 +343,8 @@ def _mentions(folded: str, entity: str) -> bool:
 def swapped_question(question: str, context: str, answers: list[dict], pool: dict[str, list[str]],
                      draw: int) -> str | None:
     """The question with one of its names or numbers that the paragraph also says (and no answer
-    contains) replaced by another of the same kind from the article's other questions that the
-    paragraph never says, or None when there is no such pair. The paragraph then no longer answers
+    contains) replaced by another of the same kind from `pool` (article_entities: the article's
+    questions and answers) that the paragraph never says, or None when there is no such pair. The paragraph then no longer answers
     it: SQuAD 2.0's most common kind of unanswerable question (an entity swap)."""
     folded = normalize_answer(context)
     gold = [normalize_answer(a["text"]) for a in answers]
