@@ -7,11 +7,11 @@ used when the checkpoint has them (`head.crf.*`). Long texts run in overlapping 
 entities from two windows overlap, the higher-scoring one wins. Scores are CRF marginals.
 
 An uncased encoder cannot see that a word is capitalised, the cue cased NER models lean on most. With
-the `casing` option (a model trained with it answers with it by default: its checkpoint's
-task_options.json and its pack's manifest say so), every
-wordpiece of a word that starts with a capital letter gets segment id 1 instead of 0, so the
-encoder's second segment embedding marks it at the input and every layer can use it (a one-text task
-never uses that embedding otherwise). No effect on a model with one segment (RoBERTa, DistilBERT).
+the `casing` option, every wordpiece of a word that starts with a capital letter gets segment id 1
+instead of 0, so the encoder's second segment embedding marks it at the input and every layer can use
+it (a one-text task never uses that embedding otherwise). A model trained with it answers with it by
+default (its checkpoint's task_options.json and its pack's manifest say so). No effect on a model with
+one segment (RoBERTa, DistilBERT).
 """
 
 from __future__ import annotations
