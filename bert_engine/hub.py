@@ -82,14 +82,14 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
     if weights.name == ADAPTER_WEIGHTS:
         # A LoRA adapter + head: its base model is resolved when loading, and may bring the tokenizer.
         fetch("adapter_config.json", required=True)
-        for optional in (*TOKENIZER_FILES, PACK_MANIFEST, TASK_OPTIONS):
+        for optional in (*TOKENIZER_FILES, PACK_MANIFEST):
             fetch(optional, required=False)
     else:
         if weights.name.endswith(".index.json"):
             for shard in sorted(set(json.loads(weights.read_text(encoding="utf-8"))["weight_map"].values())):
                 fetch(shard, required=True)
         fetch.first_of(TOKENIZER_FILES, "tokenizer")
-    for optional in (*OPTIONAL_FILES, TASK_OPTIONS) if weights.name != ADAPTER_WEIGHTS else OPTIONAL_FILES:
+    for optional in (*OPTIONAL_FILES, TASK_OPTIONS):
         fetch(optional, required=False)
     folder = config.parent
     commit = folder.name if folder.parent.name == "snapshots" else None

@@ -118,6 +118,20 @@ def test_a_packed_adapter_round_trips_and_names_its_base_model(fake_hub, registr
     assert hub.predict(example)["result"] == local
 
 
+def test_a_checkpoint_s_task_options_travel_through_the_hub(fake_hub, registry, tmp_path, capsys):
+    folder = tmp_path / "best"  # a training checkpoint of a model trained with -o casing=true
+    shutil.copytree(STARTER_ROOT / "ner", folder)
+    (folder / "manifest.json").unlink()
+    (folder / "task_options.json").write_text(json.dumps({"options": {"casing": True}}))
+    code, out, err = push(capsys, "--run", str(folder), "--task", "ner", "--repo", "me/ner", "--endpoint",
+                          fake_hub.endpoint, "--token", TOKEN)
+    assert code == 0, err
+    (_, _, _, paths), = fake_hub.commits
+    assert "task_options.json" in paths
+    hub = Predictor.load(registry.task("ner"), "me/ner", endpoint=fake_hub.endpoint, cache_dir=tmp_path / "cache")
+    assert hub.model_options == {"casing": True}
+
+
 def test_dry_run_stages_and_checks_without_uploading(fake_hub, tmp_path, capsys):
     code, out, err = push(capsys, "--run", str(STARTER_ROOT / "sentiment"), "--repo", "me/s", "--endpoint",
                           fake_hub.endpoint, "--dry-run", str(tmp_path / "staged"))
