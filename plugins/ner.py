@@ -397,6 +397,9 @@ def build_tab(predictor) -> None:
     with gr.Accordion("Options", open=False), gr.Row():
         constrained = gr.Checkbox(value=OPTIONS["constrained"], label="Scheme constraints in decoding")
         nbest = gr.Slider(1, 10, value=OPTIONS["nbest"], step=1, label="n-best paths")
+        # "model" keeps whatever the chosen model was trained with (a casing model reads capitals)
+        casing = gr.Radio(list(CASING_CHOICES), value="model", label="Read capital letters",
+                          info="model: as the model was trained (the starter reads them); on / off to compare")
     button = ui.run_button(gr, "Find entities")
     marked = gr.HTML(label="Entities")
     with gr.Accordion("Token-wise argmax vs the Viterbi path (≠: they differ)", open=False):
@@ -409,8 +412,12 @@ def build_tab(predictor) -> None:
         transitions = gr.HTML(label="Transition matrix")
     details = ui.details(gr)
 
-    def run(text_value: str, use_constraints: bool = OPTIONS["constrained"], k: float = OPTIONS["nbest"]):
-        output = predictor.predict({"text": text_value}, constrained=bool(use_constraints), nbest=int(k))
+    def run(text_value: str, use_constraints: bool = OPTIONS["constrained"], k: float = OPTIONS["nbest"],
+            read_capitals: str = "model"):
+        if read_capitals not in CASING_CHOICES:
+            raise InputError(f"ner: read_capitals must be one of {list(CASING_CHOICES)}, got {read_capitals!r}")
+        chosen = {} if CASING_CHOICES[read_capitals] is None else {"casing": CASING_CHOICES[read_capitals]}
+        output = predictor.predict({"text": text_value}, constrained=bool(use_constraints), nbest=int(k), **chosen)
         result = output["result"]
         table = transition_table(predictor.get().model.head, bool(use_constraints))
         return (render_entities(text_value, result["entities"]),
@@ -419,9 +426,11 @@ def build_tab(predictor) -> None:
                 [[n + 1, percent(p["probability"]), " ".join(p["tags"])] for n, p in enumerate(result["nbest"])],
                 transition_heatmap(table), output)
 
-    ui.wire(gr, button, run, [text, constrained, nbest], [marked, words, paths, transitions, details], api_name="ner",
+    ui.wire(gr, button, run, [text, constrained, nbest, casing], [marked, words, paths, transitions, details], api_name="ner",
             examples=[[e["text"]] for e in EXAMPLES])
 
+
+CASING_CHOICES = {"model": None, "on": True, "off": False}  # the tab's "Read capital letters" -> the casing option
 
 EXAMPLES = (
     {"text": "Angela Merkel met Emmanuel Macron in Paris to discuss the European Union budget."},

@@ -118,6 +118,10 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
     html, words, paths, transitions, output = client.predict("Tim Cook visited Berlin.", True, 2, api_name="/ner")
     assert output["task"] == "ner" and [row[0] for row in words["data"]] == ["Tim", "Cook", "visited", "Berlin", "."]
     assert len(paths["data"]) == 2 and transitions.count("<tr>") == 10  # header + 9 tags
+    # "Read capital letters": the starter was trained with them, so "model" is "on"; "off" is another input
+    results = {choice: client.predict("Tim Cook visited Berlin.", True, 2, choice, api_name="/ner")[-1]["result"]
+               for choice in ("model", "on", "off")}
+    assert results["model"] == results["on"] != results["off"]
     assert all(float(row[3].rstrip(" %<")) <= 100 for row in words["data"])  # probabilities never above 1
     summary, html, dropped, output = client.predict("One short line. " * 3 + "A much longer sentence follows here.",
                                                     1, 0.3, 4, "auto", api_name="/summary")
