@@ -94,14 +94,10 @@ def mark_capitalised(batch, texts: list[str], skip: set[int] = frozenset()) -> N
     """Segment id 1 on every wordpiece of a word (as the pre-tokeniser splits them) whose first
     character in its text is a capital letter, 0 elsewhere: the `casing` option, in place. The rows
     of the texts numbered in `skip` keep 0 throughout."""
-    starts: dict[tuple[int, int], int] = {}
-    for r, sample in enumerate(batch.sample_index):
-        for (start, _), word, seq in zip(batch.offsets[r], batch.word_ids[r], batch.sequence_ids[r]):
-            if word is not None and seq == 0:
-                starts[(sample, word)] = min(start, starts.get((sample, word), start))
+    spans = word_spans(batch)
     for r, sample in enumerate(batch.sample_index):
         for t, (word, seq) in enumerate(zip(batch.word_ids[r], batch.sequence_ids[r])):
-            if word is not None and seq == 0 and sample not in skip and texts[sample][starts[(sample, word)]].isupper():
+            if word is not None and seq == 0 and sample not in skip and texts[sample][spans[(sample, word)][0]].isupper():
                 batch.token_type_ids[r, t] = 1
 
 
@@ -121,6 +117,18 @@ def preprocess(inputs, tokenizer, *, max_length, stride, nbest, constrained, sch
     return batch
 
 
+def word_spans(batch) -> dict[tuple[int, int], tuple[int, int]]:
+    """{(sample, word id): (start char, end char)} of every word of the text, over all its windows."""
+    spans: dict[tuple[int, int], tuple[int, int]] = {}
+    for r, sample in enumerate(batch.sample_index):
+        for (start, end), word, seq in zip(batch.offsets[r], batch.word_ids[r], batch.sequence_ids[r]):
+            if word is None or seq != 0:
+                continue
+            old = spans.get((sample, word))
+            spans[(sample, word)] = (start, end) if old is None else (min(old[0], start), max(old[1], end))
+    return spans
+
+
 def word_layout(batch) -> tuple[Tensor, Tensor, Tensor, dict]:
     """Which positions carry a tag, and where each window sits in its input.
 
@@ -129,13 +137,7 @@ def word_layout(batch) -> tuple[Tensor, Tensor, Tensor, dict]:
          {(sample, word id): (start char, end char)}). A window that starts mid-word does not tag
          that word; a window is a begin / end when it is its input's first / last row.
     """
-    spans: dict[tuple[int, int], tuple[int, int]] = {}
-    for r, sample in enumerate(batch.sample_index):
-        for (start, end), word, seq in zip(batch.offsets[r], batch.word_ids[r], batch.sequence_ids[r]):
-            if word is None or seq != 0:
-                continue
-            old = spans.get((sample, word))
-            spans[(sample, word)] = (start, end) if old is None else (min(old[0], start), max(old[1], end))
+    spans = word_spans(batch)
     B, T = batch.input_ids.shape
     mask = torch.zeros(B, T, dtype=torch.bool)
     for r, sample in enumerate(batch.sample_index):
