@@ -205,7 +205,7 @@ def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str
     from .training import gather_objects, init_distributed
 
     dist_info = init_distributed("cpu" if predictor.device.type == "cpu" else None)
-    try:
+    with process_group(dist_info):
         answers = _answer_rows(task, predictor, rows, fixed, options, dist_info.rank, dist_info.world,
                                output if dist_info.world == 1 else None, progress=dist_info.is_main)
         if dist_info.world == 1:
@@ -215,11 +215,6 @@ def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str
             with open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(sys.stdout) as out:
                 out.writelines(json.dumps(a, ensure_ascii=False, allow_nan=False) + "\n" for a in every)
         return sum("error" in a for a in every)
-    finally:
-        if dist_info.world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
 
 
 def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, world: int, output: str | None,
@@ -285,13 +280,28 @@ def _run_training(job_factory, cfg) -> dict:
     from .training import init_distributed, train
 
     dist_info = init_distributed(cfg.device)
-    try:
+    with process_group(dist_info):
         job = job_factory(cfg)
         return train(job, cfg, dist_info=dist_info)
+
+
+@contextlib.contextmanager
+def process_group(dist_info):
+    """Under torchrun, destroy the process group when the body ends; when it ends well, every process
+    first waits at a barrier for the others, so none tears its group down while a peer is still
+    finishing (gloo then aborted the early one with SIGABRT, "terminate called without an active
+    exception", seen once in the two-process training test). After an error there is no
+    barrier: a peer that failed would never reach it."""
+    finished = False
+    try:
+        yield
+        finished = True
     finally:
         if dist_info.world > 1:
             import torch.distributed as dist
 
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
 
