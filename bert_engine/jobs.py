@@ -421,11 +421,18 @@ def _warm_start(model: nn.Module, folder: str, lora, loaded: Loaded) -> None:
         raise ValueError(f"init_adapter {folder!r} needs LoRA training: set lora_rank (the adapter's rank)")
     meta = read_adapter_config(folder)
     mine = lora.to_dict()
-    for key in ("rank", "alpha", "targets"):
-        if meta[key] != mine[key]:
-            raise ValueError(f"init_adapter {folder!r}: its {key} is {meta[key]!r}, this run's is {mine[key]!r}")
+    if meta["targets"] != mine["targets"]:
+        raise ValueError(f"init_adapter {folder!r}: its targets are {meta['targets']!r}, this run's {mine['targets']!r}")
+    if meta["rank"] > mine["rank"]:
+        raise ValueError(f"init_adapter {folder!r}: its rank {meta['rank']} is higher than this run's "
+                         f"lora_rank {mine['rank']} (a warm start can keep or grow the rank, not shrink it)")
     check_base_weights(meta, loaded.checkpoint.folder, folder)
-    copy_adapter_weights(model, folder)
+    # Its update s·B·A is kept exactly: s = alpha / rank differs where the rank or alpha does.
+    copy_adapter_weights(model, folder, grow=True,
+                         b_scale=(meta["alpha"] / meta["rank"]) / (mine["alpha"] / mine["rank"]))
+    if (meta["rank"], meta["alpha"]) != (mine["rank"], mine["alpha"]):
+        logger.info("LoRA grown from rank %d (alpha %g) to rank %d (alpha %g); the added directions start at zero",
+                    meta["rank"], meta["alpha"], mine["rank"], mine["alpha"])
     logger.info("LoRA tensors, head and pooler start from %s", folder)
 
 

@@ -235,9 +235,14 @@ def check_base_weights(meta: dict, base_folder, adapter_folder) -> None:
                               f"{meta['base_sha256']}, but {base_folder} has {found}")
 
 
-def copy_adapter_weights(model: nn.Module, folder) -> dict[str, Tensor]:
+def copy_adapter_weights(model: nn.Module, folder, *, grow: bool = False, b_scale: float = 1.0) -> dict[str, Tensor]:
     """Copy the adapter file's tensors (LoRA, head, pooler) into `model`, which has its LoRA modules;
-    return them. Raises CheckpointError, naming the keys or the tensor, where the file does not fit."""
+    return them. Raises CheckpointError, naming the keys or the tensor, where the file does not fit.
+
+    With `grow`, the model's LoRA rank may be higher than the file's (an adapter grown on a warm start): the
+    file's A fills the first rows of each A and its B, times `b_scale` (the file's alpha / rank over
+    the model's), the first columns of each B; the rest of B stays zero, so the model starts out
+    computing exactly what the file's adapter computed."""
     path = Path(folder) / ADAPTER_WEIGHTS
     weights = load_file(path)
     own = model.state_dict()
@@ -245,14 +250,33 @@ def copy_adapter_weights(model: nn.Module, folder) -> dict[str, Tensor]:
     missing = sorted(set(lora_state(model)) - set(weights))
     if unexpected or missing:
         raise CheckpointError(f"{path}: does not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}")
+    slots = {}
     for name, tensor in weights.items():
-        if own[name].shape != tensor.shape:
+        slots[name] = _slot(name, own[name], tensor) if grow else (() if own[name].shape == tensor.shape else None)
+        if slots[name] is None:
             raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"the model expects {tuple(own[name].shape)}")
     with torch.no_grad():
         for name, tensor in weights.items():
-            own[name].copy_(tensor.to(own[name].dtype))
+            if ".lora_b." in name:  # A's extra rows keep their fresh initialisation, B's extra columns are zero
+                tensor = tensor.float() * b_scale
+                own[name].zero_()
+            own[name][slots[name]].copy_(tensor.to(own[name].dtype))
     return weights
+
+
+def _slot(name: str, target: Tensor, tensor: Tensor):
+    """Where `tensor` goes inside `target`: all of it for equal shapes, the first rows of a LoRA A
+    (r, in) or the first columns of a LoRA B (out, r) of a higher rank; None where it does not fit."""
+    if target.shape == tensor.shape:
+        return ()
+    if target.dim() != 2 or tensor.dim() != 2:
+        return None
+    if ".lora_a." in name and tensor.shape[1] == target.shape[1] and tensor.shape[0] < target.shape[0]:
+        return (slice(0, tensor.shape[0]), slice(None))
+    if ".lora_b." in name and tensor.shape[0] == target.shape[0] and tensor.shape[1] < target.shape[1]:
+        return (slice(None), slice(0, tensor.shape[1]))
+    return None
 
 
 def load_adapter(resolved: Resolved, head, *, merge: bool = True, allowed_dirs=None, local_files_only: bool = False,

@@ -50,7 +50,8 @@ class TrainConfig:
     lora_dropout: float = _help("dropout on the LoRA input", default=0.0)
     init_adapter: str | None = _help("start the LoRA tensors, head and pooler from this adapter folder (a packed "
                                      "model, e.g. plugins/starter/TASK) with a fresh optimizer and schedule: continues "
-                                     "training it when its run is gone; rank, targets and base weights must match",
+                                     "training it when its run is gone; targets and base weights must match, and lora_rank may "
+                                     "grow the adapter (its update kept exactly, the added directions starting at zero)",
                                      default=None)
     merge_lora: bool = _help("also write each checkpoint merged, in the Hugging Face layout (best/merged/, ...)",
                              default=False)

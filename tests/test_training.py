@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -625,7 +626,19 @@ def test_init_adapter_starts_a_run_from_a_packed_adapter_and_checks_it_fits(tiny
     assert any(".lora_b." in name for name in saved)
     for name, tensor in saved.items():  # LoRA tensors, head and pooler all start where the adapter ended
         assert torch.equal(state[name], tensor), name
-    with pytest.raises(ValueError, match="its rank is 4, this run's is 8"):
-        TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "third", lora_rank=8, init_adapter=str(adapter)))
+    # a higher rank grows the adapter: the same function at the start (the added B columns are zero), trainable
+    grown = TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "third", lora_rank=8,  # alpha / rank halves
+                                         init_adapter=str(adapter)))
+    inputs = {"input_ids": torch.tensor([[2, 7, 9, 11, 3]]), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    with torch.no_grad():
+        assert torch.allclose(grown.model.eval()(**inputs).logits, warm.model.eval()(**inputs).logits, atol=1e-5)
+    b = next(p for n, p in grown.model.named_parameters() if ".lora_b." in n)
+    assert b.shape[1] == 8 and b.requires_grad and not b[:, 4:].any()
+    higher = tmp_path / "rank8"
+    shutil.copytree(adapter, higher)
+    meta = json.loads((higher / "adapter_config.json").read_text())
+    (higher / "adapter_config.json").write_text(json.dumps({**meta, "rank": 8}))
+    with pytest.raises(ValueError, match="its rank 8 is higher than this run's lora_rank 4"):
+        TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "fifth", lora_rank=4, init_adapter=str(higher)))
     with pytest.raises(ValueError, match="needs LoRA training"):
         TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "fourth", init_adapter=str(adapter)))
