@@ -161,7 +161,7 @@ class SpanHead(nn.Module):
 
     def forward(self, encoded: EncoderOutput) -> SpanOutput:
         logits = self.qa_outputs(encoded.last_hidden_state)  # (B, T, 2)
-        return SpanOutput(logits[..., 0], logits[..., 1])
+        return SpanOutput(logits[..., 0], logits[..., 1], encoded)  # the encoder's padding mask, for the loss
 
 
 HEADS: dict[str, type[nn.Module]] = {

@@ -518,10 +518,16 @@ def training_batch(examples, tokenizer, *, generator=None, max_seq_len: int = 38
 
 
 def loss(output, targets: list[tuple[int, int]]):
-    """Mean cross-entropy of the start and end token positions (targets: (start, end) per row)."""
+    """Mean cross-entropy of the start and end token positions (targets: (start, end) per row), the
+    softmax over each row's real tokens only: padding is no candidate position."""
     positions = torch.tensor(targets, device=output.start_logits.device)
+    starts, ends = output.start_logits.float(), output.end_logits.float()
+    mask = output.encoder.attention_mask if output.encoder is not None else None
+    if mask is not None:
+        padding = ~mask.to(device=starts.device, dtype=torch.bool)
+        starts, ends = starts.masked_fill(padding, -1e9), ends.masked_fill(padding, -1e9)
     ce = torch.nn.functional.cross_entropy
-    return (ce(output.start_logits.float(), positions[:, 0]) + ce(output.end_logits.float(), positions[:, 1])) / 2
+    return (ce(starts, positions[:, 0]) + ce(ends, positions[:, 1])) / 2
 
 
 EXCERPT_CHARS = 600  # a longer context shows this much around the answer, the whole text one click away

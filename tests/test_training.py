@@ -642,3 +642,20 @@ def test_init_adapter_starts_a_run_from_a_packed_adapter_and_checks_it_fits(tiny
         TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "fifth", lora_rank=4, init_adapter=str(higher)))
     with pytest.raises(ValueError, match="needs LoRA training"):
         TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "fourth", init_adapter=str(adapter)))
+
+
+def test_the_qa_loss_is_the_same_for_a_row_alone_and_padded_in_a_batch(tiny_checkpoint):
+    from bert_engine.heads import SpanHead
+    from plugins.qa import loss as qa_loss
+
+    model = load(str(tiny_checkpoint), SpanHead, warn_missing=False).model.eval()
+    with torch.no_grad():
+        model.head.qa_outputs.bias.fill_(3.0)  # padding positions would carry real weight in the softmax
+    rows = [[2, 7, 9, 11, 13, 3], [2, 8, 3]]
+    targets = [(2, 4), (1, 1)]
+    with torch.no_grad():
+        alone = [qa_loss(model(input_ids=torch.tensor([r])), [t]) for r, t in zip(rows, targets)]
+        ids = torch.tensor([rows[0], rows[1] + [0, 0, 0]])
+        mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]])
+        padded = qa_loss(model(input_ids=ids, attention_mask=mask), targets)
+    assert torch.allclose(padded, (alone[0] + alone[1]) / 2, atol=1e-5)
