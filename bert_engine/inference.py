@@ -30,7 +30,7 @@ from .fairness import CHUNK_TOKENS, GATE, VISITOR, ComputeGate, visitor_scope
 from .hookspecs import InputError, TaskContext
 from .hub import default_backbone
 from .loader import load
-from .loading import Loaded
+from .loading import CheckpointError, Loaded, metadata_file
 from .precision import parameter_dtype, pick_device, prepare_for_inference
 from .registry import RegisteredTask
 from .tokenizer import Batch, Tokenizer
@@ -95,10 +95,16 @@ def check_unicode(task: str, field: str, value: str) -> None:
 TASK_OPTIONS_FILE = "task_options.json"  # a training checkpoint's task options ({"options": ...}; jobs.TaskJob.save)
 
 
-def _options_in(path: Path) -> dict[str, Any]:
+def _options_in(folder: Path, name: str) -> dict[str, Any]:
+    path = folder / name
+    if not path.is_file():
+        return {}
     try:
-        options = json.loads(path.read_text(encoding="utf-8")).get("options") or {}
-    except (OSError, ValueError, AttributeError):
+        options = json.loads(metadata_file(folder, name).read_text(encoding="utf-8")).get("options") or {}
+    except CheckpointError as err:
+        logger.warning("%s; its options are ignored", err)
+        return {}
+    except (OSError, ValueError, AttributeError, RecursionError):
         return {}
     if not isinstance(options, dict):
         logger.warning("%s: \"options\" is not a mapping; ignored", path)
@@ -111,7 +117,7 @@ def model_options(folder: Path, spec) -> dict[str, Any]:
     trained with (`folder`/task_options.json, which training writes beside each checkpoint, e.g.
     NER's casing), under those of a packed model's manifest.json ("options": {name: value}). A
     missing or unreadable file gives none; an unknown option is logged and left out."""
-    options = {**_options_in(Path(folder) / TASK_OPTIONS_FILE), **_options_in(Path(folder) / "manifest.json")}
+    options = {**_options_in(Path(folder), TASK_OPTIONS_FILE), **_options_in(Path(folder), "manifest.json")}
     unknown = sorted(set(options) - set(spec.options))
     if unknown:
         logger.warning("%s: option(s) %s are not options of task %r; ignored", folder, unknown, spec.name)

@@ -250,6 +250,24 @@ def contained(folder: Path, name: str) -> Path:
     return (folder / name).resolve()
 
 
+MAX_METADATA_BYTES = 4 * 2**20  # config.json, adapter_config.json, manifest.json: kilobytes in practice
+
+
+def metadata_file(folder: Path, name: str) -> Path:
+    """`folder / name` for a small JSON file (a config, a manifest), refused before it is read where it
+    points outside the checkpoint (see `contained`) or is larger than MAX_METADATA_BYTES.
+
+    Raises:
+        CheckpointError: naming the file and its size.
+    """
+    path = contained(folder, name)
+    size = path.stat().st_size
+    if size > MAX_METADATA_BYTES:
+        raise CheckpointError(f"{Path(folder).name}/{name}: {size:,} bytes; a metadata file over "
+                              f"{MAX_METADATA_BYTES:,} bytes is refused unread")
+    return path
+
+
 def find_weights(folder: Path) -> Path:
     """The weights file of a checkpoint folder, safetensors preferred; raises CheckpointError if none."""
     for name in WEIGHT_FILES:
@@ -593,7 +611,7 @@ def load_model(resolved: Resolved, head: str | nn.Module | None = None, *, label
     """
     if not (resolved.folder / "config.json").is_file():
         raise CheckpointError(f"{resolved.folder}: no config.json; not a checkpoint in the Hugging Face layout")
-    config_file = contained(resolved.folder, "config.json")
+    config_file = metadata_file(resolved.folder, "config.json")
     config = BertConfig.from_json_file(config_file, attn_backend=attn_backend)
     if labels is not None:
         config = config.with_labels(list(labels))

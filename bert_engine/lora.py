@@ -23,7 +23,16 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from .hub import ADAPTER_WEIGHTS, Resolved, default_backbone, resolve
-from .loading import CheckpointError, Loaded, find_weights, inside_any, load_model, save_weights, saved_config
+from .loading import (
+    CheckpointError,
+    Loaded,
+    find_weights,
+    inside_any,
+    load_model,
+    metadata_file,
+    save_weights,
+    saved_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -189,9 +198,7 @@ def read_adapter_config(folder) -> dict:
     Raises:
         CheckpointError: naming the file and the key that is missing or wrong.
     """
-
-
-    path = Path(folder) / ADAPTER_CONFIG
+    path = metadata_file(Path(folder), ADAPTER_CONFIG)
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
@@ -279,6 +286,21 @@ def _slot(name: str, target: Tensor, tensor: Tensor):
     return None
 
 
+def _adapter_labels(folder: Path) -> list[str] | None:
+    """The label names in an adapter folder's config.json (None where it has none).
+
+    Raises:
+        CheckpointError: naming the file, where it is not JSON or its id2label is not {"0": name, ...}.
+    """
+    try:
+        data = json.loads(metadata_file(folder, "config.json").read_text(encoding="utf-8"))
+        id2label = data.get("id2label") or {}
+        return [str(id2label[k]) for k in sorted(id2label, key=int)] if id2label else None
+    except (ValueError, UnicodeDecodeError, RecursionError, AttributeError, TypeError) as err:
+        raise CheckpointError(f"{folder.name}/config.json: not a JSON object with id2label as "
+                              f"{{\"0\": name, ...}} ({type(err).__name__})") from None
+
+
 def load_adapter(resolved: Resolved, head, *, merge: bool = True, allowed_dirs=None, local_files_only: bool = False,
                  **kwargs) -> Loaded:
     """The base model named in the adapter's config, with the task head, LoRA tensors applied.
@@ -303,9 +325,7 @@ def load_adapter(resolved: Resolved, head, *, merge: bool = True, allowed_dirs=N
     if meta["base_model"] != "default":  # "default" is the installed backbone, the operator's choice
         check_local_base(meta["base_model"], folder, allowed_dirs)
     base_name = default_backbone() if meta["base_model"] == "default" else meta["base_model"]
-    labels_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    id2label = labels_config.get("id2label") or {}
-    labels = [id2label[k] for k in sorted(id2label, key=int)] if id2label else None
+    labels = _adapter_labels(folder)
     kwargs.pop("strict", None)  # the base has no head by design; the adapter's keys are checked below
     hub_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("dtype", "device", "attn_backend")}
     base = load_model(resolve(base_name, local_files_only=local_files_only, **hub_kwargs), head, labels=labels,

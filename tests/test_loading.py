@@ -232,3 +232,32 @@ def test_saved_model_files_are_as_readable_as_the_rest(tiny_config, tmp_path):
     modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
     assert set(modes.values()) == {"0o644"}, modes
     assert {"model/model.safetensors", "adapter/adapter.safetensors"} <= set(modes)
+
+
+def test_metadata_that_is_huge_or_points_outside_is_refused_unread(tiny_checkpoint, tmp_path, caplog):
+    from bert_engine.inference import model_options
+    from bert_engine.loading import MAX_METADATA_BYTES
+    from bert_engine.registry import load_registry
+
+    folder, _ = tiny_checkpoint
+    config = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(config + " " * MAX_METADATA_BYTES)  # valid JSON, only too large
+    with pytest.raises(CheckpointError, match=r"ckpt/config\.json: 4,19[0-9,]+ bytes; a metadata file over"):
+        load_pretrained(folder, "sequence")
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(config)
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to(outside)
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_pretrained(folder, "sequence")
+
+    # a model folder's option defaults: a manifest linking outside is ignored (logged), one inside is read
+    spec = load_registry(entry_points=False).task("sentiment").spec
+    outside.write_text(json.dumps({"options": {"max_length": 64}}))
+    (folder / "manifest.json").symlink_to(outside)
+    with caplog.at_level(logging.WARNING):
+        assert model_options(folder, spec) == {}
+    assert "manifest.json" in caplog.text and "ignored" in caplog.text
+    (folder / "manifest.json").unlink()
+    (folder / "manifest.json").write_text(outside.read_text())
+    assert model_options(folder, spec) == {"max_length": 64}

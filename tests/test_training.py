@@ -432,8 +432,6 @@ def test_lora_on_fused_qkv_equals_separate_projections(tiny_checkpoint):
 
 
 def test_adapter_on_a_changed_base_is_refused(tiny_checkpoint, tmp_path):
-    import shutil
-
     base = tmp_path / "base"
     shutil.copytree(tiny_checkpoint, base)
     model, _ = load(base, "sequence", labels=["a", "b"])
@@ -441,6 +439,11 @@ def test_adapter_on_a_changed_base_is_refused(tiny_checkpoint, tmp_path):
     add_lora(model.encoder, config)
     save_adapter(model, tmp_path / "adapter", config, str(base), base)
     assert load(tmp_path / "adapter", "sequence").report.missing == []
+    labels = (tmp_path / "adapter" / "config.json").read_text()
+    (tmp_path / "adapter" / "config.json").write_text('{"id2label": ["a", "b"]}')  # a list, not {"0": ...}
+    with pytest.raises(CheckpointError, match=r"adapter/config\.json: not a JSON object with id2label"):
+        load(tmp_path / "adapter", "sequence")
+    (tmp_path / "adapter" / "config.json").write_text(labels)
     other, _ = load(base)
     with torch.no_grad():
         other.embeddings.word_embeddings.weight.mul_(2)
