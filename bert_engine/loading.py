@@ -251,20 +251,21 @@ def contained(folder: Path, name: str) -> Path:
 
 
 MAX_METADATA_BYTES = 4 * 2**20  # config.json, adapter_config.json, manifest.json: kilobytes in practice
+MAX_TOKENIZER_BYTES = 64 * 2**20  # tokenizer.json of a 250,000-token vocabulary: about 17 MB
 
 
-def metadata_file(folder: Path, name: str) -> Path:
-    """`folder / name` for a small JSON file (a config, a manifest), refused before it is read where it
-    points outside the checkpoint (see `contained`) or is larger than MAX_METADATA_BYTES.
+def metadata_file(folder: Path, name: str, limit: int = MAX_METADATA_BYTES) -> Path:
+    """`folder / name` for a file read whole (a config, a manifest, a tokenizer), refused before it is
+    read where it points outside the checkpoint (see `contained`) or is larger than `limit` bytes.
 
     Raises:
         CheckpointError: naming the file and its size.
     """
     path = contained(folder, name)
     size = path.stat().st_size
-    if size > MAX_METADATA_BYTES:
-        raise CheckpointError(f"{Path(folder).name}/{name}: {size:,} bytes; a metadata file over "
-                              f"{MAX_METADATA_BYTES:,} bytes is refused unread")
+    if size > limit:
+        raise CheckpointError(f"{Path(folder).name}/{name}: {size:,} bytes; a file of this kind over "
+                              f"{limit:,} bytes is refused unread")
     return path
 
 

@@ -22,6 +22,8 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 from torch import Tensor
 
+from .loading import MAX_METADATA_BYTES, MAX_TOKENIZER_BYTES, metadata_file
+
 logger = logging.getLogger(__name__)
 
 Truncation = Literal["longest_first", "only_first", "only_second"]
@@ -128,30 +130,36 @@ class Tokenizer:
         """Load from a checkpoint folder: tokenizer.json if present, else vocab.txt + tokenizer_config.json.
 
         Raises:
-            ValueError: naming the folder, if neither file exists or a file cannot be parsed.
+            ValueError: naming the folder, if neither file exists or a file cannot be parsed;
+                CheckpointError (a ValueError) where a file links outside the folder or is too large.
         """
         folder = Path(folder)
         config = {}
         if (folder / "tokenizer_config.json").is_file():
+            path = metadata_file(folder, "tokenizer_config.json", MAX_METADATA_BYTES)
             try:
-                config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-            except ValueError as err:
+                config = json.loads(path.read_text(encoding="utf-8"))
+            except (ValueError, RecursionError) as err:
                 raise ValueError(f"{folder / 'tokenizer_config.json'}: not valid JSON ({err})") from None
+            if not isinstance(config, dict):
+                raise ValueError(f"{folder / 'tokenizer_config.json'}: expected a JSON object")
         max_length = config.get("model_max_length", 512)
         # Checkpoints without a limit store a huge sentinel (1e30); BERT's position table caps it anyway.
         max_length = max_length if isinstance(max_length, int) and 0 < max_length <= 1_000_000 else 512
         specials = {k: v for k, v in config.items() if k in SPECIAL_TOKENS and isinstance(v, str)}
         lowercase = config.get("do_lower_case")
         if (folder / "tokenizer.json").is_file():
+            path = metadata_file(folder, "tokenizer.json", MAX_TOKENIZER_BYTES)
             try:
-                backend = Backend.from_file(str(folder / "tokenizer.json"))
+                backend = Backend.from_file(str(path))
             except Exception as err:  # the Rust library raises a bare Exception on parse errors
                 raise ValueError(f"{folder / 'tokenizer.json'}: cannot be parsed ({err})") from None
             kind = config.get("tokenizer_class")
             return cls(backend, model_max_length=max_length, special_tokens=specials, do_lower_case=lowercase,
                        tokenizer_class=kind if isinstance(kind, str) and kind.isidentifier() else "BertTokenizer")
         if (folder / "vocab.txt").is_file():
-            return cls.from_vocab(folder / "vocab.txt", lowercase=lowercase if lowercase is not None else True,
+            return cls.from_vocab(metadata_file(folder, "vocab.txt", MAX_TOKENIZER_BYTES),
+                                  lowercase=lowercase if lowercase is not None else True,
                                   strip_accents=config.get("strip_accents"),
                                   tokenize_chinese_chars=config.get("tokenize_chinese_chars", True),
                                   model_max_length=max_length)

@@ -242,7 +242,7 @@ def test_metadata_that_is_huge_or_points_outside_is_refused_unread(tiny_checkpoi
     folder, _ = tiny_checkpoint
     config = (folder / "config.json").read_text()
     (folder / "config.json").write_text(config + " " * MAX_METADATA_BYTES)  # valid JSON, only too large
-    with pytest.raises(CheckpointError, match=r"ckpt/config\.json: 4,19[0-9,]+ bytes; a metadata file over"):
+    with pytest.raises(CheckpointError, match=r"ckpt/config\.json: 4,19[0-9,]+ bytes; a file of this kind over"):
         load_pretrained(folder, "sequence")
     outside = tmp_path / "elsewhere.json"
     outside.write_text(config)

@@ -162,3 +162,22 @@ def test_missing_tokenizer_files_are_named(tmp_path):
     (tmp_path / "vocab.txt").write_text("hello\nworld\n")
     with pytest.raises(ValueError, match="vocabulary lacks the special tokens"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "vocab.txt", "tokenizer_config.json"])
+def test_tokenizer_files_linking_outside_the_folder_are_refused_unread(ours, tmp_path, name):
+    folder = tmp_path / "model"
+    ours.save(folder)
+    if name == "vocab.txt":
+        (folder / "tokenizer.json").unlink()  # vocab.txt is read only without a tokenizer.json
+    outside = tmp_path / "secret.txt"
+    outside.write_bytes((folder / name).read_bytes())
+    (folder / name).unlink()
+    (folder / name).symlink_to(outside)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        Tokenizer.from_pretrained(folder)
+    outside.write_text("[]")
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        Tokenizer.from_pretrained(folder)
