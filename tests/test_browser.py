@@ -326,6 +326,14 @@ def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page
     panel.locator(".fill-mask .be-bar").first.wait_for(timeout=60_000)
     assert page.evaluate("document.documentElement.scrollWidth") <= 390 + 1  # nothing pushes the page sideways
     _shot(page, "phone_fill_mask")
+    _reach(page, "Named entities")  # the Options, opened: a row of three controls must wrap, not widen the page
+    panel = page.locator("[role=tabpanel]:visible").first
+    panel.get_by_text("Options", exact=True).first.click()
+    choice = panel.get_by_text("Read capital letters")
+    choice.wait_for(timeout=10_000)
+    assert choice.bounding_box()["x"] + choice.bounding_box()["width"] <= 390 + 1
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390 + 1
+    _shot(page, "phone_ner_options")
     page.close()
 
 
