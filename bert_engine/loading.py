@@ -25,6 +25,14 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .config import BertConfig
+from .files import (  # noqa: F401  (re-exported: loading is where callers look for them)
+    MAX_METADATA_BYTES,
+    MAX_TOKENIZER_BYTES,
+    CheckpointError,
+    contained,
+    inside_any,
+    metadata_file,
+)
 from .heads import BertWithHead
 from .hub import WEIGHT_FILES
 from .model import BertModel
@@ -35,10 +43,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable, unsafe, or does not fit the model; names the file."""
 
 
 # -- the mapping tables, one per family ------------------------------------------------------------
@@ -228,45 +232,6 @@ def _parts(model: nn.Module) -> tuple[BertModel, str, str | None]:
 # -- reading weight files ----------------------------------------------------------------------------
 
 MAX_PARAMETERS = int(os.environ.get("BERT_ENGINE_MAX_PARAMETERS", str(2_000_000_000)))  # 8 GB in fp32
-
-
-def inside_any(path: str | Path, roots) -> bool:
-    """Whether `path`, resolved (symlinks and .. followed), lies inside one of `roots` (resolved too)."""
-    resolved = Path(path).expanduser().resolve()
-    return any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in roots)
-
-
-def contained(folder: Path, name: str) -> Path:
-    """`folder / name`, refused unless it resolves (symlinks and .. followed) inside the checkpoint:
-    the folder itself, or for a Hub cache snapshot its repository's cache (whose files link to blobs).
-
-    Raises:
-        CheckpointError: naming the file, not where it points.
-    """
-    folder = Path(folder).resolve()
-    root = folder.parent.parent if folder.parent.name == "snapshots" else folder
-    if not inside_any(folder / name, [root]):
-        raise CheckpointError(f"{folder.name}/{name}: points outside the checkpoint folder; refused")
-    return (folder / name).resolve()
-
-
-MAX_METADATA_BYTES = 4 * 2**20  # config.json, adapter_config.json, manifest.json: kilobytes in practice
-MAX_TOKENIZER_BYTES = 64 * 2**20  # tokenizer.json of a 250,000-token vocabulary: about 17 MB
-
-
-def metadata_file(folder: Path, name: str, limit: int = MAX_METADATA_BYTES) -> Path:
-    """`folder / name` for a file read whole (a config, a manifest, a tokenizer), refused before it is
-    read where it points outside the checkpoint (see `contained`) or is larger than `limit` bytes.
-
-    Raises:
-        CheckpointError: naming the file and its size.
-    """
-    path = contained(folder, name)
-    size = path.stat().st_size
-    if size > limit:
-        raise CheckpointError(f"{Path(folder).name}/{name}: {size:,} bytes; a file of this kind over "
-                              f"{limit:,} bytes is refused unread")
-    return path
 
 
 def find_weights(folder: Path) -> Path:

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 from torch import Tensor
 
-from .loading import MAX_METADATA_BYTES, MAX_TOKENIZER_BYTES, metadata_file
+from .files import MAX_METADATA_BYTES, MAX_TOKENIZER_BYTES, metadata_file
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,52 @@
+"""Reading files from a checkpoint folder safely: nothing outside the folder is opened, whichever
+link points there, and a file read whole (a config, a manifest, a tokenizer) is size-capped first.
+
+A leaf module (it imports nothing of the package), so both loading.py and tokenizer.py can use it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable, unsafe, or does not fit the model; names the file."""
+
+
+def inside_any(path: str | Path, roots) -> bool:
+    """Whether `path`, resolved (symlinks and .. followed), lies inside one of `roots` (resolved too)."""
+    resolved = Path(path).expanduser().resolve()
+    return any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in roots)
+
+
+def contained(folder: Path, name: str) -> Path:
+    """`folder / name`, refused unless it resolves (symlinks and .. followed) inside the checkpoint:
+    the folder itself, or for a Hub cache snapshot its repository's cache (whose files link to blobs).
+
+    Raises:
+        CheckpointError: naming the file, not where it points.
+    """
+    folder = Path(folder).resolve()
+    root = folder.parent.parent if folder.parent.name == "snapshots" else folder
+    if not inside_any(folder / name, [root]):
+        raise CheckpointError(f"{folder.name}/{name}: points outside the checkpoint folder; refused")
+    return (folder / name).resolve()
+
+
+MAX_METADATA_BYTES = 4 * 2**20  # config.json, adapter_config.json, manifest.json: kilobytes in practice
+MAX_TOKENIZER_BYTES = 64 * 2**20  # tokenizer.json of a 250,000-token vocabulary: about 17 MB
+
+
+def metadata_file(folder: Path, name: str, limit: int = MAX_METADATA_BYTES) -> Path:
+    """`folder / name` for a file read whole (a config, a manifest, a tokenizer), refused before it is
+    read where it points outside the checkpoint (see `contained`) or is larger than `limit` bytes.
+
+    Raises:
+        CheckpointError: naming the file and its size.
+    """
+    path = contained(folder, name)
+    size = path.stat().st_size
+    if size > limit:
+        raise CheckpointError(f"{Path(folder).name}/{name}: {size:,} bytes; a file of this kind over "
+                              f"{limit:,} bytes is refused unread")
+    return path
