@@ -359,6 +359,16 @@ def _halve_adapter(path: Path) -> None:
     save_file({k: v.half() if v.dtype == torch.float32 else v for k, v in tensors.items()}, str(path))
 
 
+def _eval_splits(data: list[str], splits: list[str]) -> list[str]:
+    """One split per --eval-data: the single one given (or "test") for all, or one each, paired in order."""
+    if len(splits) <= 1:
+        return [splits[0] if splits else "test"] * len(data)
+    if len(splits) != len(data):
+        raise ValueError(f"{len(splits)} --eval-split values for {len(data)} --eval-data files: give one split "
+                         "for all of them, or one per file in the same order")
+    return splits
+
+
 def _pack(args: argparse.Namespace) -> dict:
     """Copy a run's best adapter + head into a starter folder, evaluate it there, write its manifest."""
     import datetime
@@ -397,9 +407,9 @@ def _pack(args: argparse.Namespace) -> dict:
     options = {**trained, **_parse_options(args.option)}
     predictor.check_options(options)
     metrics = {}
-    for data in args.eval_data:
-        examples = list(islice(task.spec.read_data(data, args.eval_split), args.eval_limit))
-        metrics[f"{Path(data).name}:{args.eval_split}"] = {
+    for data, split in zip(args.eval_data, _eval_splits(args.eval_data, args.eval_split)):
+        examples = list(islice(task.spec.read_data(data, split), args.eval_limit))
+        metrics[f"{Path(data).name}:{split}"] = {
             "examples": len(examples), **evaluate_task(task.spec, predictor, examples, progress=True, **options)}
     adapter = json.loads((target / "adapter_config.json").read_text(encoding="utf-8"))
     head = getattr(predictor.model, "head", None)
@@ -555,7 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "again with its training record (re-evaluated, options re-tuned)")
     pack.add_argument("--to", required=True, help="destination folder, e.g. plugins/starter/sentiment")
     pack.add_argument("--eval-data", action="append", default=[], help="data to report metrics on (repeatable)")
-    pack.add_argument("--eval-split", default="test")
+    pack.add_argument("--eval-split", action="append", default=[],
+                      help="the split of the data (default: test); once for all --eval-data, or once per --eval-data, "
+                           "in the same order (e.g. Gutenberg's test split, then all of WikiText-2's test file)")
     pack.add_argument("--eval-limit", type=int, default=None)
     pack.add_argument("--command-line", default="", help="the training command, recorded in the manifest")
     pack.add_argument("--adapter-dtype", choices=("fp32", "fp16"), default="fp32",

@@ -617,6 +617,19 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
                  "-o", "max_lenght=64"]) == 2
     assert "max_lenght" in capsys.readouterr().err
 
+    # one --eval-split per --eval-data, paired in order (Gutenberg's test split, then a whole test file)
+    other = tmp_path / "other.tsv"
+    other.write_bytes(SST.read_bytes())
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "two"),
+                 "--eval-data", str(SST), "--eval-data", str(other), "--eval-split", "dev", "--eval-split", "all"]) == 0
+    two = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert sorted(two["metrics"]) == sorted([f"{SST.name}:dev", "other.tsv:all"])
+    capsys.readouterr()
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "bad"),
+                 "--eval-data", str(SST), "--eval-data", str(other),
+                 "--eval-split", "dev", "--eval-split", "all", "--eval-split", "test"]) == 2
+    assert "3 --eval-split values for 2 --eval-data" in capsys.readouterr().err
+
 
 def test_init_adapter_starts_a_run_from_a_packed_adapter_and_checks_it_fits(tiny_checkpoint, tmp_path):
     task = load_registry(entry_points=False).task("sentiment")
