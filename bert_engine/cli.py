@@ -350,13 +350,33 @@ def _halve_adapter(path: Path) -> None:
     """Store an adapter's float32 tensors as float16 (half the file; loading casts them back), refusing
     a value float16 cannot hold."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from .loading import save_weights
 
     tensors = load_file(path)
     for name, tensor in tensors.items():
         if tensor.dtype == torch.float32 and tensor.numel() and tensor.abs().max() > torch.finfo(torch.float16).max:
             raise ValueError(f"{path}: tensor {name} holds values beyond float16's range; pack without --adapter-dtype fp16")
-    save_file({k: v.half() if v.dtype == torch.float32 else v for k, v in tensors.items()}, str(path))
+    save_weights({k: v.half() if v.dtype == torch.float32 else v for k, v in tensors.items()}, path)
+
+
+def _reduce_adapter_rank(folder: Path, rank: int) -> dict:
+    """Cut the adapter in `folder` to `rank` by truncated SVD of each delta (`lora.reduce_rank`), in place;
+    returns what the manifest records: the trained and stored ranks and the smallest energy share kept."""
+    from safetensors.torch import load_file
+
+    from .loading import save_weights
+    from .lora import read_adapter_config, reduce_rank
+
+    config = read_adapter_config(folder)
+    tensors, kept = reduce_rank(load_file(folder / "adapter.safetensors"), config["alpha"] / config["rank"], rank)
+    save_weights(tensors, folder / "adapter.safetensors")
+    meta = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    meta.update(rank=rank, alpha=float(rank))
+    (folder / "adapter_config.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return {"trained_rank": config["rank"], "trained_alpha": config["alpha"], "stored_rank": rank,
+            "min_energy_kept": round(kept, 4)}
 
 
 def _eval_splits(data: list[str], splits: list[str]) -> list[str]:
@@ -389,6 +409,8 @@ def _pack(args: argparse.Namespace) -> dict:
     else:  # a packed folder as --run, packed again (re-evaluated, options re-tuned) when its run is gone
         earlier = json.loads((run / PACK_MANIFEST).read_text(encoding="utf-8"))
         record = {key: earlier.get(key) for key in ("training", "best_eval_during_training", "run", "command")}
+        if earlier.get("adapter_rank_reduced"):
+            record["adapter_rank_reduced"] = earlier["adapter_rank_reduced"]
         source = run
     if not (source / "adapter_config.json").is_file():
         raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
@@ -397,6 +419,8 @@ def _pack(args: argparse.Namespace) -> dict:
     if source.resolve() != target.resolve():
         for name in ("adapter.safetensors", "adapter_config.json", "config.json"):
             shutil.copy(source / name, target / name)
+    if args.adapter_rank is not None:
+        record["adapter_rank_reduced"] = _reduce_adapter_rank(target, args.adapter_rank)
     if args.adapter_dtype == "fp16":
         _halve_adapter(target / "adapter.safetensors")
     (target / PACK_MANIFEST).unlink(missing_ok=True)  # the evaluation below must not use an old pack's options
@@ -572,6 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--command-line", default="", help="the training command, recorded in the manifest")
     pack.add_argument("--adapter-dtype", choices=("fp32", "fp16"), default="fp32",
                       help="store the adapter's tensors in this precision (fp16: half the size; evaluated as stored)")
+    pack.add_argument("--adapter-rank", type=int, default=None, metavar="K",
+                      help="store the adapter at a lower rank K: each LoRA delta cut to its best rank-K approximation "
+                           "(truncated SVD; evaluated as stored, the trained rank and the energy kept in the manifest)")
     pack.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE",
                       help="a task option tuned for this model: evaluated with and stored in the manifest, so the "
                            "tab and the API use it by default (repeatable)")

@@ -155,6 +155,37 @@ def lora_state(model: nn.Module) -> dict[str, Tensor]:
     return {k: v for k, v in model.state_dict().items() if ".lora_a." in k or ".lora_b." in k}
 
 
+def reduce_rank(tensors: dict[str, Tensor], scale: float, rank: int) -> tuple[dict[str, Tensor], float]:
+    """The adapter `tensors` with each LoRA delta (scale * B @ A) cut to its best rank-`rank` approximation
+    (truncated SVD), split evenly between the new A and B for a scale of 1 (alpha = rank). Other tensors
+    (the head's) pass through unchanged.
+
+    Returns:
+        (the new tensors, in each one's dtype; the smallest share of a delta's squared norm kept).
+
+    Raises:
+        ValueError: naming `rank` where it is not below every delta's current rank, or below 1.
+    """
+    out, kept = {}, 1.0
+    for name, a in tensors.items():
+        if ".lora_b." in name:
+            continue
+        if ".lora_a." not in name:
+            out[name] = tensors[name]
+            continue
+        b_name = name.replace(".lora_a.", ".lora_b.")
+        if not 1 <= rank < a.shape[0]:
+            raise ValueError(f"rank {rank}: the adapter has rank {a.shape[0]}; give a rank from 1 to {a.shape[0] - 1}")
+        delta = scale * tensors[b_name].double() @ a.double()
+        u, s, vh = torch.linalg.svd(delta, full_matrices=False)
+        total = float((s**2).sum())
+        kept = min(kept, float((s[:rank] ** 2).sum()) / total if total else 1.0)
+        root = s[:rank].sqrt()
+        out[b_name] = (u[:, :rank] * root).to(tensors[b_name].dtype).contiguous()
+        out[name] = (root[:, None] * vh[:rank]).to(a.dtype).contiguous()
+    return out, kept
+
+
 # -- adapter files ------------------------------------------------------------------------------------
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from bert_engine.inference import Predictor
 from bert_engine.jobs import PretrainJob, TaskJob
 from bert_engine.loader import load, load_tokenizer
-from bert_engine.loading import CheckpointError, save_pretrained
+from bert_engine.loading import CheckpointError, _umask, save_pretrained
 from bert_engine.lora import LoraConfig, add_lora, merge_lora, save_adapter
 from bert_engine.pretraining import PairBuilder, collate_pairs, mask_tokens, special_mask, tokenize_documents
 from bert_engine.registry import load_registry
@@ -431,6 +431,30 @@ def test_lora_on_fused_qkv_equals_separate_projections(tiny_checkpoint):
     torch.testing.assert_close(layer.merged()(x), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_reduce_rank_keeps_a_delta_of_lower_rank_exactly_and_the_best_approximation_otherwise():
+    from bert_engine.lora import reduce_rank
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 10, generator=g)
+    b = torch.randn(12, 6, generator=g)
+    b[:, 3:] = 0  # a rank-6 adapter whose delta has rank 3
+    tensors = {"x.lora_a.0": a, "x.lora_b.0": b, "head.bias": torch.ones(4)}
+    out, kept = reduce_rank(tensors, 0.5, 3)
+    assert out["x.lora_a.0"].shape == (3, 10) and out["x.lora_b.0"].shape == (12, 3) and out["head.bias"] is tensors["head.bias"]
+    torch.testing.assert_close(out["x.lora_b.0"] @ out["x.lora_a.0"], 0.5 * b @ a, atol=1e-5, rtol=1e-5)
+    assert kept == pytest.approx(1.0)
+    # a full-rank delta: rank 2 is its best approximation (Eckart-Young), the share of energy kept reported
+    full = {"x.lora_a.0": a, "x.lora_b.0": torch.randn(12, 6, generator=g)}
+    out, kept = reduce_rank(full, 1.0, 2)
+    s = torch.linalg.svdvals(full["x.lora_b.0"] @ a)
+    error = torch.linalg.matrix_norm(out["x.lora_b.0"] @ out["x.lora_a.0"] - full["x.lora_b.0"] @ a)
+    assert float(error) == pytest.approx(float(s[2:].square().sum().sqrt()), rel=1e-4)
+    assert kept == pytest.approx(float(s[:2].square().sum() / s.square().sum()), rel=1e-5) and kept < 1
+    for bad in (0, 6, 9):
+        with pytest.raises(ValueError, match=f"rank {bad}: the adapter has rank 6"):
+            reduce_rank(full, 1.0, bad)
+
+
 def test_adapter_on_a_changed_base_is_refused(tiny_checkpoint, tmp_path):
     base = tmp_path / "base"
     shutil.copytree(tiny_checkpoint, base)
@@ -594,6 +618,8 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
         assert tensor.dtype == torch.float16
         torch.testing.assert_close(tensor.float(), full_tensors[name], rtol=1e-3, atol=1e-4)
     assert half["files"]["adapter.safetensors"] < 0.6 * manifest["files"]["adapter.safetensors"]
+    # readable as any file we write (safetensors alone writes 0600)
+    assert oct((tmp_path / "half" / "adapter.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
 
     # -o: an option tuned for this model is evaluated with and rides in the manifest as the model's default
     assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "tuned"),
@@ -616,6 +642,21 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
     assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "bad"),
                  "-o", "max_lenght=64"]) == 2
     assert "max_lenght" in capsys.readouterr().err
+
+    # --adapter-rank: stored at a lower rank (truncated SVD), evaluated as stored, the trained rank recorded
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "low"),
+                 "--eval-data", str(SST), "--eval-split", "all", "--adapter-rank", "2"]) == 0
+    low = json.loads((tmp_path / "low" / "manifest.json").read_text())
+    assert low["lora"]["rank"] == 2 and low["lora"]["alpha"] == 2.0
+    assert low["adapter_rank_reduced"]["trained_rank"] == 4 and low["adapter_rank_reduced"]["stored_rank"] == 2
+    assert 0 < low["adapter_rank_reduced"]["min_energy_kept"] <= 1
+    assert load_file(tmp_path / "low" / "adapter.safetensors")["encoder.layers.0.attention.qkv.lora_a.0"].shape[0] == 2
+    assert low["metrics"][f"{SST.name}:all"]["examples"] == 24 and Predictor.load(task, str(tmp_path / "low"))
+    assert oct((tmp_path / "low" / "adapter.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    capsys.readouterr()
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "bad"),
+                 "--adapter-rank", "4"]) == 2
+    assert "rank 4: the adapter has rank 4" in capsys.readouterr().err
 
     # one --eval-split per --eval-data, paired in order (Gutenberg's test split, then a whole test file)
     other = tmp_path / "other.tsv"
