@@ -61,7 +61,8 @@ for task in "${TASKS[@]}"; do
       # Gutenberg + WikiText-2 valid + SQuAD train's Wikipedia paragraphs (as text), LoRA r32 on every linear,
       # bf16 autocast (needs AVX512-BF16/AMX, or a GPU: add --device cuda); 1,500 steps, resumed to 4,500 (the
       # schedule restarts at 70 %), then to 9,000 with single sentences of the same train passages added
-      # (scripts/sentence_corpus.py), then warm-started for 4,000 more; about 4 h in all on a 2-core AVX-512 EPYC
+      # (scripts/sentence_corpus.py), then warm-started for 4,000 more, then 6,000 at rank 64; about 5 h in all
+      # on a 2-core AVX-512 EPYC
       python scripts/squad_contexts.py "$DATA/squad/train-v1.1.part0*of08.json" "$RUNS/corpus/squad-train.txt"
       python scripts/sentence_corpus.py "$DATA/gutenberg,$DATA/wikitext2/wiki.valid.tokens,$RUNS/corpus/squad-train.txt" \
         "$RUNS/corpus/sentences.txt"
@@ -80,7 +81,15 @@ for task in "${TASKS[@]}"; do
       # session 14 started from the packed, float16 copy of it, the run being gone): about 25 min
       RUN=fill_mask_warm train_and_pack fill_mask --eval-data "$DATA/wikitext2/wiki.test.tokens" --eval-split all \
         --eval-limit 400 --adapter-dtype fp16 -- --train-file "$passages,$RUNS/corpus/sentences.txt" "${common[@]}" \
-        --lr 5e-4 --head-lr 1e-3 --eval-every 1000 --max-steps 4000 --init-adapter "$RUNS/fill_mask/best" ;;
+        --lr 5e-4 --head-lr 1e-3 --eval-every 1000 --max-steps 4000 --init-adapter "$RUNS/fill_mask/best"
+      # then 6,000 more from that pack with the rank grown to 64 (--init-adapter fills the first 32 rows/columns,
+      # the rest of B zero: it starts exactly where the pack is; the later --lora-rank wins), stored back at
+      # rank 32 by truncated SVD (--adapter-rank 32: 0.1 point below the rank-64 adapter, half the file);
+      # 48 min on a 2-core AVX-512 EPYC. Reported on the full Gutenberg test split and all of WikiText-2 test.
+      RUN=fill_mask_r64 train_and_pack fill_mask --eval-data "$DATA/gutenberg" --eval-data "$DATA/wikitext2/wiki.test.tokens" \
+        --eval-split test --eval-split all --adapter-rank 32 --adapter-dtype fp16 -- \
+        --train-file "$passages,$RUNS/corpus/sentences.txt" "${common[@]}" --lora-rank 64 --lora-alpha 32 \
+        --lr 5e-4 --head-lr 1e-3 --eval-every 1000 --max-steps 6000 --init-adapter plugins/starter/fill_mask ;;
     qa)
       # SQuAD v1.1 train (all shards) with unanswerable pairs; bf16 autocast needs a CPU with AVX512-BF16/AMX
       # (or a GPU: add --device cuda); 1 h 30 min on a 2-core AVX-512 EPYC, then the warm start below
