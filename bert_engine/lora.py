@@ -19,17 +19,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from .hub import ADAPTER_WEIGHTS, Resolved, default_backbone, resolve
 from .loading import (
     CheckpointError,
     Loaded,
+    contained,
     find_weights,
     inside_any,
     load_model,
     metadata_file,
+    read_weights,
     save_weights,
     saved_config,
 )
@@ -281,8 +282,8 @@ def copy_adapter_weights(model: nn.Module, folder, *, grow: bool = False, b_scal
     file's A fills the first rows of each A and its B, times `b_scale` (the file's alpha / rank over
     the model's), the first columns of each B; the rest of B stays zero, so the model starts out
     computing exactly what the file's adapter computed."""
-    path = Path(folder) / ADAPTER_WEIGHTS
-    weights = load_file(path)
+    path = contained(Path(folder), ADAPTER_WEIGHTS)
+    weights = read_weights(path)
     own = model.state_dict()
     unexpected = sorted(set(weights) - set(own))
     missing = sorted(set(lora_state(model)) - set(weights))

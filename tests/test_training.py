@@ -416,6 +416,19 @@ def test_lora_trains_only_adapters_and_head_and_loads_back(tiny_checkpoint, tmp_
         torch.testing.assert_close(merged(**batch.model_inputs()).logits, live, atol=1e-5, rtol=1e-4)
     assert loaded.report.missing == [] and loaded.adapter["rank"] > 0 and loaded.base is not None
 
+    # an adapter file that is truncated, or links outside its folder, is refused by name
+    broken = tmp_path / "broken"
+    shutil.copytree(last, broken, ignore=shutil.ignore_patterns("merged"))
+    data = (broken / "adapter.safetensors").read_bytes()
+    (broken / "adapter.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="adapter.safetensors: unreadable safetensors file"):
+        load(broken, task.spec.build_head)
+    (tmp_path / "elsewhere.safetensors").write_bytes(data)
+    (broken / "adapter.safetensors").unlink()
+    (broken / "adapter.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(CheckpointError, match="adapter.safetensors: points outside the checkpoint folder"):
+        load(broken, task.spec.build_head)
+
 
 def test_lora_on_fused_qkv_equals_separate_projections(tiny_checkpoint):
     model, tokenizer = load(tiny_checkpoint)
