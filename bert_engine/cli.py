@@ -414,6 +414,13 @@ def _pack(args: argparse.Namespace) -> dict:
         source = run
     if not (source / "adapter_config.json").is_file():
         raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
+    if args.adapter_rank is not None:  # checked before anything is written
+        from .lora import read_adapter_config
+
+        trained = read_adapter_config(source)["rank"]
+        if not 1 <= args.adapter_rank < trained:
+            raise ValueError(f"--adapter-rank {args.adapter_rank}: the adapter has rank {trained}; give a rank "
+                             f"from 1 to {trained - 1}")
     target = Path(args.to)
     target.mkdir(parents=True, exist_ok=True)
     if source.resolve() != target.resolve():

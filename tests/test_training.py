@@ -667,9 +667,10 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
     assert low["metrics"][f"{SST.name}:all"]["examples"] == 24 and Predictor.load(task, str(tmp_path / "low"))
     assert oct((tmp_path / "low" / "adapter.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
     capsys.readouterr()
-    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "bad"),
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "too_high"),
                  "--adapter-rank", "4"]) == 2
-    assert "rank 4: the adapter has rank 4" in capsys.readouterr().err
+    assert "--adapter-rank 4: the adapter has rank 4" in capsys.readouterr().err
+    assert not (tmp_path / "too_high").exists()  # refused before anything is written
 
     # one --eval-split per --eval-data, paired in order (Gutenberg's test split, then a whole test file)
     other = tmp_path / "other.tsv"
