@@ -379,6 +379,17 @@ def _reduce_adapter_rank(folder: Path, rank: int) -> dict:
             "min_energy_kept": round(kept, 4)}
 
 
+def _last_eval(run: Path) -> dict | None:
+    """The last evaluation a run logged (metrics.jsonl), with its step; None where it logged none."""
+    last = None
+    if (run / "metrics.jsonl").is_file():
+        for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+            entry = json.loads(line) if line.strip() else {}
+            if isinstance(entry.get("eval"), dict):
+                last = {"step": entry.get("step"), **entry["eval"]}
+    return last
+
+
 def _eval_splits(data: list[str], splits: list[str]) -> list[str]:
     """One split per --eval-data: the single one given (or "test") for all, or one each, paired in order."""
     if len(splits) <= 1:
@@ -400,15 +411,23 @@ def _pack(args: argparse.Namespace) -> dict:
 
     task = _task(args.task)
     run = Path(args.run_dir)
-    source = run / "best"
+    source = run / args.checkpoint
     if source.is_dir() or not (run / PACK_MANIFEST).is_file():
+        if not (run / "train_config.json").is_file():
+            raise ValueError(f"{run}: neither a training output folder (no train_config.json) nor a packed folder")
+        if not source.is_dir():
+            raise ValueError(f"{run}: no {args.checkpoint}/ checkpoint to pack")
+        best = run / "best" / "eval.json"
         record = {"training": json.loads((run / "train_config.json").read_text(encoding="utf-8")),
-                  "best_eval_during_training": json.loads((source / "eval.json").read_text(encoding="utf-8"))
-                  if (source / "eval.json").is_file() else None,
+                  "best_eval_during_training": json.loads(best.read_text(encoding="utf-8")) if best.is_file() else None,
                   "run": _run_record(run), "command": None}
+        if args.checkpoint == "last":  # the schedule's end, packed instead of the best of the run's own evaluations
+            record["checkpoint"] = {"packed": "last", "last_eval_during_training": _last_eval(run)}
     else:  # a packed folder as --run, packed again (re-evaluated, options re-tuned) when its run is gone
         earlier = json.loads((run / PACK_MANIFEST).read_text(encoding="utf-8"))
         record = {key: earlier.get(key) for key in ("training", "best_eval_during_training", "run", "command")}
+        if earlier.get("checkpoint"):
+            record["checkpoint"] = earlier["checkpoint"]
         if earlier.get("adapter_rank_reduced"):
             record["adapter_rank_reduced"] = earlier["adapter_rank_reduced"]
         source = run
@@ -592,8 +611,11 @@ def build_parser() -> argparse.ArgumentParser:
     pack = sub.add_parser("pack", help="copy a LoRA run's best adapter + head into a starter folder, "
                                        "evaluate it and write manifest.json")
     pack.add_argument("task")
-    pack.add_argument("--run", dest="run_dir", required=True, help="the training output_dir (its best/ is packed), or a packed folder to pack "
+    pack.add_argument("--run", dest="run_dir", required=True, help="the training output_dir (its best/ is packed, or --checkpoint last), or a packed folder to pack "
                       "again with its training record (re-evaluated, options re-tuned)")
+    pack.add_argument("--checkpoint", choices=("best", "last"), default="best",
+                      help="which of the run's checkpoints to pack: best/ (its own evaluations' best, the default) or "
+                           "last/ (the end of the schedule, e.g. where those evaluations are a small noisy slice)")
     pack.add_argument("--to", required=True, help="destination folder, e.g. plugins/starter/sentiment")
     pack.add_argument("--eval-data", action="append", default=[], help="data to report metrics on (repeatable)")
     pack.add_argument("--eval-split", action="append", default=[],

@@ -672,6 +672,19 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
     assert "--adapter-rank 4: the adapter has rank 4" in capsys.readouterr().err
     assert not (tmp_path / "too_high").exists()  # refused before anything is written
 
+    # --checkpoint last: the run's last/ instead of best/, its last logged evaluation recorded
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "at_end"),
+                 "--eval-data", str(SST), "--eval-split", "all", "--checkpoint", "last"]) == 0
+    at_end = json.loads((tmp_path / "at_end" / "manifest.json").read_text())
+    assert at_end["checkpoint"]["packed"] == "last" and at_end["checkpoint"]["last_eval_during_training"]["step"] == 4
+    assert (tmp_path / "at_end" / "adapter.safetensors").read_bytes() == (
+        tmp_path / "run" / "last" / "adapter.safetensors").read_bytes()
+    shutil.rmtree(tmp_path / "run" / "last")
+    capsys.readouterr()
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "no_last"),
+                 "--checkpoint", "last"]) == 2
+    assert "no last/ checkpoint to pack" in capsys.readouterr().err
+
     # one --eval-split per --eval-data, paired in order (Gutenberg's test split, then a whole test file)
     other = tmp_path / "other.tsv"
     other.write_bytes(SST.read_bytes())
