@@ -424,6 +424,8 @@ def _pack(args: argparse.Namespace) -> dict:
         if args.checkpoint == "last":  # the schedule's end, packed instead of the best of the run's own evaluations
             record["checkpoint"] = {"packed": "last", "last_eval_during_training": _last_eval(run)}
     else:  # a packed folder as --run, packed again (re-evaluated, options re-tuned) when its run is gone
+        if args.checkpoint != "best":
+            raise ValueError(f"{run}: a packed folder holds one model, not a run's checkpoints; leave out --checkpoint")
         earlier = json.loads((run / PACK_MANIFEST).read_text(encoding="utf-8"))
         record = {key: earlier.get(key) for key in ("training", "best_eval_during_training", "run", "command")}
         if earlier.get("checkpoint"):

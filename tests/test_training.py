@@ -684,6 +684,9 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
     assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "no_last"),
                  "--checkpoint", "last"]) == 2
     assert "no last/ checkpoint to pack" in capsys.readouterr().err
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "at_end"), "--to", str(tmp_path / "at_end"),
+                 "--checkpoint", "last"]) == 2
+    assert "a packed folder holds one model" in capsys.readouterr().err
 
     # one --eval-split per --eval-data, paired in order (Gutenberg's test split, then a whole test file)
     other = tmp_path / "other.tsv"
