@@ -110,6 +110,11 @@ for task in "${TASKS[@]}"; do
       RUN=qa_r32 train_and_pack qa --checkpoint last --adapter-dtype fp16 --eval-data "$DATA/squad/dev-v2.0.json" \
         --eval-data "$DATA/squad/dev-v1.1.json" --eval-split dev -- "${qa_args[@]}" --train-split train+negatives+swapped \
         --lora-rank 32 --lora-alpha 32 --lr 5e-4 --head-lr 2.5e-3 --max-steps 3000 --eval-every 750 --seed 44 \
+        --init-adapter plugins/starter/qa
+      # then 2,000 more from that pack at lower rates (v1.1 F1 77.1 -> 78.5); 36 min on a 2-core AVX-512 EPYC
+      RUN=qa_r32b train_and_pack qa --checkpoint last --adapter-dtype fp16 --eval-data "$DATA/squad/dev-v2.0.json" \
+        --eval-data "$DATA/squad/dev-v1.1.json" --eval-split dev -- "${qa_args[@]}" --train-split train+negatives+swapped \
+        --lora-rank 32 --lora-alpha 32 --lr 4e-4 --head-lr 2e-3 --max-steps 2000 --eval-every 1000 --seed 45 \
         --init-adapter plugins/starter/qa ;;
     *) echo "unknown task $task" >&2; exit 2 ;;
   esac
