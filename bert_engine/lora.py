@@ -282,7 +282,8 @@ def copy_adapter_weights(model: nn.Module, folder, *, grow: bool = False, b_scal
     file's A fills the first rows of each A and its B, times `b_scale` (the file's alpha / rank over
     the model's), the first columns of each B; the rest of B stays zero, so the model starts out
     computing exactly what the file's adapter computed."""
-    path = contained(Path(folder), ADAPTER_WEIGHTS)
+    contained(Path(folder), ADAPTER_WEIGHTS)  # refused where it links outside (a Hub cache's blobs are inside)
+    path = Path(folder) / ADAPTER_WEIGHTS  # read by its own name: a cache blob's name has no .safetensors suffix
     weights = read_weights(path)
     own = model.state_dict()
     unexpected = sorted(set(weights) - set(own))
