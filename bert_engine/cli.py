@@ -366,17 +366,17 @@ def _reduce_adapter_rank(folder: Path, rank: int) -> dict:
     returns what the manifest records: the trained and stored ranks and the smallest energy share kept."""
     from safetensors.torch import load_file
 
+    from .hub import ADAPTER_WEIGHTS
     from .loading import save_weights
-    from .lora import read_adapter_config, reduce_rank
+    from .lora import ADAPTER_CONFIG, read_adapter_config, reduce_rank
 
-    config = read_adapter_config(folder)
-    tensors, kept = reduce_rank(load_file(folder / "adapter.safetensors"), config["alpha"] / config["rank"], rank)
-    save_weights(tensors, folder / "adapter.safetensors")
-    meta = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
-    meta.update(rank=rank, alpha=float(rank))
-    (folder / "adapter_config.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    return {"trained_rank": config["rank"], "trained_alpha": config["alpha"], "stored_rank": rank,
-            "min_energy_kept": round(kept, 4)}
+    config = read_adapter_config(folder)  # the whole file, checked
+    trained = {"trained_rank": config["rank"], "trained_alpha": config["alpha"]}
+    tensors, kept = reduce_rank(load_file(folder / ADAPTER_WEIGHTS), config["alpha"] / config["rank"], rank)
+    save_weights(tensors, folder / ADAPTER_WEIGHTS)
+    config.update(rank=rank, alpha=float(rank))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return {**trained, "stored_rank": rank, "min_energy_kept": round(kept, 4)}
 
 
 def _last_eval(run: Path) -> dict | None:
@@ -428,10 +428,7 @@ def _pack(args: argparse.Namespace) -> dict:
             raise ValueError(f"{run}: a packed folder holds one model, not a run's checkpoints; leave out --checkpoint")
         earlier = json.loads((run / PACK_MANIFEST).read_text(encoding="utf-8"))
         record = {key: earlier.get(key) for key in ("training", "best_eval_during_training", "run", "command")}
-        if earlier.get("checkpoint"):
-            record["checkpoint"] = earlier["checkpoint"]
-        if earlier.get("adapter_rank_reduced"):
-            record["adapter_rank_reduced"] = earlier["adapter_rank_reduced"]
+        record.update({key: earlier[key] for key in ("checkpoint", "adapter_rank_reduced") if earlier.get(key)})
         source = run
     if not (source / "adapter_config.json").is_file():
         raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
