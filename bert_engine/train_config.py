@@ -32,6 +32,9 @@ class TrainConfig:
     output_dir: str = _help("where checkpoints, metrics.jsonl and train_config.json go", default="runs/train")
     epochs: float = _help("passes over the training data (fractions allowed)", default=1.0)
     max_steps: int | None = _help("stop after this many optimizer steps (overrides epochs)", default=None)
+    stop_after: int | None = _help("end this invocation at this step (evaluated and checkpointed there) while the "
+                                   "learning-rate schedule still spans max_steps / epochs; --resume continues it",
+                                   default=None)
     batch_size: int = _help("examples per optimizer step per process, before accumulation", default=16)
     grad_accum: int = _help("micro-batches accumulated per optimizer step", default=1)
     lr: float = _help("peak learning rate of the encoder (and LoRA tensors)", default=5e-5)
@@ -101,6 +104,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_steps is not None and (isinstance(self.max_steps, bool) or self.max_steps < 1):
             raise ValueError(f"max_steps must be at least 1 (or left out to train for `epochs`), got {self.max_steps}")
+        if self.stop_after is not None and (isinstance(self.stop_after, bool) or self.stop_after < 1):
+            raise ValueError(f"stop_after must be at least 1 (or left out to run the whole schedule), got {self.stop_after}")
         if self.epochs <= 0 and self.max_steps is None:
             raise ValueError(f"epochs must be positive, got {self.epochs}")
         parse_best_metric(self.best_metric)  # a malformed name:goal fails now, not at the first evaluation

@@ -237,6 +237,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
     micro_per_epoch = max(1, math.ceil(n / global_batch))
     steps_per_epoch = max(1, math.ceil(micro_per_epoch / cfg.grad_accum))
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    end = min(total, cfg.stop_after or total)  # where this invocation stops; the schedule spans `total`
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(int(cfg.warmup_ratio * total), total))
     amp_dtype = autocast_dtype(cfg.precision, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
@@ -253,9 +254,10 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
     if dist_info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n", encoding="utf-8")
-        logger.info("training %d examples, %d steps (%d per epoch), global batch %d x %d accumulation on %s%s",
+        logger.info("training %d examples, %d steps (%d per epoch), global batch %d x %d accumulation on %s%s%s",
                     n, total, steps_per_epoch, global_batch, cfg.grad_accum, device,
-                    f" with {dist_info.world} processes" if dist_info.world > 1 else "")
+                    f" with {dist_info.world} processes" if dist_info.world > 1 else "",
+                    f"; stopping at step {end}" if end < total else "")
     if cfg.length_buckets and not hasattr(job, "example_lengths"):
         logger.warning("length_buckets: this kind of training does not report example lengths; plain shuffling")
     state.setdefault("wall_seconds", 0.0)  # summed over the run's parts when resumed
@@ -265,7 +267,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
     running_count = 0
     step = state["step"]
     try:
-        while step < total:
+        while step < end:
             epoch, within = divmod(step, steps_per_epoch)
             if hasattr(job, "new_epoch"):
                 job.new_epoch(epoch)
@@ -280,14 +282,14 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                 running_count += 1
                 bar.update(1)
                 logs = {}
-                if step % cfg.log_every == 0 or step == total:
+                if step % cfg.log_every == 0 or step == end:
                     logs = _mean_over_ranks({k: v / running_count for k, v in running.items()}, dist_info, device)
                     logs["lr"] = scheduler.get_last_lr()[0]
                     bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if k in ("loss", "lr")})
                     log.write(step=step, epoch=round(step / steps_per_epoch, 4), **logs)
                     running, running_count = {}, 0
                 end_of_epoch = (s == steps_per_epoch - 1)
-                if (cfg.eval_every and step % cfg.eval_every == 0) or (not cfg.eval_every and end_of_epoch) or step == total:
+                if (cfg.eval_every and step % cfg.eval_every == 0) or (not cfg.eval_every and end_of_epoch) or step == end:
                     _evaluate_and_keep_best(job, cfg, model, step, state, dist_info, log, out)
                     model.train()
                 state["wall_seconds"] = wall_before + time.monotonic() - started
@@ -295,7 +297,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                     _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
                 if on_step is not None:
                     on_step(step, logs)
-                if step >= total:
+                if step >= end:
                     break
     except KeyboardInterrupt:
         if dist_info.is_main:
@@ -306,7 +308,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
         bar.close()
     if dist_info.is_main:
         _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
-        record = {"steps": step, "wall_seconds": round(state["wall_seconds"], 3), "device": str(device),
+        record = {"steps": step, "scheduled_steps": total, "wall_seconds": round(state["wall_seconds"], 3), "device": str(device),
                   "autocast": str(amp_dtype).replace("torch.", "") if amp_dtype else None, "processes": dist_info.world,
                   **machine_description(device)}
         (out / "run.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

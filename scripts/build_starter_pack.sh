@@ -99,11 +99,12 @@ for task in "${TASKS[@]}"; do
       python -m bert_engine train qa --output-dir "$RUNS/qa" "${qa_args[@]}" --train-split train+negatives \
         --lr 1e-3 --head-lr 5e-3 --max-steps 2400 --eval-every 800 > "$RUNS/qa.train.json"
       # then warm-started from that run's best (step 1,600) with swapped-entity negatives added, at half the rates
-      # (session 15: scheduled for 4,000 steps and stopped after 2,200, the dev figure falling after its
-      # step-1,000 best, which is the pack; about 1 step/s on the 2-core AVX-512 EPYC)
+      # (session 15: scheduled for 4,000 steps and stopped after 2,200 by hand, the dev figure falling after its
+      # step-1,000 best, which is the pack; --stop-after 2200 ends it there on the same schedule; about 1 step/s
+      # on the 2-core AVX-512 EPYC)
       RUN=qa_swapped train_and_pack qa --eval-data "$DATA/squad/dev-v2.0.json" --eval-data "$DATA/squad/dev-v1.1.json" \
         --eval-split dev -- "${qa_args[@]}" --train-split train+negatives+swapped --lr 5e-4 --head-lr 2.5e-3 \
-        --max-steps 4000 --eval-every 1000 --seed 43 --init-adapter "$RUNS/qa/best"
+        --max-steps 4000 --stop-after 2200 --eval-every 1000 --seed 43 --init-adapter "$RUNS/qa/best"
       # then 3,000 steps warm-started from that pack with the rank grown to 32 (the later --lora-rank wins; the added
       # directions start at zero), packing the last checkpoint: the 400-question slice is too small to choose by
       # (session 17: its "best", step 1,500, scored v1.1 F1 74.5, the last 77.1); 56 min on a 2-core AVX-512 EPYC

@@ -243,6 +243,30 @@ def test_resume_after_interrupt_continues_from_the_same_step(tiny_checkpoint, tm
         torch.testing.assert_close(cut[key], full[key], atol=1e-6, rtol=1e-5)
 
 
+
+def test_stop_after_ends_early_on_the_full_schedule_and_resume_finishes_it(tiny_checkpoint, tmp_path):
+    task = load_registry(entry_points=False).task("sentiment")
+    full_cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "full", log_every=1)
+    train(TaskJob(task, full_cfg), full_cfg)
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "cut", log_every=1, stop_after=3)
+    result = train(TaskJob(task, cfg), cfg)
+    assert result["steps"] == 3
+    assert json.loads((tmp_path / "cut" / "run.json").read_text())["scheduled_steps"] == 8
+    rows = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+            for run in ("full", "cut")}
+    lrs = {run: [r["lr"] for r in rows[run] if "lr" in r] for run in rows}
+    assert lrs["cut"] == lrs["full"][:3]  # the 8-step schedule, not one squeezed into 3 steps
+    assert [r["step"] for r in rows["cut"] if "eval" in r][-1] == 3  # the stop is evaluated
+    resumed_cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "cut", log_every=1, resume=True)
+    assert train(TaskJob(task, resumed_cfg), resumed_cfg)["steps"] == 8
+    full = load_file(tmp_path / "full" / "last" / "model.safetensors")
+    cut = load_file(tmp_path / "cut" / "last" / "model.safetensors")
+    for key in full:
+        torch.testing.assert_close(cut[key], full[key], atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="stop_after must be at least 1.*got 0"):
+        _sentiment_cfg(tiny_checkpoint, tmp_path / "bad", stop_after=0)
+
+
 KILL_SCRIPT = """
 import json, os, signal, sys
 from bert_engine.jobs import TaskJob
