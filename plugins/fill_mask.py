@@ -201,7 +201,8 @@ def _score_targets(head, encode, batch, position: Tensor, targets, tokenizer, te
                 log_p[word] += score
     results = []
     for word in targets:
-        entry = {"word": word, "token": " ".join(pieces[word]), "score": _sig(math.exp(log_p[word])),
+        entry = {"word": word, "token": " ".join(pieces[word]),
+                 "token_ids": tokenizer.convert_tokens_to_ids(pieces[word]), "score": _sig(math.exp(log_p[word])),
                  "log_score": round(log_p[word], 6), "sequence": text[:span[0]] + word + text[span[1]:]}
         if len(pieces[word]) > 1:
             entry["note"] = (f"{word!r} is {len(pieces[word])} word pieces {pieces[word]}; scored by the chain rule "
@@ -402,8 +403,15 @@ def evaluate(predictor, examples, *, progress: bool = False, batch_size: int = 6
 
 def pipeline_output(result: dict, options, single: bool):
     """transformers' fill-mask shape: per [MASK], a list of {"score", "token", "token_str",
-    "sequence"}; one mask gives that list, several a list of lists. Joint and target modes keep the
-    engine's result (the pipeline has no equivalent)."""
+    "sequence"}; one mask gives that list, several a list of lists. With targets, the top_k best
+    targets in that shape, as transformers gives them; "token" is the word's vocabulary id, or the
+    list of its piece ids for a word of several pieces (transformers would score its first piece
+    only; the engine scores the whole word). Joint mode keeps the engine's result (the pipeline has
+    no equivalent)."""
+    if result["mode"] == "targets":
+        return [{"score": c["score"], "token": c["token_ids"][0] if len(c["token_ids"]) == 1 else c["token_ids"],
+                 "token_str": c["word"], "sequence": c["sequence"]}
+                for c in result["candidates"][:options.get("top_k") or OPTIONS["top_k"]]]
     if result["mode"] != "independent":
         return result
     per_mask = [[{"score": c["score"], "token": c["token_id"], "token_str": c["token"], "sequence": c["sequence"]}

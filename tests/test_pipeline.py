@@ -38,6 +38,12 @@ def test_fill_mask_matches_transformers_on_the_same_weights(tmp_path):
         assert candidate["token_str"] == want["token_str"]
         assert candidate["score"] == pytest.approx(want["score"], rel=1e-3)
     assert set(ours[0]) == {"score", "token", "token_str", "sequence"}
+    targets = ["paris", "london", "berlin"]
+    ours = pipeline("fill-mask", model=str(folder))(text, targets=targets, top_k=2)
+    theirs = transformers.pipeline("fill-mask", model=str(folder), device="cpu")(text, targets=targets, top_k=2)
+    assert [(c["token"], c["token_str"], c["sequence"].lower()) for c in ours] == [  # theirs: decoded, lowercased
+        (c["token"], c["token_str"], c["sequence"]) for c in theirs]
+    assert [c["score"] for c in ours] == pytest.approx([c["score"] for c in theirs], rel=1e-3)
 
 
 def test_token_classification_matches_transformers_simple_aggregation(tmp_path):
