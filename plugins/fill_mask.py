@@ -81,6 +81,7 @@ def preprocess(inputs, tokenizer, *, top_k, mode, targets, beam_width, max_masks
         targets = [targets] if isinstance(targets, str) else targets
         if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t.strip() for t in targets):
             raise InputError(f"fill_mask: targets must be a non-empty list of words, got {targets!r:.80}")
+        targets = list(dict.fromkeys(t.strip() for t in targets))  # a word given twice is scored once
     count = text.count(mask)
     if count == 0:
         raise InputError(f"fill_mask: the text has no {mask} token; write {mask} where a word is missing")

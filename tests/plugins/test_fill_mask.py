@@ -97,6 +97,10 @@ def test_targets_match_the_pipeline_and_split_words_are_said(predictor, pipeline
     split = predictor.predict({"text": TEXTS[0]}, targets=[long_word])["result"]["candidates"][0]
     assert f"{len(pieces)} word pieces" in split["note"] and 0 < split["score"] < 1
     assert split["sequence"] == TEXTS[0].replace("[MASK]", long_word)
+    repeated = predictor.predict({"text": TEXTS[0]}, targets=["paris", " paris ", "london", "paris"])["result"]
+    assert [c["word"] for c in repeated["candidates"]] == [c["word"] for c in sorted(
+        (ours["paris"], ours["london"]), key=lambda c: -c["score"])]  # a word given twice is scored once
+    assert {c["word"]: c["score"] for c in repeated["candidates"]} == {w: ours[w]["score"] for w in ("paris", "london")}
 
 
 def test_joint_beam_with_width_one_is_greedy_left_to_right(predictor):
