@@ -9,6 +9,7 @@ from plugins.qa import (
     best_threshold,
     cautious_threshold,
     metric,
+    negated_question,
     normalize_answer,
     read_data,
     v2_scores,
@@ -147,6 +148,42 @@ def test_swapped_negatives_ask_about_a_name_or_number_the_paragraph_never_says(t
     asked = {qa["question"] for qa in qas + other}  # with the other kind too, the same swapped ones
     assert [x for x in read_data(path, "train+negatives+swapped") if x[0]["question"] not in asked] == [
         x for x in examples if x[0]["question"] not in asked]
+
+
+
+@pytest.mark.parametrize(("question", "negated"), [
+    ("When did Beyonce leave Destiny's Child?", "When did Beyonce not leave Destiny's Child?"),
+    ("Who did the British East India Company hire?", "Who did the British East India Company not hire?"),
+    ("Why was he indentured for life?", "Why was he not indentured for life?"),
+    ("Where was the Manchester Machine built?", "Where was the Manchester Machine not built?"),
+    ("Who was the first president?", "Who was not the first president?"),
+    ("Who was Beyonce's first husband?", "Who was not Beyonce's first husband?"),
+    ("In what year were the games held?", "In what year were not the games held?"),
+    ("How many awards has Boston won?", "How many awards has Boston not won?"),
+    ("What did the government ban?", None),  # a lower-case subject: no verb boundary without a parser
+    ("What sort of machine did Bell and Gray patent?", None),  # "and" is no verb
+    ("Who founded the city?", None),  # no auxiliary or copula
+    ("Which team did not win?", None),  # negative already
+    ("Why can't it fly?", None),
+])
+def test_negated_questions_put_not_where_a_writer_would(question, negated):
+    assert negated_question(question) == negated
+
+
+def test_negated_negatives_ask_the_negated_question_over_the_same_paragraph(tmp_path):
+    context = "Beyonce left Destiny's Child in 2004. The group was formed in Houston."
+    when = {"text": "2004", "answer_start": context.index("2004")}
+    where = {"text": "Houston", "answer_start": context.index("Houston")}
+    qas = [{"id": f"a{k}", "question": "When did Beyonce leave Destiny's Child?", "answers": [when]} for k in range(40)]
+    qas += [{"id": f"b{k}", "question": "Where was the group not formed?", "answers": [where]} for k in range(40)]
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": context, "qas": qas}]}]}))
+    examples = list(read_data(path, "train+negated"))
+    negatives = [(inputs, target) for inputs, target in examples if target["starts"] == [-1]]
+    assert negatives and abs(len(negatives) / 40 - NEGATIVE_SHARE) < 0.15  # only the first kind can be negated
+    assert {inputs["question"] for inputs, _ in negatives} == {"When did Beyonce not leave Destiny's Child?"}
+    assert all(inputs["context"] == context and target["answers"] == [""] for inputs, target in negatives)
+    assert len(examples) == 80 + len(negatives) and list(read_data(path, "train+negated")) == examples
 
 
 def test_squad_v2_unanswerable_questions_read_as_no_answer(tmp_path):
