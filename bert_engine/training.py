@@ -260,6 +260,9 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                     f"; stopping at step {end}" if end < total else "")
     if cfg.length_buckets and not hasattr(job, "example_lengths"):
         logger.warning("length_buckets: this kind of training does not report example lengths; plain shuffling")
+    if state["step"] >= end and dist_info.is_main:
+        logger.warning("the run is at step %d already, at or past where it should %s (%d): nothing to train",
+                       state["step"], "stop" if end < total else "end", end)
     state.setdefault("wall_seconds", 0.0)  # summed over the run's parts when resumed
     started, wall_before = time.monotonic(), state["wall_seconds"]
     bar = tqdm(total=total, initial=state["step"], disable=not dist_info.is_main, desc="train", unit="step")
@@ -308,7 +311,8 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
         bar.close()
     if dist_info.is_main:
         _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
-        record = {"steps": step, "scheduled_steps": total, "wall_seconds": round(state["wall_seconds"], 3), "device": str(device),
+        record = {"steps": step, "scheduled_steps": total, "wall_seconds": round(state["wall_seconds"], 3),
+                  "device": str(device),
                   "autocast": str(amp_dtype).replace("torch.", "") if amp_dtype else None, "processes": dist_info.world,
                   **machine_description(device)}
         (out / "run.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

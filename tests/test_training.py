@@ -244,7 +244,7 @@ def test_resume_after_interrupt_continues_from_the_same_step(tiny_checkpoint, tm
 
 
 
-def test_stop_after_ends_early_on_the_full_schedule_and_resume_finishes_it(tiny_checkpoint, tmp_path):
+def test_stop_after_ends_early_on_the_full_schedule_and_resume_finishes_it(tiny_checkpoint, tmp_path, caplog):
     task = load_registry(entry_points=False).task("sentiment")
     full_cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "full", log_every=1)
     train(TaskJob(task, full_cfg), full_cfg)
@@ -263,6 +263,10 @@ def test_stop_after_ends_early_on_the_full_schedule_and_resume_finishes_it(tiny_
     cut = load_file(tmp_path / "cut" / "last" / "model.safetensors")
     for key in full:
         torch.testing.assert_close(cut[key], full[key], atol=1e-6, rtol=1e-5)
+    again = _sentiment_cfg(tiny_checkpoint, tmp_path / "cut", resume=True, stop_after=3)  # already past step 3
+    with caplog.at_level("WARNING", logger="bert_engine.training"):
+        assert train(TaskJob(task, again), again)["steps"] == 8
+    assert "at step 8 already, at or past where it should stop (3): nothing to train" in caplog.text
     with pytest.raises(ValueError, match="stop_after must be at least 1.*got 0"):
         _sentiment_cfg(tiny_checkpoint, tmp_path / "bad", stop_after=0)
 
