@@ -14,7 +14,9 @@ questions. Steps:
 3. the K projections that bought most kept together, K = 0..--keep-candidates, on every task, with
    the encoder's speed-up over fp32 (32x128, interleaved medians).
 
-A last row rounds the weights alone (activations in fp32): the bound the weight format sets.
+A row "no smoothing" repeats K = 0 without SmoothQuant's per-channel smoothing (--smoothing sets its
+strength, default bert_engine.fast.SMOOTHING_ALPHA), and a last row rounds the weights alone
+(activations in fp32): the bound the weight format sets.
 The first K whose agreement meets the targets (sentiment and NER >= 99 %, QA >= 97 %) is the
 recommendation, written as a `KEEP_FP32` tuple for bert_engine/fast.py.
 """
@@ -68,17 +70,20 @@ class Task:
         self.model_options = fp32.model_options  # e.g. QA's calibrated null_threshold, from the pack's manifest
         self.reference = self.predict(Predictor.load(self.task, precision="fp32"))
 
-    def quantised(self, keep: tuple[str, ...]):
+    smoothing: float | None = None  # set by main: the strength every quantised model uses unless told
+
+    def quantised(self, keep: tuple[str, ...], smoothing: float | None | str = "default"):
         from bert_engine.fast import quantize_int8
         from bert_engine.inference import Predictor
 
-        model = quantize_int8(copy.deepcopy(self.plain), keep_fp32=keep)
+        smoothing = self.smoothing if smoothing == "default" else smoothing
+        model = quantize_int8(copy.deepcopy(self.plain), keep_fp32=keep, smoothing=smoothing)
         # the reference's option defaults too: without them QA would never say "no answer" where the
         # fp32 model, calibrated, does, and every such question would count as a disagreement
         return Predictor(self.task, model, self.tokenizer, model_id=self.model_id, model_options=self.model_options)
 
-    def agreement(self, keep: tuple[str, ...]) -> float:
-        return _agreement(self.predict(self.quantised(keep)), self.reference)
+    def agreement(self, keep: tuple[str, ...], smoothing: float | None | str = "default") -> float:
+        return _agreement(self.predict(self.quantised(keep, smoothing)), self.reference)
 
     def weights_only_agreement(self) -> float:
         """Agreement with only the projections' weights rounded as Int8Linear rounds them (per output
@@ -99,12 +104,13 @@ class Task:
         return _agreement(self.predict(predictor), self.reference)
 
 
-def encoder_speedup(task: Task, keep: tuple[str, ...], repeats: int) -> float:
+def encoder_speedup(task: Task, keep: tuple[str, ...], repeats: int,
+                    smoothing: float | None | str = "default") -> float:
     """fp32 (packed) time over int8 time of the task model's encoder on 32x128."""
     from bert_engine.fast import pack_linear_layers
 
     encoder_fp32 = pack_linear_layers(copy.deepcopy(task.plain)).encoder
-    encoder_int8 = task.quantised(keep).model.encoder
+    encoder_int8 = task.quantised(keep, smoothing).model.encoder
     ids = torch.randint(1000, 20000, (32, 128), generator=torch.Generator().manual_seed(0))
 
     def run(encoder):
@@ -118,7 +124,7 @@ def encoder_speedup(task: Task, keep: tuple[str, ...], repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bert_engine.fast import LINEAR_NAMES
+    from bert_engine.fast import LINEAR_NAMES, SMOOTHING_ALPHA
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default="sentiment,ner,qa")
@@ -128,11 +134,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="items of the probe task in step 2 (the ones after the --limit scored ones)")
     parser.add_argument("--keep-candidates", type=int, default=6, help="largest K tried in step 3")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--smoothing", default=str(SMOOTHING_ALPHA),
+                        help="SmoothQuant strength alpha in [0, 1] for every quantised model, or 'none'")
     parser.add_argument("--data", default=str(DATA))
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     data = Path(args.data)
+    Task.smoothing = None if args.smoothing == "none" else float(args.smoothing)
     tasks = {name: Task(name, data, args.limit) for name in args.tasks.split(",")}
     # ranked on items after the scored ones: a projection chosen on the questions it is scored on
     # looks better than it is (2.attention.qkv: +4 points on its probe questions, -0.2 on the rest)
@@ -153,11 +162,16 @@ def main(argv: list[str] | None = None) -> None:
         row["speedup"] = encoder_speedup(next(iter(tasks.values())), keep, args.repeats)
         row["meets_targets"] = all(row[n] >= TARGETS.get(n, 99.0) for n in tasks)
         rows.append(row)
+    if Task.smoothing is not None:
+        plain = {"kept_fp32": "0, no smoothing", "projections": "-",
+                 **{name: task.agreement((), None) for name, task in tasks.items()}}
+        plain["speedup"] = encoder_speedup(next(iter(tasks.values())), (), args.repeats, None)
+        rows.append(plain)
     rows.append({"kept_fp32": "weights only", "projections": "int8 weights, fp32 activations (a bound, not a mode)",
                  **{name: task.weights_only_agreement() for name, task in tasks.items()}})
     info = machine()
     print(f"# int8 agreement with fp32 (%), {info['cpu']} ({info['cpu_capability']}), {info['threads']} threads; "
-          f"speed-up: encoder fp32 / int8 at 32x128; targets {TARGETS}")
+          f"smoothing {Task.smoothing}; speed-up: encoder fp32 / int8 at 32x128; targets {TARGETS}")
     print_table(rows, ["kept_fp32", *tasks, "speedup", "meets_targets", "projections"])
     chosen = next((r for r in rows if r.get("meets_targets")), None)
     print("recommended: KEEP_FP32 =", tuple(chosen["projections"].split(", ")) if chosen and chosen["kept_fp32"]

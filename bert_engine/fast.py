@@ -68,10 +68,18 @@ class Int8Linear(nn.Module):
 
     _GELU = {F.gelu: "none", gelu_tanh: "tanh"}
 
-    def __init__(self, linear: nn.Linear, activation=None, *, one_sided_input: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, activation=None, *, one_sided_input: bool = False,
+                 input_divisor: Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
+        # Smoothing (SmoothQuant): W x = (W diag(d)) (x / d) for any positive per-channel d; a d large where
+        # the input's channel is wide and the weight's column narrow moves range from the activations,
+        # quantised per token, into the weights, quantised per output channel (smoothing_divisors).
+        self.register_buffer("input_multiplier", None if input_divisor is None else
+                             input_divisor.detach().float().reciprocal(), persistent=False)
+        if input_divisor is not None:
+            weight = weight * input_divisor.detach().float()[None, :]
         self.levels = int8_weight_limit()
         quantised, scale = quantise_weight(weight, self.levels)
         # An input far from symmetric about 0 (a GELU's output: >= -0.17, up to several units) would use
@@ -89,6 +97,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features).float()
+        if self.input_multiplier is not None:
+            x = x * self.input_multiplier
         qx, input_scale, row_scale, mid = self._one_sided_codes(x) if self.one_sided_input else self._codes(x)
         # the codes are int8; shifted by 128 into uint8: oneDNN's fast kernels take u8 activations only (an
         # int8 input runs a reference path thousands of times slower). Float to int8 is vectorised where
@@ -127,20 +137,68 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         inputs = "per-token [min, max] input steps" if self.one_sided_input else "per-token input scales"
+        smoothed = ", smoothed" if self.input_multiplier is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 (weights +-{self.levels}), "
-                f"activation={self.post_op}, {inputs}")
+                f"activation={self.post_op}, {inputs}{smoothed}")
 
 
 LINEAR_NAMES = ("attention.qkv", "attention.out", "ffn.up", "ffn.down")  # each encoder layer's projections
 
 
-def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None) -> nn.Module:
+# SmoothQuant's migration strength: divisors d = r^alpha / w^(1 - alpha) (r the input channel's range, w
+# its weight column's largest |value|). 0.5 by measurement on the QA starter (benchmarks/README.md).
+SMOOTHING_ALPHA = 0.5
+# A LayerNorm's output channel j is gamma_j * z + beta_j with z normalised: |z| rarely passes 4
+_NORMALISED_REACH = 4.0
+
+
+def _feeding_norms(encoder: nn.Module, index: int, name: str) -> list[nn.LayerNorm] | None:
+    """The LayerNorms whose outputs are the input of layer `index`'s projection `name` (post-LN
+    layers: qkv reads the previous layer's ffn_norm, or the embeddings' norm first; FFN up reads
+    attention_norm), over every place the layer runs (ALBERT shares layers); None where another
+    module feeds it (ALBERT's embedding projection) or the projection reads no norm."""
+    if name == "ffn.up":
+        return [encoder.layers[index].attention_norm]
+    if name != "attention.qkv":
+        return None
+    schedule = list(getattr(encoder, "schedule", range(len(encoder.layers))))
+    norms = []
+    for position, layer in enumerate(schedule):
+        if layer != index:
+            continue
+        if position == 0:
+            if getattr(encoder, "embedding_projection", None) is not None:
+                return None
+            norms.append(encoder.embeddings.layer_norm)
+        else:
+            norms.append(encoder.layers[schedule[position - 1]].ffn_norm)
+    return norms or None
+
+
+def smoothing_divisors(linear: nn.Linear, norms: list[nn.LayerNorm], alpha: float = SMOOTHING_ALPHA) -> Tensor:
+    """Per-input-channel divisors for a projection that reads LayerNorm outputs, without data: the
+    channel's reach r = 4 |gamma| + |beta| (over every norm feeding it, the widest), then
+    d = r^alpha / w^(1 - alpha), w the weight column's largest |value|, divided by their geometric
+    mean (a common factor changes no code: both sides are scaled per token / per output channel)."""
+    reach = torch.stack([_NORMALISED_REACH * n.weight.detach().float().abs() + n.bias.detach().float().abs()
+                         for n in norms]).amax(dim=0).clamp_min(1e-5)
+    columns = linear.weight.detach().float().abs().amax(dim=0).clamp_min(1e-5)
+    divisors = reach.pow(alpha) / columns.pow(1.0 - alpha)
+    return divisors / divisors.log().mean().exp()
+
+
+def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
+                  smoothing: float | None = SMOOTHING_ALPHA) -> nn.Module:
     """Replace the encoder layers' projections by int8 ones, in place: oneDNN's (Int8Linear) where
     this torch has it, else torch.ao's dynamic quantisation (fbgemm).
 
     `keep_fp32` names projections to leave in fp32 (packed), as "LAYER.NAME" ("5.ffn.down") or a bare
-    NAME for every layer ("ffn.down"); default KEEP_FP32 (see there).
+    NAME for every layer ("ffn.down"); default KEEP_FP32 (see there). `smoothing`: the migration
+    strength alpha for the projections that read a LayerNorm (qkv, FFN up; `smoothing_divisors`),
+    None for none.
     """
+    if smoothing is not None and not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"smoothing must lie in [0, 1] (or be None), got {smoothing!r}")
     keep = set(KEEP_FP32 if keep_fp32 is None else keep_fp32)
     known = set(LINEAR_NAMES)
     unknown = sorted(k for k in keep if k.split(".", 1)[-1] not in known and k not in known)
@@ -172,13 +230,16 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None) ->
                 # FFN down's input is a GELU's (fused into up: act is then _identity) or a ReLU's
                 # output, or SiLU's: one-sided (see Int8Linear)
                 one_sided = name == "ffn.down" and owner.act in (*Int8Linear._GELU, _identity, F.relu, F.silu)
-                replacement = Int8Linear(linear, owner.act if fused_gelu else None, one_sided_input=one_sided)
+                norms = _feeding_norms(encoder, index, name) if smoothing is not None else None
+                divisors = smoothing_divisors(linear, norms, smoothing) if norms else None
+                replacement = Int8Linear(linear, owner.act if fused_gelu else None, one_sided_input=one_sided,
+                                         input_divisor=divisors)
                 quantised += 1
             if fused_gelu and replacement is not linear:
                 owner.act = _identity
             setattr(owner, attr, replacement)
-    logger.info("quantised %d of %d encoder projections to int8 (oneDNN), kept %s in fp32", quantised,
-                len(encoder.layers) * len(LINEAR_NAMES), sorted(keep) or "none")
+    logger.info("quantised %d of %d encoder projections to int8 (oneDNN; smoothing %s), kept %s in fp32", quantised,
+                len(encoder.layers) * len(LINEAR_NAMES), smoothing, sorted(keep) or "none")
     return model
 
 

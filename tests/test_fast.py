@@ -134,6 +134,53 @@ def test_int8_quantises_ffn_down_for_its_one_sided_input_and_only_it(minilm_dir)
 
 
 @needs_onednn_int8
+def test_smoothing_moves_an_outlier_channel_into_the_weights():
+    # a LayerNorm output with one channel 40x wider than the rest (BERT's LayerNorms have such channels):
+    # quantised per token, that channel sets every token's step and the others round coarsely; divided
+    # out (and multiplied into the weight's column) the steps fit the ordinary channels
+    from bert_engine.fast import smoothing_divisors
+
+    torch.manual_seed(0)
+    norm, linear = nn.LayerNorm(384), nn.Linear(384, 128)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.weight[7] = 40.0
+        norm.bias.normal_(0, 0.1)
+    with torch.inference_mode():
+        x = norm(torch.randn(64, 384))
+        expected = linear(x)
+        divisors = smoothing_divisors(linear, [norm], alpha=0.5)
+        plain, smoothed = Int8Linear(linear)(x), Int8Linear(linear, input_divisor=divisors)(x)
+    assert int(divisors.argmax()) == 7 and torch.isclose(divisors.log().mean(), torch.tensor(0.0), atol=1e-5)
+    error = {name: float(((out - expected).norm(dim=1) / expected.norm(dim=1)).mean())
+             for name, out in (("plain", plain), ("smoothed", smoothed))}
+    assert error["smoothed"] < 0.5 * error["plain"], error
+
+
+@needs_onednn_int8
+def test_int8_smooths_the_projections_that_read_a_layernorm_and_only_where_it_knows_which(minilm_dir):
+    model, tokenizer = load(minilm_dir)
+    quantised = quantize_int8(copy.deepcopy(model))
+    for layer in quantised.layers:  # qkv reads the previous ffn_norm (or the embeddings'), FFN up attention_norm
+        assert layer.attention.qkv.input_multiplier is not None and layer.ffn.up.input_multiplier is not None
+        assert layer.attention.out.input_multiplier is None and layer.ffn.down.input_multiplier is None
+    assert "smoothed" in repr(quantised.layers[0].ffn.up)
+    assert all(layer.attention.qkv.input_multiplier is None
+               for layer in quantize_int8(copy.deepcopy(model), smoothing=None).layers)
+    batch = tokenizer(SENTENCES).model_inputs()
+    real = batch["attention_mask"].bool()
+    plain, smoothed = _encode(model, batch)[real], _encode(quantised, batch)[real]
+    assert float(torch.nn.functional.cosine_similarity(smoothed, plain, dim=-1).min()) > 0.99
+    with pytest.raises(ValueError, match="smoothing must lie in \\[0, 1\\].*got 1.5"):
+        quantize_int8(copy.deepcopy(model), smoothing=1.5)
+    # ALBERT: the first run of the shared layer reads the embedding projection, not a norm: no smoothing
+    albert = BertModel(dataclasses.replace(PRESETS["tiny"], model_type="albert", embedding_size=64,
+                                           num_hidden_groups=1)).eval()
+    shared = quantize_int8(albert).layers[0]
+    assert shared.attention.qkv.input_multiplier is None and shared.ffn.up.input_multiplier is not None
+
+
+@needs_onednn_int8
 def test_int8_keeps_the_named_projections_in_fp32_and_refuses_unknown_names(minilm_dir):
     model, tokenizer = load(minilm_dir)
     batch = tokenizer(SENTENCES).model_inputs()
