@@ -14,8 +14,9 @@ questions. Steps:
 3. the K projections that bought most kept together, K = 0..--keep-candidates, on every task, with
    the encoder's speed-up over fp32 (32x128, interleaved medians).
 
-A row "no smoothing" repeats K = 0 without SmoothQuant's per-channel smoothing (--smoothing sets its
-strength, default bert_engine.fast.SMOOTHING_ALPHA), and a last row rounds the weights alone
+With --smoothing ALPHA every model is smoothed (SmoothQuant, without data: bert_engine.fast.
+smoothing_divisors) and a row "no smoothing" repeats K = 0 without it; --alphas compares strengths on
+the probe items first. A last row rounds the weights alone
 (activations in fp32): the bound the weight format sets.
 The first K whose agreement meets the targets (sentiment and NER >= 99 %, QA >= 97 %) is the
 recommendation, written as a `KEEP_FP32` tuple for bert_engine/fast.py.
@@ -134,8 +135,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="items of the probe task in step 2 (the ones after the --limit scored ones)")
     parser.add_argument("--keep-candidates", type=int, default=6, help="largest K tried in step 3")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--smoothing", default=str(SMOOTHING_ALPHA),
-                        help="SmoothQuant strength alpha in [0, 1] for every quantised model, or 'none'")
+    parser.add_argument("--smoothing", default="none",
+                        help=f"SmoothQuant strength alpha in [0, 1] for every quantised model (e.g. {SMOOTHING_ALPHA}), "
+                             "or 'none' (the library's default)")
+    parser.add_argument("--alphas", default=None,
+                        help="comma-separated strengths to compare first, on the probe items (not the scored ones)")
     parser.add_argument("--data", default=str(DATA))
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -146,13 +150,20 @@ def main(argv: list[str] | None = None) -> None:
     # ranked on items after the scored ones: a projection chosen on the questions it is scored on
     # looks better than it is (2.attention.qkv: +4 points on its probe questions, -0.2 on the rest)
     probe = Task(args.probe, data, args.probe_limit, offset=args.limit)
+    if args.alphas:
+        strengths = [None if a.strip() == "none" else float(a) for a in args.alphas.split(",")]
+        print(f"# {args.probe}, {args.probe_limit} probe items, every projection int8, by smoothing strength:")
+        print_table([{"smoothing": str(a), args.probe: probe.agreement((), a)} for a in strengths],
+                    ["smoothing", args.probe])
     layers = len(probe.plain.encoder.layers)
     names = [f"{i}.{n}" for i in range(layers) for n in LINEAR_NAMES]
-    base = probe.agreement(())
-    gains = sorted(((probe.agreement((n,)) - base, n) for n in names), reverse=True)
-    ranking = [{"projection": n, "probe": args.probe, "agreement_gain": g} for g, n in gains]
-    print(f"# {args.probe}, {args.probe_limit} items: every projection int8 agrees {base:.1f} %; kept alone in fp32:")
-    print_table(ranking[:10], ["projection", "probe", "agreement_gain"])
+    gains, ranking = [], []
+    if args.keep_candidates:  # the ranking only chooses what steps K >= 1 keep in fp32
+        base = probe.agreement(())
+        gains = sorted(((probe.agreement((n,)) - base, n) for n in names), reverse=True)
+        ranking = [{"projection": n, "probe": args.probe, "agreement_gain": g} for g, n in gains]
+        print(f"# {args.probe}, {args.probe_limit} items: every projection int8 agrees {base:.1f} %; kept alone in fp32:")
+        print_table(ranking[:10], ["projection", "probe", "agreement_gain"])
     rows = []
     for k in range(args.keep_candidates + 1):
         keep = tuple(n for _, n in gains[:k])

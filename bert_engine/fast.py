@@ -145,8 +145,10 @@ class Int8Linear(nn.Module):
 LINEAR_NAMES = ("attention.qkv", "attention.out", "ffn.up", "ffn.down")  # each encoder layer's projections
 
 
-# SmoothQuant's migration strength: divisors d = r^alpha / w^(1 - alpha) (r the input channel's range, w
-# its weight column's largest |value|). 0.5 by measurement on the QA starter (benchmarks/README.md).
+# SmoothQuant's migration strength when smoothing is asked for: divisors d = r^alpha / w^(1 - alpha) (r the
+# input channel's reach, w its weight column's largest |value|). Off by default, by measurement: on the QA
+# starter it bought +1.3 points on SQuAD dev questions 0-999 and lost 1.0 on 1,000-1,499, and NER lost
+# 0.3-0.6 (benchmarks/README.md).
 SMOOTHING_ALPHA = 0.5
 # A LayerNorm's output channel j is gamma_j * z + beta_j with z normalised: |z| rarely passes 4
 _NORMALISED_REACH = 4.0
@@ -188,14 +190,14 @@ def smoothing_divisors(linear: nn.Linear, norms: list[nn.LayerNorm], alpha: floa
 
 
 def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
-                  smoothing: float | None = SMOOTHING_ALPHA) -> nn.Module:
+                  smoothing: float | None = None) -> nn.Module:
     """Replace the encoder layers' projections by int8 ones, in place: oneDNN's (Int8Linear) where
     this torch has it, else torch.ao's dynamic quantisation (fbgemm).
 
     `keep_fp32` names projections to leave in fp32 (packed), as "LAYER.NAME" ("5.ffn.down") or a bare
     NAME for every layer ("ffn.down"); default KEEP_FP32 (see there). `smoothing`: the migration
-    strength alpha for the projections that read a LayerNorm (qkv, FFN up; `smoothing_divisors`),
-    None for none.
+    strength alpha (e.g. SMOOTHING_ALPHA) for the projections that read a LayerNorm (qkv, FFN up;
+    `smoothing_divisors`); None, the default, for none (see SMOOTHING_ALPHA for why).
     """
     if smoothing is not None and not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"smoothing must lie in [0, 1] (or be None), got {smoothing!r}")
