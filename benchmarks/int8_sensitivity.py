@@ -14,10 +14,10 @@ questions. Steps:
 3. the K projections that bought most kept together, K = 0..--keep-candidates, on every task, with
    the encoder's speed-up over fp32 (32x128, interleaved medians).
 
-With --smoothing ALPHA every model is smoothed (SmoothQuant, without data: bert_engine.fast.
+With --smoothing ALPHA every model is smoothed (SmoothQuant without data, bert_engine.fast.
 smoothing_divisors) and a row "no smoothing" repeats K = 0 without it; --alphas compares strengths on
-the probe items first. A last row rounds the weights alone
-(activations in fp32): the bound the weight format sets.
+the probe items first. A last row rounds the weights alone (activations in fp32): the bound the
+weight format sets.
 The first K whose agreement meets the targets (sentiment and NER >= 99 %, QA >= 97 %) is the
 recommendation, written as a `KEEP_FP32` tuple for bert_engine/fast.py.
 """
