@@ -62,17 +62,20 @@ class Int8Linear(nn.Module):
     oneDNN's int8 linear in torch takes one input scale per call; per-token scales go through it
     exactly because a matmul is linear in each row: W (x / s) = (W x) / s. A one-sided input (FFN
     down's: a GELU's output) is quantised over each row's own [min, max] instead (one_sided_input).
-    On the starter models (benchmarks.int8_sensitivity, 872-1,000 items each) this keeps 99.5 % of
-    sentiment, 99.5 % of NER and 95.4 % of QA predictions identical to fp32 with VNNI (8-bit weights),
-    98.9 / 98.9 / 94.3 % held to AVX2 (7-bit weights; benchmarks/README.md)."""
+    An input rotation (input_rotation, quantize_int8's default) spreads wide channels first. On the
+    starter models (benchmarks.int8_sensitivity, 872-1,000 items each), rotated, this keeps 99.7 % of
+    sentiment, 99.8 % of NER and 98.4 % of QA predictions identical to fp32 with VNNI (8-bit weights;
+    unrotated 99.5 / 99.4 / 95.8 %), 99.8 / 99.7 / 97.5 % held to AVX2 (7-bit weights; benchmarks/README.md)."""
 
     _GELU = {F.gelu: "none", gelu_tanh: "tanh"}
 
     def __init__(self, linear: nn.Linear, activation=None, *, one_sided_input: bool = False,
-                 input_divisor: Tensor | None = None) -> None:
+                 input_divisor: Tensor | None = None, input_rotation: Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
+        self.register_buffer("input_rotation", None if input_rotation is None else input_rotation.detach().float(),
+                             persistent=False)
         # Smoothing (SmoothQuant): W x = (W diag(d)) (x / d) for any positive per-channel d; a d large where
         # the input's channel is wide and the weight's column narrow moves range from the activations,
         # quantised per token, into the weights, quantised per output channel (smoothing_divisors).
@@ -80,6 +83,14 @@ class Int8Linear(nn.Module):
                              input_divisor.detach().float().reciprocal(), persistent=False)
         if input_divisor is not None:
             weight = weight * input_divisor.detach().float()[None, :]
+        # Rotation (QuaRot-style): W x = (W R)(R^T x) for an orthogonal R, here block-diagonal Hadamard blocks
+        # (see hadamard): one wide input channel's range is spread over its block, in the input quantised per
+        # token and in the weight's columns quantised per output channel alike. x R runs as one small matmul.
+        if input_rotation is not None:
+            block = input_rotation.shape[0]
+            if self.in_features % block:
+                raise ValueError(f"input_rotation of size {block} does not divide in_features {self.in_features}")
+            weight = (weight.view(self.out_features, -1, block) @ input_rotation).view_as(weight)
         self.levels = int8_weight_limit()
         quantised, scale = quantise_weight(weight, self.levels)
         # An input far from symmetric about 0 (a GELU's output: >= -0.17, up to several units) would use
@@ -99,6 +110,8 @@ class Int8Linear(nn.Module):
         x = x.reshape(-1, self.in_features).float()
         if self.input_multiplier is not None:
             x = x * self.input_multiplier
+        if self.input_rotation is not None:
+            x = (x.reshape(-1, self.input_rotation.shape[0]) @ self.input_rotation).view(-1, self.in_features)
         qx, input_scale, row_scale, mid = self._one_sided_codes(x) if self.one_sided_input else self._codes(x)
         # the codes are int8; shifted by 128 into uint8: oneDNN's fast kernels take u8 activations only (an
         # int8 input runs a reference path thousands of times slower). Float to int8 is vectorised where
@@ -138,8 +151,9 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         inputs = "per-token [min, max] input steps" if self.one_sided_input else "per-token input scales"
         smoothed = ", smoothed" if self.input_multiplier is not None else ""
+        rotated = "" if self.input_rotation is None else f", inputs rotated in blocks of {self.input_rotation.shape[0]}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 (weights +-{self.levels}), "
-                f"activation={self.post_op}, {inputs}{smoothed}")
+                f"activation={self.post_op}, {inputs}{smoothed}{rotated}")
 
 
 LINEAR_NAMES = ("attention.qkv", "attention.out", "ffn.up", "ffn.down")  # each encoder layer's projections
@@ -150,6 +164,12 @@ LINEAR_NAMES = ("attention.qkv", "attention.out", "ffn.up", "ffn.down")  # each 
 # starter it bought +1.3 points on SQuAD dev questions 0-999 and lost 1.0 on 1,000-1,499, and NER lost
 # 0.3-0.6 (benchmarks/README.md).
 SMOOTHING_ALPHA = 0.5
+# The Hadamard block size of the rotation every int8 projection's input gets (quantize_int8(rotation=); None or
+# 1 for none). Measured on the QA starter, first 1,000 SQuAD dev questions, answers identical to fp32: none
+# 95.8 %, blocks of 16 98.4 % (benchmarks.int8_sensitivity); a draft that rotated attention.out's input in
+# blocks of the head size read 97.3 / 98.1 / 98.6 / 98.9 / 97.7 / 97.8 / 98.1 % at 2 / 4 / 8 / 16 / 32 / 64 / 128
+# (benchmarks/README.md). Small blocks are also the cheapest (the rotation is one more pass over each input).
+ROTATION_BLOCK = 16
 # A LayerNorm's output channel j is gamma_j * z + beta_j with z normalised: |z| rarely passes 4
 _NORMALISED_REACH = 4.0
 
@@ -189,13 +209,59 @@ def smoothing_divisors(linear: nn.Linear, norms: list[nn.LayerNorm], alpha: floa
     return divisors / divisors.log().mean().exp()
 
 
+def hadamard(size: int) -> Tensor:
+    """The orthonormal Hadamard matrix of a power-of-two size (Sylvester's construction, divided by
+    sqrt(size)): symmetric, its own inverse, and every entry +-1/sqrt(size), so it spreads any one
+    channel's value evenly over all `size` outputs."""
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"a Hadamard matrix here needs a power-of-two size, got {size}")
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < size:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+    return matrix / size ** 0.5
+
+
+def rotation_block(features: int, block: int) -> int:
+    """The largest power of two that is at most `block` and divides `features` (1: no rotation)."""
+    size = 1
+    while size * 2 <= block and features % (size * 2) == 0:
+        size *= 2
+    return size
+
+
+def rotate_value_heads(attention: nn.Module, block: int) -> None:
+    """Rotate each head's value features by Hadamard blocks R (of at most `block`, inside each head),
+    in place and exactly: V's rows
+    become R^T W_v (and R^T b_v), so each head's context comes out times R, and the output
+    projection's columns of that head become W_o R, which undoes it. No cost at run time; the
+    output projection's int8 input (the context) has its wide channels spread over the head."""
+    qkv, out = attention.qkv, attention.out
+    hidden = out.in_features
+    heads = attention.num_heads
+    size = rotation_block(hidden // heads, block)
+    if size < 2:
+        return
+    rotation = hadamard(size)
+    with torch.no_grad():
+        values = qkv.weight[2 * hidden:]  # (H, in): rows grouped (head, feature)
+        values.copy_((rotation.T @ values.reshape(-1, size, values.shape[1])).reshape_as(values))
+        if qkv.bias is not None:
+            bias = qkv.bias[2 * hidden:]
+            bias.copy_((bias.reshape(-1, size) @ rotation).reshape_as(bias))
+        out.weight.copy_((out.weight.reshape(out.out_features, -1, size) @ rotation).reshape_as(out.weight))
+
+
 def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
-                  smoothing: float | None = None) -> nn.Module:
+                  smoothing: float | None = None, rotation: int | None = ROTATION_BLOCK) -> nn.Module:
     """Replace the encoder layers' projections by int8 ones, in place: oneDNN's (Int8Linear) where
     this torch has it, else torch.ao's dynamic quantisation (fbgemm).
 
     `keep_fp32` names projections to leave in fp32 (packed), as "LAYER.NAME" ("5.ffn.down") or a bare
-    NAME for every layer ("ffn.down"); default KEEP_FP32 (see there). `smoothing`: the migration
+    NAME for every layer ("ffn.down"); default KEEP_FP32 (see there). `rotation`: the Hadamard block
+    size (a power of two; ROTATION_BLOCK by default, None for none) each projection's input is rotated
+    by, the weight taking the inverse: a channel far wider than the rest (LayerNorm outputs and FFN
+    activations have a few) no longer sets every other channel's step; attention.out's input through
+    V's weights at no cost (rotate_value_heads), the others as one small matmul per call. `smoothing`: the migration
     strength alpha (e.g. SMOOTHING_ALPHA) for the projections that read a LayerNorm (qkv, FFN up;
     `smoothing_divisors`); None, the default, for none (see SMOOTHING_ALPHA for why).
     """
@@ -218,6 +284,8 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
         return model
     quantised = 0
     for index, layer in enumerate(encoder.layers):
+        if rotation and isinstance(layer.attention.out, nn.Linear) and isinstance(layer.attention.qkv, nn.Linear):
+            rotate_value_heads(layer.attention, rotation)  # exact in fp32, so whichever of the two stays fp32
         for name in LINEAR_NAMES:
             owner_name, attr = name.split(".")
             owner = getattr(layer, owner_name)
@@ -234,8 +302,11 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
                 one_sided = name == "ffn.down" and owner.act in (*Int8Linear._GELU, _identity, F.relu, F.silu)
                 norms = _feeding_norms(encoder, index, name) if smoothing is not None else None
                 divisors = smoothing_divisors(linear, norms, smoothing) if norms else None
-                replacement = Int8Linear(linear, owner.act if fused_gelu else None, one_sided_input=one_sided,
-                                         input_divisor=divisors)
+                # attention.out's input, the heads' context, is rotated through V's weights (rotate_value_heads)
+                size = rotation_block(linear.in_features, rotation) if rotation and name != "attention.out" else 1
+                replacement = Int8Linear(linear, owner.act if fused_gelu else None,
+                                         one_sided_input=one_sided and size == 1, input_divisor=divisors,
+                                         input_rotation=hadamard(size) if size > 1 else None)
                 quantised += 1
             if fused_gelu and replacement is not linear:
                 owner.act = _identity

@@ -126,11 +126,86 @@ def test_int8_linear_spends_every_code_on_a_one_sided_input(bias):
 @needs_onednn_int8
 def test_int8_quantises_ffn_down_for_its_one_sided_input_and_only_it(minilm_dir):
     model, _ = load(minilm_dir)
-    quantised = quantize_int8(copy.deepcopy(model))
+    quantised = quantize_int8(copy.deepcopy(model), rotation=None)
     for layer in quantised.layers:
         assert layer.ffn.down.one_sided_input
         assert not any(p.one_sided_input for p in (layer.attention.qkv, layer.attention.out, layer.ffn.up))
     assert "per-token [min, max] input steps" in repr(quantised.layers[0].ffn.down)
+    # rotated (the default), FFN down's input is no longer one-sided: symmetric steps
+    assert not any(layer.ffn.down.one_sided_input for layer in quantize_int8(copy.deepcopy(model)).layers)
+
+
+def test_hadamard_is_orthonormal_and_rotation_blocks_divide_the_width():
+    from bert_engine.fast import hadamard, rotation_block
+
+    for size in (1, 2, 16, 64):
+        matrix = hadamard(size)
+        assert torch.allclose(matrix @ matrix.T, torch.eye(size), atol=1e-6) and torch.equal(matrix, matrix.T)
+        assert torch.allclose(matrix.abs(), torch.full((size, size), size ** -0.5))
+    with pytest.raises(ValueError, match="power-of-two size, got 12"):
+        hadamard(12)
+    assert rotation_block(384, 16) == 16 and rotation_block(1536, 128) == 128 and rotation_block(48, 64) == 16
+    assert rotation_block(33, 16) == 1 and rotation_block(384, 1) == 1
+
+
+def test_rotating_the_value_heads_changes_no_output():
+    from bert_engine.fast import rotate_value_heads
+
+    torch.manual_seed(0)
+    config = dataclasses.replace(PRESETS["tiny"], hidden_size=96, num_attention_heads=3)  # heads of 32
+    model = BertModel(config).eval()
+    ids = torch.randint(5, config.vocab_size, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    expected = _encode(model, {"input_ids": ids, "attention_mask": mask})
+    before = model.layers[0].attention.out.weight.clone()
+    for layer in model.layers:
+        rotate_value_heads(layer.attention, 16)
+    assert not torch.allclose(model.layers[0].attention.out.weight, before)  # it did rotate
+    assert torch.allclose(_encode(model, {"input_ids": ids, "attention_mask": mask}), expected, atol=1e-5)
+
+
+@needs_onednn_int8
+@pytest.mark.parametrize("block", [4, 16, 64])
+def test_rotation_spreads_an_outlier_channel_over_its_block(block):
+    # one input channel 30x wider than the rest (as in BERT's LayerNorm outputs and FFN activations): per
+    # token it sets every channel's step; rotated by Hadamard blocks, it is shared by its block and the steps
+    # shrink; the weight takes the inverse rotation, so without rounding the output is the same
+    from bert_engine.fast import hadamard
+
+    torch.manual_seed(0)
+    linear = nn.Linear(384, 256)
+    x = torch.randn(128, 384)
+    x[:, 7] *= 30.0
+    with torch.inference_mode():
+        expected = linear(x)
+        plain, rotated = Int8Linear(linear)(x), Int8Linear(linear, input_rotation=hadamard(block))(x)
+    error = {name: float(((out - expected).norm(dim=1) / expected.norm(dim=1)).mean())
+             for name, out in (("plain", plain), ("rotated", rotated))}
+    assert error["rotated"] < 0.7 * error["plain"], error
+    assert f"inputs rotated in blocks of {block}" in repr(Int8Linear(linear, input_rotation=hadamard(block)))
+    with pytest.raises(ValueError, match="size 256 does not divide in_features 384"):
+        Int8Linear(linear, input_rotation=hadamard(256))
+
+
+@needs_onednn_int8
+def test_int8_rotation_by_default_on_every_projection_and_closer_to_fp32(minilm_dir):
+    from bert_engine.fast import ROTATION_BLOCK
+
+    model, tokenizer = load(minilm_dir)
+    batch = tokenizer(SENTENCES).model_inputs()
+    real = batch["attention_mask"].bool()
+    plain = _encode(model, batch)[real]
+    rotated, unrotated = quantize_int8(copy.deepcopy(model)), quantize_int8(copy.deepcopy(model), rotation=None)
+    for layer in rotated.layers:  # attention.out's input is rotated through V's weights instead
+        assert all(p.input_rotation is not None and p.input_rotation.shape[0] == ROTATION_BLOCK
+                   for p in (layer.attention.qkv, layer.ffn.up, layer.ffn.down))
+        assert layer.attention.out.input_rotation is None
+    assert all(p.input_rotation is None for layer in unrotated.layers
+               for p in (layer.attention.qkv, layer.attention.out, layer.ffn.up, layer.ffn.down))
+    error = {name: float((_encode(m, batch)[real] - plain).norm(dim=-1).mean() / plain.norm(dim=-1).mean())
+             for name, m in (("rotated", rotated), ("unrotated", unrotated))}
+    assert error["rotated"] < error["unrotated"], error
 
 
 @needs_onednn_int8
