@@ -14,6 +14,8 @@ questions. Steps:
 3. the K projections that bought most kept together, K = 0..--keep-candidates, on every task, with
    the encoder's speed-up over fp32 (32x128, interleaved medians).
 
+Every quantised model's inputs are rotated (--rotation BLOCK, bert_engine.fast.ROTATION_BLOCK by default;
+'none' for none) and a row "no rotation" repeats K = 0 without it.
 With --smoothing ALPHA every model is smoothed (SmoothQuant without data, bert_engine.fast.
 smoothing_divisors) and a row "no smoothing" repeats K = 0 without it; --alphas compares strengths on
 the probe items first. A last row rounds the weights alone (activations in fp32): the bound the
@@ -72,19 +74,23 @@ class Task:
         self.reference = self.predict(Predictor.load(self.task, precision="fp32"))
 
     smoothing: float | None = None  # set by main: the strength every quantised model uses unless told
+    rotation: int | None = None  # set by main: the Hadamard block every quantised model uses unless told
 
-    def quantised(self, keep: tuple[str, ...], smoothing: float | None | str = "default"):
+    def quantised(self, keep: tuple[str, ...], smoothing: float | None | str = "default",
+                  rotation: int | None | str = "default"):
         from bert_engine.fast import quantize_int8
         from bert_engine.inference import Predictor
 
         smoothing = self.smoothing if smoothing == "default" else smoothing
-        model = quantize_int8(copy.deepcopy(self.plain), keep_fp32=keep, smoothing=smoothing)
+        rotation = self.rotation if rotation == "default" else rotation
+        model = quantize_int8(copy.deepcopy(self.plain), keep_fp32=keep, smoothing=smoothing, rotation=rotation)
         # the reference's option defaults too: without them QA would never say "no answer" where the
         # fp32 model, calibrated, does, and every such question would count as a disagreement
         return Predictor(self.task, model, self.tokenizer, model_id=self.model_id, model_options=self.model_options)
 
-    def agreement(self, keep: tuple[str, ...], smoothing: float | None | str = "default") -> float:
-        return _agreement(self.predict(self.quantised(keep, smoothing)), self.reference)
+    def agreement(self, keep: tuple[str, ...], smoothing: float | None | str = "default",
+                  rotation: int | None | str = "default") -> float:
+        return _agreement(self.predict(self.quantised(keep, smoothing, rotation)), self.reference)
 
     def weights_only_agreement(self) -> float:
         """Agreement with only the projections' weights rounded as Int8Linear rounds them (per output
@@ -106,12 +112,12 @@ class Task:
 
 
 def encoder_speedup(task: Task, keep: tuple[str, ...], repeats: int,
-                    smoothing: float | None | str = "default") -> float:
+                    smoothing: float | None | str = "default", rotation: int | None | str = "default") -> float:
     """fp32 (packed) time over int8 time of the task model's encoder on 32x128."""
     from bert_engine.fast import pack_linear_layers
 
     encoder_fp32 = pack_linear_layers(copy.deepcopy(task.plain)).encoder
-    encoder_int8 = task.quantised(keep, smoothing).model.encoder
+    encoder_int8 = task.quantised(keep, smoothing, rotation).model.encoder
     ids = torch.randint(1000, 20000, (32, 128), generator=torch.Generator().manual_seed(0))
 
     def run(encoder):
@@ -125,7 +131,7 @@ def encoder_speedup(task: Task, keep: tuple[str, ...], repeats: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bert_engine.fast import LINEAR_NAMES, SMOOTHING_ALPHA
+    from bert_engine.fast import LINEAR_NAMES, ROTATION_BLOCK, SMOOTHING_ALPHA
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default="sentiment,ner,qa")
@@ -138,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoothing", default="none",
                         help=f"SmoothQuant strength alpha in [0, 1] for every quantised model (e.g. {SMOOTHING_ALPHA}), "
                              "or 'none' (the library's default)")
+    parser.add_argument("--rotation", default=str(ROTATION_BLOCK),
+                        help=f"Hadamard block size of the int8 inputs' rotation (the library's default, {ROTATION_BLOCK}), "
+                             "or 'none'; a rotated run adds a row without it")
     parser.add_argument("--alphas", default=None,
                         help="comma-separated strengths to compare first, on the probe items (not the scored ones)")
     parser.add_argument("--data", default=str(DATA))
@@ -146,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     data = Path(args.data)
     Task.smoothing = None if args.smoothing == "none" else float(args.smoothing)
+    Task.rotation = None if args.rotation == "none" else int(args.rotation)
     tasks = {name: Task(name, data, args.limit) for name in args.tasks.split(",")}
     # ranked on items after the scored ones: a projection chosen on the questions it is scored on
     # looks better than it is (2.attention.qkv: +4 points on its probe questions, -0.2 on the rest)
@@ -178,11 +188,16 @@ def main(argv: list[str] | None = None) -> None:
                  **{name: task.agreement((), None) for name, task in tasks.items()}}
         plain["speedup"] = encoder_speedup(next(iter(tasks.values())), (), args.repeats, None)
         rows.append(plain)
+    if Task.rotation is not None:
+        plain = {"kept_fp32": "0, no rotation", "projections": "-",
+                 **{name: task.agreement((), rotation=None) for name, task in tasks.items()}}
+        plain["speedup"] = encoder_speedup(next(iter(tasks.values())), (), args.repeats, rotation=None)
+        rows.append(plain)
     rows.append({"kept_fp32": "weights only", "projections": "int8 weights, fp32 activations (a bound, not a mode)",
                  **{name: task.weights_only_agreement() for name, task in tasks.items()}})
     info = machine()
     print(f"# int8 agreement with fp32 (%), {info['cpu']} ({info['cpu_capability']}), {info['threads']} threads; "
-          f"smoothing {Task.smoothing}; speed-up: encoder fp32 / int8 at 32x128; targets {TARGETS}")
+          f"smoothing {Task.smoothing}; rotation {Task.rotation}; speed-up: encoder fp32 / int8 at 32x128; targets {TARGETS}")
     print_table(rows, ["kept_fp32", *tasks, "speedup", "meets_targets", "projections"])
     chosen = next((r for r in rows if r.get("meets_targets")), None)
     print("recommended: KEEP_FP32 =", tuple(chosen["projections"].split(", ")) if chosen and chosen["kept_fp32"]

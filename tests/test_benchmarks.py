@@ -3,7 +3,10 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import train_step
+from bert_engine.fast import onednn_int8_available
 
 SST = Path(__file__).parent / "fixtures" / "sst_tiny.tsv"
 
@@ -24,3 +27,15 @@ def test_real_batches_draw_whole_sentences_padded_to_each_batch_longest():
     for batch in batches:
         lengths = batch["attention_mask"].sum(1)
         assert batch["input_ids"].shape == (4, int(lengths.max())) and int(lengths.max()) <= 16
+
+
+@pytest.mark.skipif(not onednn_int8_available(), reason="this torch build has no oneDNN int8 matmul")
+def test_int8_rotation_benchmark_times_fp32_and_int8_with_and_without_rotation(tmp_path):
+    from benchmarks import int8_rotation
+
+    out = tmp_path / "rotation.json"
+    int8_rotation.main(["--task", "sentiment", "--shapes", "1x8", "--blocks", "4,16", "--repeats", "1",
+                        "--json", str(out)])
+    rows = {row["model"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fp32", "int8, no rotation", "int8, rotation 4", "int8, rotation 16"}
+    assert rows["fp32"]["vs_fp32"] == 1 and all(row["ms"] > 0 and row["shape"] == "1x8" for row in rows.values())
