@@ -168,7 +168,7 @@ def test_rotating_the_value_heads_changes_no_output():
 @needs_onednn_int8
 @pytest.mark.parametrize("block", [4, 16, 64])
 def test_rotation_spreads_an_outlier_channel_over_its_block(block):
-    # one input channel 30x wider than the rest (as in BERT's LayerNorm outputs and FFN activations): per
+    # one input channel 100x wider than the rest (as in BERT's LayerNorm outputs and FFN activations): per
     # token it sets every channel's step; rotated by Hadamard blocks, it is shared by its block and the steps
     # shrink; the weight takes the inverse rotation, so without rounding the output is the same
     from bert_engine.fast import hadamard
@@ -176,7 +176,7 @@ def test_rotation_spreads_an_outlier_channel_over_its_block(block):
     torch.manual_seed(0)
     linear = nn.Linear(384, 256)
     x = torch.randn(128, 384)
-    x[:, 7] *= 30.0
+    x[:, 7] *= 100.0
     with torch.inference_mode():
         expected = linear(x)
         plain, rotated = Int8Linear(linear)(x), Int8Linear(linear, input_rotation=hadamard(block))(x)
@@ -210,7 +210,7 @@ def test_int8_rotation_by_default_on_every_projection_and_closer_to_fp32(minilm_
 
 @needs_onednn_int8
 def test_smoothing_moves_an_outlier_channel_into_the_weights():
-    # a LayerNorm output with one channel 40x wider than the rest (BERT's LayerNorms have such channels):
+    # a LayerNorm output with one channel 100x wider than the rest (BERT's LayerNorms have such channels):
     # quantised per token, that channel sets every token's step and the others round coarsely; divided
     # out (and multiplied into the weight's column) the steps fit the ordinary channels
     from bert_engine.fast import smoothing_divisors
@@ -219,7 +219,7 @@ def test_smoothing_moves_an_outlier_channel_into_the_weights():
     norm, linear = nn.LayerNorm(384), nn.Linear(384, 128)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
-        norm.weight[7] = 40.0
+        norm.weight[7] = 100.0
         norm.bias.normal_(0, 0.1)
     with torch.inference_mode():
         x = norm(torch.randn(64, 384))
