@@ -183,16 +183,13 @@ def main(argv: list[str] | None = None) -> None:
         row["speedup"] = encoder_speedup(next(iter(tasks.values())), keep, args.repeats)
         row["meets_targets"] = all(row[n] >= TARGETS.get(n, 99.0) for n in tasks)
         rows.append(row)
-    if Task.smoothing is not None:
-        plain = {"kept_fp32": "0, no smoothing", "projections": "-",
-                 **{name: task.agreement((), None) for name, task in tasks.items()}}
-        plain["speedup"] = encoder_speedup(next(iter(tasks.values())), (), args.repeats, None)
-        rows.append(plain)
-    if Task.rotation is not None:
-        plain = {"kept_fp32": "0, no rotation", "projections": "-",
-                 **{name: task.agreement((), rotation=None) for name, task in tasks.items()}}
-        plain["speedup"] = encoder_speedup(next(iter(tasks.values())), (), args.repeats, rotation=None)
-        rows.append(plain)
+    # K = 0 again without each option the run applies, so its effect is read in the same run
+    for label, option, value in (("smoothing", "smoothing", Task.smoothing), ("rotation", "rotation", Task.rotation)):
+        if value is not None:
+            row = {"kept_fp32": f"0, no {label}", "projections": "-",
+                   **{name: task.agreement((), **{option: None}) for name, task in tasks.items()}}
+            row["speedup"] = encoder_speedup(next(iter(tasks.values())), (), args.repeats, **{option: None})
+            rows.append(row)
     rows.append({"kept_fp32": "weights only", "projections": "int8 weights, fp32 activations (a bound, not a mode)",
                  **{name: task.weights_only_agreement() for name, task in tasks.items()}})
     info = machine()
