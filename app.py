@@ -4,7 +4,7 @@ import logging
 import os
 import sys
 
-from bert_engine.precision import PrecisionError
+from bert_engine.runtime.precision import PrecisionError
 from playground import build_app
 from playground.app import warm_up
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bert_engine.precision import cpu_capability
+from bert_engine.runtime.precision import cpu_capability
 
 
 def sync(device: torch.device | str) -> None:

@@ -26,9 +26,9 @@ DEFAULTS = {"sentiment": ("sst2/dev.tsv", "dev", "accuracy"), "ner": ("conll2003
 
 def measure(task_name: str, teacher: str, student: str, data: Path, split: str, limit: int | None,
             repeats: int) -> dict:
-    from bert_engine.inference import Predictor
-    from bert_engine.jobs import evaluate_task, read_examples
-    from bert_engine.registry import load_registry
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.evaluation import evaluate_task, read_examples
+    from bert_engine.tasks.registry import load_registry
 
     task = load_registry(entry_points=False).task(task_name)
     spec = task.spec

@@ -47,7 +47,7 @@ def model_folders(names: list[str], workdir: Path) -> dict[str, Path]:
     """name -> a Hugging Face-layout folder both implementations load."""
     import transformers
 
-    from bert_engine.hub import default_backbone
+    from bert_engine.checkpoints.hub import default_backbone
 
     folders = {}
     for name in names:
@@ -68,9 +68,9 @@ def load_pair(folder: Path, device: str, precision: str):
     import transformers
 
     from bert_engine import load_pretrained
-    from bert_engine.precision import prepare_for_inference
+    from bert_engine.runtime.precision import prepare_for_inference
 
-    # The engine as the Predictor runs it (packed oneDNN linears on CPU; see bert_engine/fast.py).
+    # The engine as the Predictor runs it (packed oneDNN linears on CPU; see bert_engine/runtime/fast.py).
     ours = prepare_for_inference(load_pretrained(folder, device=device), precision)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     reference = transformers.BertModel.from_pretrained(folder, attn_implementation="sdpa").to(device, dtype).eval()

@@ -1,5 +1,5 @@
 """What the int8 input rotation costs: a task starter's encoder in fp32 (packed) and in int8 with and
-without rotation (bert_engine.fast.quantize_int8(rotation=)), interleaved, per input shape.
+without rotation (bert_engine.runtime.fast.quantize_int8(rotation=)), interleaved, per input shape.
 
     python -m benchmarks.int8_rotation                                  # QA starter, 1x128 / 32x128 / 8x512
     python -m benchmarks.int8_rotation --task sentiment --blocks 8,16 --shapes 32x128
@@ -19,9 +19,9 @@ from benchmarks.common import interleaved, machine, median, print_table, write_j
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bert_engine.fast import ROTATION_BLOCK, pack_linear_layers, quantize_int8
-    from bert_engine.inference import Predictor
-    from bert_engine.registry import load_registry
+    from bert_engine.runtime.fast import ROTATION_BLOCK, pack_linear_layers, quantize_int8
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.registry import load_registry
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="qa", help="whose starter model to time (the encoder only)")

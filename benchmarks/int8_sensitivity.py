@@ -7,21 +7,21 @@ Agreement is the share of predictions identical to the fp32 model's: sentiment l
 dev, NER entity sets (CRF decoding) on CoNLL eng.testb sentences, QA answers on SQuAD dev-v1.1
 questions. Steps:
 
-1. every projection in int8 (oneDNN, bert_engine.fast.Int8Linear): the agreement to beat;
+1. every projection in int8 (oneDNN, bert_engine.runtime.fast.Int8Linear): the agreement to beat;
 2. on the probe task, each of the 24 projections (6 layers x qkv, attention output, FFN up, FFN
    down) kept in fp32 alone: how much agreement it buys back, on the --probe-limit items that follow
    the --limit scored ones (ranking and scoring on the same items would overfit the ranking);
 3. the K projections that bought most kept together, K = 0..--keep-candidates, on every task, with
    the encoder's speed-up over fp32 (32x128, interleaved medians).
 
-Every quantised model's inputs are rotated (--rotation BLOCK, bert_engine.fast.ROTATION_BLOCK by default;
+Every quantised model's inputs are rotated (--rotation BLOCK, bert_engine.runtime.fast.ROTATION_BLOCK by default;
 'none' for none) and a row "no rotation" repeats K = 0 without it.
-With --smoothing ALPHA every model is smoothed (SmoothQuant without data, bert_engine.fast.
+With --smoothing ALPHA every model is smoothed (SmoothQuant without data, bert_engine.runtime.fast.
 smoothing_divisors) and a row "no smoothing" repeats K = 0 without it; --alphas compares strengths on
 the probe items first. A last row rounds the weights alone (activations in fp32): the bound the
 weight format sets.
 The first K whose agreement meets the targets (sentiment and NER >= 99 %, QA >= 97 %) is the
-recommendation, written as a `KEEP_FP32` tuple for bert_engine/fast.py.
+recommendation, written as a `KEEP_FP32` tuple for bert_engine/runtime/fast.py.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ TARGETS = {"sentiment": 99.0, "ner": 99.0, "qa": 97.0}
 
 def _workload(task_name: str, data: Path, limit: int, offset: int = 0):
     """(task, predict(predictor) -> comparable predictions) on items offset .. offset + limit."""
-    from bert_engine.inference import predict_texts
-    from bert_engine.registry import load_registry
+    from bert_engine.runtime.inference import predict_texts
+    from bert_engine.tasks.registry import load_registry
     from plugins.qa import predict_many
 
     task = load_registry(entry_points=False).task(task_name)
@@ -64,7 +64,7 @@ def _agreement(a: list, b: list) -> float:
 
 class Task:
     def __init__(self, name: str, data: Path, limit: int, offset: int = 0) -> None:
-        from bert_engine.inference import Predictor
+        from bert_engine.runtime.inference import Predictor
 
         self.name = name
         self.task, self.predict = _workload(name, data, limit, offset)
@@ -78,8 +78,8 @@ class Task:
 
     def quantised(self, keep: tuple[str, ...], smoothing: float | None | str = "default",
                   rotation: int | None | str = "default"):
-        from bert_engine.fast import quantize_int8
-        from bert_engine.inference import Predictor
+        from bert_engine.runtime.fast import quantize_int8
+        from bert_engine.runtime.inference import Predictor
 
         smoothing = self.smoothing if smoothing == "default" else smoothing
         rotation = self.rotation if rotation == "default" else rotation
@@ -96,8 +96,8 @@ class Task:
         """Agreement with only the projections' weights rounded as Int8Linear rounds them (per output
         channel, fast.int8_weight_limit levels) and everything else in fp32: the bound that the weight
         format alone sets, whatever the activations' scheme."""
-        from bert_engine.fast import LINEAR_NAMES, int8_weight_limit, quantise_weight
-        from bert_engine.inference import Predictor
+        from bert_engine.runtime.fast import LINEAR_NAMES, int8_weight_limit, quantise_weight
+        from bert_engine.runtime.inference import Predictor
 
         model, levels = copy.deepcopy(self.plain), int8_weight_limit()
         with torch.no_grad():
@@ -114,7 +114,7 @@ class Task:
 def encoder_speedup(task: Task, keep: tuple[str, ...], repeats: int,
                     smoothing: float | None | str = "default", rotation: int | None | str = "default") -> float:
     """fp32 (packed) time over int8 time of the task model's encoder on 32x128."""
-    from bert_engine.fast import pack_linear_layers
+    from bert_engine.runtime.fast import pack_linear_layers
 
     encoder_fp32 = pack_linear_layers(copy.deepcopy(task.plain)).encoder
     encoder_int8 = task.quantised(keep, smoothing, rotation).model.encoder
@@ -131,7 +131,7 @@ def encoder_speedup(task: Task, keep: tuple[str, ...], repeats: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bert_engine.fast import LINEAR_NAMES, ROTATION_BLOCK, SMOOTHING_ALPHA
+    from bert_engine.runtime.fast import LINEAR_NAMES, ROTATION_BLOCK, SMOOTHING_ALPHA
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default="sentiment,ner,qa")

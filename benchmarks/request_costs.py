@@ -13,8 +13,8 @@ import torch
 
 from benchmarks.common import machine, print_table
 from bert_engine.hookspecs import InputError
-from bert_engine.inference import Predictor
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
 from plugins.summary import mmr_select
 
 SENTENCE = "The committee met on Tuesday to discuss the budget for next year. "

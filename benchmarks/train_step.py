@@ -43,8 +43,8 @@ def step_flops(config, lengths: list[int], masked: int) -> float:
 def real_batches(path: str, count: int, batch: int, tokens: int, seed: int = 0) -> list[dict]:
     """`count` batches of `batch` sentences of the sentiment file at `path`, drawn at random, tokenised
     with MiniLM's tokenizer (bert-base-uncased's vocabulary), each padded to its longest (at most `tokens`)."""
-    from bert_engine.hub import default_backbone
-    from bert_engine.registry import load_registry
+    from bert_engine.checkpoints.hub import default_backbone
+    from bert_engine.tasks.registry import load_registry
     from bert_engine.tokenizer import Tokenizer
 
     texts = [inputs["text"] for inputs, _ in load_registry(entry_points=False).task("sentiment").spec.read_data(path, "all")]

@@ -40,9 +40,9 @@ BATCH = 32
 
 def merged_folder(task_name: str, workdir: Path) -> Path:
     """The task's starter model (adapter merged into MiniLM) saved in the Hugging Face layout."""
-    from bert_engine.loader import load
-    from bert_engine.loading import save_pretrained
-    from bert_engine.registry import load_registry
+    from bert_engine.checkpoints.loader import load
+    from bert_engine.checkpoints.loading import save_pretrained
+    from bert_engine.tasks.registry import load_registry
 
     task = load_registry(entry_points=False).task(task_name)
     if task.spec.default_checkpoint is None:
@@ -58,8 +58,8 @@ def merged_folder(task_name: str, workdir: Path) -> Path:
 def sentiment(folder: Path, data: Path, precision: str, limit: int | None):
     import transformers
 
-    from bert_engine.inference import Predictor, predict_texts
-    from bert_engine.registry import load_registry
+    from bert_engine.runtime.inference import Predictor, predict_texts
+    from bert_engine.tasks.registry import load_registry
 
     task = load_registry(entry_points=False).task("sentiment")
     examples = list(task.spec.read_data(str(data / "sst2" / "dev.tsv"), "test"))[:limit]
@@ -86,8 +86,8 @@ def sentiment(folder: Path, data: Path, precision: str, limit: int | None):
 def ner(folder: Path, data: Path, precision: str, limit: int | None):
     import transformers
 
-    from bert_engine.inference import Predictor, predict_texts
-    from bert_engine.registry import load_registry
+    from bert_engine.runtime.inference import Predictor, predict_texts
+    from bert_engine.tasks.registry import load_registry
     task = load_registry(entry_points=False).task("ner")
     examples = list(task.spec.read_data(str(data / "conll2003" / "eng.testb"), "test"))[:limit]
     texts = [x["text"] for x, _ in examples]
@@ -152,8 +152,8 @@ def _gold_entities(inputs: dict, target) -> list[tuple[int, int, str]]:
 def qa(folder: Path, data: Path, precision: str, limit: int | None):
     import transformers
 
-    from bert_engine.inference import Predictor
-    from bert_engine.registry import load_registry
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.registry import load_registry
     from plugins.qa import predict_many, squad_scores
 
     task = load_registry(entry_points=False).task("qa")

@@ -10,15 +10,20 @@ The names below load on first use (PEP 562), so `bert-engine --help` does not im
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "PRESETS": "config", "BertConfig": "config", "HEADS": "heads", "BertWithHead": "heads", "HubError": "hub",
-    "default_backbone": "hub", "resolve": "hub", "load": "loader", "load_pretrained": "loader",
-    "load_tokenizer": "loader", "CheckpointError": "loading", "Loaded": "loading", "save_pretrained": "loading",
-    "BertModel": "model", "EncoderOutput": "model", "Pipeline": "pipeline", "pipeline": "pipeline",
+    "PRESETS": "config", "BertConfig": "config", "HEADS": "heads", "BertWithHead": "heads",
+    "HubError": "checkpoints.hub", "default_backbone": "checkpoints.hub", "resolve": "checkpoints.hub",
+    "load": "checkpoints.loader", "load_pretrained": "checkpoints.loader", "load_tokenizer": "checkpoints.loader",
+    "CheckpointError": "checkpoints.loading", "Loaded": "checkpoints.loading", "save_pretrained": "checkpoints.loading",
+    "BertModel": "model", "EncoderOutput": "model", "Pipeline": "serving.pipeline", "pipeline": "serving.pipeline",
     "Batch": "tokenizer", "Tokenizer": "tokenizer",
 }
 __all__ = [
@@ -28,14 +33,49 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below imports on first use
+    from .checkpoints.hub import HubError, default_backbone, resolve
+    from .checkpoints.loader import load, load_pretrained, load_tokenizer
+    from .checkpoints.loading import CheckpointError, Loaded, save_pretrained
     from .config import PRESETS, BertConfig
     from .heads import HEADS, BertWithHead
-    from .hub import HubError, default_backbone, resolve
-    from .loader import load, load_pretrained, load_tokenizer
-    from .loading import CheckpointError, Loaded, save_pretrained
     from .model import BertModel, EncoderOutput
-    from .pipeline import Pipeline, pipeline
+    from .serving.pipeline import Pipeline, pipeline
     from .tokenizer import Batch, Tokenizer
+
+
+# Where each module lived before the package was split into layers (issue 37) -> where it is now.
+# `import bert_engine.registry` and the like keep working: the old name is the same module object.
+MOVED = {
+    "hub": "checkpoints.hub", "loading": "checkpoints.loading",
+    "loader": "checkpoints.loader", "lora": "checkpoints.lora",
+    "precision": "runtime.precision", "fast": "runtime.fast", "cancel": "runtime.cancel",
+    "fairness": "runtime.fairness", "inference": "runtime.inference",
+    "registry": "tasks.registry", "conformance": "tasks.conformance",
+    "train_config": "training.train_config", "pretraining": "training.pretraining", "jobs": "training.jobs",
+    "distill": "training.distill", "publish": "shipping.publish",
+}
+# (`bert_engine.pipeline` is the function above, as it always was; the old `bert_engine.serving` and
+# `bert_engine.training` modules are now packages whose names still resolve: see their __init__.)
+
+
+class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds `bert_engine.<old name>` (MOVED) and answers with the module at its new path."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        package, _, name = fullname.partition(".")
+        if package != __name__ or name not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return importlib.import_module(f"{__name__}.{MOVED[spec.name.partition('.')[2]]}")
+
+    def exec_module(self, module: Any) -> None:
+        pass  # already imported by create_module
+
+
+if not any(isinstance(finder, _OldPaths) for finder in sys.meta_path):
+    sys.meta_path.append(_OldPaths())
 
 
 def __getattr__(name: str) -> Any:

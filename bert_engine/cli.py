@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # each command imports what it needs when it runs: `--help` loads no torch
-    from .train_config import TrainConfig
+    from .training.train_config import TrainConfig
 
 PRECISIONS = "auto, fp32, bf16, fp16, int8"  # checked by precision.py (its table) when a command runs
 
@@ -24,7 +24,7 @@ PRECISION_HELP = ("auto: fp32 on CPU, bf16/fp16 on GPU; bf16 on a CPU with AVX51
 
 def _task(name: str):
     """The registered task `name`; ValueError (exit code 2) naming the registered ones otherwise."""
-    from .registry import load_registry
+    from .tasks.registry import load_registry
 
     try:
         return load_registry().task(name)
@@ -33,7 +33,7 @@ def _task(name: str):
 
 
 def _info(args: argparse.Namespace) -> dict:
-    from .loader import load
+    from .checkpoints.loader import load
 
     loaded = load(args.model, args.head, revision=args.revision)
     model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.model.config
@@ -48,7 +48,7 @@ def _info(args: argparse.Namespace) -> dict:
 def _encode(args: argparse.Namespace) -> dict:
     import torch
 
-    from .loader import load
+    from .checkpoints.loader import load
 
     model, tokenizer = load(args.model, revision=args.revision)
     batch = tokenizer(args.text)
@@ -68,8 +68,8 @@ def _push(args: argparse.Namespace) -> dict:
     leave the staged folder for a look)."""
     import tempfile
 
-    from .hub import check_push_target, upload_folder
-    from .publish import read_source, stage
+    from .checkpoints.hub import check_push_target, upload_folder
+    from .shipping.publish import read_source, stage
 
     if not args.dry_run:
         check_push_target(args.repo, args.token)
@@ -92,15 +92,15 @@ def _push(args: argparse.Namespace) -> dict:
 
 
 def _plugins(args: argparse.Namespace) -> dict:
-    from .registry import load_registry
+    from .tasks.registry import load_registry
 
     registry = load_registry()
     if registry.failures:  # a plugin that failed to load is a failure of this command too
         args.exit_code = 1
     if not args.smoke:
         return registry.to_json()
-    from .cancel import call_with_timeout, raised_by_call
-    from .inference import Predictor
+    from .runtime.cancel import call_with_timeout, raised_by_call
+    from .runtime.inference import Predictor
 
     smoke = {}
     for name, task in registry.tasks.items():
@@ -120,7 +120,7 @@ def _plugins(args: argparse.Namespace) -> dict:
 
 
 def _plugin_check(args: argparse.Namespace) -> dict:
-    from .conformance import check_plugin
+    from .tasks.conformance import check_plugin
 
     report = check_plugin(args.name, data=args.data, split=args.split, case_timeout_s=args.case_timeout)
     if not report["ok"]:
@@ -129,7 +129,7 @@ def _plugin_check(args: argparse.Namespace) -> dict:
 
 
 def _predict(args: argparse.Namespace) -> dict:
-    from .inference import Predictor
+    from .runtime.inference import Predictor
 
     task = _task(args.task)
     fields = task.spec.input_fields + task.spec.optional_fields
@@ -202,7 +202,7 @@ def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str
     """Answer every row, in order, as JSON Lines ({"line", "result"} or {"line", "error"}) on stdout or
     into `output`, with a progress bar on stderr. Under torchrun each process answers every WORLD_SIZE-th
     batch of 32 lines and the first writes them all, in order. Returns how many lines failed."""
-    from .training import gather_objects, init_distributed
+    from .runtime.distributed import gather_objects, init_distributed, process_group
 
     dist_info = init_distributed("cpu" if predictor.device.type == "cpu" else None)
     with process_group(dist_info):
@@ -267,7 +267,7 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
 def _training_config(args: argparse.Namespace, **fixed) -> TrainConfig:
     import dataclasses
 
-    from .train_config import TrainConfig
+    from .training.train_config import TrainConfig
 
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     if "options" in given:  # -o NAME=VALUE pairs, in order; a later one wins
@@ -277,7 +277,8 @@ def _training_config(args: argparse.Namespace, **fixed) -> TrainConfig:
 
 
 def _run_training(job_factory, cfg) -> dict:
-    from .training import init_distributed, train
+    from .runtime.distributed import init_distributed, process_group
+    from .training.loop import train
 
     dist_info = init_distributed(cfg.device)
     with process_group(dist_info):
@@ -285,28 +286,8 @@ def _run_training(job_factory, cfg) -> dict:
         return train(job, cfg, dist_info=dist_info)
 
 
-@contextlib.contextmanager
-def process_group(dist_info):
-    """Under torchrun, destroy the process group when the body ends; when it ends well, every process
-    first waits at a barrier for the others, so none tears its group down while a peer is still
-    finishing (gloo then aborted the early one with SIGABRT, "terminate called without an active
-    exception", seen once in the two-process training test). After an error there is no
-    barrier: a peer that failed would never reach it."""
-    finished = False
-    try:
-        yield
-        finished = True
-    finally:
-        if dist_info.world > 1:
-            import torch.distributed as dist
-
-            if finished:
-                dist.barrier()
-            dist.destroy_process_group()
-
-
 def _train(args: argparse.Namespace) -> dict:
-    from .jobs import TaskJob
+    from .training.jobs import TaskJob
 
     task = _task(args.task)
     cfg = _training_config(args, task=args.task)
@@ -314,21 +295,21 @@ def _train(args: argparse.Namespace) -> dict:
 
 
 def _pretrain(args: argparse.Namespace) -> dict:
-    from .jobs import PretrainJob
+    from .training.jobs import PretrainJob
 
     return _run_training(PretrainJob, _training_config(args))
 
 
 def _distill(args: argparse.Namespace) -> dict:
-    from .distill import DistillJob
+    from .training.distill import DistillJob
 
     task = _task(args.task)
     return _run_training(lambda c: DistillJob(task, c), _training_config(args, task=args.task))
 
 
 def _eval(args: argparse.Namespace) -> dict:
-    from .inference import Predictor
-    from .jobs import evaluate_task, resolve_model_name
+    from .runtime.inference import Predictor
+    from .training.jobs import evaluate_task, resolve_model_name
 
     task = _task(args.task)
     spec = task.spec
@@ -352,7 +333,7 @@ def _halve_adapter(path: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from .loading import save_weights
+    from .checkpoints.loading import save_weights
 
     tensors = load_file(path)
     for name, tensor in tensors.items():
@@ -366,9 +347,9 @@ def _reduce_adapter_rank(folder: Path, rank: int) -> dict:
     returns what the manifest records: the trained and stored ranks and the smallest energy share kept."""
     from safetensors.torch import load_file
 
-    from .hub import ADAPTER_WEIGHTS
-    from .loading import save_weights
-    from .lora import ADAPTER_CONFIG, read_adapter_config, reduce_rank
+    from .checkpoints.hub import ADAPTER_WEIGHTS
+    from .checkpoints.loading import save_weights
+    from .checkpoints.lora import ADAPTER_CONFIG, read_adapter_config, reduce_rank
 
     config = read_adapter_config(folder)  # the whole file, checked
     trained = {"trained_rank": config["rank"], "trained_alpha": config["alpha"]}
@@ -405,9 +386,9 @@ def _pack(args: argparse.Namespace) -> dict:
     import datetime
     import shutil
 
-    from .hub import PACK_MANIFEST
-    from .inference import Predictor
-    from .jobs import evaluate_task
+    from .checkpoints.hub import PACK_MANIFEST
+    from .runtime.inference import Predictor
+    from .training.jobs import evaluate_task
 
     task = _task(args.task)
     run = Path(args.run_dir)
@@ -433,7 +414,7 @@ def _pack(args: argparse.Namespace) -> dict:
     if not (source / "adapter_config.json").is_file():
         raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
     if args.adapter_rank is not None:  # checked before anything is written
-        from .lora import read_adapter_config
+        from .checkpoints.lora import read_adapter_config
 
         trained = read_adapter_config(source)["rank"]
         if not 1 <= args.adapter_rank < trained:
@@ -527,7 +508,7 @@ def _add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
     import dataclasses
     import typing
 
-    from .train_config import TrainConfig
+    from .training.train_config import TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
     parser.add_argument("--config", default=None, help="a JSON or YAML file of these settings; flags override it")
@@ -578,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="fine-tune a registered task (built-in or plugin); works under torchrun",
                            description="Fine-tune TASK's head on a checkpoint, optionally with LoRA adapters.")
     train.add_argument("task", help="task name, e.g. sentiment, ner, qa, summary, fill_mask")
-    from .train_config import DISTILL_ONLY, NOT_FOR_DISTILL, PRETRAIN_ONLY  # noqa: PLC0415 - a light module
+    from .training.train_config import DISTILL_ONLY, NOT_FOR_DISTILL, PRETRAIN_ONLY  # noqa: PLC0415 - a light module
 
     _add_training_flags(train, skip=("task", *PRETRAIN_ONLY, *DISTILL_ONLY))
     train.set_defaults(run=_train)
@@ -667,8 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # --help and usage errors end here, before torch loads
-    from .hub import HubError, default_backbone
-    from .loading import CheckpointError
+    from .checkpoints.hub import HubError, default_backbone
+    from .checkpoints.loading import CheckpointError
 
     verbose = args.verbose or args.command in ("train", "pretrain")  # training reports its progress
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

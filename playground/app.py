@@ -19,16 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from bert_engine import ui
-from bert_engine.cancel import PredictionTimeout, call_with_timeout
-from bert_engine.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
+from bert_engine.checkpoints.hub import ADAPTER_WEIGHTS, WEIGHT_FILES, HubError
+from bert_engine.checkpoints.loading import CheckpointError, inside_any
+from bert_engine.checkpoints.lora import looks_local
 from bert_engine.hookspecs import InputError
-from bert_engine.hub import ADAPTER_WEIGHTS, WEIGHT_FILES, HubError
-from bert_engine.loading import CheckpointError, inside_any
-from bert_engine.lora import looks_local
-from bert_engine.precision import pick_device
-from bert_engine.precision import resolve as resolve_precision
-from bert_engine.registry import REQUEST_STAGES, PluginFailure, Registry, failure_location, load_registry
-from bert_engine.serving import BatchingPredictor, LazyPredictor
+from bert_engine.runtime.cancel import PredictionTimeout, call_with_timeout
+from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
+from bert_engine.runtime.precision import pick_device
+from bert_engine.runtime.precision import resolve as resolve_precision
+from bert_engine.serving.predictors import BatchingPredictor, LazyPredictor
+from bert_engine.tasks.registry import REQUEST_STAGES, PluginFailure, Registry, failure_location, load_registry
 from playground import attention
 from plugins.starter import STARTER_ROOT
 
@@ -64,7 +64,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
         registry: the task registry (default: load built-ins and installed plugins).
         checkpoints: task name -> folder or Hub id, overriding each task's default model.
         device: force a device ("cpu", "cuda"); default: CUDA, then MPS, then CPU.
-        precision: "auto", "fp32", "bf16", "fp16" or "int8" (bert_engine.precision); checked here
+        precision: "auto", "fp32", "bf16", "fp16" or "int8" (bert_engine.runtime.precision); checked here
             against the device and CPU, so a precision this machine cannot run fails at start-up
             (PrecisionError) instead of in every tab.
         timeout_s: seconds a prediction may take before the user gets a "cut off" message instead
@@ -80,7 +80,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     predictors = {name: BatchingPredictor(task, checkpoints.get(name), device=device, precision=precision,
                                           allowed_dirs=model_dirs, shown_name=shown_model_name)
                   for name, task in registry.tasks.items()}
-    in_flight = InFlight()  # per visitor, across the tabs (bert_engine.fairness)
+    in_flight = InFlight()  # per visitor, across the tabs (bert_engine.runtime.fairness)
     for name, predictor in predictors.items():
         predictor.predict = guarded(on_gpu(predictor.predict, predictor, timeout_s), name, registry, timeout_s, in_flight)
     statuses: dict[str, Any] = {}
@@ -137,7 +137,7 @@ def current_visitor() -> str | None:
 
 
 def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_flight: InFlight | None = None):
-    """`predict` with a time limit (cut off and cancelled, see bert_engine.cancel), and a task's own
+    """`predict` with a time limit (cut off and cancelled, see bert_engine.runtime.cancel), and a task's own
     failures turned into a clear message in the UI (recorded for the Plugins tab) instead of a stack
     trace; bad input stays the task's InputError. Contains every BaseException a task can raise
     (SystemExit, KeyboardInterrupt, a native library's panic): the server keeps answering."""

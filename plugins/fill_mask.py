@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 from bert_engine import ui
 from bert_engine.heads import IGNORE_INDEX, MaskedLMHead
 from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
-from bert_engine.inference import MAX_REQUEST_TOKENS
-from bert_engine.pretraining import continuation_ids, mask_tokens, masked_lm_counts, read_documents
+from bert_engine.runtime.inference import MAX_REQUEST_TOKENS
+from bert_engine.training.pretraining import continuation_ids, mask_tokens, masked_lm_counts, read_documents
 from plugins.starter import starter_checkpoint
 
 MODES = ("independent", "joint")

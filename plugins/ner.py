@@ -28,7 +28,7 @@ from bert_engine import ui
 from bert_engine.crf import CRF
 from bert_engine.heads import IGNORE_INDEX, TokenClassificationHead
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
-from bert_engine.inference import predict_texts
+from bert_engine.runtime.inference import predict_texts
 from bert_engine.ui import percent
 from plugins.starter import starter_checkpoint
 

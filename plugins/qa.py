@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from bert_engine import ui
 from bert_engine.heads import SpanHead, SpanOutput
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
-from bert_engine.inference import model_options
+from bert_engine.runtime.inference import model_options
 from bert_engine.ui import percent
 from plugins.sentences import split_sentences
 from plugins.starter import starter_checkpoint

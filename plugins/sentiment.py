@@ -19,7 +19,7 @@ from torch import Tensor
 from bert_engine import ui
 from bert_engine.heads import SequenceClassificationHead
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl, length_option
-from bert_engine.inference import predict_texts
+from bert_engine.runtime.inference import predict_texts
 from plugins.starter import starter_checkpoint
 
 logger = logging.getLogger(__name__)

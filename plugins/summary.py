@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from bert_engine import ui
 from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
-from bert_engine.inference import predict_texts
+from bert_engine.runtime.inference import predict_texts
 from bert_engine.tokenizer import Batch
 from plugins.rouge import rouge
 from plugins.sentences import split_sentences

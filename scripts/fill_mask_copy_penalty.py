@@ -15,8 +15,8 @@ import argparse
 import torch
 
 from bert_engine.heads import IGNORE_INDEX
-from bert_engine.inference import Predictor
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
 from plugins import fill_mask
 
 PENALTIES = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)

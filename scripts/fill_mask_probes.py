@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from bert_engine.inference import Predictor
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
 
 PROBES = [("The capital of France is [MASK].", "paris"), ("The capital of Italy is [MASK].", "rome"),
     ("The capital of Japan is [MASK].", "tokyo"), ("The capital of England is [MASK].", "london"),

@@ -19,8 +19,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from bert_engine.inference import Predictor
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
 from plugins import qa
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "squad"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bert_engine.pretraining import read_documents  # noqa: E402
+from bert_engine.training.pretraining import read_documents  # noqa: E402
 from plugins.fill_mask import PASSAGE_WORDS, held_out  # noqa: E402
 
 # a sentence ends at . ! or ? (and any closing quotes or brackets) before a space and a capital,

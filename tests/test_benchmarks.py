@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import train_step
-from bert_engine.fast import onednn_int8_available
+from bert_engine.runtime.fast import onednn_int8_available
 
 SST = Path(__file__).parent / "fixtures" / "sst_tiny.tsv"
 

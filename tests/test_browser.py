@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_engine.registry import load_registry
+from bert_engine.tasks.registry import load_registry
 from playground import build_app
 
 CHROMIUM = os.environ.get("BERT_ENGINE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_engine.conformance import check_task, tiny_predictor
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
-from bert_engine.registry import Registry, load_registry
+from bert_engine.tasks.conformance import check_task, tiny_predictor
+from bert_engine.tasks.registry import Registry, load_registry
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # Sample data in each built-in task's read_data format, and the split to read; the training check

@@ -9,9 +9,10 @@ import torch
 from conftest import reference_checkpoint
 
 from bert_engine import load
-from bert_engine.distill import DistillJob, cosine_loss, every_other_layer, make_student, soft_target_loss
-from bert_engine.registry import load_registry
-from bert_engine.training import TrainConfig, train
+from bert_engine.tasks.registry import load_registry
+from bert_engine.training.distill import DistillJob, cosine_loss, every_other_layer, make_student, soft_target_loss
+from bert_engine.training.loop import train
+from bert_engine.training.train_config import TrainConfig
 
 SST = Path(__file__).parent / "fixtures" / "sst_tiny.tsv"
 

@@ -14,9 +14,9 @@ import transformers
 from conftest import randomised
 
 from bert_engine import BertConfig, BertModel, BertWithHead, load_pretrained, save_pretrained
-from bert_engine.loading import CheckpointError
-from bert_engine.pretraining import continuation_mask, mask_tokens
+from bert_engine.checkpoints.loading import CheckpointError
 from bert_engine.tokenizer import Tokenizer
+from bert_engine.training.pretraining import continuation_mask, mask_tokens
 
 T = transformers
 FAMILIES = {
@@ -238,8 +238,8 @@ def test_every_task_answers_on_every_family(family, tmp_path):
     """A task's head sees an encoder output, never the family: each task answers on a RoBERTa-, ALBERT-
     and DistilBERT-shaped checkpoint (random weights, a real tokenizer); the tab's "[MASK]" works with
     RoBERTa's "<mask>", and candidates read without their "Ġ"/"▁" marks."""
-    from bert_engine.registry import load_registry
-    from bert_engine.serving import LazyPredictor
+    from bert_engine.serving.predictors import LazyPredictor
+    from bert_engine.tasks.registry import load_registry
 
     folder = _family_checkpoint(family, tmp_path / family)
     registry = load_registry(entry_points=False)
@@ -278,7 +278,7 @@ def _book_corpus(path: Path, documents: int = 60) -> Path:
 
 
 def test_sentence_order_pairs_are_true_continuations_half_swapped(tmp_path):
-    from bert_engine.pretraining import PairBuilder, collate_pairs, read_documents, tokenize_documents
+    from bert_engine.training.pretraining import PairBuilder, collate_pairs, read_documents, tokenize_documents
 
     tokenizer = Tokenizer.from_pretrained(TOKENIZERS / "albert")
     documents = tokenize_documents(read_documents(_book_corpus(tmp_path / "corpus.txt")), tokenizer)
@@ -296,7 +296,7 @@ def test_sentence_order_pairs_are_true_continuations_half_swapped(tmp_path):
 
 
 def test_roberta_rows_are_one_segment_packed_from_one_document(tmp_path):
-    from bert_engine.pretraining import PairBuilder, collate_pairs, read_documents, tokenize_documents
+    from bert_engine.training.pretraining import PairBuilder, collate_pairs, read_documents, tokenize_documents
 
     tokenizer = Tokenizer.from_pretrained(TOKENIZERS / "roberta")
     documents = tokenize_documents(read_documents(_book_corpus(tmp_path / "corpus.txt")), tokenizer)
@@ -317,8 +317,9 @@ def _find(stream, piece):
     ("roberta", "mlm", T.RobertaForMaskedLM), ("albert", "mlm+sop", T.AlbertForPreTraining),
     ("distilbert", "mlm", T.DistilBertForMaskedLM)])
 def test_each_family_pretrains_with_its_objective_and_falling_loss(tmp_path, family, objective, head_class):
-    from bert_engine.jobs import PretrainJob
-    from bert_engine.training import TrainConfig, train
+    from bert_engine.training.jobs import PretrainJob
+    from bert_engine.training.loop import train
+    from bert_engine.training.train_config import TrainConfig
 
     corpus = _book_corpus(tmp_path / "corpus.txt", 40)
     cfg = TrainConfig(preset="tiny", family=family, tokenizer=str(TOKENIZERS / family), train_file=str(corpus),
@@ -341,8 +342,8 @@ def test_each_family_pretrains_with_its_objective_and_falling_loss(tmp_path, fam
     ("bert", "mlm+sop", "mlm\\+sop needs ALBERT's sentence-order head; a bert model has none"),
     ("gpt2", None, "family 'gpt2' is not one of")])
 def test_an_objective_the_family_cannot_train_is_refused(tmp_path, family, objective, message):
-    from bert_engine.jobs import PretrainJob
-    from bert_engine.training import TrainConfig
+    from bert_engine.training.jobs import PretrainJob
+    from bert_engine.training.train_config import TrainConfig
 
     cfg = TrainConfig(preset="tiny", family=family, objective=objective, train_file=str(_book_corpus(tmp_path / "c.txt")),
                       tokenizer=str(TOKENIZERS / "roberta"), output_dir=str(tmp_path / "run"))
@@ -355,9 +356,10 @@ def test_lora_fine_tuning_runs_and_loads_back_on_every_family(family, tmp_path):
     """`bert-engine train` with LoRA on a family checkpoint: the adapter (ALBERT's on its shared layers)
     and head load back to the live model's outputs, and the merged copy is a checkpoint of the family."""
     from bert_engine import load
-    from bert_engine.jobs import TaskJob
-    from bert_engine.registry import load_registry
-    from bert_engine.training import TrainConfig, train
+    from bert_engine.tasks.registry import load_registry
+    from bert_engine.training.jobs import TaskJob
+    from bert_engine.training.loop import train
+    from bert_engine.training.train_config import TrainConfig
 
     folder = _family_checkpoint(family, tmp_path / family)
     task = load_registry(entry_points=False).task("sentiment")

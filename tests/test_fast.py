@@ -1,4 +1,4 @@
-"""Packed CPU linear layers and int8 quantisation (bert_engine/fast.py) keep the model's outputs."""
+"""Packed CPU linear layers and int8 quantisation (bert_engine/runtime/fast.py) keep the model's outputs."""
 
 import copy
 import dataclasses
@@ -9,7 +9,7 @@ from conftest import SENTENCES
 from torch import nn
 
 from bert_engine import PRESETS, BertModel, load
-from bert_engine.fast import (
+from bert_engine.runtime.fast import (
     Int8Linear,
     PackedLinear,
     can_pack,
@@ -17,7 +17,7 @@ from bert_engine.fast import (
     pack_linear_layers,
     quantize_int8,
 )
-from bert_engine.precision import prepare_for_inference
+from bert_engine.runtime.precision import prepare_for_inference
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 
@@ -136,7 +136,7 @@ def test_int8_quantises_ffn_down_for_its_one_sided_input_and_only_it(minilm_dir)
 
 
 def test_hadamard_is_orthonormal_and_rotation_blocks_divide_the_width():
-    from bert_engine.fast import hadamard, rotation_block
+    from bert_engine.runtime.fast import hadamard, rotation_block
 
     for size in (1, 2, 16, 64):
         matrix = hadamard(size)
@@ -149,7 +149,7 @@ def test_hadamard_is_orthonormal_and_rotation_blocks_divide_the_width():
 
 
 def test_rotating_the_value_heads_changes_no_output():
-    from bert_engine.fast import rotate_value_heads
+    from bert_engine.runtime.fast import rotate_value_heads
 
     torch.manual_seed(0)
     config = dataclasses.replace(PRESETS["tiny"], hidden_size=96, num_attention_heads=3)  # heads of 32
@@ -171,7 +171,7 @@ def test_rotation_spreads_an_outlier_channel_over_its_block(block):
     # one input channel 100x wider than the rest (as in BERT's LayerNorm outputs and FFN activations): per
     # token it sets every channel's step; rotated by Hadamard blocks, it is shared by its block and the steps
     # shrink; the weight takes the inverse rotation, so without rounding the output is the same
-    from bert_engine.fast import hadamard
+    from bert_engine.runtime.fast import hadamard
 
     torch.manual_seed(0)
     linear = nn.Linear(384, 256)
@@ -190,7 +190,7 @@ def test_rotation_spreads_an_outlier_channel_over_its_block(block):
 
 @needs_onednn_int8
 def test_int8_rotation_by_default_on_every_projection_and_closer_to_fp32(minilm_dir):
-    from bert_engine.fast import ROTATION_BLOCK
+    from bert_engine.runtime.fast import ROTATION_BLOCK
 
     model, tokenizer = load(minilm_dir)
     batch = tokenizer(SENTENCES).model_inputs()
@@ -213,7 +213,7 @@ def test_smoothing_moves_an_outlier_channel_into_the_weights():
     # a LayerNorm output with one channel 100x wider than the rest (BERT's LayerNorms have such channels):
     # quantised per token, that channel sets every token's step and the others round coarsely; divided
     # out (and multiplied into the weight's column) the steps fit the ordinary channels
-    from bert_engine.fast import smoothing_divisors
+    from bert_engine.runtime.fast import smoothing_divisors
 
     torch.manual_seed(0)
     norm, linear = nn.LayerNorm(384), nn.Linear(384, 128)

@@ -1,14 +1,14 @@
-"""The Predictor (bert_engine/inference.py): input checks, batched prediction, and what postprocess gets."""
+"""The Predictor (bert_engine/runtime/inference.py): input checks, batched prediction, and what postprocess gets."""
 
 import pytest
 import torch
 
 from bert_engine import BertWithHead
-from bert_engine.conformance import tiny_predictor
 from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, hookimpl
-from bert_engine.inference import MAX_INPUT_CHARS, predict_in_batches
-from bert_engine.precision import prepare_for_inference
-from bert_engine.registry import Registry, load_registry
+from bert_engine.runtime.inference import MAX_INPUT_CHARS, predict_in_batches
+from bert_engine.runtime.precision import prepare_for_inference
+from bert_engine.tasks.conformance import tiny_predictor
+from bert_engine.tasks.registry import Registry, load_registry
 
 BUILTIN = load_registry(entry_points=False)
 
@@ -75,7 +75,7 @@ def test_inference_runs_the_encoder_padding_free(tiny_config):
 
 @pytest.mark.slow  # torch.compile's first calls take about 15 s
 def test_a_compiled_predictor_runs_padding_free_and_answers_as_the_eager_one(tiny_config):
-    from bert_engine.fast import onednn_int8_available  # noqa: PLC0415
+    from bert_engine.runtime.fast import onednn_int8_available  # noqa: PLC0415
 
     eager = BertWithHead(tiny_config.with_labels(["a", "b"]), "token")
     compiled = BertWithHead(tiny_config.with_labels(["a", "b"]), "token")

@@ -7,21 +7,37 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "bert_engine"
 
 
+def module_name(path: Path) -> str:
+    """bert_engine/runtime/inference.py -> "runtime.inference"; a package's __init__ -> the package."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules that `path` imports, anywhere in its source (relative or absolute)."""
+    here = module_name(path).split(".") if path.name != "__init__.py" else [*module_name(path).split("."), "x"]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets = []
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = [p for p in here[: len(here) - node.level] if p]
+            stem = [*base, *(node.module.split(".") if node.module else [])]
+            targets = [".".join([*stem, a.name]) for a in node.names] + [".".join(stem)]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bert_engine."):
+            stem = node.module.split(".")[1:]
+            targets = [".".join([*stem, a.name]) for a in node.names] + [".".join(stem)]
+        elif isinstance(node, ast.Import):
+            targets = [a.name.split(".", 1)[1] for a in node.names if a.name.startswith("bert_engine.")]
+        found.update(t for t in targets if t in modules)
+    return found
+
+
 def import_graph() -> dict[str, set[str]]:
-    """module -> the package's modules it imports, anywhere in its source."""
-    modules = {path.stem: path for path in PACKAGE.glob("*.py")}
-    graph = {}
-    for name, path in modules.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bert_engine."):
-                found.add(node.module.split(".")[1])
-            elif isinstance(node, ast.Import):
-                found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("bert_engine."))
-        graph[name] = {m for m in found if m in modules and m != name and m != "__init__"}
-    return graph
+    """module -> the package's modules it imports, anywhere in its source (subpackages included)."""
+    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    modules = set(paths) - {""}
+    return {name: {m for m in imported_modules(path, modules) if m != name}
+            for name, path in paths.items() if name}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bert_engine import PRESETS, BertModel, BertWithHead, CheckpointError, load, load_pretrained, save_pretrained
-from bert_engine.loading import read_weights, to_checkpoint_state
+from bert_engine.checkpoints.loading import read_weights, to_checkpoint_state
 
 
 @pytest.fixture
@@ -219,7 +219,7 @@ def test_dtype_and_provenance(tiny_checkpoint):
 def test_saved_model_files_are_as_readable_as_the_rest(tiny_config, tmp_path):
     """safetensors writes through a private 0600 temporary file; a saved model must follow the umask
     like its config.json, or a model folder shared with a server or a group is half unreadable."""
-    from bert_engine.lora import LoraConfig, add_lora, save_adapter
+    from bert_engine.checkpoints.lora import LoraConfig, add_lora, save_adapter
 
     previous = os.umask(0o022)
     try:
@@ -235,9 +235,9 @@ def test_saved_model_files_are_as_readable_as_the_rest(tiny_config, tmp_path):
 
 
 def test_metadata_that_is_huge_or_points_outside_is_refused_unread(tiny_checkpoint, tmp_path, caplog):
-    from bert_engine.inference import model_options
-    from bert_engine.loading import MAX_METADATA_BYTES
-    from bert_engine.registry import load_registry
+    from bert_engine.checkpoints.loading import MAX_METADATA_BYTES
+    from bert_engine.runtime.inference import model_options
+    from bert_engine.tasks.registry import load_registry
 
     folder, _ = tiny_checkpoint
     config = (folder / "config.json").read_text()

@@ -7,7 +7,7 @@ from conftest import reference_checkpoint
 
 from bert_engine import pipeline
 from bert_engine.hookspecs import InputError
-from bert_engine.registry import load_registry
+from bert_engine.tasks.registry import load_registry
 
 REVIEWS = ["A gorgeous, witty, seductive movie.", "The plot is predictable and the acting is wooden.", "Fine."]
 

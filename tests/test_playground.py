@@ -12,7 +12,7 @@ import torch
 from gradio_client import Client
 
 from bert_engine.hookspecs import TaskSpec, hookimpl
-from bert_engine.registry import load_registry
+from bert_engine.tasks.registry import load_registry
 from playground import attention, build_app
 from playground.app import gpu_seconds, plugin_rows, single_text_tasks
 
@@ -358,8 +358,8 @@ def test_visitors_models_are_shared_and_bounded(tmp_path):
     default stay loaded, and a visitor whose model was unloaded gets it back on their next request."""
     from conftest import reference_checkpoint
 
-    from bert_engine.fairness import visitor_scope
-    from bert_engine.serving import LazyPredictor
+    from bert_engine.runtime.fairness import visitor_scope
+    from bert_engine.serving.predictors import LazyPredictor
 
     task = load_registry(entry_points=False).task("sentiment")
     folders = [str(reference_checkpoint(tmp_path / f"m{i}", "BertForSequenceClassification",
@@ -445,7 +445,7 @@ def test_tab_functions_called_directly_with_tiny_models(tiny_app):
 
 
 def test_warm_up_loads_every_model_in_the_background(tiny_app):
-    from bert_engine.serving import LazyPredictor
+    from bert_engine.serving.predictors import LazyPredictor
     from playground.app import warm_up
 
     fresh = {name: LazyPredictor(p.task, p.checkpoint) for name, p in tiny_app.predictors.items()}
@@ -461,8 +461,8 @@ def test_concurrent_requests_share_a_batch_and_bad_input_stays_alone():
     from conftest import reference_checkpoint
 
     from bert_engine.hookspecs import InputError
-    from bert_engine.inference import Predictor
-    from bert_engine.serving import BatchingPredictor
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.serving.predictors import BatchingPredictor
 
     folder = reference_checkpoint(Path(tempfile.mkdtemp()), "BertForSequenceClassification",
                                   id2label={0: "NEG", 1: "POS"})
@@ -470,7 +470,7 @@ def test_concurrent_requests_share_a_batch_and_bad_input_stays_alone():
     batcher = BatchingPredictor(task, str(folder), max_batch=8, max_wait_ms=200)
     plain = Predictor.load(task, str(folder))
     texts = [f"review number {i}: {'great' if i % 2 else 'awful'} film" + " really" * i for i in range(7)] + ["   "]
-    from bert_engine.fairness import visitor_scope
+    from bert_engine.runtime.fairness import visitor_scope
 
     def as_visitor(visitor, text):
         with visitor_scope(visitor):
@@ -550,7 +550,7 @@ def test_a_request_cut_off_while_waiting_for_others_is_not_the_plugins_fault(tmp
 
     from conftest import reference_checkpoint
 
-    from bert_engine.fairness import GATE
+    from bert_engine.runtime.fairness import GATE
 
     folder = reference_checkpoint(tmp_path / "sst", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"})
     registry = load_registry(entry_points=False)

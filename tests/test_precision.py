@@ -1,4 +1,4 @@
-"""Precisions (bert_engine/precision.py): chosen by what the device and CPU support, refused with a
+"""Precisions (bert_engine/runtime/precision.py): chosen by what the device and CPU support, refused with a
 clear message elsewhere, and the faster ones keep the model's answers.
 
 BERT_ENGINE_CPU_CAPABILITY=avx2 makes any machine behave like an AVX2-only CPU, so the refusals are
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_engine.inference import Predictor
-from bert_engine.precision import (
+from bert_engine.runtime.inference import Predictor
+from bert_engine.runtime.precision import (
     CAPABILITY_ENV,
     NAMES,
     PRECISIONS,
@@ -24,7 +24,7 @@ from bert_engine.precision import (
     parameter_dtype,
     resolve,
 )
-from bert_engine.registry import load_registry
+from bert_engine.tasks.registry import load_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -129,6 +129,6 @@ def test_faster_precisions_keep_obvious_sentiment(precision):
 def test_the_cli_lists_the_precision_table():
     """cli.py names the precisions without importing torch (fast --help); it must stay the table's list."""
     from bert_engine import cli
-    from bert_engine.precision import NAMES
+    from bert_engine.runtime.precision import NAMES
 
     assert cli.PRECISIONS == ", ".join(NAMES)

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bert_engine.hookspecs import InputError
-from bert_engine.inference import Predictor
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
 
 EXAMPLES = int(os.environ.get("BERT_ENGINE_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100, database=None,
@@ -175,7 +175,7 @@ REGISTRY = load_registry(entry_points=False)
 
 @pytest.fixture(scope="module")
 def tiny_predictors():
-    from bert_engine.conformance import tiny_predictor
+    from bert_engine.tasks.conformance import tiny_predictor
 
     return {name: tiny_predictor(task) for name, task in REGISTRY.tasks.items()}
 
@@ -186,7 +186,7 @@ def tiny_predictors():
 def test_every_registered_task_never_crashes_on_any_text(tiny_predictors, task, data):
     """Every input field (and optional field) filled with arbitrary text, on the task's head over a
     tiny random encoder: InputError or a result the conformance kit finds nothing wrong with."""
-    from bert_engine.conformance import check_result
+    from bert_engine.tasks.conformance import check_result
 
     spec = REGISTRY.task(task).spec
     inputs = {field: data.draw(TEXTS, label=field) for field in spec.input_fields}

@@ -13,11 +13,11 @@ from conftest import SENTENCES
 from huggingface_hub import constants as hub_constants
 
 from bert_engine.cli import main
-from bert_engine.inference import Predictor
-from bert_engine.jobs import TaskJob
-from bert_engine.registry import load_registry
-from bert_engine.train_config import TrainConfig
-from bert_engine.training import train
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
+from bert_engine.training.jobs import TaskJob
+from bert_engine.training.loop import train
+from bert_engine.training.train_config import TrainConfig
 from plugins.starter import STARTER_ROOT
 
 TOKEN = "hf_write_token"  # the fake Hub's accepted write token

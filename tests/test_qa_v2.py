@@ -201,8 +201,8 @@ def test_squad_v2_unanswerable_questions_read_as_no_answer(tmp_path):
 def test_a_model_folder_s_calibrated_threshold_is_the_default_of_the_api_and_the_tab(tmp_path, caplog):
     import shutil
 
-    from bert_engine.inference import Predictor
-    from bert_engine.registry import load_registry
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.registry import load_registry
     from plugins.starter import STARTER_ROOT
 
     folder = tmp_path / "qa"
@@ -225,9 +225,9 @@ def test_a_model_folder_s_calibrated_threshold_is_the_default_of_the_api_and_the
 
 
 def test_a_predictor_built_from_a_loaded_one_keeps_its_calibrated_defaults_when_passed_on():
-    from bert_engine.fast import quantize_int8
-    from bert_engine.inference import Predictor
-    from bert_engine.registry import load_registry
+    from bert_engine.runtime.fast import quantize_int8
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.registry import load_registry
 
     task = load_registry(entry_points=False).task("qa")
     loaded = Predictor.load(task, precision="fp32", pack=False)

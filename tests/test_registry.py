@@ -10,9 +10,9 @@ from conftest import install_dist
 
 from bert_engine import hookspecs
 from bert_engine.cli import main as cli_main
-from bert_engine.conformance import check_task, tiny_predictor
 from bert_engine.hookspecs import InputError, PluginError, TaskSpec, hookimpl
-from bert_engine.registry import Registry, load_registry
+from bert_engine.tasks.conformance import check_task, tiny_predictor
+from bert_engine.tasks.registry import Registry, load_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -273,7 +273,7 @@ def test_installed_example_plugin_appears_with_its_tab(installed_example, monkey
 
 def test_installed_example_plugin_gives_real_similarities(installed_example, monkeypatch):
     monkeypatch.syspath_prepend(str(installed_example))
-    from bert_engine.inference import Predictor
+    from bert_engine.runtime.inference import Predictor
 
     predictor = Predictor.load(load_registry(builtins=()).task("similarity"))
     close = predictor.predict({"text_a": "A man is playing a guitar.", "text_b": "Someone plays an instrument."})

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bert_engine.inference import Predictor
-from bert_engine.jobs import evaluate_task, read_examples
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.evaluation import evaluate_task, read_examples
+from bert_engine.tasks.registry import load_registry
 from plugins.starter import STARTER_ROOT
 
 SLICES = Path(__file__).parent / "fixtures" / "regression"

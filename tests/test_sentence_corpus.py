@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bert_engine.pretraining import read_documents
+from bert_engine.training.pretraining import read_documents
 from plugins.fill_mask import read_data
 
 ROOT = Path(__file__).resolve().parents[1]

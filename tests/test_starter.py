@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bert_engine.inference import Predictor
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
 from plugins.starter import STARTER_ROOT
 
 PACKED = sorted(p.name for p in STARTER_ROOT.iterdir() if (p / "manifest.json").is_file()) if STARTER_ROOT.is_dir() else []

@@ -15,21 +15,15 @@ import torch
 from conftest import SENTENCES
 from safetensors.torch import load_file
 
-from bert_engine.inference import Predictor
-from bert_engine.jobs import PretrainJob, TaskJob
-from bert_engine.loader import load, load_tokenizer
-from bert_engine.loading import CheckpointError, _umask, save_pretrained
-from bert_engine.lora import LoraConfig, add_lora, merge_lora, save_adapter
-from bert_engine.pretraining import PairBuilder, collate_pairs, mask_tokens, special_mask, tokenize_documents
-from bert_engine.registry import load_registry
-from bert_engine.training import (
-    TrainConfig,
-    epoch_order,
-    linear_schedule,
-    parameter_groups,
-    parse_best_metric,
-    train,
-)
+from bert_engine.checkpoints.loader import load, load_tokenizer
+from bert_engine.checkpoints.loading import CheckpointError, _umask, save_pretrained
+from bert_engine.checkpoints.lora import LoraConfig, add_lora, merge_lora, save_adapter
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
+from bert_engine.training.jobs import PretrainJob, TaskJob
+from bert_engine.training.loop import epoch_order, linear_schedule, parameter_groups, train
+from bert_engine.training.pretraining import PairBuilder, collate_pairs, mask_tokens, special_mask, tokenize_documents
+from bert_engine.training.train_config import TrainConfig, parse_best_metric
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SST = FIXTURES / "sst_tiny.tsv"
@@ -98,7 +92,7 @@ def test_dynamic_masking_draws_new_masks(tokenizer):
 
 
 def test_nsp_pairs_are_balanced_and_true_pairs_are_contiguous(tmp_path, tokenizer):
-    from bert_engine.pretraining import read_documents
+    from bert_engine.training.pretraining import read_documents
 
     documents = tokenize_documents(read_documents(_corpus(tmp_path / "corpus.txt", 80)), tokenizer)
     pairs = PairBuilder(documents, max_seq_len=48).pairs(seed=0)
@@ -264,7 +258,7 @@ def test_stop_after_ends_early_on_the_full_schedule_and_resume_finishes_it(tiny_
     for key in full:
         torch.testing.assert_close(cut[key], full[key], atol=1e-6, rtol=1e-5)
     again = _sentiment_cfg(tiny_checkpoint, tmp_path / "cut", resume=True, stop_after=3)  # already past step 3
-    with caplog.at_level("WARNING", logger="bert_engine.training"):
+    with caplog.at_level("WARNING", logger="bert_engine.training.loop"):
         assert train(TaskJob(task, again), again)["steps"] == 8
     assert "at step 8 already, at or past where it should stop (3): nothing to train" in caplog.text
     with pytest.raises(ValueError, match="stop_after must be at least 1.*got 0"):
@@ -273,9 +267,10 @@ def test_stop_after_ends_early_on_the_full_schedule_and_resume_finishes_it(tiny_
 
 KILL_SCRIPT = """
 import json, os, signal, sys
-from bert_engine.jobs import TaskJob
-from bert_engine.registry import load_registry
-from bert_engine.training import TrainConfig, train
+from bert_engine.training.jobs import TaskJob
+from bert_engine.tasks.registry import load_registry
+from bert_engine.training.loop import train
+from bert_engine.training.train_config import TrainConfig
 
 cfg = TrainConfig(**json.loads(sys.argv[1]))
 task = load_registry(entry_points=False).task("sentiment")
@@ -312,7 +307,7 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_result(tiny_checkpoint, tmp_
 
 
 def test_a_checkpoint_that_fails_mid_write_leaves_the_previous_one_whole(tiny_checkpoint, tmp_path, monkeypatch):
-    import bert_engine.training as training
+    import bert_engine.training.loop as training
 
     task = load_registry(entry_points=False).task("sentiment")
     cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", save_every=2)
@@ -473,7 +468,7 @@ def test_lora_on_fused_qkv_equals_separate_projections(tiny_checkpoint):
 
 
 def test_reduce_rank_keeps_a_delta_of_lower_rank_exactly_and_the_best_approximation_otherwise():
-    from bert_engine.lora import reduce_rank
+    from bert_engine.checkpoints.lora import reduce_rank
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(6, 10, generator=g)
@@ -527,7 +522,7 @@ def test_train_help_explains_every_setting():
 
     out = subprocess.run([sys.executable, "-m", "bert_engine", "train", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    from bert_engine.train_config import DISTILL_ONLY, PRETRAIN_ONLY
+    from bert_engine.training.train_config import DISTILL_ONLY, PRETRAIN_ONLY
 
     def usage(command: str) -> str:
         return subprocess.run([sys.executable, "-m", "bert_engine", command, "--help"], capture_output=True,

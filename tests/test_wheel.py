@@ -27,7 +27,7 @@ PROBE = textwrap.dedent("""
     import json, sys
     import bert_engine, plugins
     from bert_engine import pipeline
-    from bert_engine.registry import load_registry
+    from bert_engine.tasks.registry import load_registry
 
     registry = load_registry()
     answers = {}

@@ -9,8 +9,8 @@ import transformers
 from conftest import reference_checkpoint
 
 from bert_engine.hookspecs import InputError
-from bert_engine.inference import Predictor
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
 from bert_engine.tokenizer import Tokenizer
 from plugins.fill_mask import candidate_bars, word_piece_blocks
 from plugins.starter import STARTER_ROOT
@@ -204,8 +204,8 @@ def test_only_a_mask_standing_alone_blocks_word_pieces(family):
 
 @pytest.mark.skipif(not (STARTER_ROOT / "fill_mask" / "manifest.json").is_file(), reason="no fill-mask starter")
 def test_the_starter_never_offers_a_word_piece_for_a_whole_word_unless_asked():
-    from bert_engine.inference import Predictor
-    from bert_engine.registry import load_registry
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.registry import load_registry
 
     predictor = Predictor.load(load_registry(entry_points=False).task("fill_mask"))
     # The model sees no spaces: after "play" it wants "##s" most of all, which a mask standing alone must not get.

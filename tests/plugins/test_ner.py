@@ -11,11 +11,11 @@ import transformers
 from conftest import SENTENCES, fit_tiny_model, reference_checkpoint
 
 import plugins.ner as ner
+from bert_engine.checkpoints.loader import load, load_pretrained, load_tokenizer
+from bert_engine.checkpoints.loading import save_pretrained
 from bert_engine.hookspecs import InputError
-from bert_engine.inference import Predictor
-from bert_engine.loader import load, load_pretrained, load_tokenizer
-from bert_engine.loading import save_pretrained
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
 from plugins.ner import NerHead, is_valid, loss, metric, read_data, training_batch, transition_table
 from plugins.tagging import chunks, convert, entity_scores
 

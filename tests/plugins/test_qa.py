@@ -8,8 +8,8 @@ import transformers
 from conftest import reference_checkpoint
 
 from bert_engine.hookspecs import InputError
-from bert_engine.inference import Predictor
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
 from plugins.qa import (
     evaluate_squad,
     max_context_windows,

@@ -8,8 +8,8 @@ import transformers
 from conftest import SENTENCES, reference_checkpoint
 
 from bert_engine.hookspecs import InputError
-from bert_engine.inference import Predictor
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
 from plugins.sentiment import calibration, classify_many, expected_calibration_error
 
 REVIEWS = [
@@ -156,8 +156,8 @@ def test_calibration_fits_the_temperature_on_one_half_and_scores_the_other():
 def test_a_fresh_head_saves_its_label_names_for_the_reference(task, minilm_dir, tmp_path):
     # MiniLM's config has no labels; the task head starts with its defaults, and a saved model
     # must carry those names so transformers (and a later load) reads NEGATIVE/POSITIVE, not LABEL_0/1.
-    from bert_engine.loader import load
-    from bert_engine.loading import save_pretrained
+    from bert_engine.checkpoints.loader import load
+    from bert_engine.checkpoints.loading import save_pretrained
 
     model, tokenizer = load(minilm_dir, task.spec.build_head)
     assert not model.config.id2label

@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import fit_tiny_model
 
+from bert_engine.checkpoints.loader import load_tokenizer
+from bert_engine.checkpoints.loading import save_pretrained
 from bert_engine.hookspecs import InputError
-from bert_engine.inference import Predictor
-from bert_engine.loader import load_tokenizer
-from bert_engine.loading import save_pretrained
-from bert_engine.registry import load_registry
+from bert_engine.runtime.inference import Predictor
+from bert_engine.tasks.registry import load_registry
 from plugins.sentences import split_sentences
 from plugins.summary import (
     OPTIONS,

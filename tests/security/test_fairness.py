@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from bert_engine.fairness import ComputeGate, InFlight, TooManyRequests, visitor_scope
-from bert_engine.inference import forward_in_chunks
+from bert_engine.runtime.fairness import ComputeGate, InFlight, TooManyRequests, visitor_scope
+from bert_engine.runtime.inference import forward_in_chunks
 
 
 def _wait_until(condition, timeout_s: float = 10.0) -> None:
@@ -58,7 +58,7 @@ def test_the_next_chunk_goes_to_the_visitor_with_least_recent_compute():
 
 
 def test_a_cancelled_holder_stuck_in_native_code_does_not_block_the_gate(monkeypatch):
-    import bert_engine.fairness as fairness
+    import bert_engine.runtime.fairness as fairness
 
     gate = ComputeGate(slots=1)
     thread, stuck = _hold(gate, "a")
@@ -110,8 +110,8 @@ def test_forward_chunks_are_bounded_in_tokens_and_equal_one_pass(tiny_config):
 def test_each_visitor_sees_only_their_own_last_input(tmp_path):
     from conftest import reference_checkpoint
 
-    from bert_engine.inference import Predictor
-    from bert_engine.registry import load_registry
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.registry import load_registry
 
     folder = reference_checkpoint(tmp_path / "sst", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"})
     predictor = Predictor.load(load_registry(entry_points=False).task("sentiment"), str(folder))
@@ -130,7 +130,7 @@ def test_each_visitor_sees_only_their_own_last_input(tmp_path):
 def test_time_waiting_at_the_gate_is_counted_while_it_goes_on():
     """A request cut off while it waits for other visitors' work is the machine's load, not its task's
     fault: the app reads the time waited (also mid-wait) before blaming the plugin."""
-    from bert_engine.fairness import WAITED, Waited
+    from bert_engine.runtime.fairness import WAITED, Waited
 
     gate = ComputeGate(slots=1)
     holder, release = _hold(gate, "busy")

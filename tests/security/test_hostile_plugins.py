@@ -14,9 +14,9 @@ import torch
 from conftest import assert_cpu_goes_quiet, install_dist
 
 from bert_engine.cli import main as cli_main
-from bert_engine.conformance import tiny_predictor
 from bert_engine.hookspecs import TaskSpec, hookimpl
-from bert_engine.registry import Registry, load_registry
+from bert_engine.tasks.conformance import tiny_predictor
+from bert_engine.tasks.registry import Registry, load_registry
 from playground.app import guarded
 
 

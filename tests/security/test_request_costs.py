@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import assert_cpu_goes_quiet, reference_checkpoint
 
-from bert_engine.conformance import tiny_predictor
 from bert_engine.hookspecs import InputError
-from bert_engine.inference import MAX_REQUEST_TOKENS, Predictor
-from bert_engine.registry import Registry, load_registry
+from bert_engine.runtime.inference import MAX_REQUEST_TOKENS, Predictor
+from bert_engine.tasks.conformance import tiny_predictor
+from bert_engine.tasks.registry import Registry, load_registry
 from playground.app import guarded
 from plugins.summary import mmr_select
 
@@ -101,7 +101,7 @@ def test_a_megabyte_with_windows_is_refused_before_any_forward(inputs):
 
 def test_the_bound_is_per_input_in_a_batch():
     predictor = tiny_predictor(REGISTRY.task("sentiment"))
-    from bert_engine.inference import check_request_cost
+    from bert_engine.runtime.inference import check_request_cost
 
     batch = predictor.tokenizer(["short", "long " * 2000], max_length=64, stride=8, return_overflowing=True)
     check_request_cost("sentiment", batch, limit=3000)  # each input alone fits

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import reference_checkpoint
 
-from bert_engine.loader import load, load_pretrained
-from bert_engine.loading import CheckpointError, read_weights
+from bert_engine.checkpoints.loader import load, load_pretrained
+from bert_engine.checkpoints.loading import CheckpointError, read_weights
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from bert_engine.conformance import assert_task_conforms
-from bert_engine.registry import load_registry
+from bert_engine.tasks.conformance import assert_task_conforms
+from bert_engine.tasks.registry import load_registry
 
 SAMPLE = Path(__file__).parent / "sts_tiny.tsv"  # a few pairs in read_data's format: checks training too
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import pluggy
 
-from . import __version__
-from .cancel import PredictionTimeout, call_with_timeout, raised_by_call
-from .hookspecs import PROJECT, PluginError, TaskHooks, TaskSpec, takes_context
+from .. import __version__
+from ..hookspecs import PROJECT, PluginError, TaskHooks, TaskSpec, takes_context
+from ..runtime.cancel import PredictionTimeout, call_with_timeout, raised_by_call
 
 logger = logging.getLogger(__name__)
 

@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
-from .cancel import PredictionTimeout, call_with_timeout
-from .config import PRESETS
-from .heads import BertWithHead
-from .hookspecs import InputError
-from .hub import default_backbone
-from .inference import Predictor
-from .jobs import evaluate_task
-from .loader import load_tokenizer
+from ..checkpoints.hub import default_backbone
+from ..checkpoints.loader import load_tokenizer
+from ..config import PRESETS
+from ..heads import BertWithHead
+from ..hookspecs import InputError
+from ..runtime.cancel import PredictionTimeout, call_with_timeout
+from ..runtime.inference import Predictor
+from ..tokenizer import Tokenizer
+from .evaluation import evaluate_task
 from .registry import RegisteredTask, builtin_plugins, load_registry
-from .tokenizer import Tokenizer
 
 LONG_TEXT = " ".join(f"word{i % 97} is here." if i % 11 == 0 else f"token{i % 53}" for i in range(5000))
 GOLDEN_TEXTS = {

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any
 
-from .hookspecs import InputError
-from .inference import Predictor
-from .registry import RegisteredTask, Registry, load_registry
+from ..hookspecs import InputError
+from ..runtime.inference import Predictor
+from ..tasks.registry import RegisteredTask, Registry, load_registry
 
 
 def find_task(registry: Registry, name: str) -> RegisteredTask:

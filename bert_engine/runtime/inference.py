@@ -25,15 +25,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..checkpoints.hub import default_backbone
+from ..checkpoints.loader import load
+from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
+from ..hookspecs import InputError, TaskContext
+from ..tasks.registry import RegisteredTask
+from ..tokenizer import Batch, Tokenizer
 from .cancel import ModelLock
 from .fairness import CHUNK_TOKENS, GATE, VISITOR, ComputeGate, visitor_scope
-from .hookspecs import InputError, TaskContext
-from .hub import default_backbone
-from .loader import load
-from .loading import CheckpointError, Loaded, metadata_file
 from .precision import parameter_dtype, pick_device, prepare_for_inference
-from .registry import RegisteredTask
-from .tokenizer import Batch, Tokenizer
 
 logger = logging.getLogger(__name__)
 

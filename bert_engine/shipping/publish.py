@@ -23,10 +23,10 @@ from typing import Any
 
 from huggingface_hub import ModelCardData
 
-from .hub import DEFAULT_BACKBONE_ID
-from .inference import Predictor
-from .lora import looks_local
-from .registry import RegisteredTask
+from ..checkpoints.hub import DEFAULT_BACKBONE_ID
+from ..checkpoints.lora import looks_local
+from ..runtime.inference import Predictor
+from ..tasks.registry import RegisteredTask
 
 logger = logging.getLogger(__name__)
 

@@ -9,27 +9,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import glob
 import inspect
 import json
 import logging
 import math
-from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from .config import PRESETS, BertConfig
-from .heads import IGNORE_INDEX, BertWithHead
-from .hookspecs import TaskSpec
-from .hub import default_backbone
-from .inference import TASK_OPTIONS_FILE, Predictor
-from .loader import load, load_tokenizer
-from .loading import Loaded, save_pretrained
-from .lora import (
+from ..checkpoints.hub import default_backbone
+from ..checkpoints.loader import load, load_tokenizer
+from ..checkpoints.loading import Loaded, save_pretrained
+from ..checkpoints.lora import (
     LoraConfig,
     add_lora,
     check_base_weights,
@@ -38,6 +31,14 @@ from .lora import (
     read_adapter_config,
     save_adapter,
 )
+from ..config import PRESETS, BertConfig
+from ..heads import IGNORE_INDEX, BertWithHead
+from ..hookspecs import TaskSpec
+from ..runtime.distributed import Distributed, gather_objects
+from ..runtime.inference import TASK_OPTIONS_FILE, Predictor
+from ..tasks.evaluation import evaluate_task, read_examples
+from ..tasks.registry import RegisteredTask
+from .loop import seed_everything
 from .pretraining import (
     FAMILY_OBJECTIVES,
     OBJECTIVES,
@@ -48,69 +49,13 @@ from .pretraining import (
     read_documents,
     tokenize_documents,
 )
-from .registry import RegisteredTask
-from .training import Distributed, TrainConfig, gather_objects, parse_best_metric, seed_everything
+from .train_config import TrainConfig, parse_best_metric
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_model_name(name: str | None) -> str:
     return str(default_backbone()) if name in (None, "default") else name
-
-
-def evaluate_task(spec: TaskSpec, predictor, examples: list, *, rank: int = 0, world: int = 1,
-                  progress: bool = False, **options) -> dict[str, Any]:
-    """The task's metrics on (inputs, target) examples: its own `evaluate` if it has one, else
-    predictions (batched where the task can) scored by its `metric`. Sharded over ranks and gathered."""
-    if spec.evaluate is not None:  # the task's own evaluation runs on the first rank only
-        return spec.evaluate(predictor, examples, progress=progress, **options) if rank == 0 else {}
-    if spec.metric is None:
-        raise ValueError(f"task {spec.name!r} declares neither metric nor evaluate; it cannot be evaluated")
-    mine = list(range(rank, len(examples), world))
-    inputs = [examples[i][0] for i in mine]
-    if spec.predict_many is not None and len(spec.input_fields) == 1 and not spec.optional_fields:
-        field = spec.input_fields[0]
-        results = spec.predict_many(predictor, [x[field] for x in inputs], progress=progress, **options)
-    else:
-        results = [predictor.predict(x, **options)["result"] for x in tqdm(inputs, disable=not progress,
-                                                                            desc=spec.name, unit="example")]
-    gathered = gather_objects(list(zip(mine, results)), Distributed(rank, world))
-    ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
-    return spec.metric([r for _, r in ordered], [examples[i][1] for i, _ in ordered])
-
-
-def data_files(path: str) -> list[str]:
-    """`path` itself; for a glob pattern that names no file as such ("train-*.json"), the files it
-    matches in sorted order, so several shards train as one set; for a comma-separated list that names
-    no file as such ("books/,wiki.valid.tokens"), each part in turn (itself a path or a pattern), so
-    sources of one format mix."""
-    text = str(path)
-    if "," in text and not Path(text).exists():
-        parts = [part.strip() for part in text.split(",") if part.strip()]
-        if not parts:
-            raise ValueError(f"{text!r}: names no file")
-        return [file for part in parts for file in data_files(part)]
-    if any(c in text for c in "*?[") and not Path(text).exists():
-        files = sorted(glob.glob(text))
-        if not files:
-            raise ValueError(f"{text}: no file matches this pattern")
-        return files
-    return [path]
-
-
-def read_examples(spec: TaskSpec, path: str, split: str, limit: int | None) -> list:
-    """The task's examples from `path`; every way a reader can fail on a bad file is a ValueError
-    naming the file (a binary file, a reader's own KeyError), not a traceback from inside the task."""
-    try:
-        return list(islice(chain.from_iterable(spec.read_data(p, split) for p in data_files(path)), limit))
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start:err.start + 1]!r}); "
-                         f"task {spec.name!r} reads text files") from None
-    except (ValueError, OSError):
-        raise
-    except Exception as err:  # noqa: BLE001 - a third-party reader's failure on this file
-        raise ValueError(f"{path}: task {spec.name!r} could not read its {split!r} split "
-                         f"({type(err).__name__}: {err})") from None
 
 
 def _texts(value) -> list[str]:

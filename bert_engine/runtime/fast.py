@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .model import gelu_tanh
+from ..model import gelu_tanh
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from .cancel import PredictionTimeout
-from .fairness import VISITOR, visitor_scope
-from .hookspecs import InputError
-from .inference import LastInput, Predictor, predict_in_batches
-from .registry import RegisteredTask
+from ..hookspecs import InputError
+from ..runtime.cancel import PredictionTimeout
+from ..runtime.fairness import VISITOR, visitor_scope
+from ..runtime.inference import LastInput, Predictor, predict_in_batches
+from ..tasks.registry import RegisteredTask
 
 logger = logging.getLogger(__name__)
 

@@ -93,7 +93,7 @@ class TrainConfig:
     alpha_cos: float = _help("distillation: weight of the hidden-state cosine loss", default=0.1)
 
     def __post_init__(self) -> None:
-        from .precision import TRAINING_NAMES  # noqa: PLC0415 - torch loads when a run is set up, not for --help
+        from ..runtime.precision import TRAINING_NAMES  # noqa: PLC0415 - torch loads when a run is set up, not for --help
 
         if self.precision not in TRAINING_NAMES:
             raise ValueError(f"precision {self.precision!r} is not one of {', '.join(TRAINING_NAMES)}")

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..model import BertModel
 from . import fast
-from .model import BertModel
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .heads import IGNORE_INDEX
-from .tokenizer import Batch, Tokenizer
+from ..heads import IGNORE_INDEX
+from ..tokenizer import Batch, Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .config import BertConfig
-from .files import (  # noqa: F401  (re-exported: loading is where callers look for them)
+from ..config import BertConfig
+from ..files import (  # noqa: F401  (re-exported: loading is where callers look for them)
     MAX_METADATA_BYTES,
     MAX_TOKENIZER_BYTES,
     CheckpointError,
@@ -33,13 +33,13 @@ from .files import (  # noqa: F401  (re-exported: loading is where callers look 
     inside_any,
     metadata_file,
 )
-from .heads import BertWithHead
+from ..heads import BertWithHead
+from ..model import BertModel
 from .hub import WEIGHT_FILES
-from .model import BertModel
 
 if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
     from .hub import Resolved
-    from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

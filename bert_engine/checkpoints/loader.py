@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..tokenizer import Tokenizer
 from .hub import resolve
 from .loading import CheckpointError, Loaded, load_model
 from .lora import load_adapter
-from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

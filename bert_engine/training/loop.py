@@ -1,4 +1,4 @@
-"""TrainConfig and one plain training loop for every task, for pretraining, on one process or many.
+"""One plain training loop for every task and for pretraining, on one process or many (TrainConfig: train_config.py).
 
 A job supplies the model, the examples, how a list of examples becomes a batch, the loss and the
 evaluation; the loop owns the rest: AdamW without weight decay on biases and LayerNorm, linear
@@ -21,7 +21,6 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,7 +29,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .precision import autocast_dtype, cpu_capability, pick_device
+from ..runtime.distributed import Distributed
+from ..runtime.precision import autocast_dtype, cpu_capability, pick_device
 from .train_config import TrainConfig, parse_best_metric
 
 logger = logging.getLogger(__name__)
@@ -53,45 +53,7 @@ class Job(Protocol):
 
 
 
-# -- distributed -------------------------------------------------------------------------------------
-
-@dataclass
-class Distributed:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(device: str | None) -> Distributed:
-    """Join the process group torchrun describes in the environment (one process: nothing to do)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return Distributed()
-    import torch.distributed as dist  # noqa: PLC0415 - only under torchrun
-
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    return Distributed(dist.get_rank(), dist.get_world_size(), local_rank)
-
-
-def gather_objects(items: list, dist_info: Distributed) -> list[list]:
-    """Every rank's list, on every rank (one list per rank, in rank order)."""
-    if dist_info.world == 1:
-        return [items]
-    import torch.distributed as dist  # noqa: PLC0415 - only under torchrun
-
-    out: list[Any] = [None] * dist_info.world
-    dist.all_gather_object(out, items)
-    return out
-
+# -- distributed ---------------------------------------------------------------------------------------
 
 def _mean_over_ranks(values: dict[str, float], dist_info: Distributed, device) -> dict[str, float]:
     if dist_info.world == 1 or not values:

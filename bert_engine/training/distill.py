@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .heads import BertWithHead
+from ..heads import BertWithHead
+from ..tasks.registry import RegisteredTask
 from .jobs import TaskJob
-from .registry import RegisteredTask
-from .training import TrainConfig
+from .train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
