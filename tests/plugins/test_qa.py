@@ -10,15 +10,9 @@ from conftest import reference_checkpoint
 from bert_engine.hookspecs import InputError
 from bert_engine.inference import Predictor
 from bert_engine.registry import load_registry
-from plugins.qa import (
-    evaluate_squad,
-    max_context_windows,
-    metric,
-    normalize_answer,
-    predict_many,
-    read_data,
-    squad_scores,
-)
+from plugins.qa import evaluate_squad, max_context_windows, predict_many
+from plugins.qa_data import read_data
+from plugins.qa_metric import metric, normalize_answer, squad_scores
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "squad_tiny.json"
 LONG_CONTEXT = " ".join(
