@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 from bert_engine import ui
 from bert_engine.heads import SpanHead, SpanOutput
 from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
-from bert_engine.inference import model_options
 from bert_engine.ui import percent
+from plugins.qa_answerability import features, no_answer_probability
 from plugins.qa_data import read_data
 from plugins.qa_metric import metric
 from plugins.starter import starter_checkpoint
@@ -31,11 +31,14 @@ MAX_WINDOWS = 256
 # The task's options and their defaults, declared once: the Predictor passes every one to preprocess
 # and postprocess (a caller's values over these).
 OPTIONS = {"top_k": 1, "max_seq_len": None, "doc_stride": None, "max_question_len": 64, "max_answer_len": 30,
-           "null_threshold": None}
+           "null_threshold": None, "no_answer": None, "answerability": None}
+# How readily "no answer" is said, in a visitor's terms: each a threshold on the answerability verifier's
+# P(no answer), calibrated per model (scripts/qa_calibrate.py writes them into the pack's verifier record).
+NO_ANSWER_CHOICES = ("eager", "balanced", "cautious", "never")
 
 
 def preprocess(inputs, tokenizer, *, top_k, max_seq_len, doc_stride, max_question_len, max_answer_len,
-               null_threshold):
+               null_threshold, no_answer, answerability):
     question, context = inputs["question"], inputs["context"]
     if not question.strip():
         raise InputError("qa: the question is empty; ask something about the context")
@@ -45,8 +48,9 @@ def preprocess(inputs, tokenizer, *, top_k, max_seq_len, doc_stride, max_questio
     for name, value, low, high in (("top_k", top_k, 1, 50), ("max_question_len", max_question_len, 4, 256),
                                    ("max_answer_len", max_answer_len, 1, 512)):
         check_int("qa", name, value, low, high)
-    if null_threshold is not None and not isinstance(null_threshold, (int, float)):
+    if null_threshold is not None and (isinstance(null_threshold, bool) or not isinstance(null_threshold, (int, float))):
         raise InputError(f"qa: null_threshold must be a number or None, got {null_threshold!r}")
+    no_answer_rule(no_answer, answerability)  # refuses a bad choice before any work
     # Cut the question to max_question_len word pieces, at a character boundary of the original.
     question_batch = tokenizer(question, truncation=None)
     pieces = [o for o, s in zip(question_batch.offsets[0], question_batch.sequence_ids[0]) if s == 0]
@@ -68,7 +72,7 @@ def preprocess(inputs, tokenizer, *, top_k, max_seq_len, doc_stride, max_questio
     if len(batch) > MAX_WINDOWS:
         raise InputError(f"qa: the context needs {len(batch)} windows of {max_seq_len} tokens; "
                          f"the limit is {MAX_WINDOWS} (about {MAX_WINDOWS * (room - doc_stride):,} tokens)")
-    batch.meta.update(context=context, question_truncated=question_cut)
+    batch.meta.update(context=context, question=inputs["question"], question_truncated=question_cut)
     return batch
 
 
@@ -89,8 +93,29 @@ def max_context_windows(batch) -> dict[tuple[int, int], int]:
     return {span: row for span, (_, row) in best.items()}
 
 
+def no_answer_rule(no_answer, answerability) -> float | None:
+    """The P(no answer) above which the verifier's answer is "no answer", for a choice (a name of
+    NO_ANSWER_CHOICES or a probability from 0 to 1; None: the model's default, "balanced"), or None
+    for "never" or a model without a verifier.
+
+    Raises:
+        InputError: an unknown choice, naming it.
+    """
+    if isinstance(no_answer, str) and no_answer.strip().lower() in NO_ANSWER_CHOICES:
+        no_answer = no_answer.strip().lower()
+    elif no_answer is not None and (isinstance(no_answer, bool) or not isinstance(no_answer, (int, float))
+                                    or not 0.0 <= no_answer <= 1.0):
+        raise InputError(f"qa: no_answer must be one of {', '.join(NO_ANSWER_CHOICES)} or a probability from 0 "
+                         f"to 1, got {no_answer!r}")
+    if answerability is None or no_answer == "never":
+        return None
+    if isinstance(no_answer, (int, float)):
+        return float(no_answer)
+    return float(answerability.get("presets", {}).get(no_answer or "balanced", 0.5))
+
+
 def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_len, max_answer_len,
-                null_threshold):
+                null_threshold, no_answer, answerability):
     context = batch.meta["context"]
     starts, ends = output.start_logits.float().cpu(), output.end_logits.float().cpu()  # (W, T)
     W, T = starts.shape
@@ -125,12 +150,26 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
                 "logit": round(score, 4)} for ((s, e), score), p in zip(ranked[:top_k], probs)]
     best = ranked[0][1] if ranked else None
     gap = None if best is None else round(null_score - best, 4)
-    no_answer = best is None or (null_threshold is not None and gap > null_threshold)
+    verdict = {"logit": round(null_score, 4), "score": round(probs[-1], 6), "null_gap": gap}
+    # Who decides "no answer": a caller's raw null_threshold (on the gap) first, else the verifier.
+    rule = None if null_threshold is not None else no_answer_rule(no_answer, answerability)
+    if null_threshold is not None:
+        predicted = best is None or gap > null_threshold
+        verdict.update(rule="null gap", threshold=null_threshold)
+    elif rule is not None and best is not None:
+        probability = no_answer_probability(features(batch.meta["question"], context,
+                                                     {"answers": answers[:1], "no_answer": verdict}), answerability)
+        predicted = probability > rule
+        verdict.update(rule="verifier", probability=round(probability, 6), threshold=rule,
+                       choice=no_answer if isinstance(no_answer, str) else None)
+    else:
+        predicted = best is None
+        verdict.update(rule="none", threshold=None)
+    verdict["predicted"] = predicted
     return {
-        "answer": None if no_answer else answers[0]["answer"],
+        "answer": None if predicted else answers[0]["answer"],
         "answers": answers,
-        "no_answer": {"logit": round(null_score, 4), "score": round(probs[-1], 6), "null_gap": gap,
-                      "threshold": null_threshold, "predicted": no_answer},
+        "no_answer": verdict,
         "windows": len(batch), "question_truncated": batch.meta["question_truncated"],
     }
 
@@ -251,28 +290,51 @@ def loss(output, targets: list[tuple[int, int]]):
 EXCERPT_CHARS = 600  # a longer context shows this much around the answer, the whole text one click away
 
 
+def _excerpt(context: str, start: int, end: int, mark: str) -> str:
+    """The context as HTML with `mark` in place of [start, end); a long one cut to EXCERPT_CHARS around
+    it at word boundaries, the whole text one click away."""
+    if len(context) <= EXCERPT_CHARS:
+        return escape(context[:start]) + mark + escape(context[end:])
+    lo, hi = max(0, start - EXCERPT_CHARS // 2), min(len(context), end + EXCERPT_CHARS // 2)
+    lo = context.rfind(" ", 0, lo) + 1 if lo else 0  # never cut inside a word
+    hi = hi if hi == len(context) or context.find(" ", hi) < 0 else context.find(" ", hi)
+    body = ("… " if lo else "") + escape(context[lo:start]) + mark + escape(context[end:hi]) + (" …" if hi < len(context) else "")
+    return body + (f'<details class="qa-whole"><summary>The whole context ({len(context):,} characters)</summary>'
+                   f'{escape(context[:start])}{mark}{escape(context[end:])}</details>')
+
+
 def answer_view(context: str, result: dict) -> str:
     """The headline ("Answer: ... - 88 %" or "No answer in this context") over the context with the
-    answer marked inline; a long context shows an excerpt around the answer and the rest on demand."""
+    answer (or, for "no answer", the best candidate) marked inline; a long context shows an excerpt
+    around it, cut at word boundaries, and the rest on demand."""
     answers, null = result["answers"], result["no_answer"]
+    style = ('style="background:{bg};color:#1f2937;padding:0 .15em;border-radius:3px;white-space:nowrap"')
     if null["predicted"] or not answers:
-        why = (f"the best span, “{escape(answers[0]['answer'])}” ({percent(answers[0]['score'])}), "
-               f"is weaker than “no answer” by more than the threshold" if answers else "no span fits")
-        return (f'<div class="qa-view"><p class="qa-headline qa-none"><b>No answer in this context</b> '
-                f'<span class="qa-why">({why})</span></p></div>')
+        if not answers:
+            why = "no span fits"
+        elif null.get("rule") == "verifier":
+            why = (f"the model is {percent(null['probability'])} sure the text does not say it; the best candidate "
+                   f"is marked")
+        else:
+            why = (f"the best span, “{escape(answers[0]['answer'])}” ({percent(answers[0]['score'])}), "
+                   f"is weaker than “no answer” by more than the threshold")
+        head = (f'<p class="qa-headline qa-none"><b>No answer in this context</b> '
+                f'<span class="qa-why">({why})</span></p>')
+        if answers:
+            best = answers[0]
+            mark = f'<mark class="be-mark qa-candidate" {style.format(bg="#e5e7eb")}>{escape(best["answer"])}</mark>'
+            body = _excerpt(context, best["start"], best["end"], mark)
+        else:
+            body = _excerpt(context, 0, 0, "")
+        return (f'<div class="qa-view">{head}<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">'
+                f'{body}</div></div>')
     best = answers[0]
     start, end, score = best["start"], best["end"], percent(best["score"])
-    mark = (f'<mark class="be-mark qa-answer" style="background:#fde68a;padding:0 .15em;border-radius:3px;'
-            f'white-space:nowrap">{escape(context[start:end])}<sup class="qa-score"> {score}</sup></mark>')
-    if len(context) <= EXCERPT_CHARS:
-        body = escape(context[:start]) + mark + escape(context[end:])
-    else:
-        lo, hi = max(0, start - EXCERPT_CHARS // 2), min(len(context), end + EXCERPT_CHARS // 2)
-        body = ("… " if lo else "") + escape(context[lo:start]) + mark + escape(context[end:hi]) + (" …" if hi < len(context) else "")
-        body += (f'<details class="qa-whole"><summary>The whole context ({len(context):,} characters)</summary>'
-                 f'{escape(context[:start])}{mark}{escape(context[end:])}</details>')
+    mark = (f'<mark class="be-mark qa-answer" {style.format(bg="#fde68a")}>{escape(context[start:end])}'
+            f'<sup class="qa-score" style="color:#1f2937"> {score}</sup></mark>')
     return (f'<div class="qa-view"><p class="qa-headline">Answer: <b>{escape(best["answer"])}</b> – {score}</p>'
-            f'<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">{body}</div></div>')
+            f'<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">'
+            f'{_excerpt(context, start, end, mark)}</div></div>')
 
 
 def candidate_scores(result: dict) -> dict[str, float]:
@@ -286,34 +348,37 @@ def candidate_scores(result: dict) -> dict[str, float]:
     return scores
 
 
+NO_ANSWER_LABELS = {  # the tab's words for NO_ANSWER_CHOICES
+    "eager": "Eager: answer unless clearly not in the text",
+    "balanced": "Balanced",
+    "cautious": "Cautious: say “no answer” when in doubt",
+    "never": "Never: always show the best span",
+}
+
+
 def build_tab(predictor) -> None:
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
-    # The default model's calibrated value (its manifest's options), read without loading the model.
-    folder = getattr(predictor, "checkpoint", None) or predictor.task.spec.default_checkpoint
-    threshold = model_options(folder, predictor.task.spec).get("null_threshold") if folder else None
     question = gr.Textbox(label="Question", value=EXAMPLES[0]["question"])
     context = gr.Textbox(label="Context", lines=6, max_lines=16, value=EXAMPLES[0]["context"])
     with gr.Accordion("Options", open=False):
         top_k = gr.Slider(1, 10, value=3, step=1, label="Candidates (top-k)")  # the tab lists 3; the API default is 1
-        allow_none = gr.Checkbox(value=threshold is not None, label="Answer “no answer” when that scores better "
-                                 "than the best span by more than the threshold")
-        null_threshold = gr.Slider(-20, 20, value=threshold if threshold is not None else 0.0, step=0.1,
-                                   label="No-answer threshold (logits)" + (" – the model's calibrated value"
-                                                                          if threshold is not None else ""))
+        no_answer = gr.Radio([(label, key) for key, label in NO_ANSWER_LABELS.items()], value="balanced",
+                             label="When to say “no answer”",
+                             info="How sure the model must be that the text does not answer the question; "
+                                  "calibrated on held-out SQuAD 2.0 questions")
     button = ui.run_button(gr, "Answer")
     view = gr.HTML(label="Answer in its context")
     candidates = gr.Label(label="Candidates", show_label=True)
     details = ui.details(gr)
 
-    def run(question_value: str, context_value: str, k: float = 3, use_threshold: bool = threshold is not None,
-            threshold_value: float = threshold or 0.0):
+    def run(question_value: str, context_value: str, k: float = 3, no_answer_value: str = "balanced"):
         output = predictor.predict({"question": question_value, "context": context_value}, top_k=int(k),
-                                   null_threshold=float(threshold_value) if use_threshold else None)
+                                   no_answer=no_answer_value)
         result = output["result"]
         return answer_view(context_value, result), candidate_scores(result), output
 
-    ui.wire(gr, button, run, [question, context, top_k, allow_none, null_threshold], [view, candidates, details],
+    ui.wire(gr, button, run, [question, context, top_k, no_answer], [view, candidates, details],
             api_name="qa", examples=[[e["question"], e["context"]] for e in EXAMPLES])
 
 

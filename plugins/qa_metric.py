@@ -11,7 +11,6 @@ import math
 import re
 import string
 
-
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 
