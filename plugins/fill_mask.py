@@ -360,10 +360,14 @@ def read_data(path, split: str = "all"):
                 yield {"text": passage}, None
 
 
-def training_batch(examples, tokenizer, *, generator=None, max_length: int = 128, mlm_prob: float = 0.15):
-    """Passages with BERT's 80/10/10 masking drawn from `generator`; targets: (B, T) labels, -100 unmasked."""
+def training_batch(examples, tokenizer, *, generator=None, max_length: int = 128, mlm_prob: float = 0.15,
+                   whole_word: bool = False):
+    """Passages with BERT's 80/10/10 masking drawn from `generator`; targets: (B, T) labels, -100 unmasked.
+    `whole_word` (`-o whole_word=true`) masks every piece of a chosen word together, so the model learns
+    to name a word from its context, not to finish one from its own first pieces."""
     batch = tokenizer([inputs["text"] for inputs, _ in examples], max_length=max_length)
-    masked, labels = mask_tokens(batch.input_ids, tokenizer, mlm_prob=mlm_prob, generator=generator)
+    masked, labels = mask_tokens(batch.input_ids, tokenizer, mlm_prob=mlm_prob, generator=generator,
+                                 whole_word=bool(whole_word))
     batch.input_ids = masked
     return batch, labels
 
