@@ -46,7 +46,7 @@ def test_fit_separates_and_the_record_predicts_as_numpy_does():
 
 def test_the_no_answer_choice_is_a_preset_or_a_probability():
     verifier = {"presets": {"eager": 0.9, "balanced": 0.5, "cautious": 0.2}}
-    assert no_answer_rule(None, verifier) == 0.5 and no_answer_rule("Cautious ", verifier) == 0.2
+    assert no_answer_rule(None, verifier) == 0.9 and no_answer_rule("Cautious ", verifier) == 0.2  # None: eager
     assert no_answer_rule("never", verifier) is None and no_answer_rule(0.7, verifier) == 0.7
     assert no_answer_rule("eager", None) is None  # a model without a verifier: only a raw null_threshold decides
     for bad in ("sometimes", 1.5, True, [0.5]):
@@ -77,7 +77,7 @@ def test_the_verifier_decides_unless_a_raw_null_threshold_is_given(tmp_path):
     def decide(**options):
         return postprocess(output, batch, **{**OPTIONS, **options})["no_answer"]
 
-    sure_none = decide(answerability=_verifier(3.0))  # P(no answer) = 0.95 > balanced 0.5
+    sure_none = decide(answerability=_verifier(3.0))  # P(no answer) = 0.95 > eager 0.9 (the default)
     assert sure_none["predicted"] and sure_none["rule"] == "verifier"
     assert math.isclose(sure_none["probability"], 1 / (1 + math.exp(-3.0)), abs_tol=1e-6)
     assert not decide(answerability=_verifier(3.0), no_answer="never")["predicted"]
