@@ -154,7 +154,8 @@ def qa(folder: Path, data: Path, precision: str, limit: int | None):
 
     from bert_engine.runtime.inference import Predictor
     from bert_engine.tasks.registry import load_registry
-    from plugins.qa import predict_many, squad_scores
+    from plugins.qa import predict_many
+    from plugins.qa_metric import squad_scores
 
     task = load_registry(entry_points=False).task("qa")
     examples = list(task.spec.read_data(str(data / "squad" / "dev-v1.1.json")))[:limit or 1000]

@@ -287,6 +287,8 @@ def _beam(head, encode, batch, positions: Tensor, spans, tokenizer, text, top_k:
 def build_tab(predictor) -> None:
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
+    if getattr(predictor, "checkpoint", None) in (None, predictor.task.spec.default_checkpoint):
+        gr.Markdown(STARTER_NOTE, elem_classes=["be-note"])
     text = gr.Textbox(label="Text with [MASK]", lines=2, value=EXAMPLES[0]["text"])
     with gr.Row():
         top_k = gr.Slider(1, 20, value=OPTIONS["top_k"], step=1, label="Candidates (top-k)")
@@ -328,11 +330,17 @@ def candidate_bars(result: dict[str, Any]) -> str:
     return '<div class="fill-mask">' + "".join(parts) + "</div>"
 
 
+# Sentences of scripts/fill_mask_probes.py the starter answers right at the first guess (4 of its 30), and
+# two masks for the joint mode: the tab opens on what the model can do, its limits in MODEL_CARD.md.
 EXAMPLES = (
-    {"text": "The capital of France is [MASK]."},
+    {"text": "She drank a cup of hot [MASK]."},
+    {"text": "It was a dark and stormy [MASK]."},
+    {"text": "A week has seven [MASK]."},
     {"text": "I [MASK] to the [MASK] to buy some bread."},
-    {"text": "She plays the [MASK] in an orchestra."},
 )
+# What the starter is, in one line on the tab (a picked checkpoint says its own name in the raw result).
+STARTER_NOTE = ("The starter: all-MiniLM-L6-v2, a sentence encoder never trained to guess words, with a word-guessing "
+                "head and adapter trained on books and Wikipedia: sure of grammar words, often wrong on names and facts.")
 
 
 PASSAGE_WORDS = 80  # training passages: about 110 wordpieces, inside max_length 128
@@ -360,10 +368,14 @@ def read_data(path, split: str = "all"):
                 yield {"text": passage}, None
 
 
-def training_batch(examples, tokenizer, *, generator=None, max_length: int = 128, mlm_prob: float = 0.15):
-    """Passages with BERT's 80/10/10 masking drawn from `generator`; targets: (B, T) labels, -100 unmasked."""
+def training_batch(examples, tokenizer, *, generator=None, max_length: int = 128, mlm_prob: float = 0.15,
+                   whole_word: bool = False):
+    """Passages with BERT's 80/10/10 masking drawn from `generator`; targets: (B, T) labels, -100 unmasked.
+    `whole_word` (`-o whole_word=true`) masks every piece of a chosen word together, so the model learns
+    to name a word from its context, not to finish one from its own first pieces."""
     batch = tokenizer([inputs["text"] for inputs, _ in examples], max_length=max_length)
-    masked, labels = mask_tokens(batch.input_ids, tokenizer, mlm_prob=mlm_prob, generator=generator)
+    masked, labels = mask_tokens(batch.input_ids, tokenizer, mlm_prob=mlm_prob, generator=generator,
+                                 whole_word=bool(whole_word))
     batch.input_ids = masked
     return batch, labels
 

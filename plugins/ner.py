@@ -111,7 +111,9 @@ def preprocess(inputs, tokenizer, *, max_length, stride, nbest, constrained, sch
     batch = tokenizer(texts, max_length=max_length, stride=stride, return_overflowing=True)
     if len(batch) > MAX_WINDOWS * len(texts):
         raise InputError(f"ner: the text needs {len(batch)} windows of {max_length} tokens; the limit is {MAX_WINDOWS}")
-    batch.meta.update(texts=texts)
+    # Special tokens typed into the text ("[MASK]", "[SEP]") are markup, never a word to tag.
+    batch.meta.update(texts=texts, special_ids=frozenset(
+        i for i in (tokenizer.token_id(n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")) if i is not None))
     if casing:
         mark_capitalised(batch, texts)
     return batch
@@ -135,15 +137,17 @@ def word_layout(batch) -> tuple[Tensor, Tensor, Tensor, dict]:
     Returns:
         (mask (B, T) bool of each word's first wordpiece, begins (B,) bool, ends (B,) bool,
          {(sample, word id): (start char, end char)}). A window that starts mid-word does not tag
-         that word; a window is a begin / end when it is its input's first / last row.
+         that word; a window is a begin / end when it is its input's first / last row; a special token
+         typed into the text (batch.meta["special_ids"]) is no word.
     """
     spans = word_spans(batch)
     B, T = batch.input_ids.shape
     mask = torch.zeros(B, T, dtype=torch.bool)
+    special = batch.meta.get("special_ids", frozenset())
     for r, sample in enumerate(batch.sample_index):
         for t, ((start, _), word, seq) in enumerate(zip(batch.offsets[r], batch.word_ids[r], batch.sequence_ids[r])):
             mask[r, t] = word is not None and seq == 0 and start == spans[(sample, word)][0] and (
-                t == 0 or batch.word_ids[r][t - 1] != word)
+                t == 0 or batch.word_ids[r][t - 1] != word) and int(batch.input_ids[r, t]) not in special
     samples = batch.sample_index
     begins = torch.tensor([r == 0 or samples[r - 1] != s for r, s in enumerate(samples)])
     ends = torch.tensor([r == len(samples) - 1 or samples[r + 1] != s for r, s in enumerate(samples)])
@@ -407,8 +411,8 @@ def build_tab(predictor) -> None:
     with gr.Accordion("Token-wise argmax vs the Viterbi path (≠: they differ)", open=False):
         words = gr.Dataframe(headers=["word", "argmax", "viterbi", "probability", "differs"], interactive=False,
                              wrap=True, label="Token-wise tags", show_label=False)
-    with gr.Accordion("n-best paths", open=False):
-        paths = gr.Dataframe(headers=["rank", "probability", "tags"], interactive=False, wrap=True,
+    with gr.Accordion("n-best paths (one column per path, one row per word)", open=False):
+        paths = gr.Dataframe(headers=["word", "path 1"], interactive=False, wrap=True,
                              label="n-best paths", show_label=False)
     with gr.Accordion("Transition matrix", open=False):
         transitions = gr.HTML(label="Transition matrix")
@@ -425,11 +429,22 @@ def build_tab(predictor) -> None:
         return (render_entities(text_value, result["entities"]),
                 [[w["word"], w["argmax"], w["tag"], percent(w["score"]), "≠" if w["argmax"] != w["tag"] else ""]
                  for w in result["words"]],
-                [[n + 1, percent(p["probability"]), " ".join(p["tags"])] for n, p in enumerate(result["nbest"])],
+                nbest_table(result),
                 transition_heatmap(table), output)
 
     ui.wire(gr, button, run, [text, constrained, nbest, casing], [marked, words, paths, transitions, details], api_name="ner",
             examples=[[e["text"]] for e in EXAMPLES])
+
+
+def nbest_table(result: dict) -> dict:
+    """The n-best paths lined up with the words they tag: a row per word of the first window, a column
+    per path headed by its rank and probability (Gradio's Dataframe value: headers and rows)."""
+    paths = result["nbest"]
+    headers = ["word"] + [f"path {n + 1} ({percent(p['probability'])})" for n, p in enumerate(paths)]
+    width = max((len(p["tags"]) for p in paths), default=0)
+    rows = [[w["word"]] + [p["tags"][j] if j < len(p["tags"]) else "" for p in paths]
+            for j, w in enumerate(result["words"][:width])]
+    return {"headers": headers, "data": rows}
 
 
 CASING_CHOICES = {"model": None, "on": True, "off": False}  # the tab's "Read capital letters" -> the casing option

@@ -476,13 +476,18 @@ def render(text: str, result: dict) -> str:
     return '<div class="summary-doc" style="white-space:pre-wrap;line-height:1.7">' + "".join(parts) + "</div>"
 
 
+# The tab's one length control: a number of sentences, or a share of the document's for long texts.
+LENGTHS = {"1 sentence": (1, OPTIONS["ratio"]), **{f"{n} sentences": (n, OPTIONS["ratio"]) for n in (2, 3, 5, 10)},
+           "a fifth of the document": (None, 0.2), "a third of the document": (None, 1 / 3),
+           "half of the document": (None, 0.5)}
+
+
 def build_tab(predictor) -> None:
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     text = gr.Textbox(label="Document", lines=10, value=EXAMPLES[0]["text"])
     with gr.Row():
-        count = gr.Slider(0, 20, value=3, step=1, label="Sentences (0: use the ratio)")  # the API default: the ratio
-        ratio = gr.Slider(0.05, 1.0, value=OPTIONS["ratio"], step=0.05, label="Ratio of sentences")
+        length = gr.Dropdown(list(LENGTHS), value="3 sentences", label="Length")
         min_words = gr.Slider(0, 20, value=OPTIONS["min_words"], step=1, label="Drop sentences shorter than (words)")
         # "auto": hybrid with a trained scorer (the starter's: best on BBC News, MODEL_CARD.md), else centroid.
         mode = gr.Radio(list(MODES), value="auto", label="Mode",
@@ -496,15 +501,18 @@ def build_tab(predictor) -> None:
                                label="Dropped sentences", show_label=False)
     details = ui.details(gr)
 
-    def run(text_value: str, k: float = 3, ratio_value: float = OPTIONS["ratio"],
-            min_words_value: float = OPTIONS["min_words"], mode_value: str = "auto"):
-        output = predictor.predict({"text": text_value}, num_sentences=int(k) or None, ratio=float(ratio_value),
+    def run(text_value: str, length_value: str = "3 sentences", min_words_value: float = OPTIONS["min_words"],
+            mode_value: str = "auto"):
+        if length_value not in LENGTHS:
+            raise InputError(f"summary: length must be one of {', '.join(map(repr, LENGTHS))}, got {length_value!r}")
+        count, ratio = LENGTHS[length_value]
+        output = predictor.predict({"text": text_value}, num_sentences=count, ratio=ratio,
                                    min_words=int(min_words_value), mode=mode_value)
         result = output["result"]
         return (result["summary"] or result.get("explanation", ""), render(text_value, result),
                 [[item["text"], item["reason"]] for item in result["dropped"]], output)
 
-    ui.wire(gr, button, run, [text, count, ratio, min_words, mode], [summary, document, dropped, details],
+    ui.wire(gr, button, run, [text, length, min_words, mode], [summary, document, dropped, details],
             api_name="summary", examples=[[e["text"]] for e in EXAMPLES])
 
 

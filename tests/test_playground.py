@@ -117,14 +117,15 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
     assert output["task"] == "fill_mask" and view.count('class="be-bar"') == 3
     html, words, paths, transitions, output = client.predict("Tim Cook visited Berlin.", True, 2, api_name="/ner")
     assert output["task"] == "ner" and [row[0] for row in words["data"]] == ["Tim", "Cook", "visited", "Berlin", "."]
-    assert len(paths["data"]) == 2 and transitions.count("<tr>") == 10  # header + 9 tags
+    assert len(paths["headers"]) == 3 and transitions.count("<tr>") == 10  # word + 2 paths; header + 9 tags
+    assert [row[0] for row in paths["data"]] == ["Tim", "Cook", "visited", "Berlin", "."]  # lined up with the words
     # "Read capital letters": the starter was trained with them, so "model" is "on"; "off" is another input
     results = {choice: client.predict("Tim Cook visited Berlin.", True, 2, choice, api_name="/ner")[-1]["result"]
                for choice in ("model", "on", "off")}
     assert results["model"] == results["on"] != results["off"]
     assert all(float(row[3].rstrip(" %<")) <= 100 for row in words["data"])  # probabilities never above 1
     summary, html, dropped, output = client.predict("One short line. " * 3 + "A much longer sentence follows here.",
-                                                    1, 0.3, 4, "auto", api_name="/summary")
+                                                    "1 sentence", 4, "auto", api_name="/summary")
     assert output["task"] == "summary" and summary == "A much longer sentence follows here."
     assert 'class="sentence chosen"' in html
     caption, heatmap, grid, links = client.predict("similarity", 0, 0, True, api_name="/attention")
@@ -233,7 +234,7 @@ def test_bad_input_is_a_message_not_a_stack_trace(served):
     with pytest.raises(Exception, match="ner: the text is empty"):
         client.predict(" ", True, 3, api_name="/ner")
     with pytest.raises(Exception, match="summary: the document is empty"):
-        client.predict("", 3, 0.3, 4, "auto", api_name="/summary")
+        client.predict("", "3 sentences", 4, "auto", api_name="/summary")
     with pytest.raises(Exception, match="no input yet"):  # the failed QA call left no input to show
         client.predict("qa", 0, 0, False, api_name="/attention")
 

@@ -95,3 +95,16 @@ def test_fill_mask_starter(registry):
                            ("He was a [MASK] man.", "old")):
         result = predictor.predict({"text": text})["result"]
         assert expected in [c["token"] for c in result["predictions"][0]["candidates"]], text
+
+
+def test_the_fill_mask_tabs_one_mask_examples_are_answered_right_by_the_starter(registry):
+    from plugins.fill_mask import EXAMPLES, STARTER_NOTE
+
+    predictor = Predictor.load(registry.task("fill_mask"))
+    expected = {"She drank a cup of hot [MASK].": "tea", "It was a dark and stormy [MASK].": "night",
+                "A week has seven [MASK].": "days"}
+    for example in EXAMPLES:
+        if example["text"].count("[MASK]") == 1:
+            first = predictor.predict(example)["result"]["predictions"][0]["candidates"][0]["token"]
+            assert first == expected[example["text"]], (example, first)
+    assert "all-MiniLM-L6-v2" in STARTER_NOTE

@@ -215,3 +215,30 @@ def test_the_starter_never_offers_a_word_piece_for_a_whole_word_unless_asked():
     asked = predictor.predict({"text": "The play [MASK] were tired after the game."}, top_k=5,
                               subwords=True)["result"]["predictions"][0]["candidates"]
     assert any(c["token"].startswith("##") for c in asked)  # "##s", "##men", "##rs" rank first when allowed
+
+
+def test_whole_word_training_masks_every_piece_of_a_chosen_word(predictor):
+    from plugins.fill_mask import training_batch
+
+    tokenizer = predictor.tokenizer
+    text = "unbelievably " * 15  # inside max_length: the batch is not cut
+    pieces = tokenizer.pieces([text])[0].tokens
+    assert len([p for p in pieces if p.startswith("##")]) > 10  # the word really splits into pieces
+    examples = [({"text": text}, None)] * 4
+    for whole, expect_partial in ((True, False), (False, True)):
+        batch, labels = training_batch(examples, tokenizer, generator=torch.Generator().manual_seed(0),
+                                       mlm_prob=0.3, whole_word=whole)
+        continuation = torch.tensor([[t.startswith("##") for t in tokenizer.convert_ids_to_tokens(row.tolist())]
+                                     for row in tokenizer([text] * 4).input_ids])
+        labelled = labels != -100
+        starts = labelled & ~continuation
+        partial = False
+        for row in range(4):
+            word_start = None
+            for t in range(labels.shape[1]):
+                if not continuation[row, t]:
+                    word_start = t
+                elif word_start is not None and labelled[row, t] != labelled[row, word_start]:
+                    partial = True
+        assert starts.any()
+        assert partial == expect_partial

@@ -235,3 +235,21 @@ def test_cli_predicts_ner_with_provenance(plain_checkpoint):
     payload = json.loads(out.stdout)
     assert payload["task"] == "ner" and payload["provenance"]["model"] == str(plain_checkpoint)
     assert [w["word"] for w in payload["result"]["words"]] == ["Tim", "Cook", "visited", "Berlin", "."]
+
+
+def test_special_tokens_typed_into_the_text_are_never_entities(task):
+    starter = Predictor.load(task)  # the trained starter: it tagged "[MASK]" as a person before
+    for text in ("[MASK] lives in Paris with Marie Curie.", "Angela Merkel [SEP] visited [MASK] in Berlin."):
+        result = starter.predict({"text": text})["result"]
+        assert all("[" not in e["text"] and "]" not in e["text"] for e in result["entities"]), result["entities"]
+        assert all(w["word"] not in ("[MASK]", "[SEP]") for w in result["words"])
+        assert {e["type"] for e in result["entities"]} & {"PER", "LOC"}  # the real names still are
+
+
+def test_the_nbest_table_lines_each_path_up_with_the_words():
+    result = {"words": [{"word": "Angela"}, {"word": "Merkel"}, {"word": "spoke"}],
+              "nbest": [{"tags": ["B-PER", "I-PER", "O"], "probability": 0.9},
+                        {"tags": ["B-ORG", "I-ORG", "O"], "probability": 0.05}]}
+    table = ner.nbest_table(result)
+    assert table["headers"] == ["word", "path 1 (90 %)", "path 2 (5.0 %)"]
+    assert table["data"] == [["Angela", "B-PER", "B-ORG"], ["Merkel", "I-PER", "I-ORG"], ["spoke", "O", "O"]]

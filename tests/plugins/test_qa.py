@@ -10,15 +10,9 @@ from conftest import reference_checkpoint
 from bert_engine.hookspecs import InputError
 from bert_engine.runtime.inference import Predictor
 from bert_engine.tasks.registry import load_registry
-from plugins.qa import (
-    evaluate_squad,
-    max_context_windows,
-    metric,
-    normalize_answer,
-    predict_many,
-    read_data,
-    squad_scores,
-)
+from plugins.qa import evaluate_squad, max_context_windows, predict_many
+from plugins.qa_data import read_data
+from plugins.qa_metric import metric, normalize_answer, squad_scores
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "squad_tiny.json"
 LONG_CONTEXT = " ".join(
@@ -258,10 +252,12 @@ def test_the_answer_view_marks_the_answer_inline_and_says_no_answer():
     assert "at <mark" in view and "</mark> UTC" in view  # inline: no break before or after it
     assert "&lt;b&gt;saw&lt;/b&gt;" in view  # the context is text, never markup
     none = answer_view(context, {**result, "no_answer": {"predicted": True, "score": 0.7}})
-    assert "No answer in this context" in none and "<mark" not in none
+    assert "No answer in this context" in none and "qa-answer" not in none
+    assert "Nobody" in none and 'class="be-mark qa-candidate"' in none  # the context stays, the candidate greyed
     long_context = "Filler sentence here. " * 200 + context
     start = long_context.index("20:17")
     view = answer_view(long_context, {**result, "answers": [{**result["answers"][0], "start": start,
                                                              "end": start + 5}]})
     shown = view.split("<details")[0]
     assert "<mark" in shown and len(shown) < 2000 and "The whole context (" in view  # an excerpt around it first
+    assert shown.split("</p>", 1)[1].startswith('<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">… Filler')
