@@ -223,13 +223,15 @@ def test_a_predictor_built_from_a_loaded_one_keeps_its_calibrated_defaults_when_
 
     task = load_registry(entry_points=False).task("qa")
     loaded = Predictor.load(task, precision="fp32", pack=False)
-    assert loaded.model_options.get("null_threshold") is not None  # the starter's calibrated threshold
+    assert loaded.model_options.get("answerability") is not None  # the starter's calibrated verifier
     model = quantize_int8(loaded.model)
     passed_on = Predictor(task, model, loaded.tokenizer, model_id=loaded.model_id, model_options=loaded.model_options)
     inputs = {"question": "Who is the president of France?",
               "context": "Florida is a state in the southeastern United States. Its capital is Tallahassee."}
-    assert passed_on.predict(inputs)["result"]["no_answer"]["threshold"] == loaded.model_options["null_threshold"]
+    verdict = passed_on.predict(inputs)["result"]["no_answer"]
+    assert verdict["rule"] == "verifier"
+    assert verdict["threshold"] == loaded.model_options["answerability"]["presets"][loaded.model_options["no_answer"]]
     # without them the task's defaults apply (no threshold): the reason the int8 benchmark passes them on
-    assert Predictor(task, model, loaded.tokenizer, model_id="m").predict(inputs)["result"]["no_answer"]["threshold"] is None
+    assert Predictor(task, model, loaded.tokenizer, model_id="m").predict(inputs)["result"]["no_answer"]["rule"] == "none"
     with pytest.raises(ValueError, match=r"\['beam_width'\]"):
         Predictor(task, model, loaded.tokenizer, model_id="m", model_options={"beam_width": 4})
