@@ -108,3 +108,16 @@ def test_an_alias_another_task_owns_is_refused():
     registry = load_registry(entry_points=False)
     assert not registry.load_plugin("clash", "0", "test", Clash)
     assert "['token-classification'] are already taken" in registry.failures[-1].message
+
+
+def test_a_task_whose_plugin_failed_to_load_says_which_plugin_and_why(tmp_path, monkeypatch):
+    (tmp_path / "needs_missing.py").write_text("import a_module_nobody_installed  # noqa\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from bert_engine.serving.pipeline import find_task
+
+    registry = load_registry(builtins=("plugins.sentiment", "needs_missing"), entry_points=False)
+    with pytest.raises(KeyError, match=r"no task named 'needs_missing' \(plugin needs_missing failed at import: "
+                                       r"ModuleNotFoundError.*a_module_nobody_installed"):
+        find_task(registry, "needs_missing")
+    with pytest.raises(KeyError, match=r"failed at import.*registered: sentiment"):
+        registry.task("needs_missing")

@@ -32,7 +32,7 @@ def find_task(registry: Registry, name: str) -> RegisteredTask:
         if name in task.spec.aliases:
             return task
     known = sorted(set(registry.tasks) | {a for t in registry.tasks.values() for a in t.spec.aliases})
-    raise KeyError(f"no task named {name!r}; known: {', '.join(known)}")
+    raise KeyError(registry.missing(name, f"known: {', '.join(known)}"))
 
 
 class Pipeline:

@@ -98,8 +98,16 @@ class Registry:
 
     def task(self, name: str) -> RegisteredTask:
         if name not in self.tasks:
-            raise KeyError(f"no task named {name!r}; registered: {', '.join(self.tasks) or 'none'}")
+            raise KeyError(self.missing(name, f"registered: {', '.join(self.tasks) or 'none'}"))
         return self.tasks[name]
+
+    def missing(self, name: str, known: str) -> str:
+        """Why there is no task `name`: the plugins that failed to load, with their reasons, first (a
+        plugin whose module is named like the task, e.g. plugins.qa, leads), then what is `known`."""
+        loading = [f for f in self.failures if f.stage not in REQUEST_STAGES]
+        loading.sort(key=lambda f: f.plugin.rsplit(".", 1)[-1] != name)
+        why = "; ".join(f"plugin {f.plugin} failed at {f.stage}: {f.message}" for f in loading)
+        return f"no task named {name!r}" + (f" ({why})" if why else "") + f"; {known}"
 
     MAX_REQUEST_FAILURES = 50
 
