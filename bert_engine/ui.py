@@ -102,6 +102,27 @@ def bar(score: float, label: str = "") -> str:
             f'<span class="be-bar-value">{percent(score)}</span></div>')
 
 
+def _luminance(rgb: tuple[int, int, int]) -> float:
+    """WCAG relative luminance of an sRGB colour (0-255 channels)."""
+    def linear(c: float) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+    r, g, b = (linear(c) for c in rgb)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
+    """WCAG contrast ratio of two sRGB colours (1 to 21; text wants 4.5)."""
+    low, high = sorted((_luminance(a), _luminance(b)))
+    return (high + 0.05) / (low + 0.05)
+
+
+def readable_text(background: tuple[int, int, int]) -> str:
+    """White or HIGHLIGHT_TEXT, whichever contrasts more with an opaque background."""
+    dark = (0x11, 0x18, 0x27)
+    return "#ffffff" if contrast(background, (255, 255, 255)) > contrast(background, dark) else HIGHLIGHT_TEXT
+
+
 # Colours that read in light and dark themes: highlights carry their own dark text on a pale
 # background (contrast above 7:1 for every pair below), never the theme's text colour.
 HIGHLIGHT_TEXT = "#111827"

@@ -357,7 +357,7 @@ def render_entities(text: str, entities: list[dict]) -> str:
         parts.append(escape(text[cursor:e["start"]]))
         parts.append(f'<mark class="entity be-mark" data-type="{escape(e["type"])}" title="{escape(e["type"])} '
                      f'{percent(e["score"])}" style="background:{colour};color:{ui.HIGHLIGHT_TEXT};padding:0 2px;'
-                     f'border-radius:3px">{escape(text[e["start"]:e["end"]])}<sup style="font-size:0.7em"> '
+                     f'border-radius:3px">{escape(text[e["start"]:e["end"]])}<sup style="font-size:0.7em;color:{ui.HIGHLIGHT_TEXT}"> '
                      f'{escape(e["type"])}</sup></mark>')
         cursor = e["end"]
     parts.append(escape(text[cursor:]))
@@ -370,7 +370,8 @@ def render_entities(text: str, entities: list[dict]) -> str:
     rows = "".join(f"<tr><td>{escape(e['text'])}</td><td>{escape(e['type'])}</td><td>{ui.bar(e['score'])}</td></tr>"
                    for e in entities)
     return (marked + f'<p class="ner-legend">{legend}</p>'
-            f'<table class="ner-entities"><tr><th>entity</th><th>type</th><th>score</th></tr>{rows}</table>')
+            f'<table class="ner-entities"><tr><th>entity</th><th>type</th><th>score</th></tr>{rows}</table>'
+            ).replace("<th>", f'<th style="color:{ui.HIGHLIGHT_TEXT};background:#f3f4f6;white-space:nowrap">')
 
 
 def transition_heatmap(table: dict[str, Any]) -> str:
@@ -378,7 +379,8 @@ def transition_heatmap(table: dict[str, Any]) -> str:
     the moves the tag scheme forbids; from-tag rows, to-tag columns, the score in each cell."""
     values = [v for row in table["transitions"] for v in row if v > -1e3]
     peak = max((abs(v) for v in values), default=1.0) or 1.0
-    header = "".join(f"<th>{escape(label)}</th>" for label in table["labels"])
+    th = f'<th style="color:{ui.HIGHLIGHT_TEXT};background:#f9fafb">'  # inline: the dark theme's table CSS loses to it
+    header = "".join(f"{th}{escape(label)}</th>" for label in table["labels"])
     body = []
     for label, row in zip(table["labels"], table["transitions"]):
         cells = []
@@ -386,14 +388,17 @@ def transition_heatmap(table: dict[str, Any]) -> str:
             if v <= -1e3:
                 cells.append('<td class="forbidden" style="background:#9ca3af;color:#111827" title="forbidden">×</td>')
                 continue
-            alpha = min(1.0, abs(v) / peak)
-            colour = f"rgba(37,99,235,{alpha:.2f})" if v >= 0 else f"rgba(220,38,38,{alpha:.2f})"
-            text = "#ffffff" if alpha > 0.55 else ui.HIGHLIGHT_TEXT
+            alpha = 0.6 * min(1.0, abs(v) / peak)  # up to 60 % of the hue: dark text stays above 6:1 on every cell
+            # opaque (blended with white), so the cell reads the same over a light or a dark page
+            base = (37, 99, 235) if v >= 0 else (220, 38, 38)
+            rgb = tuple(round(255 + (c - 255) * alpha) for c in base)
+            colour = "#{:02x}{:02x}{:02x}".format(*rgb)
+            text = ui.readable_text(rgb)
             cells.append(f'<td style="background:{colour};color:{text}">{v:.2f}</td>')
-        body.append(f"<tr><th>{escape(label)}</th>{''.join(cells)}</tr>")
+        body.append(f"<tr>{th}{escape(label)}</th>{''.join(cells)}</tr>")
     note = "" if table.get("trained") else "<p>This CRF is untrained: every allowed move scores 0.</p>"
     return (f'{note}<div style="overflow-x:auto"><table class="ner-transitions" style="background:#f9fafb;'
-            f'color:#111827;font-size:12px"><tr><th>from \\ to</th>{header}</tr>{"".join(body)}</table></div>')
+            f'color:#111827;font-size:12px"><tr>{th}from \\ to</th>{header}</tr>{"".join(body)}</table></div>')
 
 
 def build_tab(predictor) -> None:

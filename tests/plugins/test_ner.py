@@ -253,3 +253,23 @@ def test_the_nbest_table_lines_each_path_up_with_the_words():
     table = ner.nbest_table(result)
     assert table["headers"] == ["word", "path 1 (90 %)", "path 2 (5.0 %)"]
     assert table["data"] == [["Angela", "B-PER", "B-ORG"], ["Merkel", "I-PER", "I-ORG"], ["spoke", "O", "O"]]
+
+
+def test_every_coloured_cell_and_tag_reads_at_4_5_to_1_in_either_theme():
+    import re
+
+    from bert_engine import ui
+
+    def rgb(value: str) -> tuple[int, int, int]:
+        return tuple(int(value[i:i + 2], 16) for i in (1, 3, 5))
+
+    labels = ["O", "B-PER", "I-PER"]
+    table = {"labels": labels, "trained": True,
+             "transitions": [[3.0, -2.0, -1e4], [0.5, 1.0, 2.9], [-3.0, 0.01, 1.5]]}
+    html = ner.transition_heatmap(table) + ner.render_entities(
+        "Angela Merkel visited Paris.", [{"type": "PER", "start": 0, "end": 13, "score": 0.9, "text": "Angela Merkel"}])
+    pairs = re.findall(r"background:(#[0-9a-f]{6});color:(#[0-9a-f]{6})", html)
+    assert len(pairs) >= 9
+    for background, text in pairs:
+        assert ui.contrast(rgb(background), rgb(text)) >= 4.5, (background, text)
+    assert all("color:" in tag for tag in re.findall(r"<(?:th|sup)[^>]*>", html))  # never the theme's text colour
