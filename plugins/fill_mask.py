@@ -298,10 +298,17 @@ def build_tab(predictor) -> None:
     view = gr.HTML(label="Candidates")
     details = ui.details(gr)
 
-    def run(text_value: str, k: float = OPTIONS["top_k"], mode_value: str = OPTIONS["mode"],
-            target_text: str | None = ""):
-        words = [w.strip() for w in (target_text or "").split(",") if w.strip()] or None  # API clients may send null
-        output = predictor.predict({"text": text_value}, top_k=int(k), mode=mode_value, targets=words)
+    def run(text: str, top_k: float = OPTIONS["top_k"], mode: str = OPTIONS["mode"], targets: str | None = ""):
+        """Guess the words hidden behind [MASK] tokens in a text.
+
+        Args:
+            text: a text with one or more [MASK] tokens, e.g. "She drank a cup of hot [MASK]."
+            top_k: how many candidate words to return per mask (1-20).
+            mode: with several masks, "independent" (each mask alone) or "joint" (the masks filled together).
+            targets: optional comma-separated words to score instead of the model's own guesses.
+        """
+        words = [w.strip() for w in (targets or "").split(",") if w.strip()] or None  # API clients may send null
+        output = predictor.predict({"text": text}, top_k=int(top_k), mode=mode, targets=words)
         return candidate_bars(output["result"]), output
 
     ui.wire(gr, button, run, [text, top_k, mode, targets], [view, details], api_name="fill_mask",

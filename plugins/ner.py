@@ -423,15 +423,23 @@ def build_tab(predictor) -> None:
         transitions = gr.HTML(label="Transition matrix")
     details = ui.details(gr)
 
-    def run(text_value: str, use_constraints: bool = OPTIONS["constrained"], k: float = OPTIONS["nbest"],
+    def run(text: str, constrained: bool = OPTIONS["constrained"], nbest: float = OPTIONS["nbest"],
             read_capitals: str = "model"):
+        """Find the names of people, places, organisations and other entities in a text.
+
+        Args:
+            text: the text to tag.
+            constrained: keep every tag sequence valid for the tag scheme (true) or decode freely (false).
+            nbest: how many of the best tag sequences to return (1-10).
+            read_capitals: "model" (as the model was trained), "on" or "off": whether capital letters are read.
+        """
         if read_capitals not in CASING_CHOICES:
             raise InputError(f"ner: read_capitals must be one of {list(CASING_CHOICES)}, got {read_capitals!r}")
         chosen = {} if CASING_CHOICES[read_capitals] is None else {"casing": CASING_CHOICES[read_capitals]}
-        output = predictor.predict({"text": text_value}, constrained=bool(use_constraints), nbest=int(k), **chosen)
+        output = predictor.predict({"text": text}, constrained=bool(constrained), nbest=int(nbest), **chosen)
         result = output["result"]
-        table = transition_table(predictor.get().model.head, bool(use_constraints))
-        return (render_entities(text_value, result["entities"]),
+        table = transition_table(predictor.get().model.head, bool(constrained))
+        return (render_entities(text, result["entities"]),
                 [[w["word"], w["argmax"], w["tag"], percent(w["score"]), "≠" if w["argmax"] != w["tag"] else ""]
                  for w in result["words"]],
                 nbest_table(result),

@@ -372,11 +372,19 @@ def build_tab(predictor) -> None:
     candidates = gr.Label(label="Candidates", show_label=True)
     details = ui.details(gr)
 
-    def run(question_value: str, context_value: str, k: float = 3, no_answer_value: str = "eager"):
-        output = predictor.predict({"question": question_value, "context": context_value}, top_k=int(k),
-                                   no_answer=no_answer_value)
+    def run(question: str, context: str, top_k: float = 3, no_answer: str = "eager"):
+        """Answer a question from a context: the answer is a span of the context, or "no answer".
+
+        Args:
+            question: the question to answer.
+            context: the text that may hold the answer.
+            top_k: how many candidate answers to return (1-10).
+            no_answer: how readily to answer "no answer": "eager" (rarely), "balanced", "cautious" (when in
+                doubt) or "never".
+        """
+        output = predictor.predict({"question": question, "context": context}, top_k=int(top_k), no_answer=no_answer)
         result = output["result"]
-        return answer_view(context_value, result), candidate_scores(result), output
+        return answer_view(context, result), candidate_scores(result), output
 
     ui.wire(gr, button, run, [question, context, top_k, no_answer], [view, candidates, details],
             api_name="qa", examples=[[e["question"], e["context"]] for e in EXAMPLES])

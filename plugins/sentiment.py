@@ -156,8 +156,15 @@ def build_tab(predictor) -> None:
     bars = gr.Label(label="Labels")
     details = ui.details(gr)
 
-    def run(text_value: str, pair_value: str, policy: str):
-        output = predictor.predict({"text": text_value, "text_pair": pair_value or None}, long_input=policy)
+    def run(text: str, text_pair: str = "", long_input: str = "truncate"):
+        """Classify the sentiment of a text (or of a pair of texts) with the sentiment model.
+
+        Args:
+            text: the text to classify.
+            text_pair: an optional second text, read together with the first (leave empty for one text).
+            long_input: what to do with a text longer than the model reads at once: "truncate" or "windows".
+        """
+        output = predictor.predict({"text": text, "text_pair": text_pair or None}, long_input=long_input)
         return {item["label"]: item["score"] for item in output["result"]["labels"]}, output
 
     ui.wire(gr, button, run, [text, pair, long_input], [bars, details], api_name="sentiment",

@@ -501,15 +501,22 @@ def build_tab(predictor) -> None:
                                label="Dropped sentences", show_label=False)
     details = ui.details(gr)
 
-    def run(text_value: str, length_value: str = "3 sentences", min_words_value: float = OPTIONS["min_words"],
-            mode_value: str = "auto"):
-        if length_value not in LENGTHS:
-            raise InputError(f"summary: length must be one of {', '.join(map(repr, LENGTHS))}, got {length_value!r}")
-        count, ratio = LENGTHS[length_value]
-        output = predictor.predict({"text": text_value}, num_sentences=count, ratio=ratio,
-                                   min_words=int(min_words_value), mode=mode_value)
+    def run(text: str, length: str = "3 sentences", min_words: float = OPTIONS["min_words"], mode: str = "auto"):
+        """Summarise a document by picking its most central sentences (extractive).
+
+        Args:
+            text: the document to summarise.
+            length: "1 sentence", "2 sentences", "3 sentences", "5 sentences", "10 sentences",
+                "a fifth of the document", "a third of the document" or "half of the document".
+            min_words: sentences shorter than this many words are never picked.
+            mode: "auto", "hybrid", "centroid" or "supervised": how sentences are scored.
+        """
+        if length not in LENGTHS:
+            raise InputError(f"summary: length must be one of {', '.join(map(repr, LENGTHS))}, got {length!r}")
+        count, ratio = LENGTHS[length]
+        output = predictor.predict({"text": text}, num_sentences=count, ratio=ratio, min_words=int(min_words), mode=mode)
         result = output["result"]
-        return (result["summary"] or result.get("explanation", ""), render(text_value, result),
+        return (result["summary"] or result.get("explanation", ""), render(text, result),
                 [[item["text"], item["reason"]] for item in result["dropped"]], output)
 
     ui.wire(gr, button, run, [text, length, min_words, mode], [summary, document, dropped, details],

@@ -170,8 +170,8 @@ def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
             async with ClientSession(read, write) as session:
                 await session.initialize()
                 tools = {tool.name: tool for tool in (await session.list_tools()).tools}
-                answer = await session.call_tool("sentiment", {"text_value": "A gorgeous, witty, seductive movie."})
-                refused = await session.call_tool("ner", {"text_value": "   "})
+                answer = await session.call_tool("sentiment", {"text": "A gorgeous, witty, seductive movie."})
+                refused = await session.call_tool("ner", {"text": "   "})
                 return tools, answer, refused
 
     try:
@@ -181,7 +181,12 @@ def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
     tasks = {name for name in app.predictors if name != "broken_tab"}
     assert tasks | {"all_tasks", "plugins"} == set(tools)
     assert "sequence-classification" in tools["sentiment"].description  # the task's own description
-    assert tools["sentiment"].inputSchema["required"] == ["text_value"]
+    assert tools["sentiment"].inputSchema["required"] == ["text"]
+    for name in ("sentiment", "ner", "qa", "summary", "fill_mask"):  # task-named inputs, each described
+        properties = tools[name].inputSchema["properties"]
+        assert not any(key.endswith("_value") for key in properties), (name, list(properties))
+        assert all(p.get("description") for p in properties.values()), (name, properties)
+    assert set(tools["qa"].inputSchema["properties"]) == {"question", "context", "top_k", "no_answer"}
     text = " ".join(part.text for part in answer.content if part.type == "text")
     assert not answer.isError and "POSITIVE" in text
     assert refused.isError and "the text is empty" in " ".join(p.text for p in refused.content if p.type == "text")

