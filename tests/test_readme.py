@@ -27,3 +27,18 @@ def test_readme_block_runs(lang, body):
     command = [sys.executable, "-c", body] if lang == "python" else ["bash", "-euo", "pipefail", "-c", body]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_performance_ratios_the_readme_quotes_are_in_the_benchmark_tables():
+    """README's speed-ups are copied from benchmarks/README.md's tables (which the benchmark commands
+    print): a ratio the README states that no table holds is stale."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Performance"):readme.index("## Reliability")]
+    tables = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    quoted = re.findall(r"(\d+\.\d+)x", section)
+    assert quoted
+    for ratio in quoted:
+        if not re.search(rf"\b{re.escape(ratio)}x\b", tables):
+            if "-" in section[section.index(ratio) - 4:section.index(ratio)]:
+                continue  # the upper end of a range ("3.3-4.9x"): its lower end is checked
+            raise AssertionError(f"README quotes {ratio}x, which no table of benchmarks/README.md holds")
