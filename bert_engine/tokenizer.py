@@ -27,6 +27,7 @@ from .files import MAX_METADATA_BYTES, MAX_TOKENIZER_BYTES, metadata_file
 logger = logging.getLogger(__name__)
 
 Truncation = Literal["longest_first", "only_first", "only_second"]
+TRUNCATIONS = ("longest_first", "only_first", "only_second")
 SPECIAL_TOKENS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
                   "mask_token": "[MASK]"}
 _SURROGATES = re.compile("[\ud800-\udfff]")
@@ -265,6 +266,10 @@ class Tokenizer:
         Raises:
             TypeError: if a text is not a string. ValueError: on an empty batch or impossible lengths.
         """
+        if truncation is not None and truncation not in TRUNCATIONS:  # transformers' True/False mean something else here
+            raise TypeError(f"truncation must be one of {', '.join(map(repr, TRUNCATIONS))} or None (no cut), got "
+                            f"{truncation!r}" + ("; for transformers' truncation=True pass 'longest_first'"
+                                                  if truncation is True else ""))
         texts, pairs = _as_batch(text, "text"), None
         if text_pair is not None:
             pairs = _as_batch(text_pair, "text_pair")

@@ -181,3 +181,15 @@ def test_tokenizer_files_linking_outside_the_folder_are_refused_unread(ours, tmp
     (folder / "tokenizer_config.json").write_text("[]")
     with pytest.raises(ValueError, match="expected a JSON object"):
         Tokenizer.from_pretrained(folder)
+
+
+def test_a_wrong_truncation_value_is_named():
+    from bert_engine.checkpoints.hub import default_backbone
+    from bert_engine.checkpoints.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(default_backbone())
+    with pytest.raises(TypeError, match=r"truncation must be one of 'longest_first'.*got True; for transformers'"):
+        tokenizer("hello", truncation=True)
+    with pytest.raises(TypeError, match="got 'only_third'"):
+        tokenizer("hello", truncation="only_third")
+    assert tokenizer("hello", truncation=None).input_ids.shape[0] == 1
