@@ -769,3 +769,26 @@ def test_the_qa_loss_is_the_same_for_a_row_alone_and_padded_in_a_batch(tiny_chec
         mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]])
         padded = qa_loss(model(input_ids=ids, attention_mask=mask), targets)
     assert torch.allclose(padded, (alone[0] + alone[1]) / 2, atol=1e-5)
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_the_log_stays_json(tiny_checkpoint, tmp_path):
+    from bert_engine.training.loop import NonFiniteLoss
+
+    class NaNAtThree(TaskJob):
+        calls = 0
+
+        def loss(self, model, batch, targets):
+            loss, stats = super().loss(model, batch, targets)
+            self.calls += 1
+            return (loss * float("nan") if self.calls == 3 else loss), stats
+
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", max_steps=5, batch_size=4, log_every=1, save_every=1,
+                         eval_file=None)
+    with pytest.raises(NonFiniteLoss, match=r"the loss is nan at step 3 .*last checkpoint is from step 2"):
+        train(NaNAtThree(task, cfg), cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]  # every line is JSON; nothing logged for step 3
+    saved = torch.load(tmp_path / "run" / "last" / "trainer_state.pt", weights_only=True)
+    assert saved["state"]["step"] == 2
+    assert not (tmp_path / "run" / "best").exists()

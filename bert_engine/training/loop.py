@@ -176,7 +176,22 @@ class MetricsLog:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+            handle.write(json.dumps(_finite({"time": round(time.time(), 3), **record})) + "\n")
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float as None: metrics.jsonl stays JSON (NaN is not)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+class NonFiniteLoss(ValueError):
+    """The training loss became NaN or infinite: the run stops before it saves anything from that step."""
 
 
 # -- the loop ------------------------------------------------------------------------------------------
@@ -242,6 +257,12 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                 stats = _one_step(job, cfg, forward_model, model, optimizer, scheduler, scaler, amp_dtype, device,
                                   order, s, dist_info)
                 step += 1
+                if not math.isfinite(stats["loss"]):  # the weights are ruined from here: stop, save nothing
+                    raise NonFiniteLoss(
+                        f"train: the loss is {stats['loss']} at step {step} (lr {scheduler.get_last_lr()[0]:.3g}); "
+                        f"the run stopped there and saved nothing from that step (the last checkpoint is from step "
+                        f"{step - 1 - (step - 1) % cfg.save_every}). Lower --lr, use --precision fp32, or check the "
+                        f"data and the task's loss")
                 for k, v in stats.items():
                     running[k] = running.get(k, 0.0) + v
                 running_count += 1
