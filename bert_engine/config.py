@@ -40,6 +40,11 @@ _RUNTIME_FIELDS = ("attn_backend",)
 # The model families the engine loads and saves (config.json's `model_type`); see docs/families.md.
 FAMILIES = ("bert", "roberta", "albert", "distilbert")
 # ALBERT's fields (written only for ALBERT) and legacy keys of its config that change nothing at their defaults.
+# Limits a config.json must pass before any module is built (a hostile or mistaken file could ask for
+# a 100,000-layer ALBERT: tiny in parameters, endless in work). The largest published encoders apply 48.
+MAX_APPLIED_LAYERS = 256
+MAX_FLOPS_PER_TOKEN = 10 * 10**9
+
 _ALBERT_FIELDS = ("embedding_size", "num_hidden_groups", "inner_group_num")
 _ALBERT_METADATA = frozenset({"down_scale_factor", "gap_size", "net_structure_type", "num_memory_blocks"})
 # DistilBERT's config.json names -> ours. It has no segment embeddings and no pooler of its own.
@@ -126,6 +131,16 @@ class BertConfig:
                 f"position_embedding_type {self.position_embedding_type!r} is not supported; "
                 "this engine implements the 'absolute' learned positions of BERT"
             )
+        applied = self.num_hidden_layers * (self.inner_group_num if self.model_type == "albert" else 1)
+        if applied > MAX_APPLIED_LAYERS:  # before anything is built: ALBERT's shared layers pass the parameter limit
+            raise ValueError(f"the encoder would apply {applied:,} layers per token (num_hidden_layers "
+                             f"{self.num_hidden_layers:,}" + (f" x inner_group_num {self.inner_group_num:,}"
+                             if self.model_type == "albert" else "") + f"); the limit is {MAX_APPLIED_LAYERS}")
+        if self.flops_per_token > MAX_FLOPS_PER_TOKEN:
+            raise ValueError(f"the encoder would cost {self.flops_per_token / 1e9:,.1f} GFLOP per token; the limit is "
+                             f"{MAX_FLOPS_PER_TOKEN / 1e9:.0f} (bert-large costs 0.6, ALBERT-xxlarge 4.8)")
+        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int):
+            raise ValueError(f"pad_token_id must be an integer token id, got {self.pad_token_id!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id {self.pad_token_id} is outside the vocabulary of size {self.vocab_size}")
         if self.attn_backend not in ("eager", "sdpa"):
@@ -262,6 +277,15 @@ class BertConfig:
             embeddings += E * H + H  # the projection to hidden_size
         layer = 4 * H * H + 4 * H + 2 * H * I + I + H + 4 * H  # q, k, v, out; up, down; two LayerNorms
         return embeddings + self.distinct_layers * layer + H * H + H
+
+    @property
+    def flops_per_token(self) -> int:
+        """Multiply-adds x 2 of one token's pass through the encoder's layers (attention over other
+        tokens left out): every applied layer's q, k, v, out and FFN matmuls. The cost a request's
+        token counts in, whatever the family (ALBERT applies its shared layers many times)."""
+        H, I = self.hidden_size, self.intermediate_size
+        applied = self.num_hidden_layers * (self.inner_group_num if self.model_type == "albert" else 1)
+        return 2 * applied * (4 * H * H + 2 * H * I)
 
     @property
     def distinct_layers(self) -> int:

@@ -64,3 +64,23 @@ def test_config_is_frozen_and_replace_validates():
         config.hidden_size = 64
     with pytest.raises(ValueError, match="not divisible"):
         dataclasses.replace(config, num_attention_heads=5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(model_type="albert", num_hidden_layers=100_000, hidden_size=8, num_attention_heads=2, intermediate_size=8),
+     r"would apply 100,000 layers per token .*the limit is 256"),
+    (dict(model_type="albert", num_hidden_layers=12, inner_group_num=64), r"would apply 768 layers"),
+    (dict(hidden_size=8192, num_attention_heads=64, intermediate_size=65536, num_hidden_layers=48),
+     r"would cost 128\.8 GFLOP per token; the limit is 10"),
+    (dict(pad_token_id=True), "pad_token_id must be an integer token id, got True"),
+])
+def test_configs_beyond_the_work_limits_are_refused_before_anything_is_built(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        BertConfig(**overrides)
+
+
+def test_the_cost_of_a_token_counts_every_applied_layer():
+    base = BertConfig()
+    assert base.flops_per_token == 2 * 12 * (4 * 768 * 768 + 2 * 768 * 3072)
+    albert = BertConfig(model_type="albert", num_hidden_layers=12, inner_group_num=2)
+    assert albert.flops_per_token == 2 * base.flops_per_token  # shared weights, twice the work

@@ -257,18 +257,66 @@ def weight_files(path: Path) -> list[Path]:
     return [contained(path.parent, shard) for shard in shards]
 
 
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+MAX_SAFETENSORS_HEADER = 100 * 2**20  # the format's own limit
+
+
+def declared_bytes(path: Path) -> int:
+    """The bytes of tensor data a safetensors file's header declares (dtype x shape of each tensor),
+    read from its first bytes only: a sparse or lying file is judged before any tensor is read.
+
+    Raises:
+        CheckpointError: a header that is not the format's, too long, or names an unknown dtype.
+    """
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: unreadable safetensors file, truncated or corrupt (no header)")
+        length = int.from_bytes(head, "little")
+        if length > MAX_SAFETENSORS_HEADER:
+            raise CheckpointError(f"{path}: safetensors header of {length:,} bytes; the format's limit is "
+                                  f"{MAX_SAFETENSORS_HEADER:,}")
+        try:
+            header = json.loads(handle.read(length))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path}: unreadable safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: unreadable safetensors header (not a JSON object)")
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPE_BYTES or not isinstance(entry.get("shape"), list):
+            raise CheckpointError(f"{path}: tensor {name!r} has no readable dtype and shape in the header")
+        size = _DTYPE_BYTES[entry["dtype"]]
+        for dim in entry["shape"]:
+            if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+                raise CheckpointError(f"{path}: tensor {name!r} has an impossible shape {entry['shape']!r}")
+            size *= dim
+        total += size
+    return total
+
+
 def check_size(config: BertConfig, weights: Path, source: str) -> None:
     """Refuse, before allocating, a config whose parameters exceed MAX_PARAMETERS or could not be in
-    the weights files (at 2 bytes each, the smallest dtype we load, with room for a missing head)."""
+    the weights files (at 2 bytes each, the smallest dtype we load, with room for a missing head), and
+    weights files that declare more tensor data than a model of this config could hold (8 bytes a
+    parameter, with room for heads): sizes come from what safetensors headers declare, not from the
+    files' sizes (a sparse file is small on disk and huge once read)."""
     count = config.parameter_count()
     if count > MAX_PARAMETERS:
         raise CheckpointError(f"{source}: config.json describes {count:,} parameters; the limit is {MAX_PARAMETERS:,} "
                               "(BERT_ENGINE_MAX_PARAMETERS)")
-    stored = sum(f.stat().st_size for f in weight_files(weights) if f.is_file())
+    files = [f for f in weight_files(weights) if f.is_file()]
+    stored = sum(declared_bytes(f) if f.suffix == ".safetensors" else f.stat().st_size for f in files)
     room = 2 * config.vocab_size * config.hidden_size + 64 * 2**20  # an untrained MLM head, pooler or task head
     if 2 * count > 2 * stored + room:
         raise CheckpointError(f"{source}: config.json describes {count:,} parameters but the weights files hold "
                               f"{stored:,} bytes; the config does not belong to these weights")
+    if stored > 8 * count + 4 * room:
+        raise CheckpointError(f"{source}: the weights files declare {stored:,} bytes of tensors, more than a model of "
+                              f"this config holds ({count:,} parameters); they do not belong to this config")
 
 
 def read_weights(path: str | Path) -> dict[str, Tensor]:

@@ -44,15 +44,17 @@ def test_an_index_shard_named_outside_the_folder_is_never_opened(tiny):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"num_hidden_layers": 1_000_000}, "describes .* parameters; the limit is"),
-    ({"hidden_size": 32768, "num_attention_heads": 4}, "describes 10,686,.* parameters; the limit is"),
+    # the work limits (config.py) come first: per token, before parameters are even counted
+    ({"num_hidden_layers": 1_000_000}, "would apply 1,000,000 layers per token"),
+    ({"hidden_size": 32768, "num_attention_heads": 4}, "would cost 17.2 GFLOP per token; the limit is 10"),
+    ({"vocab_size": 10**10}, "describes 320,.* parameters; the limit is"),
     ({"intermediate_size": 10**7}, "parameters but the weights files hold .* bytes; the config does not belong"),
-    ({"intermediate_size": 10**9}, "parameters"),
+    ({"intermediate_size": 10**9}, "GFLOP per token"),
 ])
 def test_a_huge_config_is_refused_before_allocating(tiny, change, message):
     config = json.loads((tiny / "config.json").read_text())
     (tiny / "config.json").write_text(json.dumps({**config, **change}))
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises((CheckpointError, ValueError), match=message):
         load_pretrained(tiny)
 
 
@@ -172,3 +174,38 @@ def test_weights_holding_nan_or_infinity_are_refused_by_name(tiny, value):
     save_file(state, tiny / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"tensor '{name}' holds NaN or infinite values"):
         load_pretrained(tiny)
+
+
+def test_a_sparse_safetensors_file_is_judged_by_its_header_before_any_read(tiny):
+    """A valid header declaring one 3 GiB tensor, the file sparse (small on disk): refused from the header's
+    declared sizes, in a subprocess whose peak memory stays far below the tensor's size (issue 36: 8.9 GB)."""
+    import subprocess
+    import sys
+
+    weights = tiny / "model.safetensors"
+    weights.unlink()
+    size = 3 * 2**30
+    header = json.dumps({"huge": {"dtype": "F32", "shape": [size // 4], "data_offsets": [0, size]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(weights, "wb") as handle:
+        handle.write(len(header).to_bytes(8, "little") + header)
+        handle.truncate(8 + len(header) + size)  # sparse: no data blocks written
+    probe = ("import resource, sys\nfrom bert_engine.checkpoints.loader import load\n"
+             "try:\n    load(sys.argv[1])\nexcept Exception as err:\n    print(type(err).__name__, err)\n"
+             "print('peak_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    done = subprocess.run([sys.executable, "-c", probe, str(tiny)], capture_output=True, text=True, timeout=120)
+    assert "CheckpointError" in done.stdout and "declare 3,221,225,472 bytes of tensors" in done.stdout, done.stdout
+    peak_mb = int(done.stdout.split("peak_kb")[1]) / 1024
+    assert peak_mb < 1024, f"peak RSS {peak_mb:.0f} MB"  # the interpreter and torch: a few hundred MB
+
+
+def test_a_safetensors_header_with_an_unknown_dtype_or_bad_shape_is_named(tiny):
+    from bert_engine.checkpoints.loading import declared_bytes
+
+    path = tiny / "odd.safetensors"
+    for entry, message in (({"dtype": "Q4", "shape": [2]}, "no readable dtype"),
+                           ({"dtype": "F32", "shape": [-1]}, "impossible shape")):
+        header = json.dumps({"t": {**entry, "data_offsets": [0, 8]}}).encode()
+        path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+        with pytest.raises(CheckpointError, match=message):
+            declared_bytes(path)
