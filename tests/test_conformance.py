@@ -167,3 +167,34 @@ def test_a_broken_training_side_is_named(tmp_path, changes, message):
 def test_the_tiny_predictor_uses_the_real_tokenizer():
     predictor = tiny_predictor(BUILTIN.task("sentiment"))
     assert predictor.tokenizer.vocab_size == 30522 and predictor.untrained_head
+
+
+def test_a_crash_in_the_tasks_own_code_names_its_stage_and_systemexit_is_caught():
+    def exits(logits, batch, **options):
+        raise SystemExit(3)
+
+    class Broken(_Head):
+        def forward(self, encoded):
+            raise RuntimeError("shape mismatch in my head")
+
+    rules = _rules(_spec(postprocess=exits), build_tab=False)
+    assert rules["crash"].startswith("raised SystemExit: 3 in postprocess")
+    rules = _rules(_spec(build_head=Broken), build_tab=False)
+    assert "raised RuntimeError: shape mismatch in my head in forward" in rules["crash"]
+    assert "input-error" not in rules  # the head's crash is not bad input
+
+
+def test_a_brief_or_pipeline_output_that_raises_is_named():
+    def brief(result):
+        raise KeyError("labels")
+
+    rules = _rules(_spec(brief=brief, pipeline_output=lambda result, options, single: result["nope"]), build_tab=False)
+    assert "raised KeyError" in rules["brief"] and "raised KeyError" in rules["pipeline_output"]
+    assert "must return a string" in _rules(_spec(brief=lambda result: 42), build_tab=False)["brief"]
+
+
+def test_the_names_a_plugin_may_not_take_include_every_alias():
+    from bert_engine.tasks.conformance import _owners_elsewhere
+
+    owners = _owners_elsewhere("not-installed")
+    assert owners["qa"] == owners["question-answering"] and owners["ner"] == owners["token-classification"]

@@ -9,6 +9,8 @@ Rules checked on every result (the names appear in violations):
 - `distribution`: a list of dicts with "label" and "score" under a key "labels" sums to 1.
 - `label`: "label" values belong to the head's label set (when the head has one).
 - `input-error`: bad input may only raise the documented InputError.
+- `crash`: the task's own code (the head's forward, postprocess) raised, SystemExit included; the stage is named.
+- `brief`, `pipeline_output`: when declared, they answer (brief with a string) for every result.
 - `time`: every case (a prediction, a tab event, the training check) finishes within `case_timeout_s`.
 - `labels`: a task declaring `labels` gets a head exposing them as `head.labels` on a checkpoint without any.
 - `tab`: build_tab builds inside a gr.Blocks and registers an event with api_name equal to the task's
@@ -17,7 +19,7 @@ Rules checked on every result (the names appear in violations):
 - `training` (with sample data in read_data's format): read_data yields (inputs, target) pairs,
   training_batch (or preprocess) -> forward -> loss is a finite scalar whose gradient reaches the model,
   and the metric (or evaluate) returns finite numbers including the declared best_metric.
-- `name` (check_plugin): no task name is already taken in the full registry (built-ins and installed plugins).
+- `name` (check_plugin): no task name or alias is already taken in the full registry (built-ins and installed plugins).
 Plugin authors call `assert_task_conforms(task, data=...)` from their own tests.
 """
 
@@ -167,16 +169,45 @@ def check_task(task: RegisteredTask, predictor: Predictor | None = None, *, buil
             output = timed(case, predictor.predict, inputs)
         except (InputError, _Skip):
             continue  # InputError: the documented answer to bad input
-        except Exception as err:  # anything else is a crash the user would see
-            violations.append(Violation(task.spec.name, case, "input-error",
-                                        f"raised {type(err).__name__}: {str(err)[:200]} (only InputError is allowed)"))
+        except (Exception, SystemExit, GeneratorExit) as err:  # a crash the user would see (SystemExit too)
+            violations.append(_crash(task, case, err))
             continue
         violations += check_result(task, case, inputs, output["result"], labels)
+        violations += _check_shapes(task, case, output["result"])
     if build_tab and task.spec.build_tab is not None:
         violations += _check_tab(task, predictor, timed)
     if data is not None:
         violations += _check_training(task, predictor, Path(data), split, timed)
     return violations
+
+
+def _crash(task: RegisteredTask, case: str, err: BaseException) -> Violation:
+    """A case that raised something other than InputError: bad input refused the wrong way (raised while
+    reading the input: rule `input-error`) or the task's code failing (rule `crash`, naming the stage:
+    the head's forward, postprocess...)."""
+    stage = getattr(err, "request_stage", None)
+    what = f"raised {type(err).__name__}: {str(err)[:200]}"
+    if stage in (None, "preprocess"):
+        return Violation(task.spec.name, case, "input-error", f"{what} (only InputError is allowed)")
+    return Violation(task.spec.name, case, "crash", f"{what} in {stage}")
+
+
+def _check_shapes(task: RegisteredTask, case: str, result: Any) -> list[Violation]:
+    """`brief` and `pipeline_output`, when declared, answer for every result the task gives (the All tasks
+    tab, MCP and pipeline() call them; one that raises would drop the answer there)."""
+    found = []
+    for rule, call in (("brief", lambda: task.spec.brief(result)),
+                       ("pipeline_output", lambda: task.spec.pipeline_output(result, dict(task.spec.options), True))):
+        if getattr(task.spec, rule) is None:
+            continue
+        try:
+            value = call()
+        except (Exception, SystemExit, GeneratorExit) as err:
+            found.append(Violation(task.spec.name, case, rule, f"raised {type(err).__name__}: {str(err)[:200]}"))
+            continue
+        if rule == "brief" and not isinstance(value, str):
+            found.append(Violation(task.spec.name, case, rule, f"must return a string, got {type(value).__name__}"))
+    return found
 
 
 class _Skip(Exception):
@@ -190,7 +221,7 @@ def _check_labels(task: RegisteredTask, predictor: Predictor) -> list[Violation]
     config = dataclasses.replace(predictor.model.config, id2label={}, label2id={})
     try:
         head = task.spec.build_head(config)
-    except Exception as err:
+    except (Exception, SystemExit, GeneratorExit) as err:
         return [Violation(task.spec.name, "labels", "labels", f"build_head on a checkpoint without labels raised "
                                                               f"{type(err).__name__}: {str(err)[:200]}")]
     found = getattr(head, "labels", None)
@@ -211,7 +242,7 @@ def _check_tab(task: RegisteredTask, predictor: Predictor, timed) -> list[Violat
     try:
         with gr.Blocks() as blocks:
             task.spec.build_tab(predictor)
-    except Exception as err:
+    except (Exception, SystemExit, GeneratorExit) as err:
         return fail("tab", "tab", f"build_tab raised {type(err).__name__}: {str(err)[:200]}")
     named = [fn.api_name for fn in blocks.fns.values() if fn.api_visibility == "public" and fn.api_name]
     others = [api for api in named if api != name]
@@ -231,7 +262,7 @@ def _check_tab(task: RegisteredTask, predictor: Predictor, timed) -> list[Violat
             timed(case, blocks, *values, api_name=name)
         except _Skip:
             continue
-        except Exception as err:  # gr.Error included: an example must answer, not show an error
+        except (Exception, SystemExit, GeneratorExit) as err:  # gr.Error included: an example must answer, not show an error
             violations += fail("tab-event", case, f"firing {name!r} through Gradio raised {type(err).__name__}: "
                                                   f"{str(err)[:200]}")
     return violations
@@ -251,7 +282,7 @@ def _check_training(task: RegisteredTask, predictor: Predictor, data: Path, spli
         return timed(case, _training_steps, task, predictor, data, split, fail)
     except _Skip:
         return []
-    except Exception as err:
+    except (Exception, SystemExit, GeneratorExit) as err:
         return fail(f"raised {type(err).__name__}: {str(err)[:300]}")
 
 
@@ -316,19 +347,21 @@ def check_plugin(name: str, *, data: str | Path | None = None, split: str | None
     tasks = {}
     for task_name, task in registry.tasks.items():
         found = check_task(task, data=data, split=split, case_timeout_s=case_timeout_s)
-        if task_name in owners:
-            found.insert(0, Violation(task_name, "registry", "name", f"task name {task_name!r} is already registered "
-                                      f"by plugin {owners[task_name]!r}; the app would refuse plugin {name} whole"))
+        for claimed in (task_name, *task.spec.aliases):
+            if claimed in owners:
+                kind = "task name" if claimed == task_name else "alias"
+                found.insert(0, Violation(task_name, "registry", "name", f"{kind} {claimed!r} is already registered "
+                                          f"by plugin {owners[claimed]!r}; the app would refuse plugin {name} whole"))
         tasks[task_name] = {"cases": len(golden_cases(task)), "violations": [str(v) for v in found],
                             "training": "checked" if data is not None else "not checked (no sample data: --data FILE)"}
     return {"plugin": name, "ok": all(not t["violations"] for t in tasks.values()), "failures": [], "tasks": tasks}
 
 
 def _owners_elsewhere(name: str) -> dict[str, str]:
-    """Task name -> plugin, for every task the other plugins (built-in and installed) register."""
+    """Task name or alias -> plugin, for every task the other plugins (built-in and installed) register."""
     others = tuple(m for m in builtin_plugins() if m.rsplit(".", 1)[-1] != name)
     full = load_registry(builtins=others, entry_points=True, excluded={name}, strict=False)
-    return {task_name: task.plugin for task_name, task in full.tasks.items()}
+    return {claimed: task.plugin for task_name, task in full.tasks.items() for claimed in (task_name, *task.spec.aliases)}
 
 
 def assert_task_conforms(task: RegisteredTask, predictor: Predictor | None = None, *,
