@@ -533,6 +533,10 @@ def _build_plugins_tab(gr, registry: Registry):
     return table
 
 
+MAX_LAYER_INDEX, MAX_HEAD_INDEX = 255, 127  # the sliders' build-time bounds: config.MAX_APPLIED_LAYERS; any head count
+MAX_START_TOKEN = 65_536  # runtime.inference's token limit per input
+
+
 def attention_ranges(predictor: LazyPredictor) -> tuple[int, int]:
     """(layers, heads) of the visitor's model for `predictor`'s task (loads it if need be)."""
     config = predictor.get().model.config
@@ -551,8 +555,11 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
                            value=names[0] if names else None, label="Last input of", scale=2)
         average = gr.Checkbox(value=False, label="Average the layer's heads", scale=1)
     with gr.Row():
-        layer = gr.Slider(0, 1, value=0, step=1, label="Layer")
-        head = gr.Slider(0, 1, value=0, step=1, label="Head")
+        # Built wide (API clients never fire the page events that narrow them); render names the model's range.
+        layer = gr.Slider(0, MAX_LAYER_INDEX, value=0, step=1, label="Layer")
+        head = gr.Slider(0, MAX_HEAD_INDEX, value=0, step=1, label="Head")
+        start = gr.Slider(0, MAX_START_TOKEN, value=0, step=8, label="From token",
+                          info=f"inputs longer than {attention.MAX_TOKENS} tokens are shown a window at a time")
     show = gr.Button("Show attention", variant="primary", elem_classes=[ui.RUN_CLASS])
     caption = gr.Markdown(label="What is shown")
     with gr.Row(equal_height=False):
@@ -576,8 +583,18 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
         return (gr.update(maximum=layers - 1, value=min(int(layer_index or 0), layers - 1)),
                 gr.update(maximum=heads - 1, value=min(int(head_index or 0), heads - 1)))
 
-    def render(task_name: str | None, layer_index: Any = 0, head_index: Any = 0, mean: bool = False):
-        """The attention of the visitor's last input in the `task_name` tab."""
+    def render(task_name: str | None, layer_index: Any = 0, head_index: Any = 0, mean: bool = False,
+               from_token: Any = 0):
+        """The attention of the visitor's last input in a task tab, as a heatmap of one head or of the
+        mean of a layer's heads, every head of the layer, and each token's strongest links.
+
+        Args:
+            task_name: the task tab whose last input to show (e.g. "sentiment").
+            layer_index: the layer, from 0.
+            head_index: the head, from 0 (ignored when mean is true).
+            mean: show the mean of the layer's heads instead of one head.
+            from_token: the first token shown when the input is longer than the view.
+        """
         if not task_name or task_name not in predictors:
             raise shown_error(gr, f"pick a task tab first; known tabs: {', '.join(predictors)}")
         try:
@@ -591,7 +608,7 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
             raise shown_error(gr, f"layer {layer_index} does not exist; the model has layers 0..{num_layers - 1}")
         if not mean and not 0 <= head_index < num_heads:
             raise shown_error(gr, f"head {head_index} does not exist; each layer has heads 0..{num_heads - 1}")
-        tokens, weights, notice = attention.cut(tokens, weights)
+        tokens, weights, notice = attention.cut(tokens, weights, int(from_token or 0))
         matrix = attention.head_matrix(weights, layer_index, None if mean else head_index)
         which = "the mean of its heads" if mean else f"head {head_index} of {num_heads}"
         text = (f"Layer {layer_index} of {num_layers}, {which}; {len(tokens)} tokens. "
@@ -601,6 +618,19 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
 
     task.change(ranges, [task, layer, head], [layer, head], api_visibility="private")
     # "your last input" means a browser session's: not documented, and not an MCP tool (MCP calls share a session)
-    show.click(render, [task, layer, head, average], [caption, heatmap, grid, links], api_name="attention",
+    show.click(render, [task, layer, head, average, start], [caption, heatmap, grid, links], api_name="attention",
                api_visibility="undocumented")
+
+    def redraw(*values):
+        """A moved slider or the average box redraws at once; before any input there is nothing to redraw."""
+        try:
+            return render(*values)
+        except gr.Error:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+
+    for control in (layer, head, start):
+        control.release(redraw, [task, layer, head, average, start], [caption, heatmap, grid, links],
+                        api_visibility="private")
+    average.change(redraw, [task, layer, head, average, start], [caption, heatmap, grid, links],
+                   api_visibility="private")
     return ranges, [task], [layer, head]

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-MAX_TOKENS = 96  # larger inputs are cut to their first tokens, with a notice
+MAX_TOKENS = 48  # shown at once (labels >= 11 px in PLOT_PX); a longer input is shown a window at a time
 MAX_LABEL_CHARS = 14
 PLOT_PX = 640  # the heatmap's side, labels not counted
 THUMB_PX = 150  # each head's side in the grid
@@ -24,12 +24,16 @@ BLUE = np.array([37, 99, 235], dtype=np.float32)  # the cell colour at the matri
 INK = (31, 41, 55)
 
 
-def cut(tokens: list[str], weights: list[torch.Tensor]) -> tuple[list[str], list[torch.Tensor], str]:
-    """The first MAX_TOKENS tokens and their attention, with a notice when that cut anything."""
+def cut(tokens: list[str], weights: list[torch.Tensor], start: int = 0) -> tuple[list[str], list[torch.Tensor], str]:
+    """MAX_TOKENS tokens from `start` and their attention among themselves (labels stay readable: at
+    most MAX_TOKENS rows in PLOT_PX), with a notice when that left any out."""
     if len(tokens) <= MAX_TOKENS:
         return tokens, weights, ""
-    notice = f"Showing the first {MAX_TOKENS} of {len(tokens)} tokens."
-    return tokens[:MAX_TOKENS], [w[:, :MAX_TOKENS, :MAX_TOKENS] for w in weights], notice
+    start = max(0, min(int(start), len(tokens) - MAX_TOKENS))
+    stop = start + MAX_TOKENS
+    notice = (f"Showing tokens {start}-{stop - 1} of {len(tokens)} (move “From token” for the others); rows "
+              "leave out the attention to tokens outside them.")
+    return tokens[start:stop], [w[:, start:stop, start:stop] for w in weights], notice
 
 
 def head_matrix(weights: list[torch.Tensor], layer: int, head: int | None) -> torch.Tensor:

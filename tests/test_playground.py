@@ -73,9 +73,12 @@ def test_attention_pictures_follow_the_input_and_links_read_as_text():
     small = attention.heatmap_image(tokens, matrix)
     long_tokens = [f"token{i}" for i in range(120)]
     cut_tokens, cut_weights, notice = attention.cut(long_tokens, [torch.full((12, 120, 120), 1 / 120)])
-    assert len(cut_tokens) == 96 and cut_weights[0].shape == (12, 96, 96) and "first 96 of 120" in notice
+    assert len(cut_tokens) == 48 and cut_weights[0].shape == (12, 48, 48) and "tokens 0-47 of 120" in notice
+    later, _, notice = attention.cut(long_tokens, [torch.full((12, 120, 120), 1 / 120)], start=100)
+    assert later[0] == "token72" and "tokens 72-119 of 120" in notice  # the window stays inside the input
     big = attention.heatmap_image(cut_tokens, cut_weights[0][0])
     assert small.width < big.width <= 800 and big.height <= 800  # cells shrink as the input grows
+    assert attention.PLOT_PX // attention.MAX_TOKENS >= 13  # labels of 11 px or more at the most tokens shown
     grid = attention.head_grid_image(cut_weights, 0)
     assert grid.width <= 700 and grid.height <= 700  # 12 heads, 4 to a row
     links = attention.strongest_links(tokens, matrix)
@@ -128,7 +131,7 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
                                                     "1 sentence", 4, "auto", api_name="/summary")
     assert output["task"] == "summary" and summary == "A much longer sentence follows here."
     assert 'class="sentence chosen"' in html
-    caption, heatmap, grid, links = client.predict("similarity", 0, 0, True, api_name="/attention")
+    caption, heatmap, grid, links = client.predict("similarity", 0, 0, True, 0, api_name="/attention")
     assert "mean of its heads" in caption and "[CLS]" in links
     assert Path(heatmap).suffix == ".png" and Path(grid).suffix == ".png"
     cards, outputs = client.predict("Angela Merkel visited Paris.", api_name="/all_tasks")
@@ -241,7 +244,7 @@ def test_bad_input_is_a_message_not_a_stack_trace(served):
     with pytest.raises(Exception, match="summary: the document is empty"):
         client.predict("", "3 sentences", 4, "auto", api_name="/summary")
     with pytest.raises(Exception, match="no input yet"):  # the failed QA call left no input to show
-        client.predict("qa", 0, 0, False, api_name="/attention")
+        client.predict("qa", 0, 0, False, 0, api_name="/attention")
 
 
 def _raw_call(url: str, endpoint: str, data: list) -> tuple[str, dict]:
@@ -274,10 +277,15 @@ def test_the_attention_view_shows_each_visitor_only_their_own_input(served):
     alice, bob = Client(url, verbose=False), Client(url, verbose=False)
     alice.predict("alice wrote a private diary entry", "", "truncate", api_name="/sentiment")
     with pytest.raises(Exception, match="no input yet"):
-        bob.predict("sentiment", 0, 0, True, api_name="/attention")
+        bob.predict("sentiment", 0, 0, True, 0, api_name="/attention")
     bob.predict("bob's shopping list", "", "truncate", api_name="/sentiment")
-    assert "diary" not in bob.predict("sentiment", 0, 0, True, api_name="/attention")[3]  # the links as text
-    assert "diary" in alice.predict("sentiment", 0, 0, True, api_name="/attention")[3]
+    assert "diary" not in bob.predict("sentiment", 0, 0, True, 0, api_name="/attention")[3]  # the links as text
+    assert "diary" in alice.predict("sentiment", 0, 0, True, 0, api_name="/attention")[3]
+    # the model's whole range through the API (MiniLM: 6 layers of 12 heads), and a clear refusal past it
+    caption = alice.predict("sentiment", 5, 11, False, 0, api_name="/attention")[0]
+    assert "Layer 5 of 6, head 11 of 12" in caption
+    with pytest.raises(Exception, match=r"layer 6 does not exist; the model has layers 0\.\.5"):
+        alice.predict("sentiment", 6, 0, False, 0, api_name="/attention")
 
 
 def test_a_refused_input_is_one_log_line_not_a_traceback(served, capfd, caplog):
