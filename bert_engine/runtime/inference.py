@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,11 +29,13 @@ from ..checkpoints.hub import default_backbone
 from ..checkpoints.loader import load
 from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
 from ..hookspecs import InputError, TaskContext
-from ..tasks.registry import RegisteredTask
 from ..tokenizer import Batch, Tokenizer
 from .cancel import ModelLock
 from .fairness import CHUNK_TOKENS, GATE, VISITOR, ComputeGate, visitor_scope
 from .precision import parameter_dtype, pick_device, prepare_for_inference
+
+if TYPE_CHECKING:  # annotations only: the registry sits above the runtime
+    from ..tasks.registry import RegisteredTask
 
 logger = logging.getLogger(__name__)
 
