@@ -226,10 +226,10 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
     from tqdm.auto import tqdm
 
     from .hookspecs import InputError
+    from .runtime.inference import can_batch
 
     spec, answered = task.spec, []
     batches = [rows[i:i + 32] for i in range(0, len(rows), 32)][rank::world]
-    batched = spec.predict_many is not None and len(spec.input_fields) == 1
     stream = world == 1
     with (open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(sys.stdout)) as out, \
             tqdm(total=len(rows), file=sys.stderr, unit="line", desc=spec.name, disable=not progress) as bar:
@@ -237,7 +237,7 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
             chunk = [(n, {**fixed, **row} if isinstance(row, dict) else row) for n, row in lines]
             answers: list = [None] * len(chunk)
             good = [k for k, (_, row) in enumerate(chunk) if isinstance(row, dict)]
-            if batched and good and all(set(chunk[k][1]) <= set(spec.input_fields) for k in good):
+            if good and can_batch(spec, [chunk[k][1] for k in good]):
                 try:
                     texts = [chunk[k][1].get(spec.input_fields[0]) for k in good]
                     for k in good:

@@ -388,6 +388,14 @@ def _token_lengths(tokenizer: Tokenizer, items: list[Mapping[str, Any]], fields:
     return total
 
 
+def can_batch(spec, items: list[Mapping[str, Any]]) -> bool:
+    """Whether the task's `predict_many` answers `items` in one batched call: it has one, it takes one
+    input field, and no item fills an optional field (predict_many takes the texts of that one field).
+    The one rule for every caller: pipeline lists, `predict --file`, evaluation and request batching."""
+    return (spec.predict_many is not None and len(spec.input_fields) == 1
+            and all(item.get(field) is None for item in items for field in spec.optional_fields))
+
+
 def predict_texts(predictor, texts: list[str], *, batch_size: int = 32,
                   progress: bool = False, **options: Any) -> list[Any]:
     """`predict_many` for one-field tasks: each text fills the task's input field (see predict_in_batches)."""
