@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # each command imports what it needs when it runs: `--help` loads no torch
     from .training.train_config import TrainConfig
 
-PRECISIONS = "auto, fp32, bf16, fp16, int8"  # checked by precision.py (its table) when a command runs
+PRECISIONS = "auto, fp32, bf16, fp16, int8"  # checked by runtime/precision.py (its table) when a command runs
 
 PRECISION_HELP = ("auto: fp32 on CPU, bf16/fp16 on GPU; bf16 on a CPU with AVX512-BF16 or AMX; int8: dynamic "
                   "quantisation of the encoder's linear layers (CPU); see benchmarks/README.md for the speed and "

@@ -2,7 +2,7 @@
 
 Places the model on a device in a precision (both chosen by precision.py), checks the inputs
 against the task's declared fields and options, and batches many inputs of one call by length.
-Serving many callers (lazy loading, merging concurrent requests, time limits) is serving.py's.
+Serving many callers (lazy loading, merging concurrent requests, time limits) is serving/predictors.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Serving one task to many callers: load the model on first use, merge concurrent requests into one
-forward pass, and (cancel.py) cut off a request that runs past its time limit.
+forward pass, and (runtime/cancel.py) cut off a request that runs past its time limit.
 
-The Predictor (inference.py) runs one model for one task; these wrap it for the playground.
+The Predictor (runtime/inference.py) runs one model for one task; these wrap it for the playground.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`bert-engine pack`: a LoRA run's adapter + head copied into a starter folder, evaluated there, and
 described by manifest.json (training record, metrics, the options it answers with). Pushing to the
-Hub is publish.py's; the adapter's tensors are lora.py's.
+Hub is publish.py's; the adapter's tensors are checkpoints/lora.py's.
 """
 
 from __future__ import annotations
