@@ -16,7 +16,7 @@ import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401 - the package's version, as always
 
 _EXPORTS = {
     "PRESETS": "config", "BertConfig": "config", "HEADS": "heads", "BertWithHead": "heads",

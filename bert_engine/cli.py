@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # each command imports what it needs when it runs: `--help` loads no torch
     from .training.train_config import TrainConfig
 
-PRECISIONS = "auto, fp32, bf16, fp16, int8"  # checked by precision.py (its table) when a command runs
+PRECISIONS = "auto, fp32, bf16, fp16, int8"  # checked by runtime/precision.py (its table) when a command runs
 
 PRECISION_HELP = ("auto: fp32 on CPU, bf16/fp16 on GPU; bf16 on a CPU with AVX512-BF16 or AMX; int8: dynamic "
                   "quantisation of the encoder's linear layers (CPU); see benchmarks/README.md for the speed and "
@@ -226,10 +226,10 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
     from tqdm.auto import tqdm
 
     from .hookspecs import InputError
+    from .runtime.inference import can_batch
 
     spec, answered = task.spec, []
     batches = [rows[i:i + 32] for i in range(0, len(rows), 32)][rank::world]
-    batched = spec.predict_many is not None and len(spec.input_fields) == 1
     stream = world == 1
     with (open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(sys.stdout)) as out, \
             tqdm(total=len(rows), file=sys.stderr, unit="line", desc=spec.name, disable=not progress) as bar:
@@ -237,7 +237,7 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
             chunk = [(n, {**fixed, **row} if isinstance(row, dict) else row) for n, row in lines]
             answers: list = [None] * len(chunk)
             good = [k for k, (_, row) in enumerate(chunk) if isinstance(row, dict)]
-            if batched and good and all(set(chunk[k][1]) <= set(spec.input_fields) for k in good):
+            if good and can_batch(spec, [chunk[k][1] for k in good]):
                 try:
                     texts = [chunk[k][1].get(spec.input_fields[0]) for k in good]
                     for k in good:
@@ -327,162 +327,13 @@ def _eval(args: argparse.Namespace) -> dict:
             "metrics": metrics, "model": predictor.provenance()}
 
 
-def _halve_adapter(path: Path) -> None:
-    """Store an adapter's float32 tensors as float16 (half the file; loading casts them back), refusing
-    a value float16 cannot hold."""
-    import torch
-    from safetensors.torch import load_file
-
-    from .checkpoints.loading import save_weights
-
-    tensors = load_file(path)
-    for name, tensor in tensors.items():
-        if tensor.dtype == torch.float32 and tensor.numel() and tensor.abs().max() > torch.finfo(torch.float16).max:
-            raise ValueError(f"{path}: tensor {name} holds values beyond float16's range; pack without --adapter-dtype fp16")
-    save_weights({k: v.half() if v.dtype == torch.float32 else v for k, v in tensors.items()}, path)
-
-
-def _reduce_adapter_rank(folder: Path, rank: int) -> dict:
-    """Cut the adapter in `folder` to `rank` by truncated SVD of each delta (`lora.reduce_rank`), in place;
-    returns what the manifest records: the trained and stored ranks and the smallest energy share kept."""
-    from safetensors.torch import load_file
-
-    from .checkpoints.hub import ADAPTER_WEIGHTS
-    from .checkpoints.loading import save_weights
-    from .checkpoints.lora import ADAPTER_CONFIG, read_adapter_config, reduce_rank
-
-    config = read_adapter_config(folder)  # the whole file, checked
-    trained = {"trained_rank": config["rank"], "trained_alpha": config["alpha"]}
-    tensors, kept = reduce_rank(load_file(folder / ADAPTER_WEIGHTS), config["alpha"] / config["rank"], rank)
-    save_weights(tensors, folder / ADAPTER_WEIGHTS)
-    config.update(rank=rank, alpha=float(rank))
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return {**trained, "stored_rank": rank, "min_energy_kept": round(kept, 4)}
-
-
-def _last_eval(run: Path) -> dict | None:
-    """The last evaluation a run logged (metrics.jsonl), with its step; None where it logged none."""
-    last = None
-    if (run / "metrics.jsonl").is_file():
-        for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-            entry = json.loads(line) if line.strip() else {}
-            if isinstance(entry.get("eval"), dict):
-                last = {"step": entry.get("step"), **entry["eval"]}
-    return last
-
-
-def _eval_splits(data: list[str], splits: list[str]) -> list[str]:
-    """One split per --eval-data: the single one given (or "test") for all, or one each, paired in order."""
-    if len(splits) <= 1:
-        return [splits[0] if splits else "test"] * len(data)
-    if len(splits) != len(data):
-        raise ValueError(f"{len(splits)} --eval-split values for {len(data)} --eval-data files: give one split "
-                         "for all of them, or one per file in the same order")
-    return splits
-
-
 def _pack(args: argparse.Namespace) -> dict:
-    """Copy a run's best adapter + head into a starter folder, evaluate it there, write its manifest."""
-    import datetime
-    import shutil
+    from .shipping.pack import pack
 
-    from .checkpoints.hub import PACK_MANIFEST
-    from .runtime.inference import Predictor
-    from .training.jobs import evaluate_task
-
-    task = _task(args.task)
-    run = Path(args.run_dir)
-    source = run / args.checkpoint
-    if source.is_dir() or not (run / PACK_MANIFEST).is_file():
-        if not (run / "train_config.json").is_file():
-            raise ValueError(f"{run}: neither a training output folder (no train_config.json) nor a packed folder")
-        if not source.is_dir():
-            raise ValueError(f"{run}: no {args.checkpoint}/ checkpoint to pack")
-        best = run / "best" / "eval.json"
-        record = {"training": json.loads((run / "train_config.json").read_text(encoding="utf-8")),
-                  "best_eval_during_training": json.loads(best.read_text(encoding="utf-8")) if best.is_file() else None,
-                  "run": _run_record(run), "command": None}
-        if args.checkpoint == "last":  # the schedule's end, packed instead of the best of the run's own evaluations
-            record["checkpoint"] = {"packed": "last", "last_eval_during_training": _last_eval(run)}
-    else:  # a packed folder as --run, packed again (re-evaluated, options re-tuned) when its run is gone
-        if args.checkpoint != "best":
-            raise ValueError(f"{run}: a packed folder holds one model, not a run's checkpoints; leave out --checkpoint")
-        earlier = json.loads((run / PACK_MANIFEST).read_text(encoding="utf-8"))
-        record = {key: earlier.get(key) for key in ("training", "best_eval_during_training", "run", "command")}
-        record.update({key: earlier[key] for key in ("checkpoint", "adapter_rank_reduced") if earlier.get(key)})
-        source = run
-    if not (source / "adapter_config.json").is_file():
-        raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
-    if args.adapter_rank is not None:  # checked before anything is written
-        from .checkpoints.lora import read_adapter_config
-
-        trained = read_adapter_config(source)["rank"]
-        if not 1 <= args.adapter_rank < trained:
-            raise ValueError(f"--adapter-rank {args.adapter_rank}: the adapter has rank {trained}; give a rank "
-                             f"from 1 to {trained - 1}")
-    target = Path(args.to)
-    target.mkdir(parents=True, exist_ok=True)
-    if source.resolve() != target.resolve():
-        for name in ("adapter.safetensors", "adapter_config.json", "config.json"):
-            shutil.copy(source / name, target / name)
-    if args.adapter_rank is not None:
-        record["adapter_rank_reduced"] = _reduce_adapter_rank(target, args.adapter_rank)
-    if args.adapter_dtype == "fp16":
-        _halve_adapter(target / "adapter.safetensors")
-    (target / PACK_MANIFEST).unlink(missing_ok=True)  # the evaluation below must not use an old pack's options
-    predictor = Predictor.load(task, str(target))
-    # The task options the model was trained with (`train -o`, e.g. NER's casing) are how it must be
-    # served; then the tuned ones (-o here): evaluated with, and the packed model's defaults.
-    trained = {k: v for k, v in ((record["training"] or {}).get("options") or {}).items() if k in task.spec.options}
-    options = {**trained, **_parse_options(args.option)}
-    predictor.check_options(options)
-    metrics = {}
-    for data, split in zip(args.eval_data, _eval_splits(args.eval_data, args.eval_split)):
-        examples = list(islice(task.spec.read_data(data, split), args.eval_limit))
-        metrics[f"{Path(data).name}:{split}"] = {
-            "examples": len(examples), **evaluate_task(task.spec, predictor, examples, progress=True, **options)}
-    adapter = json.loads((target / "adapter_config.json").read_text(encoding="utf-8"))
-    head = getattr(predictor.model, "head", None)
-    manifest = {
-        "task": task.spec.name, "base_model": adapter["base_model"], "base_sha256": adapter["base_sha256"],
-        "base_hub_id": "sentence-transformers/all-MiniLM-L6-v2" if adapter["base_model"] == "default" else None,
-        "labels": list(getattr(head, "labels", ()) or ()),
-        "lora": {k: adapter[k] for k in ("rank", "alpha", "targets")},
-        **record, "metrics": metrics, "command": args.command_line or record["command"],
-        "adapter_dtype": args.adapter_dtype,
-        "date": datetime.date.today().isoformat(),
-        "files": {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.name != "manifest.json"},
-    }
-    # A task whose evaluation tunes an option on one half of the data: the packed model answers with it
-    # by default, in the tab and the API (Predictor.model_options). QA on SQuAD 2.0: the cautious
-    # no-answer threshold (refusing few answerable questions: qa.cautious_threshold), not best_f1's,
-    # which is tuned for a half-unanswerable mix; sentiment: the temperature of its scores.
-    for metric_name, option in TUNED_OPTIONS.items():
-        tuned = [m[metric_name] for m in metrics.values() if metric_name in m]
-        if tuned and option in task.spec.options and option not in options:
-            manifest["options"] = {**manifest.get("options", {}), option: tuned[0]}
-    if options:
-        manifest["options"] = {**manifest.get("options", {}), **options}
-    (target / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    return manifest
-
-
-# metric an evaluation tunes on held-out data -> the task option `pack` makes the packed model's default
-TUNED_OPTIONS = {"default_threshold": "null_threshold", "tuned_temperature": "temperature"}
-
-
-def _run_record(run: Path) -> dict | None:
-    """The run's wall time, device and machine (run.json, written when training ends); for a run from
-    before run.json existed, the wall time the metrics log spans, pauses of over an hour left out."""
-    record = run / "run.json"
-    if record.is_file():
-        return json.loads(record.read_text(encoding="utf-8"))
-    log = run / "metrics.jsonl"
-    if not log.is_file():
-        return None
-    times = [json.loads(line)["time"] for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
-    gaps = [b - a for a, b in zip(times, times[1:]) if 0 <= b - a < 3600]
-    return {"wall_seconds": round(sum(gaps), 1), "from": "metrics.jsonl"} if gaps else None
+    return pack(_task(args.task), args.run_dir, args.to, checkpoint=args.checkpoint, eval_data=args.eval_data,
+                eval_splits=args.eval_split, eval_limit=args.eval_limit, command_line=args.command_line,
+                adapter_dtype=args.adapter_dtype, adapter_rank=args.adapter_rank,
+                options=_parse_options(args.option))
 
 
 def _parse_options(items: list[str]) -> dict:

@@ -27,7 +27,7 @@ _METADATA_KEYS = frozenset(
         "gradient_checkpointing", "use_cache", "output_past", "finetuning_task",
         "bos_token_id", "eos_token_id", "directionality", "pooler_fc_size", "pooler_num_attention_heads",
         "pooler_num_fc_layers", "pooler_size_per_head", "pooler_type", "tokenizer_class",
-        "tie_word_embeddings",  # BERT always ties the MLM decoder; loading.py warns if a checkpoint differs
+        "tie_word_embeddings",  # BERT always ties the MLM decoder; checkpoints/loading.py warns if a checkpoint differs
     }
 )
 # Keys written by transformers whose non-default value would change the model in a way this

@@ -1,7 +1,7 @@
 """Reading files from a checkpoint folder safely: nothing outside the folder is opened, whichever
 link points there, and a file read whole (a config, a manifest, a tokenizer) is size-capped first.
 
-A leaf module (it imports nothing of the package), so both loading.py and tokenizer.py can use it.
+A leaf module (it imports nothing of the package), so both checkpoints/loading.py and tokenizer.py can use it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Small heads over the encoder's output, and `BertWithHead`, the encoder plus one head.
 
 Each built-in head matches a standard checkpoint head (masked-LM, next-sentence, pretraining,
-sequence / token classification, span) so that loading.py can map its weights by name.
+sequence / token classification, span) so that checkpoints/loading.py can map its weights by name.
 Losses and task logic live with the tasks, not here.
 
 Shape legend: B batch, T tokens, H hidden size, V vocab, L labels.

@@ -2,7 +2,7 @@
 
 A task plugin is a module or object with `@hookimpl def register_tasks(register)`; it calls
 `register(TaskSpec(...))` once per task. pluggy checks argument names, not types, so the typed
-part of the contract is the TaskSpec, validated by the host when it is registered (registry.py).
+part of the contract is the TaskSpec, validated by the host when it is registered (tasks/registry.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The BERT encoder: embeddings -> N post-LayerNorm transformer layers -> tanh pooler.
 
 Holds the attention backends (an eager reference that can return weights, and SDPA) and
-nothing task-specific: heads live in heads.py, checkpoint names in loading.py.
+nothing task-specific: heads live in heads.py, checkpoint names in checkpoints/loading.py.
 
 Shape legend: B batch, T tokens, H hidden size, N heads, D head size (H = N·D), I intermediate size.
 """
@@ -149,7 +149,7 @@ class BertEmbeddings(nn.Module):
 class SelfAttention(nn.Module):
     """Multi-head self-attention with one fused q/k/v projection and an output projection.
 
-    The checkpoint's separate query/key/value matrices are concatenated on load (loading.py),
+    The checkpoint's separate query/key/value matrices are concatenated on load (checkpoints/loading.py),
     so one (3H, H) matmul replaces three (H, H) ones.
     """
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import plugins
 from bert_engine import ui
 from bert_engine.checkpoints.hub import ADAPTER_WEIGHTS, WEIGHT_FILES, HubError
 from bert_engine.checkpoints.loading import CheckpointError, inside_any
@@ -73,7 +74,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     resolve_precision(precision, pick_device(device))
-    registry = registry or load_registry()
+    registry = registry or load_registry(builtins=plugins.BUILTIN)  # the built-in tasks, handed to the engine
     checkpoints = checkpoints or {}
     model_dirs = allowed_model_dirs()  # a list the picker reads at each use (tests may extend it)
     # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor).

@@ -1,10 +1,12 @@
 """The package's shape: no import cycle between its modules (function-level imports included, so a
-cycle cannot hide inside a function)."""
+cycle cannot hide inside a function), imports that point down the layers (core < checkpoints < runtime
+< tasks < serving, training, shipping < cli), and plugins that import only the public paths."""
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "bert_engine"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "bert_engine"
 
 
 def module_name(path: Path) -> str:
@@ -13,11 +15,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path, modules: set[str]) -> set[str]:
-    """The package's modules that `path` imports, anywhere in its source (relative or absolute)."""
+def imported_modules(path: Path, modules: set[str], tree: ast.AST | None = None) -> set[str]:
+    """The package's modules that `path` (parsed: `tree`) imports, anywhere in its source (relative or absolute)."""
     here = module_name(path).split(".") if path.name != "__init__.py" else [*module_name(path).split("."), "x"]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree or ast.parse(path.read_text(encoding="utf-8"))):
         targets = []
         if isinstance(node, ast.ImportFrom) and node.level:
             base = [p for p in here[: len(here) - node.level] if p]
@@ -79,3 +81,113 @@ def test_every_export_is_listed_and_loads():
     assert sorted(bert_engine.__all__) == sorted(bert_engine._EXPORTS)
     for name in bert_engine.__all__:
         assert getattr(bert_engine, name) is not None
+
+
+# -- layers --------------------------------------------------------------------------------------------
+# Each module's layer, lowest first; a module imports only its own layer and those below it. The peers
+# serving, training and shipping do not import one another. Imports under `if TYPE_CHECKING:` are
+# annotations, not dependencies, and do not count.
+LAYERS = {
+    "core": 0,         # config, model, heads, crf, tokenizer, files; hookspecs + ui (the plugin contract); settings
+    "checkpoints": 1,
+    "runtime": 2,
+    "tasks": 3,
+    "serving": 4, "training": 4, "shipping": 4,
+    "cli": 5,          # cli, __main__ and the package face
+}
+TOP = {"cli", "__main__", ""}
+
+
+def layer_of(module: str) -> str:
+    first = module.split(".")[0]
+    if module in TOP:
+        return "cli"
+    return first if first in LAYERS else "core"
+
+
+def runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """imported_modules, leaving out imports under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            node.body = []
+    return imported_modules(path, modules, tree)
+
+
+def wrong_way_imports() -> list[str]:
+    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    found = []
+    for name, path in sorted(paths.items()):
+        mine = layer_of(name)
+        for target in sorted(runtime_imports(path, set(paths)) - {name}):
+            theirs = layer_of(target)
+            if LAYERS[theirs] > LAYERS[mine] or (LAYERS[theirs] == LAYERS[mine] and theirs != mine):
+                found.append(f"{name or 'bert_engine'} ({mine}) imports {target or 'bert_engine'} ({theirs})")
+    return found
+
+
+def test_imports_point_down_the_layers():
+    assert wrong_way_imports() == []
+
+
+def test_every_module_has_a_layer():
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        assert layer_of(name) in LAYERS
+        if "." in name:  # a module in a subpackage: the subpackage is a layer
+            assert name.split(".")[0] in LAYERS, name
+
+
+# What plugins (built-in and the example) may import: docs/plugins.md, "Imports you can rely on".
+PUBLIC = ("bert_engine", "bert_engine.hookspecs", "bert_engine.ui", "bert_engine.config", "bert_engine.model",
+          "bert_engine.heads", "bert_engine.crf", "bert_engine.tokenizer", "bert_engine.runtime.inference",
+          "bert_engine.training.pretraining", "bert_engine.tasks.registry", "bert_engine.tasks.conformance")
+PLUGIN_SOURCES = [*sorted((ROOT / "plugins").glob("*.py")), *sorted((ROOT / "examples").glob("*/*/*.py")),
+                  *sorted((ROOT / "examples").glob("*/tests/*.py"))]
+
+
+def engine_imports(path: Path) -> set[str]:
+    """The bert_engine modules `path` imports ("bert_engine" for names taken from the package face)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "bert_engine":
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "bert_engine")
+    return found
+
+
+def test_plugins_import_only_public_paths():
+    assert PLUGIN_SOURCES
+    private = {f"{path.relative_to(ROOT)}: {module}" for path in PLUGIN_SOURCES
+               for module in engine_imports(path) if module not in PUBLIC}
+    assert not private, "not a public import path (docs/plugins.md): " + ", ".join(sorted(private))
+
+
+def test_the_public_paths_are_documented_for_plugin_authors():
+    section = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8").split("## Imports you can rely on")[1]
+    section = section.split("\n## ")[0]
+    for module in PUBLIC:
+        assert f"`{module}`" in section, module
+
+
+def test_the_engine_imports_no_plugins_playground_or_gradio_at_module_level():
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:  # module level only
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for name in names:
+                assert name.split(".")[0] not in ("plugins", "playground", "gradio", "app"), f"{path}: {name}"
+
+
+def test_old_flat_paths_still_import_the_moved_modules():
+    import importlib
+
+    import bert_engine
+
+    for old, new in bert_engine.MOVED.items():
+        assert importlib.import_module(f"bert_engine.{old}") is importlib.import_module(f"bert_engine.{new}")
+    from bert_engine.serving import LazyPredictor
+    from bert_engine.training import TrainConfig, init_distributed, train
+
+    assert LazyPredictor and TrainConfig and init_distributed and train

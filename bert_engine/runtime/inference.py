@@ -2,7 +2,7 @@
 
 Places the model on a device in a precision (both chosen by precision.py), checks the inputs
 against the task's declared fields and options, and batches many inputs of one call by length.
-Serving many callers (lazy loading, merging concurrent requests, time limits) is serving.py's.
+Serving many callers (lazy loading, merging concurrent requests, time limits) is serving/predictors.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,11 +29,13 @@ from ..checkpoints.hub import default_backbone
 from ..checkpoints.loader import load
 from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
 from ..hookspecs import InputError, TaskContext
-from ..tasks.registry import RegisteredTask
 from ..tokenizer import Batch, Tokenizer
 from .cancel import ModelLock
 from .fairness import CHUNK_TOKENS, GATE, VISITOR, ComputeGate, visitor_scope
 from .precision import parameter_dtype, pick_device, prepare_for_inference
+
+if TYPE_CHECKING:  # annotations only: the registry sits above the runtime
+    from ..tasks.registry import RegisteredTask
 
 logger = logging.getLogger(__name__)
 
@@ -384,6 +386,14 @@ def _token_lengths(tokenizer: Tokenizer, items: list[Mapping[str, Any]], fields:
         for i, encoding in zip(present, tokenizer.pieces([items[i][field] for i in present])):
             total[i] += len(encoding.ids)
     return total
+
+
+def can_batch(spec, items: list[Mapping[str, Any]]) -> bool:
+    """Whether the task's `predict_many` answers `items` in one batched call: it has one, it takes one
+    input field, and no item fills an optional field (predict_many takes the texts of that one field).
+    The one rule for every caller: pipeline lists, `predict --file`, evaluation and request batching."""
+    return (spec.predict_many is not None and len(spec.input_fields) == 1
+            and all(item.get(field) is None for item in items for field in spec.optional_fields))
 
 
 def predict_texts(predictor, texts: list[str], *, batch_size: int = 32,

@@ -20,7 +20,7 @@ from itertools import islice
 from typing import Any
 
 from ..hookspecs import InputError
-from ..runtime.inference import Predictor
+from ..runtime.inference import Predictor, can_batch
 from ..tasks.registry import RegisteredTask, Registry, load_registry
 
 
@@ -72,8 +72,7 @@ class Pipeline:
     def _many(self, values: list, options: Mapping[str, Any]) -> list[Any]:
         spec = self.task.spec
         items = [self._item(v) for v in values]
-        one_field = len(spec.input_fields) == 1 and all(set(i) <= set(spec.input_fields) for i in items)
-        if spec.predict_many is not None and one_field and items:
+        if items and can_batch(spec, items):
             field = spec.input_fields[0]
             for item in items:
                 self.predictor.check_inputs(item, {})

@@ -1,7 +1,7 @@
 """Serving one task to many callers: load the model on first use, merge concurrent requests into one
-forward pass, and (cancel.py) cut off a request that runs past its time limit.
+forward pass, and (runtime/cancel.py) cut off a request that runs past its time limit.
 
-The Predictor (inference.py) runs one model for one task; these wrap it for the playground.
+The Predictor (runtime/inference.py) runs one model for one task; these wrap it for the playground.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from ..hookspecs import InputError
 from ..runtime.cancel import PredictionTimeout
 from ..runtime.fairness import VISITOR, visitor_scope
-from ..runtime.inference import LastInput, Predictor, predict_in_batches
+from ..runtime.inference import LastInput, Predictor, can_batch, predict_in_batches
 from ..tasks.registry import RegisteredTask
 
 logger = logging.getLogger(__name__)
@@ -171,17 +171,11 @@ class BatchingPredictor(LazyPredictor):
         self._pending: dict[str, list[dict[str, Any]]] = {}
         self._cond = threading.Condition()
 
-    @property
-    def batchable(self) -> bool:
-        spec = self.task.spec
-        return spec.predict_many is not None and len(spec.input_fields) == 1
-
     def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
         predictor = self.get()
         merged = predictor.check_inputs(inputs, options)
         field = self.task.spec.input_fields[0]
-        extra = any(inputs.get(f) is not None for f in self.task.spec.optional_fields)
-        if not self.batchable or extra or not str(inputs.get(field, "")).strip():
+        if not can_batch(self.task.spec, [inputs]) or not str(inputs.get(field, "")).strip():
             output = predictor.predict_checked(inputs, merged)  # nothing to share (or the task's own error)
             output["provenance"]["batch_size"] = 1
             return output

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from ..hookspecs import TaskSpec
 from ..runtime.distributed import Distributed, gather_objects
+from ..runtime.inference import can_batch
 
 
 def evaluate_task(spec: TaskSpec, predictor, examples: list, *, rank: int = 0, world: int = 1,
@@ -27,7 +28,7 @@ def evaluate_task(spec: TaskSpec, predictor, examples: list, *, rank: int = 0, w
         raise ValueError(f"task {spec.name!r} declares neither metric nor evaluate; it cannot be evaluated")
     mine = list(range(rank, len(examples), world))
     inputs = [examples[i][0] for i in mine]
-    if spec.predict_many is not None and len(spec.input_fields) == 1 and not spec.optional_fields:
+    if can_batch(spec, inputs):
         field = spec.input_fields[0]
         results = spec.predict_many(predictor, [x[field] for x in inputs], progress=progress, **options)
     else:

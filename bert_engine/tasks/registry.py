@@ -23,21 +23,29 @@ from typing import Any
 
 import pluggy
 
-from .. import __version__
 from ..hookspecs import PROJECT, PluginError, TaskHooks, TaskSpec, takes_context
 from ..runtime.cancel import PredictionTimeout, call_with_timeout, raised_by_call
+from ..version import __version__
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "bert_engine"
-# Built-in task modules, in tab order; they load exactly like third-party plugins.
+# The one place the engine names the package of its built-in tasks: its BUILTIN tuple lists their
+# modules in tab order. It is looked up by name when no caller hands `load_registry` its built-ins
+# (the app and the playground do), and never imported by an engine module, so an install without
+# it simply has no built-in tasks.
+BUILTIN_PACKAGE = "plugins"
+
+
 def builtin_plugins() -> tuple[str, ...]:
-    """The built-in task modules, as plugins/__init__.py lists them (a new built-in task touches only
-    plugins/); none when the plugins package is not installed."""
+    """The built-in task modules, as BUILTIN_PACKAGE lists them (a new built-in task touches only
+    plugins/); none when that package is not installed."""
     try:
-        return tuple(importlib.import_module("plugins").BUILTIN)
+        return tuple(importlib.import_module(BUILTIN_PACKAGE).BUILTIN)
     except (ImportError, AttributeError):
         return ()
+
+
 SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 REQUEST_STAGES = ("preprocess", "forward", "postprocess", "request", "time limit")
 IMPORT_TIMEOUT_S = 30.0  # importing a plugin and running its register_tasks hook (BERT_ENGINE_PLUGIN_TIMEOUT)

@@ -1,5 +1,5 @@
 """TrainConfig: every training setting, in a module light enough for `bert-engine train --help`
-(no torch until a configuration is checked). The loop that uses it is training.py."""
+(no torch until a configuration is checked). The loop that uses it is loop.py."""
 
 from __future__ import annotations
 

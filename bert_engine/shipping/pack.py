@@ -1,0 +1,177 @@
+"""`bert-engine pack`: a LoRA run's adapter + head copied into a starter folder, evaluated there, and
+described by manifest.json (training record, metrics, the options it answers with). Pushing to the
+Hub is publish.py's; the adapter's tensors are checkpoints/lora.py's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+from collections.abc import Mapping, Sequence
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from ..checkpoints.hub import ADAPTER_WEIGHTS, DEFAULT_BACKBONE_ID, PACK_MANIFEST
+from ..checkpoints.loading import save_weights
+from ..checkpoints.lora import ADAPTER_CONFIG, read_adapter_config, reduce_rank
+from ..runtime.inference import Predictor
+from ..tasks.evaluation import evaluate_task
+from ..tasks.registry import RegisteredTask
+
+# A metric a task's evaluation tunes on held-out data -> the task option that `pack` makes the packed
+# model's default (QA's no-answer threshold, sentiment's temperature). Task knowledge: it belongs on the
+# TaskSpec (TODO(issue 37): a field the tasks declare, once plugins/qa.py's split has landed).
+TUNED_OPTIONS = {"default_threshold": "null_threshold", "tuned_temperature": "temperature"}
+
+
+def pack(task: RegisteredTask, run_dir: str | Path, to: str | Path, *, checkpoint: str = "best",
+         eval_data: Sequence[str] = (), eval_splits: Sequence[str] = (), eval_limit: int | None = None,
+         command_line: str = "", adapter_dtype: str = "fp32", adapter_rank: int | None = None,
+         options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Copy a run's best (or last) adapter + head into `to`, evaluate it there, write its manifest.
+
+    Args:
+        run_dir: a training output folder, or a packed folder to pack again (re-evaluated, options re-tuned).
+        checkpoint: "best" or "last", the run's checkpoint to pack.
+        eval_data, eval_splits: data to report metrics on, with one split for all or one per file.
+        adapter_dtype: "fp32", or "fp16" to store the adapter's tensors at half the size.
+        adapter_rank: store each LoRA delta cut to this rank (truncated SVD).
+        options: task options tuned for this model: evaluated with, and the packed model's defaults.
+    Returns the manifest (also written to `to`/manifest.json).
+    Raises:
+        ValueError: the folder is neither a run nor a packed folder, or an argument does not fit it.
+    """
+    run = Path(run_dir)
+    source = run / checkpoint
+    if source.is_dir() or not (run / PACK_MANIFEST).is_file():
+        if not (run / "train_config.json").is_file():
+            raise ValueError(f"{run}: neither a training output folder (no train_config.json) nor a packed folder")
+        if not source.is_dir():
+            raise ValueError(f"{run}: no {checkpoint}/ checkpoint to pack")
+        best = run / "best" / "eval.json"
+        record = {"training": json.loads((run / "train_config.json").read_text(encoding="utf-8")),
+                  "best_eval_during_training": json.loads(best.read_text(encoding="utf-8")) if best.is_file() else None,
+                  "run": _run_record(run), "command": None}
+        if checkpoint == "last":  # the schedule's end, packed instead of the best of the run's own evaluations
+            record["checkpoint"] = {"packed": "last", "last_eval_during_training": _last_eval(run)}
+    else:  # a packed folder as --run, packed again (re-evaluated, options re-tuned) when its run is gone
+        if checkpoint != "best":
+            raise ValueError(f"{run}: a packed folder holds one model, not a run's checkpoints; leave out --checkpoint")
+        earlier = json.loads((run / PACK_MANIFEST).read_text(encoding="utf-8"))
+        record = {key: earlier.get(key) for key in ("training", "best_eval_during_training", "run", "command")}
+        record.update({key: earlier[key] for key in ("checkpoint", "adapter_rank_reduced") if earlier.get(key)})
+        source = run
+    if not (source / "adapter_config.json").is_file():
+        raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
+    if adapter_rank is not None:  # checked before anything is written
+        trained = read_adapter_config(source)["rank"]
+        if not 1 <= adapter_rank < trained:
+            raise ValueError(f"--adapter-rank {adapter_rank}: the adapter has rank {trained}; give a rank "
+                             f"from 1 to {trained - 1}")
+    target = Path(to)
+    target.mkdir(parents=True, exist_ok=True)
+    if source.resolve() != target.resolve():
+        for name in ("adapter.safetensors", "adapter_config.json", "config.json"):
+            shutil.copy(source / name, target / name)
+    if adapter_rank is not None:
+        record["adapter_rank_reduced"] = _reduce_adapter_rank(target, adapter_rank)
+    if adapter_dtype == "fp16":
+        _halve_adapter(target / "adapter.safetensors")
+    (target / PACK_MANIFEST).unlink(missing_ok=True)  # the evaluation below must not use an old pack's options
+    predictor = Predictor.load(task, str(target))
+    # The task options the model was trained with (`train -o`, e.g. NER's casing) are how it must be
+    # served; then the tuned ones (-o here): evaluated with, and the packed model's defaults.
+    trained = {k: v for k, v in ((record["training"] or {}).get("options") or {}).items() if k in task.spec.options}
+    options = {**trained, **(options or {})}
+    predictor.check_options(options)
+    metrics = {}
+    for data, split in zip(eval_data, _eval_splits(eval_data, eval_splits)):
+        examples = list(islice(task.spec.read_data(data, split), eval_limit))
+        metrics[f"{Path(data).name}:{split}"] = {
+            "examples": len(examples), **evaluate_task(task.spec, predictor, examples, progress=True, **options)}
+    adapter = json.loads((target / "adapter_config.json").read_text(encoding="utf-8"))
+    head = getattr(predictor.model, "head", None)
+    manifest = {
+        "task": task.spec.name, "base_model": adapter["base_model"], "base_sha256": adapter["base_sha256"],
+        "base_hub_id": DEFAULT_BACKBONE_ID if adapter["base_model"] == "default" else None,
+        "labels": list(getattr(head, "labels", ()) or ()),
+        "lora": {k: adapter[k] for k in ("rank", "alpha", "targets")},
+        **record, "metrics": metrics, "command": command_line or record["command"],
+        "adapter_dtype": adapter_dtype,
+        "date": datetime.date.today().isoformat(),
+        "files": {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.name != "manifest.json"},
+    }
+    # A task whose evaluation tunes an option on one half of the data: the packed model answers with it
+    # by default, in the tab and the API (Predictor.model_options). QA on SQuAD 2.0: the cautious
+    # no-answer threshold (refusing few answerable questions: qa.cautious_threshold), not best_f1's,
+    # which is tuned for a half-unanswerable mix; sentiment: the temperature of its scores.
+    for metric_name, option in TUNED_OPTIONS.items():
+        tuned = [m[metric_name] for m in metrics.values() if metric_name in m]
+        if tuned and option in task.spec.options and option not in options:
+            manifest["options"] = {**manifest.get("options", {}), option: tuned[0]}
+    if options:
+        manifest["options"] = {**manifest.get("options", {}), **options}
+    (target / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return manifest
+
+
+def _halve_adapter(path: Path) -> None:
+    """Store an adapter's float32 tensors as float16 (half the file; loading casts them back), refusing
+    a value float16 cannot hold."""
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        if tensor.dtype == torch.float32 and tensor.numel() and tensor.abs().max() > torch.finfo(torch.float16).max:
+            raise ValueError(f"{path}: tensor {name} holds values beyond float16's range; pack without --adapter-dtype fp16")
+    save_weights({k: v.half() if v.dtype == torch.float32 else v for k, v in tensors.items()}, path)
+
+
+def _reduce_adapter_rank(folder: Path, rank: int) -> dict:
+    """Cut the adapter in `folder` to `rank` by truncated SVD of each delta (`lora.reduce_rank`), in place;
+    returns what the manifest records: the trained and stored ranks and the smallest energy share kept."""
+    config = read_adapter_config(folder)  # the whole file, checked
+    trained = {"trained_rank": config["rank"], "trained_alpha": config["alpha"]}
+    tensors, kept = reduce_rank(load_file(folder / ADAPTER_WEIGHTS), config["alpha"] / config["rank"], rank)
+    save_weights(tensors, folder / ADAPTER_WEIGHTS)
+    config.update(rank=rank, alpha=float(rank))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return {**trained, "stored_rank": rank, "min_energy_kept": round(kept, 4)}
+
+
+def _last_eval(run: Path) -> dict | None:
+    """The last evaluation a run logged (metrics.jsonl), with its step; None where it logged none."""
+    last = None
+    if (run / "metrics.jsonl").is_file():
+        for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+            entry = json.loads(line) if line.strip() else {}
+            if isinstance(entry.get("eval"), dict):
+                last = {"step": entry.get("step"), **entry["eval"]}
+    return last
+
+
+def _eval_splits(data: list[str], splits: list[str]) -> list[str]:
+    """One split per --eval-data: the single one given (or "test") for all, or one each, paired in order."""
+    if len(splits) <= 1:
+        return [splits[0] if splits else "test"] * len(data)
+    if len(splits) != len(data):
+        raise ValueError(f"{len(splits)} --eval-split values for {len(data)} --eval-data files: give one split "
+                         "for all of them, or one per file in the same order")
+    return splits
+
+
+def _run_record(run: Path) -> dict | None:
+    """The run's wall time, device and machine (run.json, written when training ends); for a run from
+    before run.json existed, the wall time the metrics log spans, pauses of over an hour left out."""
+    record = run / "run.json"
+    if record.is_file():
+        return json.loads(record.read_text(encoding="utf-8"))
+    log = run / "metrics.jsonl"
+    if not log.is_file():
+        return None
+    times = [json.loads(line)["time"] for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
+    gaps = [b - a for a, b in zip(times, times[1:]) if 0 <= b - a < 3600]
+    return {"wall_seconds": round(sum(gaps), 1), "from": "metrics.jsonl"} if gaps else None
