@@ -275,14 +275,14 @@ def declared_bytes(path: Path) -> int:
             raise CheckpointError(f"{path}: unreadable safetensors file, truncated or corrupt (no header)")
         length = int.from_bytes(head, "little")
         if length > MAX_SAFETENSORS_HEADER:
-            raise CheckpointError(f"{path}: safetensors header of {length:,} bytes; the format's limit is "
-                                  f"{MAX_SAFETENSORS_HEADER:,}")
+            raise CheckpointError(f"{path}: unreadable safetensors file, corrupt (a header of {length:,} bytes; the "
+                                  f"format's limit is {MAX_SAFETENSORS_HEADER:,})")
         try:
             header = json.loads(handle.read(length))
         except (ValueError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{path}: unreadable safetensors header ({err})") from None
+            raise CheckpointError(f"{path}: unreadable safetensors file, corrupt header ({err})") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: unreadable safetensors header (not a JSON object)")
+        raise CheckpointError(f"{path}: unreadable safetensors file, corrupt header (not a JSON object)")
     total = 0
     for name, entry in header.items():
         if name == "__metadata__":
