@@ -151,7 +151,7 @@ def test_the_api_names_every_input_and_output_and_has_one_endpoint_per_task(serv
     assert not info["unnamed_endpoints"]
     required = {name: [p["parameter_name"] for p in e["parameters"] if not p["parameter_has_default"]]
                 for name, e in endpoints.items()}
-    assert required["/sentiment"] == ["text_value"] and required["/fill_mask"] == []  # no pair, no targets
+    assert required["/sentiment"] == ["text"] and required["/fill_mask"] == []  # no pair, no targets
     unnamed = {name: [r["label"] for r in e["returns"] if not r["label"] or r["label"].startswith("value_")]
                for name, e in endpoints.items()}
     assert not any(unnamed.values()), unnamed
@@ -441,16 +441,20 @@ def test_tab_functions_called_directly_with_tiny_models(tiny_app):
     view, candidates, output = _event(tiny_app, "qa")("Who wrote it?", "It was written by Herman Melville.", 2)
     answer = output["result"]["answers"][0]
     assert 'qa-answer" style="' in view and f">{answer['answer']}<sup" in view and len(candidates) == 3
-    view, _, output = _event(tiny_app, "qa")("Who wrote it?", "It was written by Herman Melville.", 2, True, -1000)
-    assert output["result"]["no_answer"]["predicted"] and "No answer in this context" in view  # threshold slider
+    view, _, output = _event(tiny_app, "qa")("Who wrote it?", "It was written by Herman Melville.", 2, "never")
+    assert not output["result"]["no_answer"]["predicted"] and "Answer: <b>" in view  # the "no answer" choice
+    with pytest.raises(gr.Error, match="no_answer must be one of eager, balanced, cautious, never"):
+        _event(tiny_app, "qa")("Who wrote it?", "It was written by Herman Melville.", 2, "sometimes")
     view, output = _event(tiny_app, "fill_mask")("I [MASK] to the [MASK].", 2, "joint", "")
     assert output["result"]["mode"] == "joint" and "All masks together" in view and view.count('class="be-bar"') == 2
     html, words, paths, transitions, output = _event(tiny_app, "ner")("Anna lives in Rome.", False, 3)
-    assert output["result"]["constrained"] is False and len(words) == 5 and len(paths) == 3
+    assert output["result"]["constrained"] is False and len(words) == 5 and len(paths["headers"]) == 1 + 3
+    assert [row[0] for row in paths["data"]] == ["Anna", "lives", "in", "Rome", "."]  # n-best lined up with words
     assert ("No entities found" in html) == (not output["result"]["entities"])  # an empty result says so
     assert [e["text"] for e in output["result"]["entities"]] == [
         text for text in ("Anna", "lives", "in", "Rome", ".") if f">{text}<sup" in html]
-    summary, html, dropped, output = _event(tiny_app, "summary")("Tiny. Also tiny.", 0, 0.5, 3, "centroid")
+    summary, html, dropped, output = _event(tiny_app, "summary")("Tiny. Also tiny.", "half of the document", 3,
+                                                                 "centroid")
     assert output["result"]["summary"] == "" and "min_words=3" in summary and len(dropped) == 2
     with pytest.raises(gr.Error, match="the text is empty"):
         _event(tiny_app, "sentiment")("", "", "truncate")
@@ -596,6 +600,6 @@ def test_the_api_has_one_endpoint_per_task_and_optional_inputs_are_optional():
     endpoints = build_app(registry).get_api_info()["named_endpoints"]
     expected = {f"/{name}" for name in registry.tasks} | {"/plugins", "/all_tasks"}
     assert set(endpoints) == expected  # no stray /lambda; the per-session model picker and attention undocumented
-    for name, field in (("sentiment", "pair_value"), ("fill_mask", "target_text")):
+    for name, field in (("sentiment", "text_pair"), ("fill_mask", "targets")):
         parameters = {p["parameter_name"]: p for p in endpoints[f"/{name}"]["parameters"]}
         assert parameters[field]["parameter_has_default"], (name, field)
