@@ -6,7 +6,7 @@ import sys
 
 from bert_engine.runtime.precision import PrecisionError
 from playground import build_app
-from playground.app import warm_up
+from playground.app import serve_queue, warm_up
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -19,7 +19,7 @@ if __name__ == "__main__":
         logging.getLogger("app").error("BERT_ENGINE_PRECISION: %s", err)
         sys.exit(2)
     warm_up(app.predictors)  # models load in the background while the server starts
-    app.queue(default_concurrency_limit=int(os.environ.get("BERT_ENGINE_CONCURRENCY", "4")))
+    serve_queue(app)  # Gradio's queue admits what the fairness gate can order (BERT_ENGINE_CONCURRENCY, default 64)
     # every task is also an MCP tool (at /gradio_api/mcp/) unless BERT_ENGINE_MCP=0
     app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),

@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--max-requests", type=int, default=20_000, help="stop after this many requests in all")
-    parser.add_argument("--concurrency", type=int, default=4, help="the app's per-event concurrency limit")
+    parser.add_argument("--concurrency", type=int, default=64, help="the app's per-event concurrency limit "
+                        "(BERT_ENGINE_CONCURRENCY; the app's default)")
     parser.add_argument("--drain", type=float, default=120, help="seconds in-flight requests get after the end")
     parser.add_argument("--attacker", action="store_true", help="run quiet, then beside one attacker; compare")
     parser.add_argument("--attacker-threads", type=int, default=4, help="the attacker's parallel requests")

@@ -114,6 +114,27 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     return app
 
 
+# Requests Gradio hands to the handlers at once, per event. Gradio's queue is first-in first-out and would
+# hold a light visitor's request behind every long one (the review: over 295 s behind 12 long requests at
+# Gradio's default of 4); above it, each visitor has at most InFlight's 2 in flight and the compute gate
+# (bert_engine.runtime.fairness) serves the next forward chunk to whoever used least lately. So the
+# queue admits this many and the gate does the queueing.
+ADMITTED = 64
+
+
+def serve_queue(app, concurrency: int | None = None):
+    """Put the app's queue in the fairness gate's hands: `concurrency` (default BERT_ENGINE_CONCURRENCY,
+    else ADMITTED) requests per event go straight to the handlers, and launch gets enough worker threads
+    for them (Gradio runs handlers in a pool of max_threads)."""
+    if concurrency is None:
+        concurrency = int(os.environ.get("BERT_ENGINE_CONCURRENCY", str(ADMITTED)))
+    if concurrency < 1:
+        raise ValueError(f"BERT_ENGINE_CONCURRENCY must be at least 1, got {concurrency}")
+    app.queue(default_concurrency_limit=concurrency)
+    app.launch = functools.partial(app.launch, max_threads=concurrency + 16)
+    return app
+
+
 def warm_up(predictors: dict[str, LazyPredictor]) -> threading.Thread:
     """Load every task's model in a background thread after start-up, so the first request does not
     wait for (or time out on) a download or a load. A failure is logged; the tab reports it on use."""
@@ -130,11 +151,20 @@ def warm_up(predictors: dict[str, LazyPredictor]) -> threading.Thread:
 
 
 def current_visitor() -> str | None:
-    """The Gradio session of the request being served (None outside a Gradio event)."""
+    """Who the request being served is for (None outside a Gradio event): an MCP client's own session
+    (Gradio relays every MCP tool call through one shared loopback client, so its session would make all
+    MCP users one visitor; the relayed headers keep the caller's `mcp-session-id`), else the Gradio
+    session (a browser tab, a gradio_client)."""
     from gradio.context import LocalContext  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     request = LocalContext.request.get(None)
-    return getattr(request, "session_hash", None) if request is not None else None
+    if request is None:
+        return None
+    headers = getattr(request, "headers", None) or {}
+    mcp_session = headers.get("mcp-session-id") if hasattr(headers, "get") else None
+    if mcp_session:
+        return f"mcp:{str(mcp_session)[:128]}"
+    return getattr(request, "session_hash", None)
 
 
 def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_flight: InFlight | None = None):

@@ -3,6 +3,8 @@
 import json
 import re
 import socket
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -603,3 +605,113 @@ def test_the_api_has_one_endpoint_per_task_and_optional_inputs_are_optional():
     for name, field in (("sentiment", "text_pair"), ("fill_mask", "targets")):
         parameters = {p["parameter_name"]: p for p in endpoints[f"/{name}"]["parameters"]}
         assert parameters[field]["parameter_has_default"], (name, field)
+
+
+class SlowWhenAskedPlugin:
+    """A task whose preprocess blocks while the text says "slow" (a long legal request), until released."""
+
+    release = threading.Event()
+    waiting = 0
+
+    @hookimpl
+    def register_tasks(self, register):
+        def preprocess(inputs, tokenizer, **options):
+            if "slow" in inputs["text"]:
+                SlowWhenAskedPlugin.waiting += 1
+                SlowWhenAskedPlugin.release.wait(60)
+            return tokenizer(inputs["text"])
+
+        def build_tab(predictor):
+            text, out = gr.Textbox(label="Text"), gr.JSON(label="Result")
+
+            def run(text: str):
+                """Answer.
+
+                Args:
+                    text: the text.
+                """
+                return predictor.predict({"text": text})
+
+            gr.Button().click(run, [text], [out], api_name="slowtask")
+
+        register(TaskSpec(name="slowtask", title="Slow task", build_head=lambda c: torch.nn.Identity(),
+                          preprocess=preprocess, postprocess=lambda output, batch, **o: {"ok": True},
+                          input_fields=("text",), build_tab=build_tab))
+
+
+def test_gradios_queue_never_holds_a_light_request_behind_long_ones(tmp_path):
+    """Six sessions each hold a long request of one event (Gradio's old default let 4 through, then
+    queued first-in first-out); a seventh session's light request of the same event answers at once:
+    the queue admits what the fairness gate orders (serve_queue)."""
+    from conftest import reference_checkpoint
+
+    from playground.app import ADMITTED, serve_queue
+
+    registry = load_registry(entry_points=False)
+    registry.load_plugin("slow", "0.1", "test", SlowWhenAskedPlugin)
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertModel"))
+    app = serve_queue(build_app(registry, checkpoints={"slowtask": tiny}, timeout_s=60))
+    assert ADMITTED >= 32
+    port = _free_port()
+    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    url = f"http://127.0.0.1:{port}/"
+    SlowWhenAskedPlugin.waiting = 0
+    SlowWhenAskedPlugin.release.clear()
+    try:
+        long_ones = [Client(url, verbose=False).submit(f"slow request {i}", api_name="/slowtask") for i in range(6)]
+        _wait = time.monotonic() + 30
+        while SlowWhenAskedPlugin.waiting < 6:
+            assert time.monotonic() < _wait, f"only {SlowWhenAskedPlugin.waiting} long requests reached the handler"
+            time.sleep(0.05)
+        started = time.monotonic()
+        light = Client(url, verbose=False).submit("light", api_name="/slowtask")
+        assert light.result(timeout=20)["result"] == {"ok": True}
+        assert time.monotonic() - started < 10 and not any(job.done() for job in long_ones)
+    finally:
+        SlowWhenAskedPlugin.release.set()
+        app.close()
+
+
+def test_each_mcp_session_is_its_own_visitor(tmp_path):
+    """Eight MCP sessions, one slow request each: all are admitted (before, every MCP call was one
+    visitor with 2 requests in flight, and 6 of the 8 were refused at once)."""
+    import asyncio
+
+    from conftest import reference_checkpoint
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    from playground.app import serve_queue
+
+    registry = load_registry(entry_points=False)
+    registry.load_plugin("slow", "0.1", "test", SlowWhenAskedPlugin)
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertModel"))
+    app = serve_queue(build_app(registry, checkpoints={"slowtask": tiny}, timeout_s=60))
+    port = _free_port()
+    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, mcp_server=True)
+    SlowWhenAskedPlugin.waiting = 0
+    SlowWhenAskedPlugin.release.clear()
+
+    async def one(i: int):
+        async with streamable_http_client(f"http://127.0.0.1:{port}/gradio_api/mcp/") as (read, write, _):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                return await session.call_tool("slowtask", {"text": f"slow call {i}"})
+
+    async def all_eight():
+        calls = [asyncio.create_task(one(i)) for i in range(8)]
+        deadline = time.monotonic() + 60
+        while SlowWhenAskedPlugin.waiting < 8 and not any(c.done() for c in calls):
+            assert time.monotonic() < deadline, f"only {SlowWhenAskedPlugin.waiting} of 8 reached the task"
+            await asyncio.sleep(0.05)
+        SlowWhenAskedPlugin.release.set()
+        return await asyncio.gather(*calls)
+
+    try:
+        results = asyncio.run(all_eight())
+    finally:
+        SlowWhenAskedPlugin.release.set()
+        app.close()
+    texts = [" ".join(p.text for p in r.content if p.type == "text") for r in results]
+    assert not any(r.isError for r in results), texts
+    assert SlowWhenAskedPlugin.waiting == 8
