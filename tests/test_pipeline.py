@@ -77,7 +77,13 @@ def test_lists_generators_options_and_errors():
     assert not isinstance(streamed, list) and len(list(streamed)) == 3
     assert len(classify(REVIEWS[0], top_k=2)[0:2]) == 2  # per-call options
     raw = pipeline("sentiment", raw=True)(REVIEWS[0])
-    assert {"label", "labels", "long_input"} <= set(raw)
+    assert {"label", "labels", "long_input"} <= set(raw["result"]) and raw["provenance"]["model"]
+    assert classify(REVIEWS[0], raw=True)["result"]["label"] == raw["result"]["label"]  # raw at call time too
+    batched = classify(REVIEWS, raw=True)
+    assert [r["result"]["label"] for r in batched] == [classify(t)[0]["label"] for t in REVIEWS]
+    assert all(r["provenance"]["latency_ms"] > 0 for r in batched)
+    pair = classify(("A fine film.", "I agree."), raw=True)  # a (text, text_pair) tuple is one input
+    assert pair["result"]["label"] == classify({"text": "A fine film.", "text_pair": "I agree."}, raw=True)["result"]["label"]
     with pytest.raises(InputError, match="unknown option\\(s\\) colour"):
         pipeline("sentiment", colour="red")
     with pytest.raises(KeyError, match="no task named 'translation'; known: .*sentiment-analysis"):

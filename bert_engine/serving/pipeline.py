@@ -15,6 +15,7 @@ transformers shape of its kind; `raw=True`, or a task without it, gives the engi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any
@@ -43,7 +44,11 @@ class Pipeline:
         self.task = predictor.task
         self.options = predictor.check_options(options)  # unknown options fail here, naming the known ones
 
-    def __call__(self, inputs: Any = None, /, **kwargs: Any) -> Any:
+    def __call__(self, inputs: Any = None, /, *, raw: bool | None = None, **kwargs: Any) -> Any:
+        """Answer one input (a text, a mapping of the task's fields, or for a pair task a (first, second)
+        tuple), a list of them, or an iterable (streamed); `raw` (default: the pipeline's) gives the
+        engine's {"task", "result", "provenance"} instead of the transformers-shaped answer."""
+        raw = self.raw if raw is None else bool(raw)
         spec = self.task.spec
         fields = spec.input_fields + spec.optional_fields
         by_field = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
@@ -52,42 +57,56 @@ class Pipeline:
             if inputs is not None:
                 raise TypeError(f"{spec.name}: give the inputs either positionally or as {', '.join(fields)}=, not both")
             inputs = _from_fields(spec.name, by_field)
-        if isinstance(inputs, (str, Mapping)):
-            return self._shape(self.predictor.predict(self._item(inputs), **options)["result"], options, single=True)
+        if isinstance(inputs, (str, Mapping)) or self._is_pair(inputs):
+            output = self.predictor.predict(self._item(inputs), **options)
+            return output if raw else self._shape(output["result"], options, single=True)
         if isinstance(inputs, (list, tuple)):
-            return self._many(list(inputs), options)
+            return self._many(list(inputs), options, raw)
         if isinstance(inputs, Iterable):
-            return self._stream(iter(inputs), options)
+            return self._stream(iter(inputs), options, raw)
         raise TypeError(f"{spec.name}: expected a text, a mapping of {', '.join(fields)}, a list or an iterable of "
                         f"them, got {type(inputs).__name__}")
+
+    def _is_pair(self, value: Any) -> bool:
+        """A (first, second) tuple of texts for a task with two text fields (sentiment's text, text_pair;
+        QA's question, context): one input, not a batch of two."""
+        fields = self.task.spec.input_fields + self.task.spec.optional_fields
+        return isinstance(value, tuple) and len(value) == 2 and len(fields) >= 2 and all(isinstance(v, str) for v in value)
 
     def _item(self, value: Any) -> Mapping[str, Any]:
         if isinstance(value, str):
             return {self.task.spec.input_fields[0]: value}
+        if self._is_pair(value):
+            fields = self.task.spec.input_fields + self.task.spec.optional_fields
+            return {fields[0]: value[0], fields[1]: value[1]}
         if isinstance(value, Mapping):
             return value
         raise TypeError(f"{self.task.spec.name}: each input must be a text or a mapping of "
                         f"{', '.join(self.task.spec.input_fields)}, got {type(value).__name__}")
 
-    def _many(self, values: list, options: Mapping[str, Any]) -> list[Any]:
+    def _many(self, values: list, options: Mapping[str, Any], raw: bool = False) -> list[Any]:
         spec = self.task.spec
         items = [self._item(v) for v in values]
         if items and can_batch(spec, items):
             field = spec.input_fields[0]
             for item in items:
                 self.predictor.check_inputs(item, {})
+            started = time.perf_counter()
             results = spec.predict_many(self.predictor, [i[field] for i in items], **options)
+            each_ms = 1000 * (time.perf_counter() - started) / len(items)  # the batch's time, shared out
+            outputs = [{"task": spec.name, "result": r, "provenance": self.predictor.provenance(each_ms)}
+                       for r in results]
         else:
-            results = [self.predictor.predict(i, **options)["result"] for i in items]
-        return [self._shape(r, options, single=False) for r in results]
+            outputs = [self.predictor.predict(i, **options) for i in items]
+        return outputs if raw else [self._shape(o["result"], options, single=False) for o in outputs]
 
-    def _stream(self, values: Iterator, options: Mapping[str, Any]) -> Iterator[Any]:
+    def _stream(self, values: Iterator, options: Mapping[str, Any], raw: bool = False) -> Iterator[Any]:
         while chunk := list(islice(values, self.batch_size)):
-            yield from self._many(chunk, options)
+            yield from self._many(chunk, options, raw)
 
     def _shape(self, result: Any, options: Mapping[str, Any], *, single: bool) -> Any:
         shape = self.task.spec.pipeline_output
-        return result if self.raw or shape is None else shape(result, options, single)
+        return result if shape is None else shape(result, options, single)
 
 
 def _from_fields(task: str, by_field: Mapping[str, Any]) -> Any:
