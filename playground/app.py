@@ -86,8 +86,8 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
         predictor.predict = guarded(on_gpu(predictor.predict, predictor, timeout_s), name, registry, timeout_s, in_flight)
     statuses: dict[str, Any] = {}
     with gr.Blocks(title="bert_engine playground") as app:
-        gr.Markdown("# bert_engine playground\nBERT from scratch in PyTorch. "
-                    f"{len(registry.tasks)} task(s) from {len(registry.plugins)} plugin(s).")
+        gr.Markdown("# bert_engine playground\nBERT written from scratch in PyTorch: pick a task, type or paste "
+                    "text, and see what the model answers. " + plural(len(registry.tasks), "task") + ".")
         for name, task in registry.tasks.items():
             with gr.Tab(task.spec.title, id=name) as tab:
                 if task.spec.description:
@@ -133,6 +133,11 @@ def serve_queue(app, concurrency: int | None = None):
     app.queue(default_concurrency_limit=concurrency)
     app.launch = functools.partial(app.launch, max_threads=concurrency + 16)
     return app
+
+
+def plural(count: int, noun: str) -> str:
+    """"1 task", "5 tasks": the subtitle's count in plain English."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def warm_up(predictors: dict[str, LazyPredictor]) -> threading.Thread:

@@ -715,3 +715,12 @@ def test_each_mcp_session_is_its_own_visitor(tmp_path):
     texts = [" ".join(p.text for p in r.content if p.type == "text") for r in results]
     assert not any(r.isError for r in results), texts
     assert SlowWhenAskedPlugin.waiting == 8
+
+
+def test_the_subtitle_counts_in_plain_english(registry):
+    from playground.app import plural
+
+    assert plural(1, "task") == "1 task" and plural(5, "task") == "5 tasks"
+    app = build_app(registry)
+    subtitle = next(str(b.value) for b in app.blocks.values() if isinstance(b, gr.Markdown))
+    assert "(s)" not in subtitle and f"{len(registry.tasks)} tasks." in subtitle
