@@ -89,9 +89,16 @@ def preprocess(inputs, tokenizer, *, top_k, function, long_input, max_length, st
         if not text.strip():
             raise InputError("sentiment: the text is empty; type a sentence to classify")
     windows = long_input == "windows"
-    batch = tokenizer(texts, pairs, max_length=max_length,
-                      truncation="only_second" if windows and pairs is not None else "longest_first",
-                      stride=stride if windows else 0, return_overflowing=windows)
+    try:
+        batch = tokenizer(texts, pairs, max_length=max_length,
+                          truncation="only_second" if windows and pairs is not None else "longest_first",
+                          stride=stride if windows else 0, return_overflowing=windows)
+    except ValueError as err:  # the tokenizer's length checks: this input cannot be cut that way
+        if windows and pairs is not None:
+            raise InputError(f"sentiment: with long_input='windows' a pair is read in windows over its second text, "
+                             f"and the first must fit in one window of {max_length} tokens with room for the second; "
+                             "shorten the first text, or use long_input='truncate'") from None
+        raise InputError(f"sentiment: this input cannot be cut to {max_length} tokens ({err})") from None
     batch.meta.update(num_inputs=len(texts), policy=long_input)
     return batch
 

@@ -724,3 +724,33 @@ def test_the_subtitle_counts_in_plain_english(registry):
     app = build_app(registry)
     subtitle = next(str(b.value) for b in app.blocks.values() if isinstance(b, gr.Markdown))
     assert "(s)" not in subtitle and f"{len(registry.tasks)} tasks." in subtitle
+
+
+def test_a_time_limit_hit_while_others_share_the_machine_marks_nothing_failing(tmp_path):
+    """Two visitors' requests cut off at the time limit while both ran: each is told the machine is busy,
+    and the task is not listed as failing (alone, the same cut-off is the task's fault: the test above)."""
+    from types import SimpleNamespace
+
+    from conftest import reference_checkpoint
+    from gradio.context import LocalContext
+
+    registry = load_registry(entry_points=False)
+    registry.load_plugin("fails-late", "0.1", "test", FailingAtRequestPlugin)
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
+    app = build_app(registry, checkpoints={"hangs": tiny}, timeout_s=2)
+    errors = {}
+
+    def visit(name: str) -> None:
+        LocalContext.request.set(SimpleNamespace(session_hash=name, headers={}))
+        try:
+            app.predictors["hangs"].predict({"text": "hello"})
+        except gr.Error as err:
+            errors[name] = str(err)
+
+    threads = [threading.Thread(target=visit, args=(f"visitor-{i}",)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(errors) == 2 and all("the machine is busy with other requests" in e for e in errors.values()), errors
+    assert not [f for f in registry.failures if f.stage == "time limit"]

@@ -76,6 +76,7 @@ class InFlight:
         self.limit = limit
         self._running: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.admitted = 0  # requests admitted so far: one admitted during another's run overlapped it
 
     @contextmanager
     def admit(self, visitor: str | None) -> Iterator[None]:
@@ -89,6 +90,7 @@ class InFlight:
                 raise TooManyRequests(f"you already have {self.limit} requests running; wait for their answers "
                                       "before sending more")
             self._running[visitor] = self._running.get(visitor, 0) + 1
+            self.admitted += 1
         try:
             yield
         finally:
@@ -98,6 +100,11 @@ class InFlight:
                     self._running[visitor] = left
                 else:
                     del self._running[visitor]
+
+    def total(self) -> int:
+        """Requests running now, every visitor's."""
+        with self._lock:
+            return sum(self._running.values())
 
     def running(self, visitor: str) -> int:
         with self._lock:

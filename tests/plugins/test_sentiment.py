@@ -164,3 +164,12 @@ def test_a_fresh_head_saves_its_label_names_for_the_reference(task, minilm_dir, 
     save_pretrained(model, tmp_path, tokenizer)
     reference = transformers.AutoConfig.from_pretrained(tmp_path)
     assert reference.id2label == {0: "NEGATIVE", 1: "POSITIVE"}
+
+
+def test_a_pair_whose_first_text_cannot_fit_a_window_is_the_users_error_not_a_bug():
+    from bert_engine import pipeline
+
+    classify = pipeline("sentiment")
+    with pytest.raises(InputError, match="the first must fit in one window of 512 tokens"):
+        classify({"text": "a " * 300_000, "text_pair": "b " * 300_000}, long_input="windows")
+    assert classify({"text": "a fine film", "text_pair": "b " * 3000}, long_input="windows")[0]["label"]
