@@ -198,7 +198,9 @@ def test_sharded_checkpoint_through_its_index(tiny_checkpoint, tiny_config):
         weight_map.update({k: name for k in part})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     os.remove(folder / "model.safetensors")
-    load_pretrained(folder, "sequence", strict=True)
+    loaded = load_pretrained(folder, "sequence", strict=True)  # strict: every key of both shards is consumed
+    for name, tensor in loaded.state_dict().items():  # and the weights are the saved ones
+        assert torch.equal(tensor, model.state_dict()[name]), name
 
 
 def test_head_auto_reads_architectures(tiny_checkpoint):
