@@ -4,6 +4,7 @@ import logging
 import os
 import sys
 
+from bert_engine import settings
 from bert_engine.runtime.precision import PrecisionError
 from playground import build_app
 from playground.app import serve_queue, warm_up
@@ -12,9 +13,9 @@ logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(messag
 
 if __name__ == "__main__":
     try:
-        app = build_app(device=os.environ.get("BERT_ENGINE_DEVICE") or None,
-                        precision=os.environ.get("BERT_ENGINE_PRECISION", "auto"),
-                        timeout_s=float(os.environ.get("BERT_ENGINE_TIMEOUT", "120")) or None)
+        app = build_app(device=settings.get("BERT_ENGINE_DEVICE") or None,
+                        precision=settings.get("BERT_ENGINE_PRECISION"),
+                        timeout_s=settings.get("BERT_ENGINE_TIMEOUT") or None)
     except PrecisionError as err:  # e.g. BERT_ENGINE_PRECISION=bf16 on a CPU without native bf16
         logging.getLogger("app").error("BERT_ENGINE_PRECISION: %s", err)
         sys.exit(2)
@@ -23,4 +24,4 @@ if __name__ == "__main__":
     # every task is also an MCP tool (at /gradio_api/mcp/) unless BERT_ENGINE_MCP=0
     app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
-               mcp_server=os.environ.get("BERT_ENGINE_MCP", "1") != "0")
+               mcp_server=settings.get("BERT_ENGINE_MCP"))

@@ -12,6 +12,8 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import settings
+
 if TYPE_CHECKING:  # each command imports what it needs when it runs: `--help` loads no torch
     from .training.train_config import TrainConfig
 
@@ -141,7 +143,7 @@ def _predict(args: argparse.Namespace) -> dict:
         inputs[field] = value
     options = _parse_options(args.option)
     rows = _read_rows(Path(args.file), task) if args.file else None  # a bad file fails before the model loads
-    predictor = Predictor.load(task, args.model, revision=args.revision, precision=args.precision)
+    predictor = Predictor.load(task, args.model, revision=args.revision, precision=args.precision or settings.get("BERT_ENGINE_PRECISION"))
     if rows is None:
         return predictor.predict(inputs, **options)
     failed = _predict_rows(task, predictor, rows, inputs, predictor.check_options(options), args.output)
@@ -320,7 +322,7 @@ def _eval(args: argparse.Namespace) -> dict:
         raise ValueError(f"{args.data}: no {args.split!r} examples for task {spec.name!r}")
     model = args.model or spec.default_checkpoint
     predictor = Predictor.load(task, resolve_model_name(model) if model in (None, "default") else model,
-                               revision=args.revision, precision=args.precision)
+                               revision=args.revision, precision=args.precision or settings.get("BERT_ENGINE_PRECISION"))
     options = _parse_options(args.option)
     metrics = evaluate_task(spec, predictor, examples, progress=True, **options)
     return {"task": spec.name, "data": args.data, "split": args.split, "examples": len(examples),
@@ -405,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a task option, JSON-parsed when possible, e.g. -o top_k=2")
     predict.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the task's)")
     predict.add_argument("--revision", default=None)
-    predict.add_argument("--precision", default="auto", help=f"{PRECISIONS}; " + PRECISION_HELP)
+    predict.add_argument("--precision", default=None, help=f"{PRECISIONS} (default: BERT_ENGINE_PRECISION, else auto); "
+                         + PRECISION_HELP)
     predict.set_defaults(run=_predict)
     train = sub.add_parser("train", help="fine-tune a registered task (built-in or plugin); works under torchrun",
                            description="Fine-tune TASK's head on a checkpoint, optionally with LoRA adapters.")
@@ -436,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
     evaluate.add_argument("--model", default=None, help="checkpoint folder, adapter folder or Hub id (default: the task's)")
     evaluate.add_argument("--revision", default=None)
-    evaluate.add_argument("--precision", default="auto", help=f"{PRECISIONS}; " + PRECISION_HELP)
+    evaluate.add_argument("--precision", default=None, help=f"{PRECISIONS} (default: BERT_ENGINE_PRECISION, else "
+                          "auto); " + PRECISION_HELP)
     evaluate.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE", help="a task option")
     evaluate.set_defaults(run=_eval)
     pack = sub.add_parser("pack", help="copy a LoRA run's best adapter + head into a starter folder, "

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import plugins
-from bert_engine import ui
+from bert_engine import settings, ui
 from bert_engine.checkpoints.hub import ADAPTER_WEIGHTS, WEIGHT_FILES, HubError
 from bert_engine.checkpoints.loading import CheckpointError, inside_any
 from bert_engine.checkpoints.lora import looks_local
@@ -127,7 +127,7 @@ def serve_queue(app, concurrency: int | None = None):
     else ADMITTED) requests per event go straight to the handlers, and launch gets enough worker threads
     for them (Gradio runs handlers in a pool of max_threads)."""
     if concurrency is None:
-        concurrency = int(os.environ.get("BERT_ENGINE_CONCURRENCY", str(ADMITTED)))
+        concurrency = settings.get("BERT_ENGINE_CONCURRENCY")
     if concurrency < 1:
         raise ValueError(f"BERT_ENGINE_CONCURRENCY must be at least 1, got {concurrency}")
     app.queue(default_concurrency_limit=concurrency)
@@ -284,7 +284,7 @@ def describe(predictor: LazyPredictor) -> str:
 def allowed_model_dirs() -> list[Path]:
     """Folders the model picker may load local checkpoints from: the starter pack, ./models and ./runs,
     plus those in BERT_ENGINE_MODEL_DIRS (separated by the OS path separator)."""
-    extra = [Path(p) for p in os.environ.get("BERT_ENGINE_MODEL_DIRS", "").split(os.pathsep) if p.strip()]
+    extra = [Path(p) for p in settings.get("BERT_ENGINE_MODEL_DIRS")]
     return [STARTER_ROOT, Path.cwd() / "models", Path.cwd() / "runs", *extra]
 
 

@@ -24,7 +24,9 @@ def imported_modules(path: Path, modules: set[str], tree: ast.AST | None = None)
         if isinstance(node, ast.ImportFrom) and node.level:
             base = [p for p in here[: len(here) - node.level] if p]
             stem = [*base, *(node.module.split(".") if node.module else [])]
-            targets = [".".join([*stem, a.name]) for a in node.names] + [".".join(stem)]
+            targets = [".".join([*stem, a.name]) for a in node.names]
+            if not all(t in modules for t in targets):  # `from .. import settings` imports the module, not the face
+                targets.append(".".join(stem))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bert_engine."):
             stem = node.module.split(".")[1:]
             targets = [".".join([*stem, a.name]) for a in node.names] + [".".join(stem)]

@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from .. import settings
 from ..config import BertConfig
 from ..files import (  # noqa: F401  (re-exported: loading is where callers look for them)
     MAX_METADATA_BYTES,
@@ -231,7 +232,7 @@ def _parts(model: nn.Module) -> tuple[BertModel, str, str | None]:
 
 # -- reading weight files ----------------------------------------------------------------------------
 
-MAX_PARAMETERS = int(os.environ.get("BERT_ENGINE_MAX_PARAMETERS", str(2_000_000_000)))  # 8 GB in fp32
+MAX_PARAMETERS = settings.get("BERT_ENGINE_MAX_PARAMETERS")  # 8 GB in fp32
 
 
 def find_weights(folder: Path) -> Path:

@@ -22,17 +22,17 @@ Gradio's request; cancel.call_with_timeout carries it into the thread that runs 
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from .. import settings
 from .cancel import cancelled_for
 
-CHUNK_TOKENS = int(os.environ.get("BERT_ENGINE_CHUNK_TOKENS", "4096"))  # per forward chunk (padded rows x length)
-MAX_IN_FLIGHT = int(os.environ.get("BERT_ENGINE_MAX_IN_FLIGHT", "2"))  # requests per visitor at once
+CHUNK_TOKENS = settings.get("BERT_ENGINE_CHUNK_TOKENS")  # per forward chunk (padded rows x length)
+MAX_IN_FLIGHT = settings.get("BERT_ENGINE_MAX_IN_FLIGHT")  # requests per visitor at once
 HALF_LIFE_S = 30.0  # a visitor's recent compute halves every 30 s
 STUCK_GRACE_S = 2.0  # a cancelled holder stuck in native code this long no longer blocks the gate
 

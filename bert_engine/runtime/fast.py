@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import settings
 from ..model import gelu_tanh
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,7 @@ def int8_weight_limit() -> int:
     u8 x s8), 63 elsewhere: AVX2's vpmaddubsw adds pairs of u8 x s8 products in int16, which
     saturates for 8-bit weights (2 x 255 x 127 > 32767) and fits for 7-bit ones (2 x 255 x 63)."""
     limited = (os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _BELOW_VNNI
-               # precision.CAPABILITY_ENV (precision imports this module, so the name is not imported)
-               or os.environ.get("BERT_ENGINE_CPU_CAPABILITY", "").strip().lower() in ("avx2", "default"))
+               or settings.get("BERT_ENGINE_CPU_CAPABILITY").lower() in ("avx2", "default"))
     vnni = bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
     return 127 if vnni and not limited else 63
 

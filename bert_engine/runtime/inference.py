@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import re
 import time
 from collections import OrderedDict
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .. import settings
 from ..checkpoints.hub import default_backbone
 from ..checkpoints.loader import load
 from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 MAX_INPUT_CHARS = 1_000_000  # per field; longer input is refused before tokenising
 # Per input, after tokenising: every window row's real tokens together. Bounds the forward work one
 # request can cause (65,536 tokens: ~128 windows of 512, about 6 s of MiniLM on 2 CPU cores).
-MAX_REQUEST_TOKENS = int(os.environ.get("BERT_ENGINE_MAX_TOKENS", "65536"))
+MAX_REQUEST_TOKENS = settings.get("BERT_ENGINE_MAX_TOKENS")
 
 
 def check_request_cost(task: str, batch: Batch, limit: int | None = None) -> None:

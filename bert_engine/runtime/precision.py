@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .. import settings
 from ..model import BertModel
 from . import fast
 
@@ -89,7 +89,7 @@ def _probe_cpu() -> CpuCapability:
 def cpu_capability() -> CpuCapability:
     """This CPU's capability; BERT_ENGINE_CPU_CAPABILITY=avx2 (or default) makes it report less, never more."""
     real = _probe_cpu()
-    pretend = os.environ.get(CAPABILITY_ENV, "").strip().lower()
+    pretend = settings.get(CAPABILITY_ENV).lower()
     if not pretend:
         return real
     if pretend not in ("avx2", "default"):

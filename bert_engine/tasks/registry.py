@@ -13,7 +13,6 @@ import functools
 import importlib
 import importlib.metadata
 import logging
-import os
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -23,6 +22,7 @@ from typing import Any
 
 import pluggy
 
+from .. import settings
 from ..hookspecs import PROJECT, PluginError, TaskHooks, TaskSpec, takes_context
 from ..runtime.cancel import PredictionTimeout, call_with_timeout, raised_by_call
 from ..version import __version__
@@ -273,10 +273,6 @@ def failure_location(err: BaseException) -> str | None:
     return found
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
 def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool = True,
                   selected: set[str] | None = None, excluded: set[str] | None = None,
                   strict: bool | None = None) -> Registry:
@@ -290,16 +286,16 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
             against all the others).
         strict: re-raise the first failure (default: BERT_ENGINE_STRICT_PLUGINS).
     """
-    timeout = float(os.environ.get("BERT_ENGINE_PLUGIN_TIMEOUT", IMPORT_TIMEOUT_S)) or None
-    registry = Registry(strict=_env_flag("BERT_ENGINE_STRICT_PLUGINS") if strict is None else strict,
+    timeout = settings.get("BERT_ENGINE_PLUGIN_TIMEOUT") or None
+    registry = Registry(strict=settings.get("BERT_ENGINE_STRICT_PLUGINS") if strict is None else strict,
                         import_timeout_s=timeout)
     for module in builtin_plugins() if builtins is None else builtins:
         short = module.rsplit(".", 1)[-1]
         registry.load_plugin(short, __version__, "builtin", lambda module=module: importlib.import_module(module))
     if not entry_points:
         return registry
-    if selected is None and "BERT_ENGINE_PLUGINS" in os.environ:
-        selected = {n.strip() for n in os.environ["BERT_ENGINE_PLUGINS"].split(",") if n.strip()}
+    if selected is None and settings.get("BERT_ENGINE_PLUGINS") is not None:
+        selected = set(settings.get("BERT_ENGINE_PLUGINS"))
     seen = set()
     installed = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
     for ep in installed:

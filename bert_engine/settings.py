@@ -1,0 +1,95 @@
+"""Every BERT_ENGINE_* environment variable in one place: its type, default and meaning, read and
+checked by `get` (a bad value is a ValueError naming the variable and the value). docs/settings.md
+is this table (tests/test_settings.py keeps them equal, and finds any variable read elsewhere).
+
+Leaves out the variables other tools own (torchrun's RANK / WORLD_SIZE, HF_HUB_OFFLINE, Gradio's
+GRADIO_SERVER_NAME / PORT, oneDNN's ONEDNN_MAX_CPU_ISA): their own documentation says what they do.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: str  # "int", "float", "str", "bool", "paths" (os.pathsep-separated), "names" (comma-separated)
+    default: Any
+    read: str  # when it is read: "start" (the app or command starting) or "import" (its module loading)
+    help: str
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("BERT_ENGINE_DEVICE", "str", None, "start", "force a device (cpu, cuda, cuda:1, mps); default: CUDA, "
+            "then MPS, then the CPU"),
+    Setting("BERT_ENGINE_PRECISION", "str", "auto", "start", "auto, fp32, bf16, fp16 or int8, for the app and "
+            "every CLI command that predicts (their --precision wins)"),
+    Setting("BERT_ENGINE_TIMEOUT", "float", 120.0, "start", "seconds a request may take before it is cut off and "
+            "stopped (0: no limit)"),
+    Setting("BERT_ENGINE_CONCURRENCY", "int", 64, "start", "requests per event Gradio hands to the fairness gate at "
+            "once (the gate decides who runs next)"),
+    Setting("BERT_ENGINE_MCP", "bool", True, "start", "serve every task as an MCP tool at /gradio_api/mcp/"),
+    Setting("BERT_ENGINE_MODEL_DIRS", "paths", (), "start", "more folders the model picker may load checkpoints "
+            "from, besides the starter pack, ./models and ./runs"),
+    Setting("BERT_ENGINE_PLUGINS", "names", None, "start", "only these third-party plugins (comma-separated); "
+            "default: every installed one"),
+    Setting("BERT_ENGINE_STRICT_PLUGINS", "bool", False, "start", "re-raise the first plugin failure instead of "
+            "recording it"),
+    Setting("BERT_ENGINE_PLUGIN_TIMEOUT", "float", 30.0, "start", "seconds a plugin may take to import (0: no "
+            "limit)"),
+    Setting("BERT_ENGINE_CPU_CAPABILITY", "str", "", "start", "pretend the CPU has only this capability (avx2, "
+            "default): to test the AVX2 paths on a bigger CPU"),
+    Setting("BERT_ENGINE_MAX_TOKENS", "int", 65536, "import", "tokens one input may need over all its windows"),
+    Setting("BERT_ENGINE_CHUNK_TOKENS", "int", 4096, "import", "padded tokens per forward chunk: the unit the "
+            "fairness gate hands out"),
+    Setting("BERT_ENGINE_MAX_IN_FLIGHT", "int", 2, "import", "requests one visitor may have running at once"),
+    Setting("BERT_ENGINE_MAX_PARAMETERS", "int", 2_000_000_000, "import", "the largest model a config.json may "
+            "describe"),
+)}
+
+_CONVERT: dict[str, Callable[[str], Any]] = {
+    "int": int, "float": float, "str": str.strip,
+    "paths": lambda v: tuple(p for p in v.split(os.pathsep) if p.strip()),
+    "names": lambda v: frozenset(n.strip() for n in v.split(",") if n.strip()),
+}
+
+
+def get(name: str) -> Any:
+    """The setting's value now: the environment's, converted, else its default.
+
+    Raises:
+        KeyError: `name` is not a BERT_ENGINE_* setting of the table.
+        ValueError: the environment holds a value of the wrong type, naming both.
+    """
+    setting = SETTINGS[name]
+    raw = os.environ.get(name)
+    if raw is None or (raw.strip() == "" and setting.kind not in ("str", "paths", "names")):
+        return setting.default
+    if setting.kind == "bool":
+        value = raw.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name} must be 1/0, true/false, yes/no or on/off, got {raw!r}")
+    try:
+        value = _CONVERT[setting.kind](raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {'an integer' if setting.kind == 'int' else 'a number'}, got {raw!r}") from None
+    if setting.kind in ("int", "float") and value < 0:
+        raise ValueError(f"{name} must not be negative, got {raw!r}")
+    return value
+
+
+def table() -> str:
+    """The settings as a Markdown table (docs/settings.md holds it)."""
+    rows = ["| variable | type | default | read | what it does |", "|---|---|---|---|---|"]
+    for s in SETTINGS.values():
+        default = "none" if s.default in (None, ()) else repr(s.default) if s.kind == "str" else str(s.default)
+        rows.append(f"| `{s.name}` | {s.kind} | {default} | {'when its module loads' if s.read == 'import' else 'at start'} "
+                    f"| {s.help} |")
+    return "\n".join(rows)

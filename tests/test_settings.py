@@ -1,0 +1,49 @@
+"""bert_engine/settings.py: every BERT_ENGINE_* variable is declared there, read only through it, checked,
+and documented in docs/settings.md."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from bert_engine import settings
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE = [p for folder in ("bert_engine", "plugins", "playground") for p in (ROOT / folder).rglob("*.py")] + [ROOT / "app.py"]
+
+
+def test_every_variable_the_code_names_is_declared_and_read_only_through_settings():
+    for path in CODE:
+        text = path.read_text(encoding="utf-8")
+        for name in set(re.findall(r"BERT_ENGINE_[A-Z_]+", text)):
+            assert name in settings.SETTINGS, f"{path.relative_to(ROOT)} names {name}, which settings.py does not declare"
+        if path.name != "settings.py":
+            assert not re.search(r"environ(?:\.get)?\s*[\[(]\s*[\"']BERT_ENGINE_", text), path.relative_to(ROOT)
+
+
+def test_docs_settings_md_is_the_table():
+    assert settings.table() in (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
+    assert "docs/settings.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_values_are_converted_and_bad_ones_named(monkeypatch):
+    assert settings.get("BERT_ENGINE_TIMEOUT") == 120.0 and settings.get("BERT_ENGINE_MCP") is True
+    monkeypatch.setenv("BERT_ENGINE_TIMEOUT", "30")
+    monkeypatch.setenv("BERT_ENGINE_MCP", "off")
+    monkeypatch.setenv("BERT_ENGINE_PLUGINS", "a, b,")
+    assert settings.get("BERT_ENGINE_TIMEOUT") == 30.0 and settings.get("BERT_ENGINE_MCP") is False
+    assert settings.get("BERT_ENGINE_PLUGINS") == {"a", "b"}
+    for name, value, message in (("BERT_ENGINE_TIMEOUT", "soon", "must be a number, got 'soon'"),
+                                 ("BERT_ENGINE_MAX_IN_FLIGHT", "-1", "must not be negative"),
+                                 ("BERT_ENGINE_MCP", "maybe", "must be 1/0")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"{name} {message}"):
+            settings.get(name)
+
+
+def test_the_cli_reads_the_precision_setting(monkeypatch, capsys):
+    from bert_engine.cli import main
+
+    monkeypatch.setenv("BERT_ENGINE_PRECISION", "fp99")
+    assert main(["predict", "sentiment", "--input", "text=a fine film"]) == 2  # the setting reached the command: refused
+    assert "fp99" in capsys.readouterr().err
