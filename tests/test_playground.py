@@ -737,20 +737,27 @@ def test_a_time_limit_hit_while_others_share_the_machine_marks_nothing_failing(t
     registry = load_registry(entry_points=False)
     registry.load_plugin("fails-late", "0.1", "test", FailingAtRequestPlugin)
     tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
-    app = build_app(registry, checkpoints={"hangs": tiny}, timeout_s=2)
+    app = build_app(registry, checkpoints={"hangs": tiny}, timeout_s=3)
+    app.predictors["hangs"].get()  # loaded first: the two requests' time is the task's, not a model load's
     errors = {}
+    together = threading.Barrier(2)
 
     def visit(name: str) -> None:
         LocalContext.request.set(SimpleNamespace(session_hash=name, headers={}))
+        together.wait(10)
         try:
             app.predictors["hangs"].predict({"text": "hello"})
         except gr.Error as err:
             errors[name] = str(err)
 
+    RELEASE.clear()  # another test may have released the hanging task
     threads = [threading.Thread(target=visit, args=(f"visitor-{i}",)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        RELEASE.set()
     assert len(errors) == 2 and all("the machine is busy with other requests" in e for e in errors.values()), errors
     assert not [f for f in registry.failures if f.stage == "time limit"]
