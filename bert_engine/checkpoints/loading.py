@@ -162,7 +162,6 @@ FAMILIES: dict[str, Family] = {
 # Kept for callers of the BERT tables by their old names.
 ENCODER_TABLE = FAMILIES["bert"].encoder
 HEAD_TABLES = FAMILIES["bert"].heads
-ARCHITECTURES = FAMILIES["bert"].architectures
 # Checkpoint keys consumed without a parameter: buffers older transformers versions saved.
 _BUFFER_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids")
 _PREFIXES = tuple(family.prefix for family in FAMILIES.values())

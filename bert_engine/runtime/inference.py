@@ -261,10 +261,6 @@ class Predictor:
         """The current visitor's last input (fairness.VISITOR; None: the anonymous caller's)."""
         return self._last.get(VISITOR.get())
 
-    def remember(self, inputs: Mapping[str, Any], options: Mapping[str, Any]) -> None:
-        """Make `inputs` the current visitor's last input (for the attention view) without predicting."""
-        self._remember(self.task.spec.preprocess(inputs, self.tokenizer, **options))
-
     def _remember(self, batch: Batch, row: int = 0) -> None:
         """Keep one row of `batch` as the current visitor's last input: each visitor sees only their
         own in the attention view."""
