@@ -86,6 +86,11 @@ def _first(fn: Callable[..., Any], width: int, inputs: Sequence[Any]) -> Callabl
     return lambda *values: fn(*values, *rest)
 
 
+def empty_state(text: str) -> str:
+    """An output's content before the first run: what will appear there, in the theme's own text colour."""
+    return f'<p class="be-empty"><em>{html.escape(text)}</em></p>'
+
+
 def percent(score: float) -> str:
     """A probability as users read it: "88 %", "0.4 %", "< 0.1 %"."""
     value = 100 * float(score)

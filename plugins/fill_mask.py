@@ -295,7 +295,8 @@ def build_tab(predictor) -> None:
         mode = gr.Radio(list(MODES), value=OPTIONS["mode"], label="Several masks")
         targets = gr.Textbox("", label="Only score these words (comma-separated, optional)")
     button = ui.run_button(gr, "Fill")
-    view = gr.HTML(label="Candidates")
+    view = gr.HTML(ui.empty_state("The likeliest words for each [MASK] appear here, with their probabilities."),
+                   label="Candidates")
     details = ui.details(gr)
 
     def run(text: str, top_k: float = OPTIONS["top_k"], mode: str = OPTIONS["mode"], targets: str | None = ""):

@@ -412,7 +412,8 @@ def build_tab(predictor) -> None:
         casing = gr.Radio(list(CASING_CHOICES), value="model", label="Read capital letters",
                           info="model: as the model was trained (the starter reads them); on / off to compare")
     button = ui.run_button(gr, "Find entities")
-    marked = gr.HTML(label="Entities")
+    marked = gr.HTML(ui.empty_state("The text appears here with its people, places and organisations marked."),
+                     label="Entities")
     with gr.Accordion("Token-wise argmax vs the Viterbi path (≠: they differ)", open=False):
         words = gr.Dataframe(headers=["word", "argmax", "viterbi", "probability", "differs"], interactive=False,
                              wrap=True, label="Token-wise tags", show_label=False)

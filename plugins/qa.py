@@ -368,7 +368,8 @@ def build_tab(predictor) -> None:
                              info="How sure the model must be that the text does not answer the question; "
                                   "calibrated on held-out SQuAD 2.0 questions")
     button = ui.run_button(gr, "Answer")
-    view = gr.HTML(label="Answer in its context")
+    view = gr.HTML(ui.empty_state("The answer appears here, marked in its context (or “No answer in this "
+                                  "context”)."), label="Answer in its context")
     candidates = gr.Label(label="Candidates", show_label=True)
     details = ui.details(gr)
 

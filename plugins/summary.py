@@ -495,7 +495,8 @@ def build_tab(predictor) -> None:
                              "supervised: the scorer alone")
     button = ui.run_button(gr, "Summarise")
     summary = gr.Textbox(label="Summary", lines=4)
-    document = gr.HTML(label="Document with chosen sentences")
+    document = gr.HTML(ui.empty_state("The document appears here with the chosen sentences highlighted."),
+                       label="Document with chosen sentences")
     with gr.Accordion("Dropped by the length filter", open=False):
         dropped = gr.Dataframe(headers=["sentence", "reason"], interactive=False, wrap=True,
                                label="Dropped sentences", show_label=False)

@@ -267,8 +267,12 @@ def fake_hub():
 def installed_example(tmp_path_factory):
     """The tutorial's example plugin, installed by a real `pip install` into a throwaway target folder."""
     target = tmp_path_factory.mktemp("example-site")
+    # built from a private copy: setuptools writes build/ and *.egg-info inside the source folder, and two
+    # test workers building the same folder at once (pytest -n auto) broke each other's build
+    source = tmp_path_factory.mktemp("example-source") / EXAMPLE_PLUGIN.name
+    shutil.copytree(EXAMPLE_PLUGIN, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "--target", str(target), str(EXAMPLE_PLUGIN)], check=True)
+                    "--disable-pip-version-check", "--target", str(target), str(source)], check=True)
     return target
 
 

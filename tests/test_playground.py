@@ -761,3 +761,11 @@ def test_a_time_limit_hit_while_others_share_the_machine_marks_nothing_failing(t
         RELEASE.set()
     assert len(errors) == 2 and all("the machine is busy with other requests" in e for e in errors.values()), errors
     assert not [f for f in registry.failures if f.stage == "time limit"]
+
+
+def test_every_html_answer_says_what_will_appear_before_the_first_run(registry):
+    app = build_app(registry)
+    labels = {"Candidates", "Entities", "Answer in its context", "Document with chosen sentences"}
+    found = {b.label: str(b.value) for b in app.blocks.values() if isinstance(b, gr.HTML) and b.label in labels}
+    assert set(found) == labels
+    assert all('class="be-empty"' in value and "appear" in value for value in found.values()), found
