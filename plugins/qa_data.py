@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import calendar
 import collections
+import functools
 import hashlib
 import json
 import re
@@ -21,6 +22,11 @@ from pathlib import Path
 
 from plugins.qa_metric import normalize_answer
 from plugins.sentences import split_sentences
+
+# normalize_answer, remembered for the last few thousand texts: building the data normalises each paragraph once
+# per question and construction. Here only (training data): a server answering visitors' megabyte contexts must
+# not keep them.
+_fold = functools.lru_cache(maxsize=4096)(normalize_answer)
 
 NEGATIVE_SHARE = 0.33  # each construction gets a draw at about a third of the questions: SQuAD 2.0's ratio
 ANTONYMS_FILE = Path(__file__).with_name("qa_antonyms.tsv")  # scripts/build_antonyms.py writes it (WordNet 3.0)
@@ -33,8 +39,8 @@ def _draw(qa: dict, salt: str = "") -> int:
 def _says_an_answer(text: str, answers: list[dict]) -> bool:
     """Whether any answer's text occurs in `text` (normalised as the SQuAD metric does): a context that
     does cannot be labelled unanswerable."""
-    text = normalize_answer(text)
-    return any(normalize_answer(a["text"]) in text for a in answers)
+    text = _fold(text)
+    return any(_fold(a["text"]) in text for a in answers)
 
 
 def without_answer_sentences(context: str, answers: list[dict], sentences: list[tuple[int, int]] | None = None,
@@ -98,20 +104,20 @@ def swapped_question(question: str, context: str, answers: list[dict], pool: dic
     contains) replaced by another of the same kind from `pool` (article_entities: the article's
     questions and answers) that the paragraph never says, or None when there is no such pair. The paragraph then no longer answers
     it: SQuAD 2.0's most common kind of unanswerable question (an entity swap)."""
-    folded = normalize_answer(context)
-    gold = [normalize_answer(a["text"]) for a in answers]
+    folded = _fold(context)
+    gold = [_fold(a["text"]) for a in answers]
     anchors = []
     for start, end in question_entities(question):
         entity = question[start:end].rstrip(".")
-        norm = normalize_answer(entity)
+        norm = _fold(entity)
         if norm and _mentions(folded, norm) and not any(_mentions(g, norm) or _mentions(norm, g) for g in gold if g):
             anchors.append((start, start + len(entity), entity))
     if not anchors:
         return None
     start, end, entity = anchors[draw % len(anchors)]
     replacements = [other for other in pool.get(_entity_kind(entity), ())
-                    if normalize_answer(other) and not _mentions(folded, normalize_answer(other))
-                    and not _mentions(normalize_answer(entity), normalize_answer(other))]
+                    if _fold(other) and not _mentions(folded, _fold(other))
+                    and not _mentions(_fold(entity), _fold(other))]
     if not replacements:
         return None
     return question[:start] + replacements[(draw // len(anchors)) % len(replacements)] + question[end:]
@@ -198,8 +204,8 @@ def antonym_question(question: str, context: str, answers: list[dict], draw: int
     when no word qualifies. The paragraph then answers the original, not the edit: SQuAD 2.0's
     second commonest kind of unanswerable question. Words inside an answer are left alone."""
     table = antonyms()
-    folded = normalize_answer(context)
-    gold = " ".join(normalize_answer(a["text"]) for a in answers)
+    folded = _fold(context)
+    gold = " ".join(_fold(a["text"]) for a in answers)
     choices = []
     for match in _WORD.finditer(question):
         word = match.group().lower()
@@ -241,15 +247,15 @@ def number_question(question: str, context: str, answers: list[dict], draw: int)
     """The question with a number, year or month that the paragraph also says (outside any answer)
     replaced by a near value of the same kind that the paragraph never says ("in 1998" -> "in 1999"),
     or None: SQuAD 2.0's number or date swap."""
-    folded = normalize_answer(context)
-    gold = " ".join(normalize_answer(a["text"]) for a in answers)
+    folded = _fold(context)
+    gold = " ".join(_fold(a["text"]) for a in answers)
     choices = [m for m in _NUMBER.finditer(question)
-               if _mentions(folded, normalize_answer(m.group())) and not _mentions(gold, normalize_answer(m.group()))]
+               if _mentions(folded, _fold(m.group())) and not _mentions(gold, _fold(m.group()))]
     if not choices:
         return None
     match = choices[draw % len(choices)]
     for other in _shifted(match.group(), draw // len(choices)):
-        if not _mentions(folded, normalize_answer(other)):
+        if not _mentions(folded, _fold(other)):
             return question[:match.start()] + other + question[match.end():]
     return None
 
@@ -260,7 +266,7 @@ def absent_fact_context(question: str, index: int, paragraphs: list[dict], answe
     topic for the question) but says none of its answers, or None: the "mentioned entity, absent
     fact" questions of SQuAD 2.0, harder than a random other paragraph (`+negatives`), which word
     overlap alone gives away."""
-    names = [normalize_answer(question[start:end].rstrip(".")) for start, end in question_entities(question)]
+    names = [_fold(question[start:end].rstrip(".")) for start, end in question_entities(question)]
     names = [n for n in names if n]
     if not names:
         return None
@@ -268,7 +274,7 @@ def absent_fact_context(question: str, index: int, paragraphs: list[dict], answe
     for j, paragraph in enumerate(paragraphs):
         if j == index:
             continue
-        folded = normalize_answer(paragraph["context"])
+        folded = _fold(paragraph["context"])
         if any(_mentions(folded, n) for n in names) and not _says_an_answer(paragraph["context"], answers):
             candidates.append(paragraph["context"])
     return candidates[draw % len(candidates)] if candidates else None

@@ -6,7 +6,6 @@ one a visitor-facing default may use. Holds no model code: `plugins.qa` predicts
 from __future__ import annotations
 
 import collections
-import functools
 import math
 import re
 import string
@@ -14,7 +13,6 @@ import string
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 
-@functools.lru_cache(maxsize=8192)  # the data constructions normalise each paragraph many times
 def normalize_answer(text: str) -> str:
     """Lower-case, drop punctuation and the articles a/an/the, and fold whitespace (SQuAD v1.1's script)."""
     text = text.lower().translate(_PUNCTUATION)
