@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from bert_engine.families import FAMILIES, Family
+from bert_engine.families import family as get_family
+
 logger = logging.getLogger(__name__)
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu", "swish", "tanh")
@@ -37,21 +40,13 @@ _UNSUPPORTED_IF_TRUE = ("is_decoder", "add_cross_attention", "chunk_size_feed_fo
 # Runtime-only fields: not part of the checkpoint, never written to config.json.
 _RUNTIME_FIELDS = ("attn_backend",)
 
-# The model families the engine loads and saves (config.json's `model_type`); see docs/families.md.
-FAMILIES = ("bert", "roberta", "albert", "distilbert")
-# ALBERT's fields (written only for ALBERT) and legacy keys of its config that change nothing at their defaults.
 # Limits a config.json must pass before any module is built (a hostile or mistaken file could ask for
 # a 100,000-layer ALBERT: tiny in parameters, endless in work). The largest published encoders apply 48.
 MAX_APPLIED_LAYERS = 256
 MAX_FLOPS_PER_TOKEN = 10 * 10**9
 
-_ALBERT_FIELDS = ("embedding_size", "num_hidden_groups", "inner_group_num")
-_ALBERT_METADATA = frozenset({"down_scale_factor", "gap_size", "net_structure_type", "num_memory_blocks"})
-# DistilBERT's config.json names -> ours. It has no segment embeddings and no pooler of its own.
-_DISTILBERT_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-                    "hidden_dim": "intermediate_size", "activation": "hidden_act", "dropout": "hidden_dropout_prob",
-                    "attention_dropout": "attention_probs_dropout_prob", "seq_classif_dropout": "classifier_dropout"}
-_DISTILBERT_METADATA = frozenset({"qa_dropout", "tie_weights_", "sinusoidal_pos_embds"})
+# The fields of a family with shared layers (ALBERT), written only for it.
+_SHARED_LAYER_FIELDS = ("embedding_size", "num_hidden_groups", "inner_group_num")
 
 
 @dataclass(frozen=True)
@@ -89,22 +84,22 @@ class BertConfig:
     attn_backend: AttnBackend = "sdpa"  # runtime: "sdpa" (fast) or "eager" (reference, can return weights)
 
     def __post_init__(self) -> None:
-        if self.model_type not in FAMILIES:
-            raise ValueError(f"model_type {self.model_type!r} is not one of {FAMILIES}")
+        family = get_family(self.model_type)
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size", "max_position_embeddings", "num_hidden_groups", "inner_group_num")
-        if self.model_type != "distilbert":  # DistilBERT has no segment embeddings (type_vocab_size 0)
+        if family.has_segments:
             positive += ("type_vocab_size",)
         elif self.type_vocab_size != 0:
-            raise ValueError(f"type_vocab_size must be 0 for distilbert (it has no segments), got {self.type_vocab_size!r}")
-        if self.model_type == "albert":
+            raise ValueError(f"type_vocab_size must be 0 for {family.name} (it has no segments), "
+                             f"got {self.type_vocab_size!r}")
+        if family.shared_layers:
             if self.embedding_size is None:
                 object.__setattr__(self, "embedding_size", 128)  # transformers' AlbertConfig default
             positive += ("embedding_size",)
         elif (self.embedding_size not in (None, self.hidden_size) or self.num_hidden_groups != 1
               or self.inner_group_num != 1):
             raise ValueError(f"embedding_size, num_hidden_groups and inner_group_num are ALBERT's; a "
-                             f"{self.model_type} model has embedding_size {self.hidden_size} and no layer groups")
+                             f"{family.name} model has embedding_size {self.hidden_size} and no layer groups")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -131,11 +126,11 @@ class BertConfig:
                 f"position_embedding_type {self.position_embedding_type!r} is not supported; "
                 "this engine implements the 'absolute' learned positions of BERT"
             )
-        applied = self.num_hidden_layers * (self.inner_group_num if self.model_type == "albert" else 1)
+        applied = self.applied_layers
         if applied > MAX_APPLIED_LAYERS:  # before anything is built: ALBERT's shared layers pass the parameter limit
             raise ValueError(f"the encoder would apply {applied:,} layers per token (num_hidden_layers "
                              f"{self.num_hidden_layers:,}" + (f" x inner_group_num {self.inner_group_num:,}"
-                             if self.model_type == "albert" else "") + f"); the limit is {MAX_APPLIED_LAYERS}")
+                             if family.shared_layers else "") + f"); the limit is {MAX_APPLIED_LAYERS}")
         if self.flops_per_token > MAX_FLOPS_PER_TOKEN:
             raise ValueError(f"the encoder would cost {self.flops_per_token / 1e9:,.1f} GFLOP per token; the limit is "
                              f"{MAX_FLOPS_PER_TOKEN / 1e9:.0f} (bert-large costs 0.6, ALBERT-xxlarge 4.8)")
@@ -145,9 +140,9 @@ class BertConfig:
             raise ValueError(f"pad_token_id {self.pad_token_id} is outside the vocabulary of size {self.vocab_size}")
         if self.attn_backend not in ("eager", "sdpa"):
             raise ValueError(f"attn_backend {self.attn_backend!r} is not one of 'eager', 'sdpa'")
-        if self.model_type == "roberta" and self.max_position_embeddings <= self.pad_token_id + 1:
+        if self.max_position_embeddings <= self.position_offset:
             raise ValueError(f"max_position_embeddings {self.max_position_embeddings} leaves no position after "
-                             f"RoBERTa's offset of pad_token_id + 1 = {self.pad_token_id + 1}")
+                             f"{family.name}'s offset of pad_token_id + 1 = {self.position_offset}")
         # JSON keys are strings; checkpoints store id2label as {"0": "NEGATIVE", ...}, and some
         # writers store null for an absent mapping.
         for name in ("id2label", "label2id"):
@@ -170,14 +165,19 @@ class BertConfig:
         return len(self.id2label)
 
     @property
+    def family(self) -> Family:
+        """The family's quirks (bert_engine.families)."""
+        return get_family(self.model_type)
+
+    @property
     def embedding_width(self) -> int:
         """The size of the token embeddings: ALBERT's embedding_size, otherwise hidden_size."""
-        return self.embedding_size if self.model_type == "albert" else self.hidden_size
+        return self.embedding_size if self.family.shared_layers else self.hidden_size
 
     @property
     def position_offset(self) -> int:
         """RoBERTa numbers real tokens from pad_token_id + 1 (padding sits at pad_token_id); others from 0."""
-        return self.pad_token_id + 1 if self.model_type == "roberta" else 0
+        return self.family.position_offset(self.pad_token_id)
 
     @property
     def max_tokens(self) -> int:
@@ -201,16 +201,18 @@ class BertConfig:
         """
         known = {f.name for f in dataclasses.fields(cls)} - set(_RUNTIME_FIELDS)
         data = dict(data)
-        family = data.get("model_type", "bert")
-        if family == "distilbert":
-            if data.get("sinusoidal_pos_embds"):  # stored as weights all the same; they load like learned ones
-                logger.info("%s: sinusoidal position embeddings are read from the weights", source)
-            data = {_DISTILBERT_KEYS.get(k, k): v for k, v in data.items()}
-            data.setdefault("type_vocab_size", 0)
-            data.setdefault("layer_norm_eps", 1e-12)  # DistilBERT's LayerNorms use 1e-12, not a config key
-        elif family == "albert" and "classifier_dropout_prob" in data:
-            data["classifier_dropout"] = data.pop("classifier_dropout_prob")
-        metadata = _METADATA_KEYS | _ALBERT_METADATA | _DISTILBERT_METADATA
+        try:
+            family = get_family(data.get("model_type", "bert"))
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+        if data.get("sinusoidal_pos_embds"):  # stored as weights all the same; they load like learned ones
+            logger.info("%s: sinusoidal position embeddings are read from the weights", source)
+        data = {family.config_keys.get(k, k): v for k, v in data.items()}
+        for key, value in family.config_defaults.items():
+            data.setdefault(key, value)
+        if family.classifier_dropout_key in data:
+            data["classifier_dropout"] = data.pop(family.classifier_dropout_key)
+        metadata = _METADATA_KEYS.union(*(f.config_metadata for f in FAMILIES.values()))
         for key in _UNSUPPORTED_IF_TRUE:
             if data.get(key):
                 raise ValueError(f"{source}: {key}={data[key]!r} is not supported by this encoder-only BERT")
@@ -232,18 +234,18 @@ class BertConfig:
             del data["id2label"], data["label2id"]
         if self.problem_type is None:
             del data["problem_type"]
-        if self.model_type != "albert":
-            for name in _ALBERT_FIELDS:
+        family = self.family
+        if not family.shared_layers:
+            for name in _SHARED_LAYER_FIELDS:
                 del data[name]
-        if self.model_type in ("albert", "distilbert") and data["classifier_dropout"] is None:
+        if family.classifier_dropout_required and data["classifier_dropout"] is None:
             data["classifier_dropout"] = self.hidden_dropout_prob  # what our heads use; these configs need a number
-        if self.model_type == "albert":
-            data["classifier_dropout_prob"] = data.pop("classifier_dropout")
-        if self.model_type == "distilbert":  # transformers' DistilBertConfig spelling
-            for theirs, ours in _DISTILBERT_KEYS.items():
-                data[theirs] = data.pop(ours)
-            for name in ("type_vocab_size", "layer_norm_eps"):
-                del data[name]
+        data[family.classifier_dropout_key] = data.pop("classifier_dropout")
+        for theirs, ours in family.config_keys.items():  # the family's own spelling (DistilBertConfig's)
+            data[theirs] = data.pop(ours)
+        for name in family.config_defaults:
+            del data[name]
+        if "qa_dropout" in family.config_metadata:  # DistilBertConfig's keys of the same meaning
             data.update(sinusoidal_pos_embds=False, qa_dropout=data["dropout"], tie_weights_=True)
         return data
 
@@ -273,7 +275,7 @@ class BertConfig:
         without allocating anything; loading compares it with a limit and with the weights' size."""
         H, I, E = self.hidden_size, self.intermediate_size, self.embedding_width
         embeddings = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size) * E + 2 * E
-        if self.model_type == "albert":
+        if self.family.shared_layers:
             embeddings += E * H + H  # the projection to hidden_size
         layer = 4 * H * H + 4 * H + 2 * H * I + I + H + 4 * H  # q, k, v, out; up, down; two LayerNorms
         return embeddings + self.distinct_layers * layer + H * H + H
@@ -284,19 +286,23 @@ class BertConfig:
         tokens left out): every applied layer's q, k, v, out and FFN matmuls. The cost a request's
         token counts in, whatever the family (ALBERT applies its shared layers many times)."""
         H, I = self.hidden_size, self.intermediate_size
-        applied = self.num_hidden_layers * (self.inner_group_num if self.model_type == "albert" else 1)
-        return 2 * applied * (4 * H * H + 2 * H * I)
+        return 2 * self.applied_layers * (4 * H * H + 2 * H * I)
+
+    @property
+    def applied_layers(self) -> int:
+        """Layers a token passes through: ALBERT runs each of its inner_group_num layers at every step."""
+        return self.num_hidden_layers * (self.inner_group_num if self.family.shared_layers else 1)
 
     @property
     def distinct_layers(self) -> int:
         """Layers with weights of their own: ALBERT shares them, num_hidden_groups x inner_group_num."""
-        if self.model_type == "albert":
+        if self.family.shared_layers:
             return self.num_hidden_groups * self.inner_group_num
         return self.num_hidden_layers
 
     def layer_schedule(self) -> list[int]:
         """The distinct layer each of the encoder's steps runs, in order (ALBERT repeats its groups)."""
-        if self.model_type != "albert":
+        if not self.family.shared_layers:
             return list(range(self.num_hidden_layers))
         return [group * self.inner_group_num + inner for i in range(self.num_hidden_layers)
                 for group in [int(i / (self.num_hidden_layers / self.num_hidden_groups))]  # transformers' arithmetic

@@ -61,7 +61,7 @@ class MaskedLMHead(nn.Module):
         super().__init__()
         E = config.embedding_width  # ALBERT predicts through its smaller embeddings: H -> E -> V
         self.transform = nn.Linear(config.hidden_size, E)
-        self.act = ACT2FN["gelu" if config.model_type == "roberta" else config.hidden_act]  # RoBERTa's lm_head: gelu
+        self.act = ACT2FN[config.family.mlm_activation or config.hidden_act]  # RoBERTa's lm_head: gelu
         self.transform_norm = nn.LayerNorm(E, eps=config.layer_norm_eps)
         self.decoder = nn.Linear(E, config.vocab_size, bias=False)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))

@@ -123,7 +123,7 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         E = config.embedding_width
         self.word_embeddings = nn.Embedding(config.vocab_size, E, padding_idx=config.pad_token_id)
-        padding = config.pad_token_id if config.model_type == "roberta" else None
+        padding = config.pad_token_id if config.family.positions_after_padding else None
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, E, padding_idx=padding)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, E) if config.type_vocab_size else None
         self.layer_norm = nn.LayerNorm(E, eps=config.layer_norm_eps)
@@ -221,7 +221,7 @@ class Pooler(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act = torch.relu if config.model_type == "distilbert" else torch.tanh
+        self.act = {"tanh": torch.tanh, "relu": torch.relu}[config.family.pooler_activation]
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         return self.act(self.dense(hidden_states[:, 0]))  # (B, H)
@@ -247,8 +247,8 @@ class BertModel(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = BertEmbeddings(config)
-        albert = config.model_type == "albert"
-        self.embedding_projection = nn.Linear(config.embedding_width, config.hidden_size) if albert else None
+        projected = config.family.shared_layers  # ALBERT: narrow embeddings, projected to hidden_size
+        self.embedding_projection = nn.Linear(config.embedding_width, config.hidden_size) if projected else None
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.distinct_layers))
         self.schedule = config.layer_schedule()
         self.pooler = Pooler(config) if add_pooler else None

@@ -193,3 +193,42 @@ def test_old_flat_paths_still_import_the_moved_modules():
     from bert_engine.training import TrainConfig, init_distributed, train
 
     assert LazyPredictor and TrainConfig and init_distributed and train
+
+
+def family_tests(source: str) -> list[str]:
+    """Comparisons that branch on a model family's name: `x.model_type == "albert"`, `family in ("bert", ...)`."""
+    from bert_engine.families import FAMILIES
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        literals = {c.value for o in operands for c in ([o] if isinstance(o, ast.Constant) else
+                                                        getattr(o, "elts", []) if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [])
+                    if isinstance(c, ast.Constant)}
+        named = any(isinstance(o, ast.Attribute) and o.attr == "model_type" for o in operands)
+        if named or literals & set(FAMILIES):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_no_module_branches_on_a_family_name():
+    """Family quirks live in bert_engine/families.py's records; code reads `config.family.<quirk>`."""
+    sources = [p for p in [*PACKAGE.rglob("*.py"), *(ROOT / "plugins").glob("*.py"), *(ROOT / "playground").glob("*.py")]
+               if p.name != "families.py"]
+    found = {f"{p.relative_to(ROOT)}: {test}" for p in sources for test in family_tests(p.read_text(encoding="utf-8"))}
+    assert not found, "branch on the family's record instead: " + "; ".join(sorted(found))
+
+
+def test_the_family_guard_finds_a_planted_branch():
+    assert family_tests('if config.model_type == "roberta":\n    pass') == ["config.model_type == 'roberta'"]
+    assert family_tests('ok = name in ("albert", "distilbert")')
+    assert not family_tests('if config.family.shared_layers:\n    pass')
+
+
+def test_every_family_has_a_key_table():
+    from bert_engine.checkpoints.loading import KEY_TABLES
+    from bert_engine.families import FAMILIES
+
+    assert set(KEY_TABLES) == set(FAMILIES)

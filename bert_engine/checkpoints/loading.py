@@ -83,7 +83,7 @@ _POOLER = [("pooler.dense.weight", ("pooler.dense.weight",)), ("pooler.dense.bia
 
 
 def _mlm(transform: str, norm: str, bias: str) -> list[tuple[str, tuple[str, ...]]]:
-    # decoder.weight is tied to the word embeddings: not a parameter of its own (see Family.tied).
+    # decoder.weight is tied to the word embeddings: not a parameter of its own (see KeyTable.tied).
     return [("transform.weight", (transform + ".weight",)), ("transform.bias", (transform + ".bias",)),
             ("transform_norm.weight", (norm + ".weight",)), ("transform_norm.bias", (norm + ".bias",)),
             ("bias", (bias,))]
@@ -103,8 +103,8 @@ def _heads(mlm, nsp=None, sequence="classifier"):
 
 
 @dataclass(frozen=True)
-class Family:
-    """How one model family's checkpoints name things: see docs/families.md."""
+class KeyTable:
+    """How one model family's checkpoints name their weights (its quirks: bert_engine.families; docs/families.md)."""
 
     name: str  # config.json's model_type
     prefix: str  # the encoder's key prefix in a checkpoint with a head ("bert.")
@@ -127,20 +127,20 @@ def _classes(stem: str, heads: tuple[str | None, ...]) -> dict[str | None, str]:
 
 
 _ALBERT_LAYER = "encoder.albert_layer_groups.{group}.albert_layers.{inner}."
-FAMILIES: dict[str, Family] = {
-    "bert": Family(
+KEY_TABLES: dict[str, KeyTable] = {
+    "bert": KeyTable(
         "bert", "bert.", _EMBEDDINGS + _BERT_LAYER + _POOLER,
         _heads(_mlm("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.bias"),
                _linear("classifier", "cls.seq_relationship")),
         _classes("Bert", (None, "mlm", "nsp", "pretraining", "sequence", "token", "span")),
         tied="cls.predictions.decoder.weight", aliases={"cls.predictions.decoder.bias": "cls.predictions.bias"}),
-    "roberta": Family(  # BERT's layers; its classification head's dense + tanh is our pooler
+    "roberta": KeyTable(  # BERT's layers; its classification head's dense + tanh is our pooler
         "roberta", "roberta.", _EMBEDDINGS + _BERT_LAYER + _POOLER,
         _heads(_mlm("lm_head.dense", "lm_head.layer_norm", "lm_head.bias"), sequence="classifier.out_proj"),
         _classes("Roberta", (None, "mlm", "sequence", "token", "span")),
         tied="lm_head.decoder.weight", aliases={"lm_head.decoder.bias": "lm_head.bias"},
         pooler_in_head={"sequence": _linear("pooler.dense", "classifier.dense")}),
-    "albert": Family(  # factorised embeddings, shared layer groups, sentence-order prediction as "nsp"
+    "albert": KeyTable(  # factorised embeddings, shared layer groups, sentence-order prediction as "nsp"
         "albert", "albert.",
         _EMBEDDINGS + _linear("embedding_projection", "encoder.embedding_hidden_mapping_in")
         + _layer_rows(_ALBERT_LAYER, "attention.query", "attention.key", "attention.value", "attention.dense",
@@ -150,7 +150,7 @@ FAMILIES: dict[str, Family] = {
                _linear("classifier", "sop_classifier.classifier")),
         _classes("Albert", (None, "mlm", "pretraining", "sequence", "token", "span")),
         tied="predictions.decoder.weight", aliases={"predictions.decoder.bias": "predictions.bias"}),
-    "distilbert": Family(  # no segments; its pre_classifier + ReLU is our pooler
+    "distilbert": KeyTable(  # no segments; its pre_classifier + ReLU is our pooler
         "distilbert", "distilbert.",
         [row for row in _EMBEDDINGS if "token_type" not in row[0]]
         + _layer_rows("transformer.layer.{i}.", "attention.q_lin", "attention.k_lin", "attention.v_lin",
@@ -160,19 +160,19 @@ FAMILIES: dict[str, Family] = {
         tied="vocab_projector.weight", pooler_in_head={"sequence": _linear("pooler.dense", "pre_classifier")}),
 }
 # Kept for callers of the BERT tables by their old names.
-ENCODER_TABLE = FAMILIES["bert"].encoder
-HEAD_TABLES = FAMILIES["bert"].heads
+ENCODER_TABLE = KEY_TABLES["bert"].encoder
+HEAD_TABLES = KEY_TABLES["bert"].heads
 # Checkpoint keys consumed without a parameter: buffers older transformers versions saved.
 _BUFFER_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids")
-_PREFIXES = tuple(family.prefix for family in FAMILIES.values())
+_PREFIXES = tuple(family.prefix for family in KEY_TABLES.values())
 
 
-def family_of(model_or_config: nn.Module | BertConfig) -> Family:
+def key_table(model_or_config: nn.Module | BertConfig) -> KeyTable:
     config = model_or_config if isinstance(model_or_config, BertConfig) else getattr(model_or_config, "config", None)
-    return FAMILIES[getattr(config, "model_type", "bert")]
+    return KEY_TABLES[getattr(config, "model_type", "bert")]
 
 
-def normalise_key(key: str, family: Family | None = None) -> str:
+def normalise_key(key: str, family: KeyTable | None = None) -> str:
     """Checkpoint key -> the table's spelling: drop the family prefix ("bert.", "roberta.", ...), legacy
     gamma/beta names, another spelling of the MLM bias."""
     for prefix in _PREFIXES:
@@ -181,7 +181,7 @@ def normalise_key(key: str, family: Family | None = None) -> str:
             break
     key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", key)
     key = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key)
-    aliases = family.aliases if family is not None else {a: k for f in FAMILIES.values() for a, k in f.aliases.items()}
+    aliases = family.aliases if family is not None else {a: k for f in KEY_TABLES.values() for a, k in f.aliases.items()}
     return aliases.get(key, key)
 
 
@@ -191,7 +191,7 @@ def expand_table(model: nn.Module, *, with_origin: bool = False) -> list:
     the family's prefix) or to the head."""
     encoder, prefix, head_name = _parts(model)
     config = encoder.config
-    family = family_of(config)
+    family = key_table(config)
     head_pooler = family.pooler_in_head.get(head_name) if isinstance(model, BertWithHead) else None
     rows = []
     for ours, keys in family.encoder:
@@ -202,7 +202,7 @@ def expand_table(model: nn.Module, *, with_origin: bool = False) -> list:
         layers = range(config.distinct_layers) if "{i}" in ours else [None]
         for i in layers:
             names = dict(i=i, group=None, inner=None)
-            if i is not None and config.model_type == "albert":
+            if i is not None and config.family.shared_layers:
                 names.update(group=i // config.inner_group_num, inner=i % config.inner_group_num)
             rows.append((prefix + ours.format(i=i), tuple(k.format(**names) for k in keys), True))
     if head_pooler is not None and encoder.pooler is not None:
@@ -436,7 +436,7 @@ def convert_state_dict(checkpoint: dict[str, Tensor], model: nn.Module,
         CheckpointError: if a tensor's shape differs from ours, naming the key and both shapes.
     """
     # Normalised name -> the checkpoint's spellings of it (both spellings of the MLM bias may occur).
-    family = family_of(getattr(model, "encoder", model))
+    family = key_table(getattr(model, "encoder", model))
     spellings: dict[str, list[str]] = {}
     for key in checkpoint:
         spellings.setdefault(normalise_key(key, family), []).append(key)
@@ -531,7 +531,7 @@ def to_checkpoint_state(model: nn.Module) -> dict[str, Tensor]:
     (query/key/value split again; the encoder under "bert."/"roberta."/... when there is a head)."""
     encoder, _, _ = _parts(model)
     own = model.state_dict()
-    prefix = family_of(encoder).prefix if isinstance(model, BertWithHead) else ""
+    prefix = key_table(encoder).prefix if isinstance(model, BertWithHead) else ""
     out: dict[str, Tensor] = {}
     for ours, keys, in_encoder in expand_table(model, with_origin=True):
         pieces = own[ours].chunk(len(keys), dim=0) if len(keys) > 1 else (own[ours],)
@@ -573,7 +573,7 @@ def save_pretrained(model: nn.Module, folder: str | Path, tokenizer=None) -> Pat
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     encoder, _, head_name = _parts(model)
-    architectures = family_of(encoder).architectures
+    architectures = key_table(encoder).architectures
     architecture = architectures.get(head_name, architectures[None])
     config = saved_config(model)
     if head_name == "span" and config.num_labels != 2:
@@ -635,7 +635,7 @@ def load_model(resolved: Resolved, head: str | nn.Module | None = None, *, label
     if head == "auto":
         head = _head_from_architectures(config_file)
     if head is None:
-        family = family_of(config)
+        family = key_table(config)
         has_pooler = any(normalise_key(k, family).startswith("pooler") for k in checkpoint)
         model: nn.Module = BertModel(config, add_pooler=has_pooler)
     else:
@@ -648,7 +648,7 @@ def load_model(resolved: Resolved, head: str | nn.Module | None = None, *, label
 
 def _head_from_architectures(config_file: Path) -> str | None:
     data = json.loads(config_file.read_text(encoding="utf-8"))
-    family = FAMILIES.get(data.get("model_type", "bert"), FAMILIES["bert"])
+    family = KEY_TABLES.get(data.get("model_type", "bert"), KEY_TABLES["bert"])
     names = data.get("architectures") or [family.architectures[None]]
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise CheckpointError(f"{config_file.name}: architectures must be a list of class names, got {names!r:.80}")

@@ -43,9 +43,9 @@ def every_other_layer(teacher_layers: int, student_layers: int) -> list[int]:
 def make_student(teacher: BertWithHead, student_layers: int) -> BertWithHead:
     """A copy of the teacher (embeddings, pooler, head) keeping `every_other_layer` of its layers."""
     config = teacher.encoder.config
-    if config.model_type == "albert":
-        raise ValueError("ALBERT shares its layers across the depth; a student with fewer layers has the same "
-                         "weights (use num_hidden_layers instead of distillation)")
+    if not config.family.distillable:
+        raise ValueError(f"a {config.family.name} model shares its layers across the depth; a student with fewer "
+                         "layers has the same weights (use num_hidden_layers instead of distillation)")
     keep = every_other_layer(len(teacher.encoder.layers), student_layers)
     student = copy.deepcopy(teacher)
     student.encoder.layers = nn.ModuleList(student.encoder.layers[i] for i in keep)

@@ -32,6 +32,8 @@ from ..checkpoints.lora import (
     save_adapter,
 )
 from ..config import PRESETS, BertConfig
+from ..families import FAMILIES
+from ..families import family as get_family
 from ..heads import IGNORE_INDEX, BertWithHead
 from ..hookspecs import TaskSpec
 from ..runtime.distributed import Distributed, gather_objects
@@ -40,7 +42,6 @@ from ..tasks.evaluation import evaluate_task, read_examples
 from ..tasks.registry import RegisteredTask
 from .loop import seed_everything
 from .pretraining import (
-    FAMILY_OBJECTIVES,
     OBJECTIVES,
     PairBuilder,
     collate_pairs,
@@ -185,14 +186,11 @@ def preset_config(preset: str, family: str, tokenizer, max_seq_len: int) -> Bert
     """A size preset as a `family` encoder for `tokenizer`: its vocabulary and padding id, RoBERTa's
     position offset and one segment, DistilBERT's no segments, ALBERT's embeddings at most 128 wide."""
     base = PRESETS[preset]
-    extra: dict[str, Any] = {}
-    if family == "roberta":
-        extra["type_vocab_size"] = 1
-    elif family == "distilbert":
-        extra["type_vocab_size"] = 0
-    elif family == "albert":
+    traits = get_family(family)
+    extra: dict[str, Any] = {"type_vocab_size": traits.segments or 0}
+    if traits.shared_layers:
         extra["embedding_size"] = min(128, base.hidden_size // 2)
-    offset = tokenizer.pad_token_id + 1 if family == "roberta" else 0
+    offset = traits.position_offset(tokenizer.pad_token_id)
     return dataclasses.replace(base, model_type=family, vocab_size=tokenizer.vocab_size,
                                pad_token_id=tokenizer.pad_token_id,
                                max_position_embeddings=max(base.max_position_embeddings, max_seq_len + offset), **extra)
@@ -200,15 +198,13 @@ def preset_config(preset: str, family: str, tokenizer, max_seq_len: int) -> Bert
 
 def _objective(asked: str | None, family: str) -> str:
     """The pretraining objective: the one asked for, checked against the family's heads, or the family's own."""
-    objective = asked or FAMILY_OBJECTIVES[family]
+    own = get_family(family).objective
+    objective = asked or own
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
-    if objective == "mlm+nsp" and family != "bert":
-        raise ValueError(f"objective mlm+nsp needs BERT's next-sentence head; a {family} model has none "
-                         f"(its objective: {FAMILY_OBJECTIVES[family]})")
-    if objective == "mlm+sop" and family != "albert":
-        raise ValueError(f"objective mlm+sop needs ALBERT's sentence-order head; a {family} model has none "
-                         f"(its objective: {FAMILY_OBJECTIVES[family]})")
+    if objective not in ("mlm", own):  # a sentence-pair objective needs the family's own sentence head
+        head = {"mlm+nsp": "BERT's next-sentence", "mlm+sop": "ALBERT's sentence-order"}[objective]
+        raise ValueError(f"objective {objective} needs {head} head; a {family} model has none (its objective: {own})")
     return objective
 
 
@@ -229,8 +225,8 @@ class PretrainJob:
             raise ValueError("train_file (a text file or folder) is required to pretrain")
         if cfg.preset and cfg.model not in (None, "default"):
             raise ValueError("give either preset (from scratch) or model (continue), not both")
-        if cfg.family not in FAMILY_OBJECTIVES:
-            raise ValueError(f"family {cfg.family!r} is not one of {sorted(FAMILY_OBJECTIVES)}")
+        if cfg.family not in FAMILIES:
+            raise ValueError(f"family {cfg.family!r} is not one of {sorted(FAMILIES)}")
         self.cfg = cfg
         seed_everything(cfg.seed)
         self.base_name = cfg.model or "default"

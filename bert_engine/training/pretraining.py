@@ -164,7 +164,6 @@ class PairBuilder:
 
 
 OBJECTIVES = ("mlm", "mlm+sop", "mlm+nsp")
-FAMILY_OBJECTIVES = {"bert": "mlm+nsp", "roberta": "mlm", "albert": "mlm+sop", "distilbert": "mlm"}
 
 
 def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> tuple[list[int], list[int]]:
