@@ -19,7 +19,7 @@ class Setting:
     name: str
     kind: str  # "int", "float", "str", "bool", "paths" (os.pathsep-separated), "names" (comma-separated)
     default: Any
-    read: str  # when it is read: "start" (the app or command starting) or "import" (its module loading)
+    read: str  # when it is read: "start" (the app or command starting) or "use" (each time it applies)
     help: str
 
 
@@ -43,11 +43,11 @@ SETTINGS = {s.name: s for s in (
             "limit)"),
     Setting("BERT_ENGINE_CPU_CAPABILITY", "str", "", "start", "pretend the CPU has only this capability (avx2, "
             "default): to test the AVX2 paths on a bigger CPU"),
-    Setting("BERT_ENGINE_MAX_TOKENS", "int", 65536, "import", "tokens one input may need over all its windows"),
-    Setting("BERT_ENGINE_CHUNK_TOKENS", "int", 4096, "import", "padded tokens per forward chunk: the unit the "
+    Setting("BERT_ENGINE_MAX_TOKENS", "int", 65536, "use", "tokens one input may need over all its windows"),
+    Setting("BERT_ENGINE_CHUNK_TOKENS", "int", 4096, "use", "padded tokens per forward chunk: the unit the "
             "fairness gate hands out"),
-    Setting("BERT_ENGINE_MAX_IN_FLIGHT", "int", 2, "import", "requests one visitor may have running at once"),
-    Setting("BERT_ENGINE_MAX_PARAMETERS", "int", 2_000_000_000, "import", "the largest model a config.json may "
+    Setting("BERT_ENGINE_MAX_IN_FLIGHT", "int", 2, "use", "requests one visitor may have running at once"),
+    Setting("BERT_ENGINE_MAX_PARAMETERS", "int", 2_000_000_000, "use", "the largest model a config.json may "
             "describe"),
 )}
 
@@ -90,6 +90,6 @@ def table() -> str:
     rows = ["| variable | type | default | read | what it does |", "|---|---|---|---|---|"]
     for s in SETTINGS.values():
         default = "none" if s.default in (None, ()) else repr(s.default) if s.kind == "str" else str(s.default)
-        rows.append(f"| `{s.name}` | {s.kind} | {default} | {'when its module loads' if s.read == 'import' else 'at start'} "
+        rows.append(f"| `{s.name}` | {s.kind} | {default} | {'each time it applies' if s.read == 'use' else 'at start'} "
                     f"| {s.help} |")
     return "\n".join(rows)

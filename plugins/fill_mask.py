@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from bert_engine import ui
 from bert_engine.heads import IGNORE_INDEX, MaskedLMHead
 from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
-from bert_engine.runtime.inference import MAX_REQUEST_TOKENS
+from bert_engine.runtime.inference import max_request_tokens
 from bert_engine.training.pretraining import continuation_ids, mask_tokens, masked_lm_counts, read_documents
 from plugins.starter import starter_checkpoint
 
@@ -229,9 +229,9 @@ def _target_pieces(targets: list[str], tokenizer, length: int) -> dict[str, list
                              f"the model takes {tokenizer.model_max_length}: shorten the text")
         counts[n] = counts.get(n, 0) + 1
     work = sum((1 + words * (n - 1)) * (length + n - 1) for n, words in counts.items())
-    if work > MAX_REQUEST_TOKENS:
+    if work > (limit := max_request_tokens()):
         raise InputError(f"fill_mask: scoring these targets over a text of {length} tokens needs {work:,} tokens of "
-                         f"work; the limit per request is {MAX_REQUEST_TOKENS:,}: use fewer targets or a shorter text")
+                         f"work; the limit per request is {limit:,}: use fewer targets or a shorter text")
     return pieces
 
 

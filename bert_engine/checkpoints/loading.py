@@ -231,7 +231,6 @@ def _parts(model: nn.Module) -> tuple[BertModel, str, str | None]:
 
 # -- reading weight files ----------------------------------------------------------------------------
 
-MAX_PARAMETERS = settings.get("BERT_ENGINE_MAX_PARAMETERS")  # 8 GB in fp32
 
 
 def find_weights(folder: Path) -> Path:
@@ -299,14 +298,15 @@ def declared_bytes(path: Path) -> int:
 
 
 def check_size(config: BertConfig, weights: Path, source: str) -> None:
-    """Refuse, before allocating, a config whose parameters exceed MAX_PARAMETERS or could not be in
+    """Refuse, before allocating, a config whose parameters exceed BERT_ENGINE_MAX_PARAMETERS or could not be in
     the weights files (at 2 bytes each, the smallest dtype we load, with room for a missing head), and
     weights files that declare more tensor data than a model of this config could hold (8 bytes a
     parameter, with room for heads): sizes come from what safetensors headers declare, not from the
     files' sizes (a sparse file is small on disk and huge once read)."""
     count = config.parameter_count()
-    if count > MAX_PARAMETERS:
-        raise CheckpointError(f"{source}: config.json describes {count:,} parameters; the limit is {MAX_PARAMETERS:,} "
+    limit = settings.get("BERT_ENGINE_MAX_PARAMETERS")  # 2e9: 8 GB in fp32
+    if count > limit:
+        raise CheckpointError(f"{source}: config.json describes {count:,} parameters; the limit is {limit:,} "
                               "(BERT_ENGINE_MAX_PARAMETERS)")
     files = [f for f in weight_files(weights) if f.is_file()]
     stored = sum(declared_bytes(f) if f.suffix == ".safetensors" else f.stat().st_size for f in files)

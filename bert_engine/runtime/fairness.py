@@ -6,10 +6,10 @@ length, tokens over all windows; cancel.py: the time limit) bound what one reque
 visitor sending many of the costliest requests allowed would still take the machine from the rest.
 Two rules keep the others' share:
 
-- **In flight.** A visitor (a browser session) may have `MAX_IN_FLIGHT` requests running at once;
+- **In flight.** A visitor (a browser session) may have `max_in_flight()` requests (BERT_ENGINE_MAX_IN_FLIGHT) running at once;
   one more is refused at once with a message, so it never holds one of the app's workers.
 - **Least recent compute first.** Every forward pass goes through one `ComputeGate`, in chunks of
-  about `CHUNK_TOKENS` tokens. When the gate frees, the waiting chunk whose visitor has used the
+  about `chunk_tokens()` tokens. When the gate frees, the waiting chunk whose visitor has used the
   least compute recently (tokens, decaying with a half-life of `HALF_LIFE_S`) goes next. A visitor
   asking for a sentence waits for at most one chunk of a visitor summarising a book; the book's
   chunks run when nobody lighter waits. Without a visitor (the CLI, Python), each request counts
@@ -31,8 +31,17 @@ from contextvars import ContextVar
 from .. import settings
 from .cancel import cancelled_for
 
-CHUNK_TOKENS = settings.get("BERT_ENGINE_CHUNK_TOKENS")  # per forward chunk (padded rows x length)
-MAX_IN_FLIGHT = settings.get("BERT_ENGINE_MAX_IN_FLIGHT")  # requests per visitor at once
+
+def chunk_tokens() -> int:
+    """Padded tokens per forward chunk (rows x length): BERT_ENGINE_CHUNK_TOKENS, read now."""
+    return settings.get("BERT_ENGINE_CHUNK_TOKENS")
+
+
+def max_in_flight() -> int:
+    """Requests one visitor may have running at once: BERT_ENGINE_MAX_IN_FLIGHT, read now."""
+    return settings.get("BERT_ENGINE_MAX_IN_FLIGHT")
+
+
 HALF_LIFE_S = 30.0  # a visitor's recent compute halves every 30 s
 STUCK_GRACE_S = 2.0  # a cancelled holder stuck in native code this long no longer blocks the gate
 
@@ -66,14 +75,14 @@ WAITED: ContextVar[Waited | None] = ContextVar("bert_engine_waited", default=Non
 
 
 class TooManyRequests(Exception):  # noqa: N818 - the HTTP name says what it is
-    """A visitor asked for more than MAX_IN_FLIGHT requests at once."""
+    """A visitor asked for more than max_in_flight() requests at once."""
 
 
 class InFlight:
     """How many requests each visitor has running; `admit` refuses one beyond the limit."""
 
-    def __init__(self, limit: int = MAX_IN_FLIGHT) -> None:
-        self.limit = limit
+    def __init__(self, limit: int | None = None) -> None:
+        self._limit = limit  # None: the setting, read when a request is admitted
         self._running: dict[str, int] = {}
         self._lock = threading.Lock()
         self.admitted = 0  # requests admitted so far: one admitted during another's run overlapped it
@@ -82,12 +91,13 @@ class InFlight:
     def admit(self, visitor: str | None) -> Iterator[None]:
         """Count the request while it runs. Raises TooManyRequests (before anything runs) when the
         visitor already has `limit` running; a request without a visitor is not counted."""
-        if visitor is None or self.limit <= 0:
+        limit = max_in_flight() if self._limit is None else self._limit
+        if visitor is None or limit <= 0:
             yield
             return
         with self._lock:
-            if self._running.get(visitor, 0) >= self.limit:
-                raise TooManyRequests(f"you already have {self.limit} requests running; wait for their answers "
+            if self._running.get(visitor, 0) >= limit:
+                raise TooManyRequests(f"you already have {limit} requests running; wait for their answers "
                                       "before sending more")
             self._running[visitor] = self._running.get(visitor, 0) + 1
             self.admitted += 1

@@ -31,7 +31,7 @@ from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
 from ..hookspecs import InputError, TaskContext
 from ..tokenizer import Batch, Tokenizer
 from .cancel import ModelLock
-from .fairness import CHUNK_TOKENS, GATE, VISITOR, ComputeGate, visitor_scope
+from .fairness import GATE, VISITOR, ComputeGate, chunk_tokens, visitor_scope
 from .precision import parameter_dtype, pick_device, prepare_for_inference
 
 if TYPE_CHECKING:  # annotations only: the registry sits above the runtime
@@ -42,12 +42,22 @@ logger = logging.getLogger(__name__)
 MAX_INPUT_CHARS = 1_000_000  # per field; longer input is refused before tokenising
 # Per input, after tokenising: every window row's real tokens together. Bounds the forward work one
 # request can cause (65,536 tokens: ~128 windows of 512, about 6 s of MiniLM on 2 CPU cores).
-MAX_REQUEST_TOKENS = settings.get("BERT_ENGINE_MAX_TOKENS")
+
+
+def max_request_tokens() -> int:
+    """Tokens one input may need over all its windows: BERT_ENGINE_MAX_TOKENS, read now."""
+    return settings.get("BERT_ENGINE_MAX_TOKENS")
+
+
+def __getattr__(name: str) -> Any:  # MAX_REQUEST_TOKENS, as plugins written against 0.x read it: the setting now
+    if name == "MAX_REQUEST_TOKENS":
+        return max_request_tokens()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_request_cost(task: str, batch: Batch, limit: int | None = None) -> None:
     """InputError when one input of `batch` needs more than `limit` tokens over all its window rows."""
-    limit = MAX_REQUEST_TOKENS if limit is None else limit
+    limit = max_request_tokens() if limit is None else limit
     real = batch.attention_mask.sum(dim=1).tolist()
     per_input: dict[int, list[int]] = {}
     for tokens, index in zip(real, batch.sample_index):  # a task may keep fewer rows than it windowed
@@ -216,7 +226,7 @@ class Predictor:
         """Model and postprocess over a preprocessed batch, under this model's lock and inference mode.
 
         Raises:
-            InputError: an input needs more than MAX_REQUEST_TOKENS tokens (checked before any forward).
+            InputError: an input needs more than max_request_tokens() tokens (checked before any forward).
         """
         check_request_cost(self.task.spec.name, batch)
         with torch.inference_mode():
@@ -312,12 +322,13 @@ class Predictor:
 
 
 def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int = 32, *,
-                      max_tokens: int = CHUNK_TOKENS, lock: Any = None, gate: ComputeGate | None = None) -> Any:
+                      max_tokens: int | None = None, lock: Any = None, gate: ComputeGate | None = None) -> Any:
     """`model(**inputs)` over chunks of at most `max_rows` rows and `max_tokens` padded tokens (at
     least one row), so many windows cannot exhaust memory and no chunk holds the machine long; each
     chunk waits for its turn at `gate` (fairness.py) and holds `lock` (the model's) while it runs.
     Tensor inputs are sliced along the batch, other keywords passed whole, outputs concatenated."""
     rows, length = inputs["input_ids"].shape[:2]
+    max_tokens = chunk_tokens() if max_tokens is None else max_tokens
     step = max(1, min(max_rows, max_tokens // max(1, length)))
     parts = []
     for i in range(0, rows, step):

@@ -11,7 +11,7 @@ import torch
 from conftest import assert_cpu_goes_quiet, reference_checkpoint
 
 from bert_engine.hookspecs import InputError
-from bert_engine.runtime.inference import MAX_REQUEST_TOKENS, Predictor
+from bert_engine.runtime.inference import Predictor, max_request_tokens
 from bert_engine.tasks.conformance import tiny_predictor
 from bert_engine.tasks.registry import Registry, load_registry
 from playground.app import guarded
@@ -94,7 +94,7 @@ def test_fill_mask_batched_targets_equal_one_at_a_time():
 def test_a_megabyte_with_windows_is_refused_before_any_forward(inputs):
     predictor = tiny_predictor(REGISTRY.task("sentiment"))
     start = time.perf_counter()
-    with pytest.raises(InputError, match=f"the limit per request is {MAX_REQUEST_TOKENS:,} tokens"):
+    with pytest.raises(InputError, match=f"the limit per request is {max_request_tokens():,} tokens"):
         predictor.predict(inputs, long_input="windows")
     assert time.perf_counter() - start < 30  # tokenising only (it was a 60 s forward)
 
