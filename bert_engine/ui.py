@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import html
-from collections.abc import Callable, Sequence
+import inspect
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 RUN_CLASS = "be-run"  # the run button of a tab: Ctrl/Cmd+Enter clicks the one in the visible tab
@@ -39,11 +42,29 @@ document.addEventListener("keydown", (event) => {{
 """
 
 
+# The host's wrapper for the handlers `wire` connects (see `wiring`), and each run button's examples place.
+_WIRING: ContextVar[tuple[Callable[..., Any], str] | None] = ContextVar("bert_engine_ui_wiring", default=None)
+_EXAMPLE_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def wiring(wrap: Callable[[Callable[..., Any], str | None], Callable[..., Any]], description: str = "") -> Iterator[None]:
+    """For the host, not for tabs: while a tab builds, every handler `wire` connects is served as
+    `wrap(fn, api_name)` (api_name None for the Enter key and the examples), and the run button's
+    endpoint is described by `description` (the task's) when given. The playground uses it to show a
+    task's InputError as the UI's message, to tell visitors apart and to name each MCP tool."""
+    token = _WIRING.set((wrap, description))
+    try:
+        yield
+    finally:
+        _WIRING.reset(token)
+
+
 def run_button(gr, label: str):
     """The tab's primary button (Ctrl/Cmd+Enter clicks it), with a place right under it, next to the
     inputs, where `wire` puts the examples."""
     button = gr.Button(label, variant="primary", elem_classes=[RUN_CLASS])
-    button.examples_slot = gr.Column(elem_classes=["be-examples"])
+    _EXAMPLE_SLOTS[button] = gr.Column(elem_classes=["be-examples"])
     return button
 
 
@@ -57,17 +78,22 @@ def wire(gr, button, fn: Callable[..., Any], inputs: Sequence[Any], outputs: Seq
          examples: Sequence[Sequence[Any]] = (), example_label: str = "Examples (click one to run it)"):
     """Connect the run button (the task's one API endpoint, `api_name`) and the examples: clicking an
     example fills the inputs and runs `fn` (not cached, not an API endpoint). Single-line text boxes
-    also run on Enter. Returns the click event."""
-    event = button.click(fn, list(inputs), list(outputs), api_name=api_name)
+    also run on Enter. Returns the click event.
+
+    The API endpoint's (and MCP tool's) input names are `fn`'s parameter names, its description
+    `fn`'s docstring (an `Args:` section describes each input) unless the host gives the task's."""
+    wrap, description = _WIRING.get() or ((lambda f, _name: f), "")
+    described = {"api_description": description} if description else {}
+    event = button.click(wrap(fn, api_name), list(inputs), list(outputs), api_name=api_name, **described)
     for component in inputs:
         if isinstance(component, gr.Textbox) and (component.lines or 1) == 1:
-            component.submit(fn, list(inputs), list(outputs), api_visibility="private")
+            component.submit(wrap(fn, None), list(inputs), list(outputs), api_visibility="private")
     if examples:
         width = max(len(row) for row in examples)
-        slot = getattr(button, "examples_slot", None)
+        slot = _EXAMPLE_SLOTS.get(button)
         with slot if slot is not None else _here():  # under the run button when it made the place
             gr.Examples([list(row) for row in examples], list(inputs)[:width], list(outputs),
-                        fn=_first(fn, width, inputs), run_on_click=True, cache_examples=False,
+                        fn=wrap(_first(fn, width, inputs), None), run_on_click=True, cache_examples=False,
                         api_visibility="private", label=example_label)
     return event
 
@@ -83,7 +109,16 @@ def _first(fn: Callable[..., Any], width: int, inputs: Sequence[Any]) -> Callabl
     if width == len(inputs):
         return fn
     rest = [getattr(component, "value", None) for component in list(inputs)[width:]]
-    return lambda *values: fn(*values, *rest)
+
+    def first(*values: Any) -> Any:
+        return fn(*values, *rest)
+
+    try:  # the first `width` parameters of fn, so a wrapper can tell how it is called
+        signature = inspect.signature(fn)
+        first.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:width])
+    except (TypeError, ValueError):
+        pass
+    return first
 
 
 def empty_state(text: str) -> str:

@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +78,21 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     registry = registry or load_registry(builtins=plugins.BUILTIN)  # the built-in tasks, handed to the engine
     checkpoints = checkpoints or {}
     model_dirs = allowed_model_dirs()  # a list the picker reads at each use (tests may extend it)
-    # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor).
-    predictors = {name: BatchingPredictor(task, checkpoints.get(name), device=device, precision=precision,
-                                          allowed_dirs=model_dirs, shown_name=shown_model_name)
-                  for name, task in registry.tasks.items()}
     in_flight = InFlight()  # per visitor, across the tabs (bert_engine.runtime.fairness)
-    for name, predictor in predictors.items():
-        predictor.predict = guarded(on_gpu(predictor.predict, predictor, timeout_s), name, registry, timeout_s, in_flight)
+
+    def serve(predict, predictor: LazyPredictor, name: str):
+        return guarded(on_gpu(predict, predictor, timeout_s), name, registry, timeout_s, in_flight)
+
+    # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor); each request
+    # is admitted, timed and contained by `guarded` (ServedPredictor).
+    predictors = {name: ServedPredictor(task, checkpoints.get(name), serve=serve, device=device, precision=precision,
+                                        allowed_dirs=model_dirs, shown_name=shown_model_name)
+                  for name, task in registry.tasks.items()}
     statuses: dict[str, Any] = {}
-    with gr.Blocks(title="bert_engine playground") as app:
+    endpoints: dict[str, Any] = {}
+    wrap = functools.partial(host_handler, gr, endpoints)
+    with playground_class(gr)(predictors, model_dirs, endpoints, title="bert_engine playground") as app, \
+            ui.wiring(wrap):
         gr.Markdown("# bert_engine playground\nBERT written from scratch in PyTorch: pick a task, type or paste "
                     "text, and see what the model answers. " + plural(len(registry.tasks), "task") + ".")
         for name, task in registry.tasks.items():
@@ -93,25 +100,59 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
                 if task.spec.description:
                     gr.Markdown(task.spec.description)
                 statuses[name] = _build_model_picker(gr, name, predictors[name], model_dirs)
-                _build_task_tab(gr, task, predictors[name], registry)
-            tab.select(functools.partial(model_line, predictors[name]), None, statuses[name],
+                _build_task_tab(gr, task, predictors[name], registry, wrap)
+            tab.select(with_request(gr, functools.partial(model_line, predictors[name])), None, statuses[name],
                        api_visibility="private")
         if len(single_text_tasks(registry)) > 1:
             with gr.Tab("All tasks", id="all_tasks"):
                 _build_all_tasks_tab(gr, registry, predictors, timeout_s)
         with gr.Tab("Plugins", id="plugins") as plugins_tab:
-            table = _build_plugins_tab(gr, registry)
+            table = _build_plugins_tab(gr, registry, endpoints)
         # failures since start-up show on opening; not an API endpoint (/plugins is)
         plugins_tab.select(lambda: plugin_rows(registry), None, table, api_visibility="private")
         with gr.Tab("Attention", id="attention"):
             ranges, range_inputs, range_outputs = _build_attention_tab(gr, registry, predictors)
         # each visitor's own model line, once the page opens (the warm-up may have loaded the defaults)
-        app.load(lambda: model_lines(predictors, statuses), None, list(statuses.values()), api_visibility="private")
+        app.load(with_request(gr, lambda: model_lines(predictors, statuses)), None, list(statuses.values()),
+                 api_visibility="private")
         app.load(ranges, range_inputs, range_outputs, api_visibility="private")  # the sliders' real ranges
-    app.predictors = predictors
-    app.launch = functools.partial(app.launch, css=ui.CSS + PAGE_CSS, head=ui.KEYBOARD_JS)  # Gradio 6 takes them here
-    app.model_dirs = model_dirs
     return app
+
+
+class ServedPredictor(BatchingPredictor):
+    """A task's predictor as the app serves it: every prediction goes through `serve(predict, self,
+    task name)` (admission, time limit, ZeroGPU, contained failures: `guarded` and `on_gpu`)."""
+
+    def __init__(self, task, checkpoint: str | None = None, *, serve, **kwargs: Any) -> None:
+        super().__init__(task, checkpoint, **kwargs)
+        self._served = serve(super().predict, self, task.spec.name)
+
+    def predict(self, inputs, **options: Any) -> dict[str, Any]:
+        return self._served(inputs, **options)
+
+
+@functools.cache
+def playground_class(gr):
+    """gr.Blocks with the playground's parts: its predictors, the folders the model picker reads,
+    and launch() with the page's CSS and keyboard script (Gradio 6 takes them at launch) and enough
+    worker threads for the queue `serve_queue` set up."""
+
+    class Playground(gr.Blocks):
+        def __init__(self, predictors: dict[str, LazyPredictor], model_dirs: list[Path], endpoints: dict[str, Any],
+                     **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.predictors = predictors
+            self.model_dirs = model_dirs
+            self.endpoints = endpoints  # API name -> the function behind it, callable from Python
+            self.max_threads = 40  # Gradio's default
+
+        def launch(self, *args: Any, **kwargs: Any):
+            kwargs.setdefault("css", ui.CSS + PAGE_CSS)
+            kwargs.setdefault("head", ui.KEYBOARD_JS)
+            kwargs.setdefault("max_threads", self.max_threads)
+            return super().launch(*args, **kwargs)
+
+    return Playground
 
 
 # Requests Gradio hands to the handlers at once, per event. Gradio's queue is first-in first-out and would
@@ -131,7 +172,7 @@ def serve_queue(app, concurrency: int | None = None):
     if concurrency < 1:
         raise ValueError(f"BERT_ENGINE_CONCURRENCY must be at least 1, got {concurrency}")
     app.queue(default_concurrency_limit=concurrency)
-    app.launch = functools.partial(app.launch, max_threads=concurrency + 16)
+    app.max_threads = concurrency + 16  # Playground.launch passes it on
     return app
 
 
@@ -155,14 +196,59 @@ def warm_up(predictors: dict[str, LazyPredictor]) -> threading.Thread:
     return thread
 
 
+# The gr.Request of the event being handled (with_request keeps it here while its handler runs).
+REQUEST: ContextVar[Any] = ContextVar("playground_request", default=None)
+
+
+def with_request(gr, function):
+    """`function` as an event handler that is also handed the caller's gr.Request (Gradio fills a
+    parameter annotated gr.Request: its documented way to tell callers apart; it is no API input), kept
+    in REQUEST while the function runs, for current_visitor. A function taking *args or **kwargs, a
+    generator or a coroutine is left as it is."""
+    if function is None or inspect.isgeneratorfunction(function) or inspect.iscoroutinefunction(function):
+        return function
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return function
+    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in signature.parameters.values()):
+        return function
+
+    @functools.wraps(function)
+    def handler(request, *args, **kwargs):
+        token = REQUEST.set(request)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            REQUEST.reset(token)
+
+    handler.__signature__ = signature.replace(parameters=[
+        inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=gr.Request),
+        *signature.parameters.values()])
+    handler.__annotations__ = {"request": gr.Request}  # what Gradio reads to fill it
+    return handler
+
+
+def host_handler(gr, endpoints: dict[str, Any], function, api_name: str | None = None):
+    """A tab's event handler as the host serves it (ui.wiring): InputError shown as the UI's message,
+    the caller's gr.Request known, and an API endpoint's function named after it (the MCP server names
+    each tool after its function; otherwise every tab's would be `run`). `endpoints` collects each
+    endpoint's function as a Python caller may call it (app.endpoints: no request argument)."""
+    shown = input_errors_shown(gr, function)
+    if api_name:
+        endpoints[api_name] = shown
+    handler = with_request(gr, shown)
+    if api_name and handler is not function:
+        handler.__name__ = handler.__qualname__ = api_name
+    return handler
+
+
 def current_visitor() -> str | None:
     """Who the request being served is for (None outside a Gradio event): an MCP client's own session
     (Gradio relays every MCP tool call through one shared loopback client, so its session would make all
     MCP users one visitor; the relayed headers keep the caller's `mcp-session-id`), else the Gradio
     session (a browser tab, a gradio_client)."""
-    from gradio.context import LocalContext  # noqa: PLC0415 - Gradio loads only where a UI is built
-
-    request = LocalContext.request.get(None)
+    request = REQUEST.get()
     if request is None:
         return None
     headers = getattr(request, "headers", None) or {}
@@ -417,41 +503,23 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
         raise shown_error(gr, html.escape(message))  # the toast renders HTML: what the visitor typed is shown as text
 
     # per browser session; not a documented endpoint (nor an MCP tool, whose calls share one session)
-    load.click(switch, choice, status, api_name=f"{name}_model", api_visibility="undocumented")
+    load.click(with_request(gr, switch), choice, status, api_name=f"{name}_model", api_visibility="undocumented")
     return status
 
 
-def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry) -> None:
+def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry, wrap) -> None:
     if task.spec.build_tab is None:
         gr.Markdown(f"Task `{task.spec.name}` has no tab; use it through the Python API.")
         return
-    from gradio.context import get_blocks_context  # noqa: PLC0415 - Gradio loads only where a UI is built
-
-    events = get_blocks_context().fns
-    before = set(events)
     try:
-        task.spec.build_tab(predictor)
-        for key in set(events) - before:  # the tab's own event functions: InputError becomes the UI's message
-            event = events[key]
-            event.fn = input_errors_shown(gr, event.fn)
-            if event.api_name and event.api_visibility == "public":  # an API endpoint, so an MCP tool too:
-                name_tool(event, task.spec.description)  # named after the endpoint, described by the task
+        with ui.wiring(wrap, task.spec.description):
+            task.spec.build_tab(predictor)
     except Exception as err:  # a stranger's tab must not take the app down
         registry.record_failure(PluginFailure(task.plugin, task.plugin_version, "tab",
                                               f"task {task.spec.name}: {type(err).__name__}: {err}",
                                               location=failure_location(err)))
         gr.Markdown(f"**The tab of `{task.spec.name}` (plugin {task.plugin} {task.plugin_version}) "
                     f"failed to build:** `{html.escape(str(err))}`")
-
-
-def name_tool(event, description: str) -> None:
-    """An API event's function named after its endpoint, and its description the task's when it has
-    none: the MCP server names each tool after the function (otherwise every tab's `run`) and describes
-    it with the docstring."""
-    if hasattr(event.fn, "__wrapped__"):  # input_errors_shown's wrapper: renamed, the tab's own function is not
-        event.fn.__name__ = event.fn.__qualname__ = event.api_name
-    if event.api_description is None and description:
-        event.api_description = description
 
 
 def shown_error(gr, message: str):
@@ -562,7 +630,7 @@ def plugin_rows(registry: Registry) -> list[list[str]]:
     return rows
 
 
-def _build_plugins_tab(gr, registry: Registry):
+def _build_plugins_tab(gr, registry: Registry, endpoints: dict[str, Any]):
     gr.Markdown("Task plugins: the built-ins and installed packages (entry-point group `bert_engine`). "
                 "A plugin that failed to load is listed with its reason, as is a task whose code failed or "
                 "hung while answering a request; the others work.")
@@ -573,7 +641,8 @@ def _build_plugins_tab(gr, registry: Registry):
         """The task plugins: name, version, source, tasks and status (failures with their reason)."""
         return plugin_rows(registry)
 
-    refresh.click(plugins, None, table, api_name="plugins")
+    refresh.click(plugins, None, table, api_name="plugins")  # no visitor state: served as it is
+    endpoints["plugins"] = plugins
     return table
 
 
@@ -660,21 +729,22 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
         return (text, attention.heatmap_image(tokens, matrix), attention.head_grid_image(weights, layer_index),
                 attention.strongest_links(tokens, matrix))
 
-    task.change(ranges, [task, layer, head], [layer, head], api_visibility="private")
-    # "your last input" means a browser session's: not documented, and not an MCP tool (MCP calls share a session)
-    show.click(render, [task, layer, head, average, start], [caption, heatmap, grid, links], api_name="attention",
-               api_visibility="undocumented")
-
-    def redraw(*values):
+    def redraw(task_name: str | None, layer_index: Any = 0, head_index: Any = 0, mean: bool = False,
+               from_token: Any = 0):
         """A moved slider or the average box redraws at once; before any input there is nothing to redraw."""
         try:
-            return render(*values)
+            return render(task_name, layer_index, head_index, mean, from_token)
         except gr.Error:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
 
+    served_ranges, served_redraw = with_request(gr, ranges), with_request(gr, redraw)  # who asks: current_visitor
+    task.change(served_ranges, [task, layer, head], [layer, head], api_visibility="private")
+    # "your last input" means a browser session's: not documented, and not an MCP tool (MCP calls share a session)
+    show.click(with_request(gr, render), [task, layer, head, average, start], [caption, heatmap, grid, links],
+               api_name="attention", api_visibility="undocumented")
     for control in (layer, head, start):
-        control.release(redraw, [task, layer, head, average, start], [caption, heatmap, grid, links],
+        control.release(served_redraw, [task, layer, head, average, start], [caption, heatmap, grid, links],
                         api_visibility="private")
-    average.change(redraw, [task, layer, head, average, start], [caption, heatmap, grid, links],
+    average.change(served_redraw, [task, layer, head, average, start], [caption, heatmap, grid, links],
                    api_visibility="private")
-    return ranges, [task], [layer, head]
+    return served_ranges, [task], [layer, head]

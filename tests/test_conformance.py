@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bert_engine import ui
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
 from bert_engine.tasks.conformance import check_task, tiny_predictor
 from bert_engine.tasks.registry import Registry, load_registry
@@ -68,7 +69,7 @@ def _tab(api_name):
         text = gr.Textbox()
         out = gr.JSON()
         button = gr.Button()
-        button.click(lambda t: predictor.predict({"text": t})["result"], [text], [out], api_name=api_name)
+        ui.wire(gr, button, lambda t: predictor.predict({"text": t})["result"], [text], [out], api_name=api_name)
     return build_tab
 
 
@@ -120,7 +121,7 @@ def test_a_tab_event_that_fails_through_gradio_is_named():
         import gradio as gr
 
         text, label = gr.Textbox(), gr.Label()  # Label wants {label: confidence}; the result is not that
-        gr.Button().click(lambda t: predictor.predict({"text": t})["result"], [text], [label], api_name="yesno")
+        ui.wire(gr, gr.Button(), lambda t: predictor.predict({"text": t})["result"], [text], [label], api_name="yesno")
 
     assert "firing 'yesno' through Gradio raised" in _rules(_spec(build_tab=build_tab))["tab-event"]
 

@@ -232,3 +232,33 @@ def test_every_family_has_a_key_table():
     from bert_engine.families import FAMILIES
 
     assert set(KEY_TABLES) == set(FAMILIES)
+
+
+GRADIO_PRIVATE = ("fns", "get_blocks_context", "LocalContext", "blocks_config", "dependencies", "default_config")
+
+
+def gradio_private_uses(source: str) -> list[str]:
+    """Imports from Gradio's modules (its public face is `gradio`) and Gradio-private names."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradio."):
+            found.append(f"from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if a.name.startswith("gradio.")]
+        elif isinstance(node, ast.Attribute) and node.attr in GRADIO_PRIVATE:
+            found.append(ast.unparse(node))
+        elif isinstance(node, ast.Name) and node.id in GRADIO_PRIVATE:
+            found.append(node.id)
+    return found
+
+
+def test_nothing_reaches_into_gradio_internals():
+    """Handlers are wrapped where the host wires them (bert_engine.ui.wiring) and the caller comes from
+    gr.Request: no private event table, no request context, no patched instances."""
+    sources = [*PACKAGE.rglob("*.py"), *(ROOT / "plugins").glob("*.py"), *(ROOT / "playground").glob("*.py"),
+               ROOT / "app.py", *(ROOT / "tests").rglob("*.py")]
+    found = {f"{p.relative_to(ROOT)}: {use}" for p in sources if p.name != "test_layout.py"
+             for use in gradio_private_uses(p.read_text(encoding="utf-8"))}
+    assert not found, "; ".join(sorted(found))
+    assert gradio_private_uses("from gradio.context import LocalContext\nx = app.fns") == [
+        "from gradio.context import ...", "app.fns"]

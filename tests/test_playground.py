@@ -13,6 +13,7 @@ import pytest
 import torch
 from gradio_client import Client
 
+from bert_engine import ui
 from bert_engine.hookspecs import TaskSpec, hookimpl
 from bert_engine.tasks.registry import load_registry
 from playground import attention, build_app
@@ -417,7 +418,7 @@ def test_local_paths_resolve_inside_the_allowed_folders_only(tmp_path):
 
 def _event(app, api_name):
     """The function behind an API endpoint, to call a tab directly."""
-    return next(f.fn for f in app.fns.values() if f.api_name == api_name)
+    return app.endpoints[api_name]
 
 
 @pytest.fixture(scope="module")
@@ -557,7 +558,7 @@ def test_a_task_that_raises_or_hangs_at_request_time_is_cut_off_and_listed(tmp_p
                                                 ("fails-late", "failing at request time (time limit)")]
         assert "RuntimeError: postprocess exploded" in rows[0][5] and "[tests/test_playground.py:" in rows[0][5]
         assert "cut off" in rows[1][5]
-        table = next(f.fn for f in app.fns.values() if f.api_name == "plugins")()
+        table = app.endpoints["plugins"]()
         assert len([r for r in table if r[4].startswith("failing at request time")]) == 2
     finally:
         RELEASE.set()
@@ -632,7 +633,7 @@ class SlowWhenAskedPlugin:
                 """
                 return predictor.predict({"text": text})
 
-            gr.Button().click(run, [text], [out], api_name="slowtask")
+            ui.wire(gr, gr.Button(), run, [text], [out], api_name="slowtask")
 
         register(TaskSpec(name="slowtask", title="Slow task", build_head=lambda c: torch.nn.Identity(),
                           preprocess=preprocess, postprocess=lambda output, batch, **o: {"ok": True},
@@ -732,7 +733,8 @@ def test_a_time_limit_hit_while_others_share_the_machine_marks_nothing_failing(t
     from types import SimpleNamespace
 
     from conftest import reference_checkpoint
-    from gradio.context import LocalContext
+
+    from playground.app import REQUEST
 
     registry = load_registry(entry_points=False)
     registry.load_plugin("fails-late", "0.1", "test", FailingAtRequestPlugin)
@@ -743,7 +745,7 @@ def test_a_time_limit_hit_while_others_share_the_machine_marks_nothing_failing(t
     together = threading.Barrier(2)
 
     def visit(name: str) -> None:
-        LocalContext.request.set(SimpleNamespace(session_hash=name, headers={}))
+        REQUEST.set(SimpleNamespace(session_hash=name, headers={}))  # what with_request keeps for a visitor's event
         together.wait(10)
         try:
             app.predictors["hangs"].predict({"text": "hello"})

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .. import ui
 from ..checkpoints.hub import default_backbone
 from ..checkpoints.loader import load_tokenizer
 from ..config import PRESETS
@@ -239,24 +240,36 @@ def _check_tab(task: RegisteredTask, predictor: Predictor, timed) -> list[Violat
     def fail(rule: str, case: str, message: str) -> list[Violation]:
         return [Violation(name, case, rule, message)]
 
+    wired: list[str] = []  # the endpoints ui.wire connected
+
+    def record(function, api_name):
+        if api_name:
+            wired.append(api_name)
+        return function
+
     try:
-        with gr.Blocks() as blocks:
+        with gr.Blocks() as blocks, ui.wiring(record):
             task.spec.build_tab(predictor)
     except (Exception, SystemExit, GeneratorExit) as err:
         return fail("tab", "tab", f"build_tab raised {type(err).__name__}: {str(err)[:200]}")
-    named = [fn.api_name for fn in blocks.fns.values() if fn.api_visibility == "public" and fn.api_name]
+    endpoints = blocks.get_api_info()["named_endpoints"]  # Gradio's public API description (view_api's)
+    named = [endpoint.lstrip("/") for endpoint in endpoints]
     others = [api for api in named if api != name]
     if name not in named or others:
         return fail("tab", "tab", f"the tab's events have api_name {named}; exactly one must be {name!r} (the task's "
                                   "name, the app's API endpoint), the others with api_visibility='private'")
-    event = next(fn for fn in blocks.fns.values() if fn.api_name == name)
+    if name not in wired:
+        return fail("tab", "tab", f"the endpoint {name!r} is not connected with bert_engine.ui.wire: the playground "
+                                  "shows a task's InputError as its message, names the MCP tool and tells visitors "
+                                  "apart only for the events ui.wire connects")
+    parameters = endpoints[f"/{name}"]["parameters"]
     fields = task.spec.input_fields
-    if len(event.inputs) < len(fields):
-        return fail("tab", "tab", f"event {name!r} takes {len(event.inputs)} inputs; its first must be the task's "
+    if len(parameters) < len(fields):
+        return fail("tab", "tab", f"event {name!r} takes {len(parameters)} inputs; its first must be the task's "
                                   f"input_fields {fields}")
     violations: list[Violation] = []
     for i, example in enumerate(task.spec.examples):
-        values = [example[f] for f in fields] + [getattr(c, "value", None) for c in event.inputs[len(fields):]]
+        values = [example[f] for f in fields] + [p.get("parameter_default") for p in parameters[len(fields):]]
         case = f"tab event, example {i}"
         try:
             timed(case, blocks, *values, api_name=name)
