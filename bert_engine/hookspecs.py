@@ -157,6 +157,9 @@ class TaskSpec:
         brief: (result) -> one short line of plain text, the answer at a glance ("POSITIVE 98 %"):
             the playground's "All tasks" tab shows it beside the other tasks' answers. None: the
             result's JSON, shortened.
+        tuned_options: metric name -> option name: a value the evaluation tunes on held-out data
+            (QA's "default_threshold", sentiment's "tuned_temperature") that `bert-engine pack` makes
+            the packed model's default for that option (an entry of `options`).
     """
 
     name: str
@@ -184,6 +187,7 @@ class TaskSpec:
     aliases: tuple[str, ...] = ()
     pipeline_output: Callable[[Any, Mapping[str, Any], bool], Any] | None = None
     brief: Callable[[Any], str] | None = None
+    tuned_options: Mapping[str, str] = field(default_factory=dict)
 
 
 class TaskHooks:

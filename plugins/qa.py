@@ -240,12 +240,6 @@ def evaluate(predictor, examples: list, *, progress: bool = False, **options) ->
     return metric(results, [target for _, target in examples])
 
 
-def evaluate_squad(predictor, path, *, limit: int | None = None, progress: bool = True, **options) -> dict[str, Any]:
-    """Predict every question of a SQuAD file and score it with the official EM / F1."""
-    examples = list(read_data(path))[:limit]
-    return {**evaluate(predictor, examples, progress=progress, **options), "questions": len(examples)}
-
-
 def training_batch(examples, tokenizer, *, generator=None, max_seq_len: int = 384, doc_stride: int = 128,
                    max_question_len: int = 64):
     """Windows over each context (as at inference) and per window the (start, end) token of the first
@@ -416,13 +410,13 @@ def pipeline_output(result: dict, options, single: bool):
     return answers[0] if top_k == 1 else answers[:top_k]
 
 
-
 def brief(result) -> str:
     """The answer and its probability, or that the context holds none."""
     answers = result["answers"]
     if result["no_answer"]["predicted"] or not answers:
         return "no answer in this context"
     return f"{answers[0]['answer']} {ui.percent(answers[0]['score'])}"
+
 
 @hookimpl
 def register_tasks(register):
@@ -438,6 +432,7 @@ def register_tasks(register):
         build_tab=build_tab,
         input_fields=("question", "context"),
         options=OPTIONS,
+        tuned_options={"default_threshold": "null_threshold"},
         examples=EXAMPLES,
         read_data=read_data,
         loss=loss,

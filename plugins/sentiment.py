@@ -305,6 +305,7 @@ def register_tasks(register):
         input_fields=("text",),
         optional_fields=("text_pair",),
         options=OPTIONS,
+        tuned_options={"tuned_temperature": "temperature"},  # the scores' temperature fitted on held-out data
         examples=EXAMPLES,
         read_data=read_data,
         loss=loss,

@@ -81,8 +81,10 @@ def _raise(error):
         (lambda: ToyPlugin(_spec(examples=({"wrong": "key"},))), "validate", "examples[0] must be a mapping"),
         (lambda: ToyPlugin(_spec(), _spec()), "duplicate", "task name 'toy' is already registered by the same plugin"),
         (lambda: ToyPlugin(_spec(name="")), "validate", "name '' is not a lowercase slug"),
+        (lambda: ToyPlugin(_spec(tuned_options={"best_t": "no_such_option"})), "validate",
+         "tuned_options must map metric names to names of options"),
     ],
-    ids=["import", "no-hook", "bad-slug", "not-callable", "bad-example", "dup-in-plugin", "empty-name"],
+    ids=["import", "no-hook", "bad-slug", "not-callable", "bad-example", "dup-in-plugin", "empty-name", "bad-tuned"],
 )
 def test_each_failure_kind_is_recorded_and_the_rest_keep_loading(plugin, stage, message, caplog):
     registry = Registry()

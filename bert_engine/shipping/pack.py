@@ -23,11 +23,6 @@ from ..runtime.inference import Predictor
 from ..tasks.evaluation import evaluate_task
 from ..tasks.registry import RegisteredTask
 
-# A metric a task's evaluation tunes on held-out data -> the task option that `pack` makes the packed
-# model's default (QA's no-answer threshold, sentiment's temperature). Task knowledge: it belongs on the
-# TaskSpec (TODO(issue 37): a field the tasks declare, once plugins/qa.py's split has landed).
-TUNED_OPTIONS = {"default_threshold": "null_threshold", "tuned_temperature": "temperature"}
-
 
 def pack(task: RegisteredTask, run_dir: str | Path, to: str | Path, *, checkpoint: str = "best",
          eval_data: Sequence[str] = (), eval_splits: Sequence[str] = (), eval_limit: int | None = None,
@@ -110,7 +105,7 @@ def pack(task: RegisteredTask, run_dir: str | Path, to: str | Path, *, checkpoin
     # by default, in the tab and the API (Predictor.model_options). QA on SQuAD 2.0: the cautious
     # no-answer threshold (refusing few answerable questions: qa.cautious_threshold), not best_f1's,
     # which is tuned for a half-unanswerable mix; sentiment: the temperature of its scores.
-    for metric_name, option in TUNED_OPTIONS.items():
+    for metric_name, option in task.spec.tuned_options.items():  # what the task's evaluation tunes
         tuned = [m[metric_name] for m in metrics.values() if metric_name in m]
         if tuned and option in task.spec.options and option not in options:
             manifest["options"] = {**manifest.get("options", {}), option: tuned[0]}

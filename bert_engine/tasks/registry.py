@@ -218,6 +218,10 @@ class Registry:
             problems.append(f"optional_fields must be a tuple of identifiers, got {optional!r}")
         if not isinstance(spec.options, Mapping) or not all(isinstance(k, str) for k in spec.options):
             problems.append(f"options must be a mapping from names to defaults, got {spec.options!r:.80}")
+        tuned = spec.tuned_options
+        if not isinstance(tuned, Mapping) or not all(isinstance(k, str) and v in (spec.options or {})
+                                                     for k, v in tuned.items()):
+            problems.append(f"tuned_options must map metric names to names of options, got {tuned!r:.80}")
         for i, example in enumerate(spec.examples if isinstance(spec.examples, tuple) else ()):
             if not isinstance(example, Mapping) or not set(fields) <= set(example):
                 problems.append(f"examples[{i}] must be a mapping with the keys {fields}")
