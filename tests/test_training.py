@@ -678,6 +678,12 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
     assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "bad"),
                  "-o", "max_lenght=64"]) == 2
     assert "max_lenght" in capsys.readouterr().err
+    # a folder that is not a pack is never written into
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "mine")]) == 2
+    assert "already holds files that are not a pack (notes.txt)" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
 
     # --adapter-rank: stored at a lower rank (truncated SVD), evaluated as stored, the trained rank recorded
     assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "low"),

@@ -215,11 +215,18 @@ class Uploaded:
     files: tuple[str, ...]
 
 
+def check_repo_id(repo_id: str) -> None:
+    """`repo_id` has the Hub's form owner/name (letters, digits, '-', '_', '.'; no '..' or '--'): it names
+    a repository and, staged, a folder, never a path. HubError otherwise."""
+    if not isinstance(repo_id, str) or not REPO_ID.match(repo_id) or "/" not in repo_id or ".." in repo_id \
+            or "--" in repo_id:
+        raise HubError(f"{repo_id!r:.120} is not a Hub repository id like 'owner/name'")
+
+
 def check_push_target(repo_id: str, token: str | None) -> None:
     """Before any work: `repo_id` has the form owner/name and a token is at hand (given, HF_TOKEN or a
     login). HubError otherwise; whether the token may write there only the Hub can say."""
-    if not REPO_ID.match(repo_id) or "/" not in repo_id:
-        raise HubError(f"{repo_id!r} is not a Hub repository id like 'owner/name'")
+    check_repo_id(repo_id)
     if not (token or huggingface_hub.get_token()):
         raise HubError(f"pushing to {repo_id!r} needs a Hub token with write access: set HF_TOKEN, pass --token, "
                        "or log in with `hf auth login`")

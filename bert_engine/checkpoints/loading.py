@@ -387,8 +387,11 @@ def pickle_refusal_reason(err: Exception) -> str:
     """The line of torch's weights_only refusal that names what was refused (e.g. "unsupported GLOBAL
     posix.system"), without its advice to re-run with weights_only=False."""
     lines = [printable(line) for line in str(err).splitlines()]
-    reasons = [line for line in lines if line and not line.startswith(("Weights only load failed", "Check the doc"))]
-    return (reasons[0] if reasons else "unsupported object")[:200]
+    named = [line.split("WeightsUnpickler error:", 1)[1] for line in lines if "WeightsUnpickler error:" in line]
+    reasons = named or [line for line in lines if line and not re.search(
+        r"weights_only|Weights only load failed|trust|Check the doc|safe_globals", line)]
+    reason = re.split(r"\.? ?Please use|\. ?To allowlist|\. ?Re-running", reasons[0] if reasons else "")[0].strip()
+    return (reason or "unsupported object")[:200]
 
 
 def check_not_compressed(path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shutil
 from collections.abc import Mapping, Sequence
 from itertools import islice
@@ -69,15 +70,40 @@ def pack(task: RegisteredTask, run_dir: str | Path, to: str | Path, *, checkpoin
             raise ValueError(f"--adapter-rank {adapter_rank}: the adapter has rank {trained}; give a rank "
                              f"from 1 to {trained - 1}")
     target = Path(to)
+    if target.is_file():
+        raise ValueError(f"--to {str(target)!r} is a file; give a folder")
+    strangers = sorted(p.name for p in target.iterdir()) if target.is_dir() else []
+    if strangers and not (target / PACK_MANIFEST).is_file():  # a pack is replaced; other folders are left alone
+        raise ValueError(f"--to {str(target)!r} already holds files that are not a pack ({', '.join(strangers[:5])}"
+                         f"{', ...' if len(strangers) > 5 else ''}); give a new or empty folder")
+    # Built and evaluated in a staging folder beside `to`, moved in only when complete: a failed pack
+    # leaves `to` as it was (no half-written folder, and a pack packed again in place keeps its manifest).
+    staging = target.parent / f".{target.name}.packing-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        manifest = _pack_into(staging, task, source, record, adapter_rank, adapter_dtype, options, eval_data,
+                              eval_splits, eval_limit, command_line)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     target.mkdir(parents=True, exist_ok=True)
-    if source.resolve() != target.resolve():
-        for name in ("adapter.safetensors", "adapter_config.json", "config.json"):
-            shutil.copy(source / name, target / name)
+    for path in sorted(staging.iterdir(), key=lambda p: p.name == PACK_MANIFEST):  # the manifest last
+        os.replace(path, target / path.name)
+    staging.rmdir()
+    return manifest
+
+
+def _pack_into(target: Path, task: RegisteredTask, source: Path, record: dict[str, Any], adapter_rank: int | None,
+               adapter_dtype: str, options: Mapping[str, Any] | None, eval_data: Sequence[str],
+               eval_splits: Sequence[str], eval_limit: int | None, command_line: str) -> dict[str, Any]:
+    """pack()'s work in the (empty) folder `target`: the adapter, its evaluation and the manifest."""
+    for name in ("adapter.safetensors", "adapter_config.json", "config.json"):
+        shutil.copy(source / name, target / name)
     if adapter_rank is not None:
         record["adapter_rank_reduced"] = _reduce_adapter_rank(target, adapter_rank)
     if adapter_dtype == "fp16":
         _halve_adapter(target / "adapter.safetensors")
-    (target / PACK_MANIFEST).unlink(missing_ok=True)  # the evaluation below must not use an old pack's options
     predictor = Predictor.load(task, str(target))
     # The task options the model was trained with (`train -o`, e.g. NER's casing) are how it must be
     # served; then the tuned ones (-o here): evaluated with, and the packed model's defaults.

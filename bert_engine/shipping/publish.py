@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,6 +178,17 @@ def training_command(source: Source) -> str | None:
     return None
 
 
+LICENSE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+-]{0,63}$")  # the Hub's licence ids: apache-2.0, cc-by-4.0, other
+
+
+def check_license(license: str) -> None:
+    """`license` is one licence id as the Hub's card metadata takes it (apache-2.0, mit, cc-by-4.0, other):
+    one short word, never text that would become lines of the card. ValueError naming it otherwise."""
+    if not isinstance(license, str) or not LICENSE.match(license):
+        raise ValueError(f"--license {license!r:.80} is not a licence id like apache-2.0, mit or cc-by-4.0 (one word: "
+                         "letters, digits, '.', '+', '-')")
+
+
 def model_card(source: Source, task: RegisteredTask, repo_id: str, *, license: str = "apache-2.0") -> str:
     """README.md for the repository: YAML metadata the Hub reads (licence, base model, pipeline tag,
     widget), then how to use it, its evaluation, how it was trained."""
@@ -251,6 +263,7 @@ def stage(source: Source, task: RegisteredTask, repo_id: str, into: Path, *, lic
           check: bool = True) -> list[str]:
     """Copy the model files and the card into `into` (a new folder) and, with `check`, load the task
     from it, so a push never publishes a model that does not load. Returns the staged file names."""
+    check_license(license)
     into.mkdir(parents=True, exist_ok=False)
     for path in source.files:
         shutil.copyfile(path, into / path.name)
