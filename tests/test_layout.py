@@ -269,3 +269,18 @@ def test_the_qa_plugin_keeps_to_its_span_logic():
     qa_metric.py, the answerability verifier in qa_answerability.py (issue 37: under 450 lines)."""
     lines = (ROOT / "plugins" / "qa.py").read_text(encoding="utf-8").count("\n")
     assert lines < 450, f"plugins/qa.py has {lines} lines"
+
+
+def test_the_engine_finds_its_built_in_tasks_without_naming_their_package():
+    """The registry reads the distribution's `bert_engine.builtins` entry points; no engine module
+    names the package that holds the built-in tasks (issue 37)."""
+    import plugins
+    from bert_engine.tasks.registry import builtin_plugins
+
+    assert builtin_plugins() == tuple(plugins.BUILTIN)
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert not node.value.startswith("plugins."), f"{path.relative_to(ROOT)} names {node.value!r}"
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args:
+                assert not ast.unparse(node.args[0]).strip("'\"").startswith("plugins"), path

@@ -356,3 +356,17 @@ def test_plugin_check_with_data_checks_training(site, tmp_path, capsys):
     assert cli_main(["plugin", "check", "brokenloss", "--data", str(data)]) == 1  # ...with it, it is
     violations = json.loads(capsys.readouterr().out)["tasks"]["brokenloss"]["violations"]
     assert any("training: loss must be a finite scalar tensor" in v for v in violations), violations
+
+
+def test_without_installed_built_ins_a_missing_task_says_why(monkeypatch):
+    """A source tree run without `pip install`: the registry finds no `bert_engine.builtins` entry point
+    and says so where a missing task is explained, instead of a bare "no task named"."""
+    import importlib.metadata
+
+    real = importlib.metadata.entry_points
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda **kw: () if kw.get("group") == "bert_engine.builtins" else real(**kw))
+    registry = load_registry(entry_points=False)
+    assert registry.tasks == {}
+    message = registry.missing("sentiment", "known: none")
+    assert "none are installed (entry-point group bert_engine.builtins)" in message and "pip install -e ." in message

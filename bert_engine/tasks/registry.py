@@ -1,6 +1,7 @@
 """The task registry: built-in and entry-point plugins loaded one at a time, failures recorded.
 
-Built-in task modules and third-party packages (entry-point group `bert_engine`) go through the
+Built-in task modules (declared by the distribution in the entry-point group `bert_engine.builtins`,
+or handed over by the caller) and third-party packages (entry-point group `bert_engine`) go through the
 same path: import -> register with pluggy -> call `register_tasks` -> validate each TaskSpec.
 Any failure becomes a PluginFailure and one warning line; the other plugins keep loading.
 Environment: BERT_ENGINE_PLUGINS=a,b loads only those third-party plugins (empty: built-ins only);
@@ -30,20 +31,28 @@ from ..version import __version__
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "bert_engine"
-# The one place the engine names the package of its built-in tasks: its BUILTIN tuple lists their
-# modules in tab order. It is looked up by name when no caller hands `load_registry` its built-ins
-# (the app and the playground do), and never imported by an engine module, so an install without
-# it simply has no built-in tasks.
-BUILTIN_PACKAGE = "plugins"
+# Where the distribution declares its built-in tasks (pyproject.toml): each entry point is a tuple of
+# task modules in tab order. The engine never names the package that holds them; a caller running
+# from a source tree that is not installed (app.py on a Space) hands `load_registry` its built-ins.
+BUILTIN_GROUP = "bert_engine.builtins"
 
 
 def builtin_plugins() -> tuple[str, ...]:
-    """The built-in task modules, as BUILTIN_PACKAGE lists them (a new built-in task touches only
-    plugins/); none when that package is not installed."""
-    try:
-        return tuple(importlib.import_module(BUILTIN_PACKAGE).BUILTIN)
-    except (ImportError, AttributeError):
-        return ()
+    """The built-in task modules the installed distributions declare (BUILTIN_GROUP, entries sorted by
+    name); none when nothing is installed. A declaration that fails to load is logged and skipped."""
+    modules: list[str] = []
+    for ep in sorted(importlib.metadata.entry_points(group=BUILTIN_GROUP), key=lambda ep: ep.name):
+        try:
+            declared = ep.load()
+        except Exception as err:  # a broken distribution must not stop the others' tasks
+            logger.warning("built-in tasks %s (%s): could not be loaded: %s", ep.name, ep.value, err)
+            continue
+        if not isinstance(declared, (tuple, list)) or not all(isinstance(m, str) for m in declared):
+            logger.warning("built-in tasks %s (%s) must be a tuple of module names, got %r", ep.name, ep.value,
+                           type(declared).__name__)
+            continue
+        modules += [m for m in declared if m not in modules]
+    return tuple(modules)
 
 
 SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
@@ -293,7 +302,13 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
     timeout = settings.get("BERT_ENGINE_PLUGIN_TIMEOUT") or None
     registry = Registry(strict=settings.get("BERT_ENGINE_STRICT_PLUGINS") if strict is None else strict,
                         import_timeout_s=timeout)
-    for module in builtin_plugins() if builtins is None else builtins:
+    if builtins is None:
+        builtins = builtin_plugins()
+        if not builtins:  # said where a missing task is explained (Registry.missing), not only logged
+            registry.record_failure(PluginFailure(
+                "built-in tasks", "", "import", f"none are installed (entry-point group {BUILTIN_GROUP}): install "
+                "the package (`pip install -e .` in a source tree) or hand load_registry(builtins=...)", "builtin"))
+    for module in builtins:
         short = module.rsplit(".", 1)[-1]
         registry.load_plugin(short, __version__, "builtin", lambda module=module: importlib.import_module(module))
     if not entry_points:
