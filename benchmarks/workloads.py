@@ -1,11 +1,19 @@
-"""Real workloads end to end (tokenise -> encode -> postprocess): bert_engine vs transformers.
+"""Real workloads end to end (tokenise -> encode -> postprocess): bert_engine vs the peers a user
+would pick instead.
 
     python -m benchmarks.workloads                          # sentiment, ner, qa on ../shared/data
     python -m benchmarks.workloads --tasks sentiment --repeats 3 --json out.json
     python -m benchmarks.workloads --precisions fp32,int8   # also the engine's faster CPU modes
+    python -m benchmarks.workloads --peers ../venv-peers/bin/python --modes batched,single \
+        --tasks sentiment,ner,qa,fill_mask --json benchmarks/results/workloads-avx512.json
 
-Both sides run the same weights: each starter model (LoRA adapter + head on MiniLM) is merged
-and saved once in the Hugging Face layout, and both implementations load that folder.
+Every side runs the same weights: each starter model (LoRA adapter + head on MiniLM) is merged
+and saved once in the Hugging Face layout, and every implementation loads that folder.
+
+Contenders. Without --peers: transformers (the suite's 5.x) in this process. With --peers (the python
+of the venv `python -m benchmarks.peers --setup` makes): transformers 4.57's task pipelines, and the
+same pipelines on optimum's ONNX Runtime models (ORTModelFor..., `export=True`), the pair a user
+picks instead (optimum-onnx needs transformers < 4.58; see benchmarks/peers.py).
 
 - sentiment: SST-2 dev (872 sentences); reference: `pipeline("text-classification")`.
 - ner: CoNLL-2003 eng.testb (3,453 sentences); reference: `pipeline("token-classification",
@@ -14,13 +22,19 @@ and saved once in the Hugging Face layout, and both implementations load that fo
   algorithm, so its entity F1 is reported beside it rather than compared. The starter's `casing`
   marks (segment ids on capitalised words) are left off on both sides: transformers' pipeline
   cannot add them, so the F1 here is that model reading text without them, not its testb figure.
-- qa: the first N questions of SQuAD dev-v1.1; transformers 5 dropped its QA pipeline, so the
-  reference is BertForQuestionAnswering with the decoding of transformers' `run_qa` example
-  (windows of 384 tokens, stride 128, best start + end logit over all windows, answers of at most
-  30 tokens inside the context).
+- qa: the first N questions of SQuAD dev-v1.1 (default 1,000); the peers' `pipeline("question-
+  answering")` (windows of 384 tokens, stride 128, answers of at most 30 tokens); transformers 5
+  dropped that pipeline, so in-process the reference is BertForQuestionAnswering with the decoding of
+  transformers' `run_qa` example.
+- fill_mask: 1,000 words of WikiText-2 test (seed 0) that are one WordPiece, each behind one [MASK]
+  in a window of 60 words; reference: `pipeline("fill-mask")`, its first word compared with the
+  engine's first candidate (the engine skips word pieces and punctuation, the pipeline does not).
 
-Both sides get batches of 32. Reported: seconds (median of the repeats, run in turn), items/s, the
-speed-up, the share of identical predictions, and each side's task metric.
+Modes: "batched" (a file: every item in one call, batches of 32) and "single" (a visitor: one request
+at a time, the first --single-limit items, each request's latency; p50 / p95 reported). Reported:
+seconds (median of the repeats, contenders run in turn), items/s, tokens/s (the items' WordPiece
+tokens), the speed-up over each peer, the share of predictions identical to the engine's, and each
+side's task metric.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -203,30 +218,210 @@ def reference_qa(model, tokenizer, items, max_length=384, stride=128, max_answer
     return [best.get(i, (0.0, ""))[1] for i in range(len(items))]
 
 
-TASKS = {"sentiment": sentiment, "ner": ner, "qa": qa}
+# -- fill-mask -----------------------------------------------------------------------------------------
+
+def mask_items(data: Path, tokenizer, count: int = 1000, seed: int = 0, width: int = 30) -> list[tuple[str, str]]:
+    """(text with one [MASK], the hidden word): words of WikiText-2 test that the tokenizer keeps whole,
+    drawn uniformly (seed 0), each in a window of `width` words either side."""
+    import random
+    import re
+
+    from plugins import fill_mask as plugin
+
+    passages = [inputs["text"] for inputs, _ in plugin.read_data(str(data / "wikitext2" / "wiki.test.tokens"), "all")]
+    slots = [(p, i) for p, text in enumerate(passages) for i, word in enumerate(text.split())
+             if re.fullmatch(r"[A-Za-z]+", word)]
+    rng, items = random.Random(seed), []
+    while len(items) < count and slots:
+        p, i = slots.pop(rng.randrange(len(slots)))
+        words = passages[p].split()
+        if len(tokenizer.tokenize(words[i])) != 1:
+            continue
+        items.append((" ".join(words[max(0, i - width):i] + ["[MASK]"] + words[i + 1:i + 1 + width]), words[i].lower()))
+    return items
 
 
-def run(tasks: list[str], precisions: list[str], repeats: int, data: Path, limit: int | None, workdir: Path) -> dict:
+def fill_mask(folder: Path, data: Path, precision: str, limit: int | None):
+    import transformers
+
+    from bert_engine.runtime.inference import Predictor, predict_texts
+    from bert_engine.tasks.registry import load_registry
+
+    task = load_registry(entry_points=False).task("fill_mask")
+    engine = Predictor.load(task, str(folder), precision=precision)
+    pairs = mask_items(data, engine.tokenizer, limit or 1000)
+    texts, gold = [t for t, _ in pairs], [w for _, w in pairs]
+    reference = transformers.pipeline("fill-mask", model=str(folder), device=-1, batch_size=BATCH, top_k=1)
+    out = {}
+
+    def run_engine():  # the fill-mask task has no batched path (predict_many): one text at a time
+        results = (predict_texts(engine, texts, batch_size=BATCH) if task.spec.predict_many is not None
+                   else [engine.predict({"text": t})["result"] for t in texts])
+        out["engine"] = [r["predictions"][0]["candidates"][0]["token"].lower() for r in results]
+
+    def run_reference():
+        out["reference"] = [(r[0] if isinstance(r, list) else r)["token_str"].strip().lower() for r in reference(texts)]
+
+    def top1(words):
+        return {"top1": 100 * sum(w == g for w, g in zip(words, gold)) / len(gold)}
+
+    return len(texts), run_engine, run_reference, out, lambda side: top1(out[side])
+
+
+TASKS = {"sentiment": sentiment, "ner": ner, "qa": qa, "fill_mask": fill_mask}
+
+
+def _items(name: str, data: Path, limit: int | None, tokenizer) -> list[dict]:
+    """The task's inputs as the peers receive them (dicts keyed by the task's fields)."""
+    from bert_engine.tasks.registry import load_registry
+
+    if name == "fill_mask":
+        return [{"text": t} for t, _ in mask_items(data, tokenizer, limit or 1000)]
+    task = load_registry(entry_points=False).task(name)
+    path = {"sentiment": data / "sst2" / "dev.tsv", "ner": data / "conll2003" / "eng.testb",
+            "qa": data / "squad" / "dev-v1.1.json"}[name]
+    examples = list(task.spec.read_data(str(path), "test"))[:limit or (1000 if name == "qa" else None)]
+    return [dict(x) for x, _ in examples]
+
+
+def _engine_single(name: str, engine):
+    """One visitor's request through the engine's Predictor, normalised like the batched predictions."""
+    def predict(item: dict):
+        result = engine.predict(item)["result"]
+        if name == "sentiment":
+            return result["label_id"]
+        if name == "ner":
+            return [list(e) for e in _argmax_entities(result["words"])]
+        if name == "qa":
+            return result["answer"] or ""
+        return result["predictions"][0]["candidates"][0]["token"].lower()
+    return predict
+
+
+def _same(a, b) -> bool:
+    def norm(v):
+        return [list(x) for x in v] if isinstance(v, (list, tuple)) else v
+    return norm(a) == norm(b)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def _tokens(tokenizer, items: list[dict]) -> int:
+    return sum(len(tokenizer.tokenize(" ".join(str(v) for v in x.values()))) for x in items)
+
+
+def measure(name: str, mode: str, precision: str, workload: tuple, items: list[dict], repeats: int,
+            peer=None, reference: bool = False) -> list[dict]:
+    """Rows for one task in one mode: the engine, and each peer (or the in-process reference), run in
+    turn `repeats` times after a warm-up round."""
+    from benchmarks.peers import CONTENDERS
+
+    count, run_engine, run_reference, out, score = workload
+    engine = _engine_of(run_engine)
+    subset = items if mode == "batched" else items[:count]
+    tokens = _tokens(engine.tokenizer, subset)
+    answers: dict[str, list] = {}
+    latencies: dict[str, list[float]] = {}
+    peer_seconds: dict[str, list[float]] = {}
+    single = _engine_single(name, engine)
+
+    def engine_batched():
+        run_engine()
+        answers["engine"] = out["engine"]
+
+    def engine_single():
+        lat, preds = [], []
+        for item in subset:
+            t = time.perf_counter()
+            preds.append(single(item))
+            lat.append(time.perf_counter() - t)
+        latencies["engine"] = lat
+        answers["engine"] = preds
+
+    def peer_call(impl: str):
+        def call():
+            reply = peer.ask(op="run", contender=impl, mode=mode, batch=BATCH, limit=len(subset))
+            peer_seconds.setdefault(impl, []).append(reply["seconds"])
+            latencies[impl] = reply["latencies"]
+            answers[impl] = reply["predictions"][:len(subset)]
+        return call
+
+    def in_process():
+        run_reference()
+        answers["transformers"] = out["reference"]
+
+    contenders = {"engine": engine_batched if mode == "batched" else engine_single}
+    if peer is not None:
+        contenders.update({impl: peer_call(impl) for impl in CONTENDERS})
+    elif reference:
+        contenders["transformers"] = in_process
+    times = interleaved(contenders, repeats, warmup=1)
+    times.update({impl: seconds[-repeats:] for impl, seconds in peer_seconds.items()})  # the peer's own clock
     rows = []
-    for name in tasks:
-        folder = merged_folder(name, workdir)
-        for precision in precisions:
-            n, run_engine, run_reference, out, score = TASKS[name](folder, data, precision, limit)
-            contenders = {"engine": run_engine} if precision != "fp32" else {"engine": run_engine,
-                                                                             "transformers": run_reference}
-            if precision != "fp32":
-                run_reference()  # predictions to compare with, not timed again
-            times = interleaved(contenders, repeats, warmup=1)  # first calls build kernels and caches
-            same = sum(a == b for a, b in zip(out["engine"], out["reference"])) / n
-            for impl, ts in times.items():
-                side = "engine" if impl == "engine" else "reference"
-                rows.append({"task": name, "impl": impl, "precision": precision, "items": n, "s": median(ts),
-                             "items_per_s": n / median(ts), "identical": 100 * same if impl == "engine" else None,
-                             **{k: round(v, 2) for k, v in score(side).items()}})
-    reference = {r["task"]: r["s"] for r in rows if r["impl"] == "transformers"}
-    for r in rows:
-        r["speedup"] = reference[r["task"]] / r["s"] if r["task"] in reference else None
-    return {"machine": machine(), "repeats": repeats, "batch_size": BATCH, "rows": rows}
+    for impl, ts in times.items():
+        s, lat = median(ts), latencies.get(impl, [])
+        row = {"task": name, "mode": mode, "impl": impl, "precision": precision if impl == "engine" else "fp32",
+               "items": len(subset), "tokens": tokens, "s": s, "items_per_s": len(subset) / s, "tokens_per_s": tokens / s,
+               "p50_ms": 1000 * percentile(lat, 50) if lat else None,
+               "p95_ms": 1000 * percentile(lat, 95) if lat else None}
+        if impl != "engine":
+            row["identical"] = 100 * sum(_same(a, b) for a, b in zip(answers["engine"], answers[impl])) / len(subset)
+        if mode == "batched":
+            if impl != "engine":
+                out["reference"] = answers[impl]
+            row.update({k: round(v, 2) for k, v in score("engine" if impl == "engine" else "reference").items()})
+        rows.append(row)
+    return rows
+
+
+def run(tasks: list[str], precisions: list[str], repeats: int, data: Path, limit: int | None, workdir: Path,
+        peers: str | None = None, modes: tuple[str, ...] = ("batched",), single_limit: int = 200) -> dict:
+    from benchmarks.peers import PeerProcess
+
+    rows = []
+    peer = PeerProcess(peers) if peers else None
+    try:
+        for name in tasks:
+            folder = merged_folder(name, workdir)
+            for precision in precisions:
+                workload = TASKS[name](folder, data, precision, limit)
+                items = _items(name, data, limit, _engine_of(workload[1]).tokenizer)
+                with_peers = peer is not None and precision == precisions[0]
+                if with_peers:
+                    export = peer.ask(op="load", task=name, folder=str(folder), cache=str(workdir), items=items,
+                                      threads=torch.get_num_threads())["export_s"]
+                for mode in modes:
+                    shaped = workload if mode == "batched" else (single_limit, *workload[1:])
+                    new = measure(name, mode, precision, shaped, items, repeats, peer if with_peers else None,
+                                  reference=peer is None and precision == "fp32" and mode == "batched")
+                    for row in new:
+                        if row["impl"] == "onnxruntime":
+                            row["export_s"] = round(export, 1)
+                    rows += new
+    finally:
+        if peer is not None:
+            peer.close()
+    for r in rows:  # each engine row against the peers of its task and mode
+        if r["impl"] == "engine":
+            for other in rows:
+                if (other["task"], other["mode"]) == (r["task"], r["mode"]) and other["impl"] != "engine":
+                    r[f"vs_{other['impl']}"] = other["s"] / r["s"]
+    result = {"machine": machine(), "repeats": repeats, "batch_size": BATCH, "rows": rows}
+    if peer is not None:
+        result["peers"] = peer.versions()
+    return result
+
+
+def _engine_of(run_engine):
+    """The Predictor a task's run_engine closes over (every task function builds one named `engine`)."""
+    for cell in run_engine.__closure__ or ():
+        value = cell.cell_contents
+        if hasattr(value, "tokenizer") and hasattr(value, "predict"):
+            return value
+    raise RuntimeError("run_engine holds no Predictor")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,19 +430,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precisions", default="fp32", help="engine precisions: fp32 (always compared), bf16, int8")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per contender, run in turn")
     parser.add_argument("--data", default=str(DATA), help="the shared data folder (default: ../shared/data)")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N items per task (qa: default 1000)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N items per task (qa, fill_mask: "
+                        "default 1000)")
+    parser.add_argument("--peers", default=None, help="python of the peers' venv (python -m benchmarks.peers "
+                        "--setup VENV): transformers 4.57 pipelines and optimum + ONNX Runtime as contenders")
+    parser.add_argument("--modes", default="batched", help="batched (a file), single (a visitor: one request at "
+                        "a time, p50/p95 latency), or both")
+    parser.add_argument("--single-limit", type=int, default=200, help="requests per task in the single mode")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     precisions = ["fp32"] + [p for p in args.precisions.split(",") if p and p != "fp32"]
+    modes = tuple(m for m in args.modes.split(",") if m)
     with tempfile.TemporaryDirectory() as tmp:
-        result = run(args.tasks.split(","), precisions, args.repeats, Path(args.data), args.limit, Path(tmp))
+        result = run(args.tasks.split(","), precisions, args.repeats, Path(args.data), args.limit, Path(tmp),
+                     peers=args.peers, modes=modes, single_limit=args.single_limit)
     info = result["machine"]
+    peers = result.get("peers")
     print(f"# end-to-end workloads, {info['cpu']}, {info['threads']} threads, torch {info['torch']}, "
-          f"transformers {info.get('transformers')}; batch {BATCH}; median of {args.repeats}")
-    print_table(result["rows"], ["task", "impl", "precision", "items", "s", "items_per_s", "speedup", "identical",
-                                 "accuracy", "f1", "crf_f1"])
+          + (f"peers: transformers {peers['transformers']}, optimum {peers['optimum']}, onnxruntime "
+             f"{peers['onnxruntime']}" if peers else f"transformers {info.get('transformers')}")
+          + f"; batch {BATCH}; median of {args.repeats}")
+    print_table(result["rows"], ["task", "mode", "impl", "precision", "items", "s", "items_per_s", "tokens_per_s",
+                                 "p50_ms", "p95_ms", "vs_transformers", "vs_onnxruntime", "identical", "accuracy",
+                                 "f1", "crf_f1", "top1"])
     write_json(args.json, result)
 
 
