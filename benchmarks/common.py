@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,9 +64,23 @@ def matmul_peak_gflops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
     return 2 * size ** 3 / min(min(t) for t in times.values()) / 1e9
 
 
+def cpu_class() -> str:
+    """The class a CPU result holds for: avx2, avx512 or avx512-amx ("-emulated" when
+    BERT_ENGINE_CPU_CAPABILITY makes the CPU report less than it has); gpu on a CUDA machine."""
+    from bert_engine import settings
+
+    if torch.cuda.is_available():
+        return "gpu"
+    capability = cpu_capability()
+    name = "avx512-amx" if capability.isa == "AVX512" and capability.amx else (
+        "avx512" if capability.isa == "AVX512" else "avx2")
+    return name + ("-emulated" if settings.get("BERT_ENGINE_CPU_CAPABILITY") else "")
+
+
 def machine() -> dict[str, Any]:
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": _cpu_name(), "cpu_capability": cpu_capability().describe(), "platform": platform.platform()}
+            "cpu": _cpu_name(), "cpu_capability": cpu_capability().describe(), "cpu_class": cpu_class(),
+            "platform": platform.platform()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     for package in ("transformers", "onnxruntime"):  # the engine-only benchmarks run without either
@@ -102,6 +117,10 @@ def _fmt(value: Any) -> str:
 
 
 def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
+    """Write the results with the command that produced them (`python -m benchmarks.X ...`)."""
     if path:
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        program = f"python -m {spec.name}" if spec is not None else f"python {sys.argv[0]}"
+        payload = {"command": " ".join([program, *sys.argv[1:]]), **payload}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2) + "\n")
