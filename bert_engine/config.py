@@ -288,6 +288,12 @@ class BertConfig:
         H, I = self.hidden_size, self.intermediate_size
         return 2 * self.applied_layers * (4 * H * H + 2 * H * I)
 
+    def forward_flops(self, rows: int, length: int) -> int:
+        """FLOPs of one forward pass over `rows` rows of `length` tokens: every applied layer's
+        projections (flops_per_token) and its attention over the row (q·kᵀ and weights·v, 2 x 2·T·H per
+        token). What a request costs the machine: the fairness gate charges and sizes chunks by it."""
+        return rows * length * (self.flops_per_token + 4 * self.applied_layers * length * self.hidden_size)
+
     @property
     def applied_layers(self) -> int:
         """Layers a token passes through: ALBERT runs each of its inner_group_num layers at every step."""

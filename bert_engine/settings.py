@@ -44,8 +44,9 @@ SETTINGS = {s.name: s for s in (
     Setting("BERT_ENGINE_CPU_CAPABILITY", "str", "", "start", "pretend the CPU has only this capability (avx2, "
             "default): to test the AVX2 paths on a bigger CPU"),
     Setting("BERT_ENGINE_MAX_TOKENS", "int", 65536, "use", "tokens one input may need over all its windows"),
-    Setting("BERT_ENGINE_CHUNK_TOKENS", "int", 4096, "use", "padded tokens per forward chunk: the unit the "
-            "fairness gate hands out"),
+    Setting("BERT_ENGINE_CHUNK_GFLOP", "float", 100.0, "use", "the work of one forward chunk, in GFLOP (padding "
+            "included): the unit the fairness gate hands out and charges (rows of 128 tokens: MiniLM about 4,500 tokens, "
+            "bert-base about 570)"),
     Setting("BERT_ENGINE_MAX_IN_FLIGHT", "int", 2, "use", "requests one visitor may have running at once"),
     Setting("BERT_ENGINE_MAX_PARAMETERS", "int", 2_000_000_000, "use", "the largest model a config.json may "
             "describe"),

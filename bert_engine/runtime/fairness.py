@@ -9,8 +9,8 @@ Two rules keep the others' share:
 - **In flight.** A visitor (a browser session) may have `max_in_flight()` requests (BERT_ENGINE_MAX_IN_FLIGHT) running at once;
   one more is refused at once with a message, so it never holds one of the app's workers.
 - **Least recent compute first.** Every forward pass goes through one `ComputeGate`, in chunks of
-  about `chunk_tokens()` tokens. When the gate frees, the waiting chunk whose visitor has used the
-  least compute recently (tokens, decaying with a half-life of `HALF_LIFE_S`) goes next. A visitor
+  about `chunk_flops()` of work (BERT_ENGINE_CHUNK_GFLOP). When the gate frees, the waiting chunk whose visitor has used the
+  least compute recently (FLOPs, decaying with a half-life of `HALF_LIFE_S`) goes next. A visitor
   asking for a sentence waits for at most one chunk of a visitor summarising a book; the book's
   chunks run when nobody lighter waits. Without a visitor (the CLI, Python), each request counts
   as its own visitor, which is plain least-attained-service scheduling.
@@ -32,9 +32,9 @@ from .. import settings
 from .cancel import cancelled_for
 
 
-def chunk_tokens() -> int:
-    """Padded tokens per forward chunk (rows x length): BERT_ENGINE_CHUNK_TOKENS, read now."""
-    return settings.get("BERT_ENGINE_CHUNK_TOKENS")
+def chunk_flops() -> float:
+    """The work of one forward chunk (FLOPs, padding included): BERT_ENGINE_CHUNK_GFLOP, read now."""
+    return settings.get("BERT_ENGINE_CHUNK_GFLOP") * 1e9
 
 
 def max_in_flight() -> int:
@@ -142,15 +142,15 @@ class ComputeGate:
         self._seq = 0
 
     def usage(self, key: object, now: float | None = None) -> float:
-        """The key's recent compute in tokens, decayed to now."""
+        """The key's recent compute (FLOPs, as charged), decayed to now."""
         tokens, when = self._usage.get(key, (0.0, 0.0))
         now = time.monotonic() if now is None else now
         return tokens * math.exp(-self.decay * (now - when))
 
     @contextmanager
-    def turn(self, tokens: int, key: object | None = None) -> Iterator[None]:
-        """Wait for a slot, run the block, then charge `tokens` to `key` (default: the current
-        VISITOR, else a key for this one call)."""
+    def turn(self, cost: float, key: object | None = None) -> Iterator[None]:
+        """Wait for a slot, run the block, then charge `cost` (its FLOPs: BertConfig.forward_flops) to
+        `key` (default: the current VISITOR, else a key for this one call)."""
         key = key if key is not None else VISITOR.get() or object()
         waited = WAITED.get()
         with self._cond:
@@ -175,7 +175,7 @@ class ComputeGate:
                 if me in self._holders:
                     self._holders.remove(me)
                 now = time.monotonic()
-                self._usage[key] = (self.usage(key, now) + tokens, now)
+                self._usage[key] = (self.usage(key, now) + cost, now)
                 if len(self._usage) > 4096:  # forget the visitors whose compute has decayed away
                     self._usage = {k: v for k, v in self._usage.items() if self.usage(k, now) > 1.0}
                 self._cond.notify_all()

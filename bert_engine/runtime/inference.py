@@ -31,7 +31,7 @@ from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
 from ..hookspecs import InputError, TaskContext
 from ..tokenizer import Batch, Tokenizer
 from .cancel import ModelLock
-from .fairness import GATE, VISITOR, ComputeGate, chunk_tokens, visitor_scope
+from .fairness import GATE, VISITOR, ComputeGate, chunk_flops, visitor_scope
 from .precision import parameter_dtype, pick_device, prepare_for_inference
 
 if TYPE_CHECKING:  # annotations only: the registry sits above the runtime
@@ -315,25 +315,37 @@ class Predictor:
             raise InputError("no input yet: run a prediction in any tab first")
         batch, n = last.batch, len(last.tokens)
         encoder = getattr(self.model, "encoder", self.model)
-        with GATE.turn(n), self._lock, torch.inference_mode():
+        with GATE.turn(row_flops(encoder, n)), self._lock, torch.inference_mode():
             out = encoder(batch.input_ids[:1, :n].to(self.device), None,
                           batch.token_type_ids[:1, :n].to(self.device), output_attentions=True)
         return last.tokens, [a[0].float().cpu() for a in out.attentions]
 
 
+def row_flops(model: nn.Module, length: int) -> float:
+    """The work of one padded row of `length` tokens through `model`'s encoder (BertConfig.forward_flops;
+    a model without a BertConfig: 2 FLOPs per parameter and token)."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "forward_flops"):
+        return float(config.forward_flops(1, length))
+    return 2.0 * length * sum(p.numel() for p in model.parameters())
+
+
 def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int = 32, *,
-                      max_tokens: int | None = None, lock: Any = None, gate: ComputeGate | None = None) -> Any:
-    """`model(**inputs)` over chunks of at most `max_rows` rows and `max_tokens` padded tokens (at
-    least one row), so many windows cannot exhaust memory and no chunk holds the machine long; each
-    chunk waits for its turn at `gate` (fairness.py) and holds `lock` (the model's) while it runs.
-    Tensor inputs are sliced along the batch, other keywords passed whole, outputs concatenated."""
+                      max_flops: float | None = None, lock: Any = None, gate: ComputeGate | None = None) -> Any:
+    """`model(**inputs)` over chunks of at most `max_rows` rows and `max_flops` of work (at least one
+    row; default BERT_ENGINE_CHUNK_GFLOP), so many windows cannot exhaust memory and no chunk holds the
+    machine long, whatever the model's depth; each chunk waits for its turn at `gate` (fairness.py),
+    is charged its FLOPs there, and holds `lock` (the model's) while it runs. Tensor inputs are sliced
+    along the batch, other keywords passed whole, outputs concatenated."""
     rows, length = inputs["input_ids"].shape[:2]
-    max_tokens = chunk_tokens() if max_tokens is None else max_tokens
-    step = max(1, min(max_rows, max_tokens // max(1, length)))
+    max_flops = chunk_flops() if max_flops is None else max_flops
+    per_row = row_flops(model, length)
+    step = max(1, min(max_rows, int(max_flops // max(per_row, 1.0))))
     parts = []
     for i in range(0, rows, step):
         chunk = {k: v[i:i + step] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        with gate.turn(chunk["input_ids"].numel()) if gate is not None else contextlib.nullcontext(), \
+        cost = per_row * chunk["input_ids"].shape[0]
+        with gate.turn(cost) if gate is not None else contextlib.nullcontext(), \
                 lock if lock is not None else contextlib.nullcontext():
             parts.append(model(**chunk))
     return parts[0] if len(parts) == 1 else _concat(parts)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bert_engine.runtime.fairness import ComputeGate, InFlight, TooManyRequests, visitor_scope
-from bert_engine.runtime.inference import forward_in_chunks
+from bert_engine.runtime.inference import forward_in_chunks, row_flops
 
 
 def _wait_until(condition, timeout_s: float = 10.0) -> None:
@@ -85,7 +85,7 @@ def test_a_visitor_may_have_only_so_many_requests_in_flight():
         pass
 
 
-def test_forward_chunks_are_bounded_in_tokens_and_equal_one_pass(tiny_config):
+def test_forward_chunks_are_bounded_in_work_and_equal_one_pass(tiny_config):
     from bert_engine import BertModel
 
     model = BertModel(tiny_config).eval()
@@ -102,9 +102,34 @@ def test_forward_chunks_are_bounded_in_tokens_and_equal_one_pass(tiny_config):
     gate.turn = counting
     with torch.inference_mode():
         whole = model(**inputs).last_hidden_state
-        chunked = forward_in_chunks(model, inputs, 32, max_tokens=256, gate=gate).last_hidden_state
-    assert seen == [256] * 3  # 4 rows of 64 tokens per chunk
+        row = row_flops(model, 64)
+        chunked = forward_in_chunks(model, inputs, 32, max_flops=4 * row, gate=gate).last_hidden_state
+    assert seen == [4 * row] * 3  # 4 rows of 64 tokens per chunk, charged their FLOPs
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_a_deep_model_gets_fewer_rows_per_chunk_and_is_charged_for_every_layer(tiny_config):
+    """Work, not tokens: the same rows through an ALBERT applying 40 shared layers cost 20 times a
+    2-layer model's, so its chunks are smaller and the gate charges it accordingly (issue 36 #2)."""
+    import dataclasses
+
+    from bert_engine import BertModel
+
+    shallow = dataclasses.replace(tiny_config, num_hidden_layers=2)
+    deep = dataclasses.replace(tiny_config, model_type="albert", num_hidden_layers=40, embedding_size=16)
+    ids = torch.randint(5, tiny_config.vocab_size, (8, 32))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+    budget = 8 * row_flops(BertModel(shallow), 32)  # the shallow model's 8 rows in one chunk
+    charged = {}
+    for name, config in (("shallow", shallow), ("deep", deep)):
+        gate, calls = ComputeGate(slots=1), []
+        original = gate.turn
+        gate.turn = lambda cost, key=None, calls=calls, original=original: (calls.append(cost), original(cost, key))[1]
+        with torch.inference_mode():
+            forward_in_chunks(BertModel(config).eval(), inputs, 32, max_flops=budget, gate=gate)
+        charged[name] = calls
+    assert len(charged["shallow"]) == 1 and len(charged["deep"]) == 8  # one row per chunk for the deep one
+    assert sum(charged["deep"]) == pytest.approx(20 * sum(charged["shallow"]), rel=0.01)
 
 
 def test_each_visitor_sees_only_their_own_last_input(tmp_path):
