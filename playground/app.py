@@ -258,6 +258,15 @@ def current_visitor() -> str | None:
     return getattr(request, "session_hash", None)
 
 
+def current_group() -> str | None:
+    """Where the request being served comes from: the client's address as the server sees it (uvicorn
+    takes it from X-Forwarded-For only when the connection comes from a trusted proxy, as on a Space).
+    All of an address's sessions share one in-flight cap and one share of the compute gate."""
+    client = getattr(REQUEST.get(), "client", None)
+    host = getattr(client, "host", None)
+    return f"ip:{str(host)[:64]}" if host else None
+
+
 def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_flight: InFlight | None = None):
     """`predict` with a time limit (cut off and cancelled, see bert_engine.runtime.cancel), and a task's own
     failures turned into a clear message in the UI (recorded for the Plugins tab) instead of a stack
@@ -269,12 +278,12 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
     in_flight = in_flight or InFlight()
 
     def call(*args, **kwargs):
-        visitor = current_visitor()
+        visitor, group = current_visitor(), current_group()
         waited = Waited()
         token = WAITED.set(waited)  # the request's thread adds its time at the compute gate
         others, admitted = 0, None  # requests running beside this one when it started; admissions so far
         try:
-            with in_flight.admit(visitor), visitor_scope(visitor):  # the visitor's share (fairness.py)
+            with in_flight.admit(visitor, group), visitor_scope(visitor, group):  # its share (fairness.py)
                 others, admitted = in_flight.total() - (visitor is not None), in_flight.admitted
                 return call_with_timeout(predict, timeout_s, *args, what=f"task {task!r}", **kwargs)
         except (InputError, gr.Error):

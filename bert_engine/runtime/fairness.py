@@ -42,10 +42,18 @@ def max_in_flight() -> int:
     return settings.get("BERT_ENGINE_MAX_IN_FLIGHT")
 
 
+def max_in_flight_per_group() -> int:
+    """Requests one address may have running at once, over all its sessions: BERT_ENGINE_MAX_IN_FLIGHT_PER_IP."""
+    return settings.get("BERT_ENGINE_MAX_IN_FLIGHT_PER_IP")
+
+
 HALF_LIFE_S = 30.0  # a visitor's recent compute halves every 30 s
 STUCK_GRACE_S = 2.0  # a cancelled holder stuck in native code this long no longer blocks the gate
 
 VISITOR: ContextVar[str | None] = ContextVar("bert_engine_visitor", default=None)
+# Where the visitor connects from (the client's address): sessions opened from one address share one
+# share of the gate and one in-flight cap, so opening a new session per request multiplies nothing.
+GROUP: ContextVar[str | None] = ContextVar("bert_engine_visitor_group", default=None)
 
 
 class Waited:
@@ -81,35 +89,43 @@ class TooManyRequests(Exception):  # noqa: N818 - the HTTP name says what it is
 class InFlight:
     """How many requests each visitor has running; `admit` refuses one beyond the limit."""
 
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(self, limit: int | None = None, group_limit: int | None = None) -> None:
         self._limit = limit  # None: the setting, read when a request is admitted
+        self._group_limit = group_limit
         self._running: dict[str, int] = {}
+        self._groups: dict[str, int] = {}
         self._lock = threading.Lock()
         self.admitted = 0  # requests admitted so far: one admitted during another's run overlapped it
 
     @contextmanager
-    def admit(self, visitor: str | None) -> Iterator[None]:
+    def admit(self, visitor: str | None, group: str | None = None) -> Iterator[None]:
         """Count the request while it runs. Raises TooManyRequests (before anything runs) when the
-        visitor already has `limit` running; a request without a visitor is not counted."""
+        visitor already has `limit` running, or its group (address) `group_limit` over all its
+        sessions; a request without a visitor is not counted."""
         limit = max_in_flight() if self._limit is None else self._limit
+        group_limit = max_in_flight_per_group() if self._group_limit is None else self._group_limit
         if visitor is None or limit <= 0:
             yield
             return
+        group = group if group_limit > 0 else None
         with self._lock:
             if self._running.get(visitor, 0) >= limit:
                 raise TooManyRequests(f"you already have {limit} requests running; wait for their answers "
                                       "before sending more")
+            if group is not None and self._groups.get(group, 0) >= group_limit:
+                raise TooManyRequests(f"{group_limit} requests from your address are already running (over all "
+                                      "its sessions); wait for their answers before sending more")
             self._running[visitor] = self._running.get(visitor, 0) + 1
+            if group is not None:
+                self._groups[group] = self._groups.get(group, 0) + 1
             self.admitted += 1
         try:
             yield
         finally:
             with self._lock:
-                left = self._running[visitor] - 1
-                if left:
-                    self._running[visitor] = left
-                else:
-                    del self._running[visitor]
+                _decrement(self._running, visitor)
+                if group is not None:
+                    _decrement(self._groups, group)
 
     def total(self) -> int:
         """Requests running now, every visitor's."""
@@ -119,6 +135,13 @@ class InFlight:
     def running(self, visitor: str) -> int:
         with self._lock:
             return self._running.get(visitor, 0)
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    if counts[key] > 1:
+        counts[key] -= 1
+    else:
+        del counts[key]
 
 
 class _Waiter:
@@ -150,8 +173,8 @@ class ComputeGate:
     @contextmanager
     def turn(self, cost: float, key: object | None = None) -> Iterator[None]:
         """Wait for a slot, run the block, then charge `cost` (its FLOPs: BertConfig.forward_flops) to
-        `key` (default: the current VISITOR, else a key for this one call)."""
-        key = key if key is not None else VISITOR.get() or object()
+        `key` (default: the current GROUP, else VISITOR, else a key for this one call)."""
+        key = key if key is not None else GROUP.get() or VISITOR.get() or object()
         waited = WAITED.get()
         with self._cond:
             self._seq += 1
@@ -193,10 +216,11 @@ GATE = ComputeGate(slots=1)  # one forward chunk at a time per process: each alr
 
 
 @contextmanager
-def visitor_scope(visitor: str | None) -> Iterator[None]:
-    """Run the block as `visitor` (None: anonymous)."""
-    token = VISITOR.set(visitor)
+def visitor_scope(visitor: str | None, group: str | None = None) -> Iterator[None]:
+    """Run the block as `visitor` (None: anonymous) from `group` (its address; None: unknown)."""
+    token, group_token = VISITOR.set(visitor), GROUP.set(group)
     try:
         yield
     finally:
+        GROUP.reset(group_token)
         VISITOR.reset(token)

@@ -18,7 +18,7 @@ import torch
 
 from ..hookspecs import InputError
 from ..runtime.cancel import PredictionTimeout
-from ..runtime.fairness import VISITOR, visitor_scope
+from ..runtime.fairness import GROUP, VISITOR, visitor_scope
 from ..runtime.inference import LastInput, Predictor, can_batch, predict_in_batches
 from ..tasks.registry import RegisteredTask
 
@@ -180,7 +180,8 @@ class BatchingPredictor(LazyPredictor):
             output["provenance"]["batch_size"] = 1
             return output
         key = f"{id(predictor)}:" + json.dumps(merged, sort_keys=True, default=str)  # one model, one set of options
-        request = {"inputs": dict(inputs), "visitor": VISITOR.get(), "done": False, "output": None, "error": None}
+        request = {"inputs": dict(inputs), "visitor": VISITOR.get(), "group": GROUP.get(), "done": False,
+                   "output": None, "error": None}
         with self._cond:
             group = self._pending.setdefault(key, [])
             group.append(request)
@@ -234,7 +235,7 @@ class BatchingPredictor(LazyPredictor):
     def _run_alone(predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
         for request in group:
             try:
-                with visitor_scope(request["visitor"]):  # its compute and its attention view are its visitor's
+                with visitor_scope(request["visitor"], request["group"]):  # its compute and attention view are its own
                     output = predictor.predict(request["inputs"], **options)
                 output["provenance"]["batch_size"] = 1
                 request["output"] = output

@@ -85,6 +85,30 @@ def test_a_visitor_may_have_only_so_many_requests_in_flight():
         pass
 
 
+def test_rotating_sessions_from_one_address_multiplies_nothing():
+    """Per address as well as per session: a new session per request gets no more in flight than the
+    address's cap, and the gate charges the address's sessions to one account (issue 36)."""
+    from bert_engine.runtime.fairness import visitor_scope
+
+    in_flight = InFlight(limit=2, group_limit=3)
+    with in_flight.admit("s1", "ip:1"), in_flight.admit("s2", "ip:1"), in_flight.admit("s3", "ip:1"):
+        with pytest.raises(TooManyRequests, match="3 requests from your address are already running"):
+            with in_flight.admit("s4", "ip:1"):
+                pass
+        with in_flight.admit("s5", "ip:2"):  # another address is not affected
+            pass
+    with in_flight.admit("s4", "ip:1"):  # freed again
+        pass
+    gate = ComputeGate(slots=1)
+    for session in ("s1", "s2", "s3"):
+        with visitor_scope(session, "ip:1"), gate.turn(1000):
+            pass
+    with visitor_scope("s9", None), gate.turn(10):  # an address the server does not know: the session's own
+        pass
+    assert gate.usage("ip:1") == pytest.approx(3000, rel=0.01) and gate.usage("s1") == 0
+    assert gate.usage("s9") == pytest.approx(10, rel=0.01)
+
+
 def test_forward_chunks_are_bounded_in_work_and_equal_one_pass(tiny_config):
     from bert_engine import BertModel
 
