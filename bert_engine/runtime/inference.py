@@ -13,8 +13,7 @@ import json
 import logging
 import re
 import time
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
 from ..hookspecs import InputError, TaskContext
 from ..tokenizer import Batch, Tokenizer
 from .cancel import ModelLock
-from .fairness import GATE, VISITOR, ComputeGate, chunk_flops, visitor_scope
+from .fairness import ComputeGate, chunk_flops
 from .precision import parameter_dtype, pick_device, prepare_for_inference
 
 if TYPE_CHECKING:  # annotations only: the registry sits above the runtime
@@ -86,10 +85,21 @@ def request_stage(stage: str):
 
 @dataclass
 class LastInput:
-    """The most recent batch, kept on the CPU for the attention view."""
+    """One input's first row, kept on the CPU for the attention view (the serving layer keeps one per
+    visitor: serving.predictors)."""
 
     tokens: list[str]
     batch: Batch
+
+    @classmethod
+    def of(cls, batch: Batch, row: int, tokenizer) -> LastInput:
+        """Row `row` of `batch`, without its padding, copied to the CPU."""
+        n = int(batch.attention_mask[row].sum())
+        rows = slice(row, row + 1)
+        keep = Batch(batch.input_ids[rows, :n].cpu().clone(), batch.attention_mask[rows, :n].cpu().clone(),
+                     batch.token_type_ids[rows, :n].cpu().clone(), batch.offsets[rows], batch.sequence_ids[rows],
+                     batch.word_ids[rows], [0], batch.truncated[:1])  # one row, not the windows
+        return cls(tokenizer.convert_ids_to_tokens(batch.input_ids[row, :n].tolist()), keep)
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -158,8 +168,10 @@ class Predictor:
         self.loaded = loaded  # where the model came from (checkpoint, load report, adapter), when loaded
         self.precision: str | None = None  # "int8" etc. when chosen; else the parameters' dtype says it
         self.device = next(model.parameters()).device
-        self._last: OrderedDict[str | None, LastInput] = OrderedDict()  # per visitor, for the attention view
         self.max_rows = 32  # rows (windows) per forward pass
+        # The fairness gate every forward chunk waits at (fairness.GATE in a server: the serving layer
+        # sets it); None: forwards run as they come (a script, the CLI).
+        self.gate: ComputeGate | None = None
         # Option defaults the model folder was calibrated with (its manifest's "options", e.g. QA's
         # null_threshold): over the task's defaults, under the caller's own options.
         self.model_options: dict[str, Any] = dict(model_options or {})
@@ -252,39 +264,20 @@ class Predictor:
         """
         return self.predict_checked(inputs, self.check_inputs(inputs, options))
 
-    def predict_checked(self, inputs: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    def predict_checked(self, inputs: Mapping[str, Any], options: Mapping[str, Any], *,
+                        on_batch: Callable[[Batch, int], None] | None = None) -> dict[str, Any]:
         """`predict` for inputs the caller has checked, with `options` merged with the task's defaults
-        (check_inputs's answer): each request is validated once."""
+        (check_inputs's answer): each request is validated once. `on_batch(batch, 0)` is handed the
+        tokenised input after the prediction (the serving layer keeps it for the attention view)."""
         spec = self.task.spec
         start = time.perf_counter()
         with request_stage("preprocess"):
             batch = spec.preprocess(inputs, self.tokenizer, **options)
         result = self.run(batch, options)
         latency_ms = (time.perf_counter() - start) * 1000
-        self._remember(batch)
+        if on_batch is not None:
+            on_batch(batch, 0)
         return {"task": spec.name, "result": result, "provenance": self.provenance(latency_ms)}
-
-    MAX_REMEMBERED = 256  # visitors whose last input the attention view keeps
-
-    @property
-    def last(self) -> LastInput | None:
-        """The current visitor's last input (fairness.VISITOR; None: the anonymous caller's)."""
-        return self._last.get(VISITOR.get())
-
-    def _remember(self, batch: Batch, row: int = 0) -> None:
-        """Keep one row of `batch` as the current visitor's last input: each visitor sees only their
-        own in the attention view."""
-        n = int(batch.attention_mask[row].sum())
-        first = batch.input_ids[row, :n].tolist()
-        rows = slice(row, row + 1)
-        keep = Batch(batch.input_ids[rows, :n].cpu().clone(), batch.attention_mask[rows, :n].cpu().clone(),
-                     batch.token_type_ids[rows, :n].cpu().clone(), batch.offsets[rows], batch.sequence_ids[rows],
-                     batch.word_ids[rows], [0], batch.truncated[:1])  # one row, not the windows
-        visitor = VISITOR.get()
-        self._last[visitor] = LastInput(self.tokenizer.convert_ids_to_tokens(first), keep)
-        self._last.move_to_end(visitor)
-        while len(self._last) > self.MAX_REMEMBERED:
-            self._last.popitem(last=False)
 
     def _encode(self, inputs: Mapping[str, Any]):
         """The encoder alone over model inputs, chunked (TaskContext.encode; the caller holds the lock)."""
@@ -296,7 +289,7 @@ class Predictor:
         return self._forward_inputs(batch.model_inputs())
 
     def _forward_inputs(self, inputs: Mapping[str, Any]):
-        return forward_in_chunks(self.model, inputs, self.max_rows, lock=self._lock, gate=GATE)
+        return forward_in_chunks(self.model, inputs, self.max_rows, lock=self._lock, gate=self.gate)
 
     def provenance(self, latency_ms: float | None = None) -> dict[str, Any]:
         dtype = self.precision or str(next(self.model.parameters()).dtype).removeprefix("torch.")
@@ -308,14 +301,12 @@ class Predictor:
             info["latency_ms"] = round(latency_ms, 2)
         return info
 
-    def attention(self) -> tuple[list[str], list[torch.Tensor]]:
-        """Tokens of the last input's first row and every layer's (N, T, T) attention over them."""
-        last = self.last
-        if last is None:
-            raise InputError("no input yet: run a prediction in any tab first")
+    def attention(self, last: LastInput) -> tuple[list[str], list[torch.Tensor]]:
+        """The tokens of `last` (an input's first row) and every layer's (N, T, T) attention over them."""
         batch, n = last.batch, len(last.tokens)
         encoder = getattr(self.model, "encoder", self.model)
-        with GATE.turn(row_flops(encoder, n)), self._lock, torch.inference_mode():
+        gate = self.gate.turn(row_flops(encoder, n)) if self.gate is not None else contextlib.nullcontext()
+        with gate, self._lock, torch.inference_mode():
             out = encoder(batch.input_ids[:1, :n].to(self.device), None,
                           batch.token_type_ids[:1, :n].to(self.device), output_attentions=True)
         return last.tokens, [a[0].float().cpu() for a in out.attentions]
@@ -352,8 +343,8 @@ def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int
 
 
 def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size: int = 32,
-                       progress: bool = False, visitors: list[str | None] | None = None, checked: bool = False,
-                       **options: Any) -> list[Any]:
+                       progress: bool = False, on_batch: Callable[[Batch, int, int], None] | None = None,
+                       checked: bool = False, **options: Any) -> list[Any]:
     """Results for many inputs, in order, through length-sorted, dynamically padded batches.
 
     For tasks whose `preprocess` accepts a list of texts in each input field and whose `postprocess`
@@ -361,8 +352,8 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
     an empty or non-text input raises InputError naming its position.
 
     Args:
-        visitors: one per item (serving.BatchingPredictor): each item's first row becomes its
-            visitor's last input for the attention view, from the batch already tokenised.
+        on_batch: called as on_batch(batch, row, item) for each item's first row, once its batch is
+            answered (serving.BatchingPredictor keeps each visitor's for the attention view).
         checked: the items and options were already checked (check_inputs) by the caller.
     """
     predictor = predictor.get()  # a LazyPredictor loads here
@@ -389,10 +380,9 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
         chunk_results = predictor.run(batch, options)
         for i, result in zip(chunk, chunk_results if len(chunk) > 1 else [chunk_results]):
             results[i] = result
-        if visitors is not None:
-            for k, i in enumerate(chunk):  # each item's first row, under its own visitor
-                with visitor_scope(visitors[i]):
-                    predictor._remember(batch, batch.sample_index.index(k))
+        if on_batch is not None:
+            for k, i in enumerate(chunk):  # each item's first row
+                on_batch(batch, batch.sample_index.index(k), i)
     return results
 
 

@@ -18,7 +18,7 @@ import torch
 
 from ..hookspecs import InputError
 from ..runtime.cancel import PredictionTimeout
-from ..runtime.fairness import GROUP, VISITOR, visitor_scope
+from ..runtime.fairness import GATE, GROUP, VISITOR, visitor_scope
 from ..runtime.inference import LastInput, Predictor, can_batch, predict_in_batches
 from ..tasks.registry import RegisteredTask
 
@@ -29,8 +29,10 @@ class LazyPredictor:
     """A Predictor that loads its model on first use (thread-safe), so an app starts without loading any,
     and lets each visitor pick their own model.
 
-    Has Predictor's interface (`predict`, `attention`, `provenance`, `last`); `loaded` says whether
-    the model the current visitor uses is in memory. A load failure (HubError, CheckpointError)
+    Has Predictor's interface (`predict`, `provenance`), and serves it: every forward waits at the
+    fairness gate (fairness.GATE), and each visitor's last input is kept here for the attention view
+    (`last`, `attention`), never another's. `loaded` says whether the model the current visitor uses
+    is in memory. A load failure (HubError, CheckpointError)
     propagates to the caller to show, and the load is tried again on the next call.
 
     Visitors (bert_engine.fairness.VISITOR) choose with `switch`: the choice is theirs alone, and
@@ -54,6 +56,7 @@ class LazyPredictor:
         self._models: OrderedDict[str, Predictor] = OrderedDict()  # visitors' other choices, least recent first
         self._choices: OrderedDict[str, str] = OrderedDict()  # visitor -> their checkpoint, least recent first
         self._loading: dict[str | None, threading.Lock] = {}  # a lock per checkpoint being loaded
+        self._last: OrderedDict[str | None, tuple[Predictor, LastInput]] = OrderedDict()  # visitor -> last input
         self._lock = threading.Lock()  # guards the dictionaries above; never held while loading
 
     @property
@@ -95,6 +98,7 @@ class LazyPredictor:
                     f" ({self.shown_name(checkpoint)})" if checkpoint else "")
         predictor = Predictor.load(self.task, checkpoint, **self.load_kwargs)
         predictor.model_id = self.shown_name(predictor.model_id)
+        predictor.gate = GATE  # a served model shares the machine through the gate
         return predictor
 
     def _cached(self, checkpoint: str | None) -> Predictor | None:
@@ -139,16 +143,40 @@ class LazyPredictor:
         return self._model(self.checkpoint)
 
     def predict(self, inputs: Mapping[str, Any], **options: Any) -> dict[str, Any]:
-        return self.get().predict(inputs, **options)
+        predictor = self.get()
+        return predictor.predict_checked(inputs, predictor.check_inputs(inputs, options),
+                                         on_batch=self.remembering(predictor))
+
+    MAX_REMEMBERED = 256  # visitors whose last input the attention view keeps
+
+    def remembering(self, predictor: Predictor, visitor: str | None | object = ...):
+        """on_batch for `predictor`: keep a row of the batch as `visitor`'s last input (default: the
+        current VISITOR, read when the batch is answered)."""
+        def remember(batch, row: int, *_item: int) -> None:
+            who = VISITOR.get() if visitor is ... else visitor
+            with self._lock:
+                self._last[who] = (predictor, LastInput.of(batch, row, predictor.tokenizer))
+                self._last.move_to_end(who)
+                while len(self._last) > self.MAX_REMEMBERED:
+                    self._last.popitem(last=False)
+        return remember
 
     def attention(self) -> tuple[list[str], list[torch.Tensor]]:
-        if not self.loaded:
+        """The current visitor's last input in this task and every layer's attention over it, from
+        the model that answered it."""
+        with self._lock:
+            found = self._last.get(VISITOR.get())
+        if found is None:
             raise InputError(f"no input yet in the {self.task.spec.title} tab: run a prediction there first")
-        return self.get().attention()
+        predictor, last = found
+        return predictor.attention(last)
 
     @property
     def last(self) -> LastInput | None:
-        return self.get().last if self.loaded else None
+        """The current visitor's last input in this task (None before their first)."""
+        with self._lock:
+            found = self._last.get(VISITOR.get())
+        return found[1] if found is not None else None
 
     def provenance(self) -> dict[str, Any]:
         return self.get().provenance()
@@ -176,7 +204,7 @@ class BatchingPredictor(LazyPredictor):
         merged = predictor.check_inputs(inputs, options)
         field = self.task.spec.input_fields[0]
         if not can_batch(self.task.spec, [inputs]) or not str(inputs.get(field, "")).strip():
-            output = predictor.predict_checked(inputs, merged)  # nothing to share (or the task's own error)
+            output = predictor.predict_checked(inputs, merged, on_batch=self.remembering(predictor))  # nothing to share
             output["provenance"]["batch_size"] = 1
             return output
         key = f"{id(predictor)}:" + json.dumps(merged, sort_keys=True, default=str)  # one model, one set of options
@@ -213,7 +241,8 @@ class BatchingPredictor(LazyPredictor):
                 return
             # checked once in predict; tokenised once, each visitor's row kept for their attention view
             results = predict_in_batches(predictor, [r["inputs"] for r in group], batch_size=len(group),
-                                         visitors=[r["visitor"] for r in group], checked=True,
+                                         on_batch=lambda batch, row, i: self.remembering(
+                                             predictor, group[i]["visitor"])(batch, row), checked=True,
                                          **predictor.check_options(options))
             latency_ms = (time.perf_counter() - start) * 1000
             for request, result in zip(group, results):
@@ -231,12 +260,12 @@ class BatchingPredictor(LazyPredictor):
                                                          "off by another request's time limit; try again")
                 request["done"] = True
 
-    @staticmethod
-    def _run_alone(predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
+    def _run_alone(self, predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
         for request in group:
             try:
                 with visitor_scope(request["visitor"], request["group"]):  # its compute and attention view are its own
-                    output = predictor.predict(request["inputs"], **options)
+                    checked = predictor.check_inputs(request["inputs"], options)
+                    output = predictor.predict_checked(request["inputs"], checked, on_batch=self.remembering(predictor))
                 output["provenance"]["batch_size"] = 1
                 request["output"] = output
             except Exception as err:  # handed to that request's own caller

@@ -157,13 +157,20 @@ def test_a_deep_model_gets_fewer_rows_per_chunk_and_is_charged_for_every_layer(t
 
 
 def test_each_visitor_sees_only_their_own_last_input(tmp_path):
+    """The serving layer keeps each visitor's last input (the Predictor remembers nobody) and serves
+    its forwards through the gate; a Predictor on its own does neither."""
     from conftest import reference_checkpoint
 
+    from bert_engine.runtime.fairness import GATE
     from bert_engine.runtime.inference import Predictor
+    from bert_engine.serving.predictors import LazyPredictor
     from bert_engine.tasks.registry import load_registry
 
     folder = reference_checkpoint(tmp_path / "sst", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"})
-    predictor = Predictor.load(load_registry(entry_points=False).task("sentiment"), str(folder))
+    task = load_registry(entry_points=False).task("sentiment")
+    assert Predictor.load(task, str(folder)).gate is None and not hasattr(Predictor, "last")
+    predictor = LazyPredictor(task, str(folder))
+    assert predictor.get().gate is GATE
     with visitor_scope("alice"):
         predictor.predict({"text": "alice's private diary entry"})
     with visitor_scope("bob"):
