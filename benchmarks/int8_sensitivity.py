@@ -96,7 +96,7 @@ class Task:
         """Agreement with only the projections' weights rounded as Int8Linear rounds them (per output
         channel, fast.int8_weight_limit levels) and everything else in fp32: the bound that the weight
         format alone sets, whatever the activations' scheme."""
-        from bert_engine.runtime.fast import LINEAR_NAMES, int8_weight_limit, quantise_weight
+        from bert_engine.runtime.fast import LINEAR_NAMES, int8_weight_limit, quantize_weight
         from bert_engine.runtime.inference import Predictor
 
         model, levels = copy.deepcopy(self.plain), int8_weight_limit()
@@ -105,7 +105,7 @@ class Task:
                 for name in LINEAR_NAMES:
                     owner, attr = name.split(".")
                     weight = getattr(getattr(layer, owner), attr).weight
-                    codes, scale = quantise_weight(weight, levels)
+                    codes, scale = quantize_weight(weight, levels)
                     weight.copy_(codes.float() * scale[:, None])
         predictor = Predictor(self.task, model, self.tokenizer, model_id=self.model_id, model_options=self.model_options)
         return _agreement(self.predict(predictor), self.reference)

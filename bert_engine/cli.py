@@ -51,13 +51,13 @@ def _encode(args: argparse.Namespace) -> dict:
     import torch
 
     from .checkpoints.loader import load
+    from .model import mean_pool
 
     model, tokenizer = load(args.model, revision=args.revision)
     batch = tokenizer(args.text)
     with torch.inference_mode():
         out = model(**batch.model_inputs())
-    mask = batch.attention_mask.unsqueeze(-1).to(out.last_hidden_state.dtype)
-    mean = (out.last_hidden_state * mask).sum(1) / mask.sum(1)  # mean over real tokens
+    mean = mean_pool(out.last_hidden_state, batch.attention_mask)  # mean over real tokens
     return {"results": [
         {"text": text, "tokens": tokenizer.convert_ids_to_tokens(batch.input_ids[i, : int(batch.attention_mask[i].sum())]),
          "mean_embedding": [round(v, 6) for v in mean[i].tolist()]}

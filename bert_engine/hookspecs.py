@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import pluggy
 
 if TYPE_CHECKING:  # annotations only: a plugin importing the contract does not load torch through it
-    from torch import Tensor, nn
+    from torch import Tensor
 
     from .config import BertConfig
     from .model import EncoderOutput
@@ -67,7 +67,7 @@ class TaskHead(Protocol):
 class BuildHead(Protocol):
     """BertConfig (sizes, and labels when the checkpoint has them) -> the head module."""
 
-    def __call__(self, config: BertConfig) -> nn.Module: ...
+    def __call__(self, config: BertConfig) -> TaskHead: ...
 
 
 class Preprocess(Protocol):

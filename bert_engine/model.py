@@ -321,6 +321,20 @@ class BertModel(nn.Module):
                 raise ValueError(f"token_type_ids must lie in [0, {config.type_vocab_size}), got {high}")
 
 
+def mean_pool(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """The mean of each row's hidden states over its real tokens (B, T, H) -> (B, H): a sentence vector
+    (sentence-transformers' pooling); every row's mean when there is no mask."""
+    if attention_mask is None:
+        return hidden.mean(dim=1)
+    mask = attention_mask.to(hidden.device).unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+
+
+def encoder_of(model: nn.Module) -> nn.Module:
+    """The encoder of a model with a task head (BertWithHead.encoder), or the model itself."""
+    return getattr(model, "encoder", model)
+
+
 def init_weights(module: nn.Module, std: float) -> None:
     """BERT's initialisation: N(0, std) for matrices and embeddings, zero biases, unit LayerNorm."""
     if isinstance(module, nn.Linear):

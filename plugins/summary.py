@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from bert_engine import ui
 from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.model import mean_pool
 from bert_engine.runtime.inference import predict_texts
 from bert_engine.tokenizer import Batch
 from plugins.rouge import rouge
@@ -276,8 +277,7 @@ def _centroid_similarities(context: TaskContext, texts: list[str], options: dict
 
 def _mean_pool(encoded, batch, layer: int) -> Tensor:
     states = encoded.last_hidden_state if layer == -1 else _layer(encoded, layer)
-    mask = batch.attention_mask.to(states.device)[..., None].to(states.dtype)  # (B, T, 1)
-    return ((states * mask).sum(1) / mask.sum(1).clamp(min=1)).float().cpu()  # (B, H)
+    return mean_pool(states, batch.attention_mask).float().cpu()  # (B, H)
 
 
 def _layer(encoded, layer: int) -> Tensor:

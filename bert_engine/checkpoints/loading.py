@@ -35,7 +35,7 @@ from ..files import (  # noqa: F401  (re-exported: loading is where callers look
     metadata_file,
 )
 from ..heads import BertWithHead
-from ..model import BertModel
+from ..model import BertModel, encoder_of
 from .hub import WEIGHT_FILES
 
 if TYPE_CHECKING:
@@ -439,7 +439,7 @@ def convert_state_dict(checkpoint: dict[str, Tensor], model: nn.Module,
         CheckpointError: if a tensor's shape differs from ours, naming the key and both shapes.
     """
     # Normalised name -> the checkpoint's spellings of it (both spellings of the MLM bias may occur).
-    family = key_table(getattr(model, "encoder", model))
+    family = key_table(encoder_of(model))
     spellings: dict[str, list[str]] = {}
     for key in checkpoint:
         spellings.setdefault(normalise_key(key, family), []).append(key)
@@ -546,7 +546,7 @@ def to_checkpoint_state(model: nn.Module) -> dict[str, Tensor]:
 def saved_config(model: nn.Module) -> BertConfig:
     """The config to write with a model: the encoder's, with the label names of a head that has
     them (a task head built with default labels, on a base config that has none)."""
-    config = getattr(model, "encoder", model).config
+    config = encoder_of(model).config
     labels = getattr(getattr(model, "head", None), "labels", None)
     if labels and [config.id2label.get(i) for i in range(len(config.id2label))] != list(labels):
         config = config.with_labels(list(labels))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import settings
-from ..model import gelu_tanh
+from ..model import encoder_of, gelu_tanh
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def int8_weight_limit() -> int:
     return 127 if vnni and not limited else 63
 
 
-def quantise_weight(weight: Tensor, levels: int) -> tuple[Tensor, Tensor]:
+def quantize_weight(weight: Tensor, levels: int) -> tuple[Tensor, Tensor]:
     """A weight's int8 codes in [-levels, levels] and its scale per output channel (symmetric): the
     rounding Int8Linear multiplies with; codes * scale[:, None] is the weight it computes with."""
     scale = (weight.abs().amax(dim=1) / levels).clamp_min(1e-12)
@@ -92,7 +92,7 @@ class Int8Linear(nn.Module):
                 raise ValueError(f"input_rotation of size {block} does not divide in_features {self.in_features}")
             weight = (weight.view(self.out_features, -1, block) @ input_rotation).view_as(weight)
         self.levels = int8_weight_limit()
-        quantised, scale = quantise_weight(weight, self.levels)
+        quantised, scale = quantize_weight(weight, self.levels)
         # An input far from symmetric about 0 (a GELU's output: >= -0.17, up to several units) would use
         # about half the 255 codes with steps symmetric about 0; each row's own [min, max] in 255 steps
         # uses them all. The offset's share of the output, midpoint x (row sums of W), is added back.
@@ -273,7 +273,7 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
     if unknown:
         raise ValueError(f"keep_fp32: {unknown} name no encoder projection; use NAME or LAYER.NAME with NAME one "
                          f"of {LINEAR_NAMES}")
-    encoder = getattr(model, "encoder", model)
+    encoder = encoder_of(model)
     if not onednn_int8_available():
         with warnings.catch_warnings():
             # torch marks its quantised-tensor API as deprecated in favour of torchao; it still works.
@@ -360,7 +360,7 @@ def pack_linear_layers(model: nn.Module) -> nn.Module:
     """Swap the encoder layers' projections for PackedLinear, in place (see the module docstring)."""
     if not can_pack(model):
         return model
-    encoder = getattr(model, "encoder", model)
+    encoder = encoder_of(model)
     for layer in encoder.layers:
         attention, ffn = layer.attention, layer.ffn
         if not isinstance(attention.qkv, nn.Linear):  # already packed or quantised
@@ -381,7 +381,7 @@ def _identity(x: Tensor) -> Tensor:
 
 def compile_encoder(model: nn.Module) -> nn.Module:
     """torch.compile each encoder layer (dynamic shapes); the first calls of each shape are slow."""
-    encoder = getattr(model, "encoder", model)
+    encoder = encoder_of(model)
     for i, layer in enumerate(encoder.layers):
         encoder.layers[i] = torch.compile(layer, dynamic=True)
     return model

@@ -28,6 +28,7 @@ from ..checkpoints.hub import default_backbone
 from ..checkpoints.loader import load
 from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
 from ..hookspecs import InputError, TaskContext
+from ..model import encoder_of
 from ..tokenizer import Batch, Tokenizer
 from .cancel import ModelLock
 from .fairness import ComputeGate, chunk_flops
@@ -281,7 +282,7 @@ class Predictor:
 
     def _encode(self, inputs: Mapping[str, Any]):
         """The encoder alone over model inputs, chunked (TaskContext.encode; the caller holds the lock)."""
-        encoder = getattr(self.model, "encoder", self.model)
+        encoder = encoder_of(self.model)
         moved = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         return forward_in_chunks(encoder, moved, self.max_rows)
 
@@ -295,7 +296,7 @@ class Predictor:
         dtype = self.precision or str(next(self.model.parameters()).dtype).removeprefix("torch.")
         info = {"plugin": self.task.plugin, "plugin_version": self.task.plugin_version, "task": self.task.spec.name,
                 "model": self.model_id, "revision": self.revision, "device": str(self.device), "dtype": dtype,
-                "family": getattr(getattr(self.model, "encoder", self.model), "config", None).model_type,
+                "family": getattr(encoder_of(self.model), "config", None).model_type,
                 "untrained_head": self.untrained_head}
         if latency_ms is not None:
             info["latency_ms"] = round(latency_ms, 2)
@@ -304,7 +305,7 @@ class Predictor:
     def attention(self, last: LastInput) -> tuple[list[str], list[torch.Tensor]]:
         """The tokens of `last` (an input's first row) and every layer's (N, T, T) attention over them."""
         batch, n = last.batch, len(last.tokens)
-        encoder = getattr(self.model, "encoder", self.model)
+        encoder = encoder_of(self.model)
         gate = self.gate.turn(row_flops(encoder, n)) if self.gate is not None else contextlib.nullcontext()
         with gate, self._lock, torch.inference_mode():
             out = encoder(batch.input_ids[:1, :n].to(self.device), None,

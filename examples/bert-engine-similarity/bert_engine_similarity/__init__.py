@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from bert_engine.hookspecs import InputError, TaskSpec, hookimpl, length_option
+from bert_engine.model import mean_pool
 
 
 class MeanPoolingHead(nn.Module):
@@ -25,11 +26,7 @@ class MeanPoolingHead(nn.Module):
         super().__init__()
 
     def forward(self, encoded) -> Tensor:
-        hidden = encoded.last_hidden_state  # (B, T, H)
-        if encoded.attention_mask is None:
-            return hidden.mean(dim=1)
-        mask = encoded.attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
-        return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)  # (B, H)
+        return mean_pool(encoded.last_hidden_state, encoded.attention_mask)  # (B, H): the sentence vector
 
 
 def preprocess(inputs, tokenizer, *, max_length: int | None):
