@@ -39,12 +39,18 @@ def _info(args: argparse.Namespace) -> dict:
 
     loaded = load(args.model, args.head, revision=args.revision)
     model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.model.config
-    return {
+    info = {
         "checkpoint": str(loaded.checkpoint.folder), "commit": loaded.checkpoint.commit,
         "model": type(model).__name__, "head": getattr(model, "head_name", None),
         "parameters": sum(p.numel() for p in model.parameters()),
         "config": config.to_dict(), "tokenizer_vocab_size": tokenizer.vocab_size,
     }
+    if args.kernels:  # timed on this machine's first ask, then read from the cache
+        from .runtime.fast import choose_kernels
+        from .runtime.precision import kernel_cache
+
+        info["kernels"] = choose_kernels(model.eval(), kernel_cache())
+    return info
 
 
 def _encode(args: argparse.Namespace) -> dict:
@@ -395,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--revision", default=None, help="Hub branch, tag or commit")
     info = sub.add_parser("info", parents=[common], help="load a checkpoint and describe it")
     info.add_argument("--head", default=None, help="head to load (mlm, sequence, token, span, auto, ...)")
+    info.add_argument("--kernels", action="store_true", help="also the matmul kernel each projection gets on this "
+                      "machine (oneDNN packed or MKL plain) and their timings (BERT_ENGINE_KERNELS=auto)")
     info.set_defaults(run=_info)
     encode = sub.add_parser("encode", parents=[common], help="tokenise and encode texts; mean-pooled vectors")
     encode.add_argument("text", nargs="+")

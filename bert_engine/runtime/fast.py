@@ -2,7 +2,10 @@
 
 `pack_linear_layers` runs the encoder's linear layers through oneDNN with their weights re-laid out
 once at load ("pre-packed") and the feed-forward GELU fused into its first matmul (outputs equal the
-plain layers to ~1e-5); a packed model is for inference only. Which precision uses which kernel, and
+plain layers to ~1e-5); a packed model is for inference only. Which is faster, oneDNN's packed matmul
+or MKL's sgemm behind plain nn.Linear, depends on the CPU (MKL runs its AVX2 code on AMD EPYCs, oneDNN
+its AVX-512 one; on AVX2-only parts either may win): `choose_kernels` times both on the model's own
+shapes once per machine and keeps the faster per projection (BERT_ENGINE_KERNELS). Which precision uses which kernel, and
 what the CPU must support for it, is decided in precision.py.
 
 `benchmarks/encoder.py` measures the speed of each and `benchmarks/workloads.py` the share of
@@ -11,9 +14,16 @@ predictions that stay identical to fp32; benchmarks/README.md lists the figures.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import platform
+import statistics
+import time
 import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -356,23 +366,112 @@ def can_pack(model: nn.Module) -> bool:
     return param.dtype == torch.float32
 
 
-def pack_linear_layers(model: nn.Module) -> nn.Module:
-    """Swap the encoder layers' projections for PackedLinear, in place (see the module docstring)."""
+PROJECTIONS = ("qkv", "out", "up", "down")  # an encoder layer's projections, as kernel choices name them
+
+
+def pack_linear_layers(model: nn.Module, only: Iterable[str] = PROJECTIONS) -> nn.Module:
+    """Swap the encoder layers' projections named in `only` (PROJECTIONS) for PackedLinear, in place
+    (see the module docstring); the others stay nn.Linear (MKL through addmm)."""
     if not can_pack(model):
         return model
+    only = set(only)
     encoder = encoder_of(model)
     for layer in encoder.layers:
         attention, ffn = layer.attention, layer.ffn
-        if not isinstance(attention.qkv, nn.Linear):  # already packed or quantised
-            continue
-        attention.qkv, attention.out = PackedLinear(attention.qkv), PackedLinear(attention.out)
-        if ffn.act in PackedLinear._GELU:
-            ffn.up, ffn.act = PackedLinear(ffn.up, ffn.act), _identity
-        else:
-            ffn.up = PackedLinear(ffn.up)
-        ffn.down = PackedLinear(ffn.down)
+        if "qkv" in only and isinstance(attention.qkv, nn.Linear):  # not already packed or quantised
+            attention.qkv = PackedLinear(attention.qkv)
+        if "out" in only and isinstance(attention.out, nn.Linear):
+            attention.out = PackedLinear(attention.out)
+        if "up" in only and isinstance(ffn.up, nn.Linear):
+            if ffn.act in PackedLinear._GELU:
+                ffn.up, ffn.act = PackedLinear(ffn.up, ffn.act), _identity
+            else:
+                ffn.up = PackedLinear(ffn.up)
+        if "down" in only and isinstance(ffn.down, nn.Linear):
+            ffn.down = PackedLinear(ffn.down)
     model.eval()
     return model
+
+
+KERNEL_ROWS = (128, 2048)  # rows a kernel is timed on: a visitor's sentence, and a batch of 16 x 128
+PLAIN_MARGIN = 0.9  # plain replaces packed (the default) only when at least 10 % faster: not on timing noise
+
+
+def _projections(layer: nn.Module) -> dict[str, tuple[nn.Linear, Any]]:
+    return {"qkv": (layer.attention.qkv, None), "out": (layer.attention.out, None),
+            "up": (layer.ffn.up, layer.ffn.act), "down": (layer.ffn.down, None)}
+
+
+def time_kernels(linear: nn.Linear, activation: Any = None, rows: Iterable[int] = KERNEL_ROWS,
+                 repeats: int = 3) -> dict[str, float]:
+    """Seconds (median of `repeats`, summed over `rows`) of one projection (and its activation) as
+    oneDNN's packed matmul with the activation fused ("packed") and as nn.Linear then the activation
+    ("plain": MKL's sgemm through addmm)."""
+    packed = PackedLinear(linear, activation if activation in PackedLinear._GELU else None)
+    after = _identity if activation is None or activation in PackedLinear._GELU else activation
+    candidates = {"packed": lambda x: after(packed(x)),
+                  "plain": lambda x: (activation or _identity)(F.linear(x, linear.weight, linear.bias))}
+    total = dict.fromkeys(candidates, 0.0)
+    with torch.inference_mode():
+        for n in rows:
+            x = torch.randn(n, linear.in_features, dtype=linear.weight.dtype, generator=torch.Generator().manual_seed(n))
+            for name, run in candidates.items():
+                run(x)  # warm-up: packing caches, first-touch of the output
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    run(x)
+                    times.append(time.perf_counter() - start)
+                total[name] += statistics.median(times)
+    return total
+
+
+def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dict[str, Any]]:
+    """For each projection of the encoder's layers (all layers share the shapes): the faster of the
+    packed oneDNN and the plain MKL path on this machine (plain when PLAIN_MARGIN faster), with both timings. Timed once per CPU,
+    torch version, threads, dtype and shape, and kept in `cache` (a JSON file; None: not kept)."""
+    encoder = encoder_of(model)
+    if not can_pack(model) or not len(encoder.layers):
+        return {}
+    stored: dict[str, Any] = {}
+    if cache is not None and cache.is_file():
+        try:
+            stored = json.loads(cache.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            stored = {}
+    machine = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    choice, changed = {}, False
+    for name, (linear, activation) in _projections(encoder.layers[0]).items():
+        if not isinstance(linear, nn.Linear):
+            continue
+        act = getattr(activation, "__name__", type(activation).__name__) if activation is not None else "none"
+        key = f"{machine}|{linear.weight.dtype}|{linear.in_features}x{linear.out_features}|{act}"
+        if key not in stored:
+            timed = time_kernels(linear, activation)
+            stored[key] = {"packed_ms": round(1000 * timed["packed"], 3), "plain_ms": round(1000 * timed["plain"], 3)}
+            changed = True
+        found = stored[key]
+        plain = found["plain_ms"] < PLAIN_MARGIN * found["packed_ms"]
+        choice[name] = {**found, "chose": "plain" if plain else "packed"}
+    if changed and cache is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            partial = cache.with_suffix(f".{os.getpid()}.partial")
+            partial.write_text(json.dumps(stored, indent=1), encoding="utf-8")
+            os.replace(partial, cache)
+        except OSError as err:  # a read-only home: the choice holds for this process
+            logger.info("kernel timings not kept in %s: %s", cache, err)
+    return choice
+
+
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    try:
+        lines = cpuinfo.read_text(encoding="utf-8").splitlines() if cpuinfo.is_file() else []
+    except OSError:
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def _identity(x: Tensor) -> Tensor:

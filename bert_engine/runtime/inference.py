@@ -298,6 +298,9 @@ class Predictor:
                 "model": self.model_id, "revision": self.revision, "device": str(self.device), "dtype": dtype,
                 "family": getattr(encoder_of(self.model), "config", None).model_type,
                 "untrained_head": self.untrained_head}
+        kernels = getattr(self.model, "kernel_choice", None)
+        if kernels:  # which matmul kernel each projection uses on this machine (runtime.fast.choose_kernels)
+            info["kernels"] = {name: choice["chose"] for name, choice in kernels.items()}
         if latency_ms is not None:
             info["latency_ms"] = round(latency_ms, 2)
         return info

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -146,6 +147,11 @@ def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
     return precision.dtype if precision.autocast else None
 
 
+def kernel_cache() -> Path:
+    """Where the kernel timings of `fast.choose_kernels` are kept (BERT_ENGINE_KERNEL_CACHE)."""
+    return Path(settings.get("BERT_ENGINE_KERNEL_CACHE") or Path.home() / ".cache" / "bert_engine" / "kernels.json")
+
+
 def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = True,
                           compile: bool = False) -> nn.Module:
     """What the Predictor does to a loaded model: the precision's dtype, then its preparation (int8
@@ -163,7 +169,16 @@ def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = 
     if precision.prepare == "quantize":
         fast.quantize_int8(model)
     elif precision.prepare == "pack" and pack and not compile:  # Inductor cannot lower the packed matmuls;
-        fast.pack_linear_layers(model)                          # it fuses the plain layers its own way
+        kernels = settings.get("BERT_ENGINE_KERNELS")           # it fuses the plain layers its own way
+        if kernels not in ("auto", "packed", "plain"):
+            raise PrecisionError(f"BERT_ENGINE_KERNELS={kernels!r} is not one of auto, packed, plain")
+        if kernels == "auto":  # the faster of oneDNN (packed) and MKL (plain) per projection, on this machine
+            choice = fast.choose_kernels(model, kernel_cache())
+            model.kernel_choice = choice
+            fast.pack_linear_layers(model, [name for name, c in choice.items() if c["chose"] == "packed"])
+        else:
+            model.kernel_choice = {name: {"chose": kernels} for name in fast.PROJECTIONS}
+            fast.pack_linear_layers(model, fast.PROJECTIONS if kernels == "packed" else ())
     if compile:
         fast.compile_encoder(model)
     return model
