@@ -122,7 +122,7 @@ def ner(folder: Path, data: Path, precision: str, limit: int | None):
     def score(side):
         report = {}
         for key in (side, "engine_crf") if side == "engine" else (side,):
-            found = [set(p) for p in out[key]]
+            found = [{tuple(e) for e in p} for p in out[key]]
             gold = [set(_gold_entities(x, t)) for x, t in examples]
             tp = sum(len(f & g) for f, g in zip(found, gold))
             p, r = tp / max(1, sum(map(len, found))), tp / max(1, sum(map(len, gold)))

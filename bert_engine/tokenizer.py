@@ -1,4 +1,4 @@
-"""A thin layer over the `tokenizers` library's WordPiece: texts and pairs -> padded model tensors.
+"""A thin layer over the `tokenizers` library (WordPiece, byte-level BPE, Unigram): texts and pairs -> padded model tensors.
 
 Keeps what tasks need after the model has run: character offsets, which sequence each token
 belongs to, word ids, and for long inputs the overflowing windows with their source text.

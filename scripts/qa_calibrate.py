@@ -8,8 +8,9 @@
 2. On half A it fits the answerability verifier (`plugins.qa_answerability`: a dozen logistic weights
    over the span head's scores and the question's words the context never says) and reads three
    thresholds on its P(no answer), each named for what a visitor gets: "eager" refuses at most 5 % of
-   half A's answerable questions (the shipped default: a visitor mostly asks what the text says),
-   "balanced" at most 15 %, "cautious" maximises half A's F1 (SQuAD 2.0's half-unanswerable mix, where
+   half A's answerable questions and of QED train's (another domain's real search questions, all
+   answerable; --answerable; QED dev stays held out) (the shipped default: a visitor mostly asks what
+   the text says), "balanced" at most 15 % of each, "cautious" maximises half A's F1 (SQuAD 2.0's half-unanswerable mix, where
    it refuses about 45 %). The same three on the null gap alone, for comparison.
 3. Scores each on half B (F1, HasAns F1, unanswerable caught, answerable refused, ROC AUC), and the
    answerable refusal rate and F1 on SQuAD 1.1 dev and QED dev (all answerable, never tuned on).
@@ -77,10 +78,20 @@ def scored(rows: list[tuple[dict, dict, dict]], score) -> list[tuple[float, floa
     return out
 
 
-def thresholds(rows: list[tuple[float, float, float]]) -> dict[str, float]:
-    """The three presets' thresholds read off calibration rows (score above threshold: "no answer")."""
-    has = sorted(s for s, _, none in rows if not none and math.isfinite(s))
-    out = {name: has[min(len(has) - 1, math.ceil((1 - share) * len(has)) - 1)] for name, share in REFUSALS.items()}
+def refusal_threshold(scores: list[float], share: float) -> float:
+    """The lowest threshold at which at most `share` of these answerable questions' scores lie above it."""
+    has = sorted(s for s in scores if math.isfinite(s))
+    return has[min(len(has) - 1, math.ceil((1 - share) * len(has)) - 1)]
+
+
+def thresholds(rows: list[tuple[float, float, float]],
+               answerable: list[list[tuple[float, float, float]]] = ()) -> dict[str, float]:
+    """The three presets' thresholds read off calibration rows (score above threshold: "no answer").
+    "eager" and "balanced" refuse at most their share of the answerable questions of the rows and of
+    each set in `answerable` (questions from elsewhere, all answerable): the strictest of them."""
+    sets = [[s for s, _, none in rows if not none], *[[s for s, _, _ in extra] for extra in answerable]]
+    out = {name: max(refusal_threshold(scores, share) for scores in sets if scores)
+           for name, share in REFUSALS.items()}
     ordered = sorted(rows, key=lambda r: r[0])
     total = best = sum(none for _, _, none in ordered)  # everything "no answer"
     out["cautious"] = ordered[0][0] - 1.0
@@ -112,6 +123,10 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=Path("runs/qa_calibration.json"))
     parser.add_argument("--preset", choices=PRESETS, default="eager", help="the shipped default")
     parser.add_argument("--write-pack", action="store_true", help="write verifier + thresholds into the manifest")
+    parser.add_argument("--answerable", nargs="*", type=Path, default=None,
+                        help="more answerable questions (SQuAD layout) the eager and balanced presets must not "
+                        "refuse beyond their share (default: QED train, so another domain's questions count too; "
+                        "its dev split stays held out)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     folder = Path(args.model)
@@ -134,11 +149,14 @@ def main() -> None:
 
     others = {name: predictions(predictor, path, "dev", cache / path.name) for name, path in (
         ("SQuAD 1.1 dev", args.data / "squad" / "dev-v1.1.json"), ("QED dev", args.data / "qed" / "qed-dev.squad.json"))}
+    extra_paths = args.answerable if args.answerable is not None else sorted((args.data / "qed").glob("qed-train*.json"))
+    answerable = {path.name: predictions(predictor, path, "train", cache / path.name) for path in extra_paths}
     report = {"model": str(folder), "calibration_questions": len(calibration), "heldout_questions": len(heldout),
+              "answerable_calibration": {name: len(rows) for name, rows in answerable.items()},
               "features": list(FEATURES), "verifier": verifier, "rules": {}}
     for name, score in (("null gap", gap), ("verifier", verified)):
         rows = scored(calibration, score)
-        cut = thresholds(rows)
+        cut = thresholds(rows, [scored(extra, score) for extra in answerable.values()])
         held = scored(heldout, score)
         rule = {"thresholds": cut,
                 "heldout_auc": auc([s for s, _, n in held if n], [s for s, _, n in held if not n]),
