@@ -274,7 +274,6 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
     (SystemExit, KeyboardInterrupt, a native library's panic): the server keeps answering."""
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
-
     in_flight = in_flight or InFlight()
 
     def call(*args, **kwargs):
@@ -646,6 +645,7 @@ def _build_plugins_tab(gr, registry: Registry, endpoints: dict[str, Any]):
     table = gr.Dataframe(value=plugin_rows(registry), headers=["plugin", "version", "source", "tasks", "status", "reason"],
                          interactive=False, wrap=True, label="Plugins", show_label=False)
     refresh = gr.Button("Refresh", size="sm")
+
     def plugins() -> list[list[str]]:
         """The task plugins: name, version, source, tasks and status (failures with their reason)."""
         return plugin_rows(registry)

@@ -401,7 +401,6 @@ def evaluate(predictor, examples, *, progress: bool = False, batch_size: int = 6
     """Masked-token accuracy on held-out passages: 15 % of the tokens masked with a fixed seed;
     top-1 / top-5 accuracy of the original token and the perplexity over the masked tokens."""
 
-
     predictor = predictor.get()
     model, tokenizer = predictor.model, predictor.tokenizer
     generator = torch.Generator().manual_seed(seed)
@@ -440,7 +439,6 @@ def pipeline_output(result: dict, options, single: bool):
     return per_mask[0] if len(per_mask) == 1 else per_mask
 
 
-
 def brief(result) -> str:
     """The top candidates per mask: "[MASK] 1: city 41 %, capital 30 %"."""
     parts = []
@@ -448,6 +446,7 @@ def brief(result) -> str:
         top = ", ".join(f"{c['token']} {ui.percent(c['score'])}" for c in prediction["candidates"][:3])
         parts.append(f"{prediction['text']} {prediction['mask'] + 1}: {top}" if result["masks"] > 1 else top)
     return "; ".join(parts)
+
 
 @hookimpl
 def register_tasks(register):

@@ -476,13 +476,13 @@ def pipeline_output(result: dict, options, single: bool) -> list[dict]:
             for e in result["entities"]]
 
 
-
 def brief(result) -> str:
     """The entities with type and score: "Tim Cook (PER 99 %), Berlin (LOC 98 %)"."""
     entities = result["entities"]
     if not entities:
         return "no entities found"
     return ", ".join(f"{e['text']} ({e['type']} {ui.percent(e['score'])})" for e in entities)
+
 
 @hookimpl
 def register_tasks(register):

@@ -31,6 +31,7 @@ _fold = functools.lru_cache(maxsize=4096)(normalize_answer)
 NEGATIVE_SHARE = 0.33  # each construction gets a draw at about a third of the questions: SQuAD 2.0's ratio
 ANTONYMS_FILE = Path(__file__).with_name("qa_antonyms.tsv")  # scripts/build_antonyms.py writes it (WordNet 3.0)
 
+
 def _draw(qa: dict, salt: str = "") -> int:
     """A fixed pseudo-random 32-bit number per question (a hash of its id): the same choices every run."""
     return int(hashlib.sha256((salt + str(qa.get("id", qa["question"]))).encode()).hexdigest()[:8], 16)

@@ -285,10 +285,10 @@ def pipeline_output(result: dict, options, single: bool):
     return [top] if single else top
 
 
-
 def brief(result) -> str:
     """The label and its probability: "POSITIVE 98 %"."""
     return f"{result['label']} {ui.percent(result['score'])}"
+
 
 @hookimpl
 def register_tasks(register):

@@ -543,10 +543,10 @@ def pipeline_output(result: dict, options, single: bool):
     return [summary] if single else summary
 
 
-
 def brief(result) -> str:
     """The chosen sentences."""
     return result["summary"] or "no sentence chosen"
+
 
 @hookimpl
 def register_tasks(register):

@@ -282,6 +282,7 @@ def test_user_text_is_shown_as_text_never_run_as_html(browser_page, tab, button,
 
 def _luminance(rgb: str) -> float:
     r, g, b = (float(v) / 255 for v in rgb[rgb.index("(") + 1:rgb.index(")")].split(",")[:3])
+
     def lin(c: float) -> float:
         return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
     return 0.2126 * lin(r) + 0.7152 * lin(g) + 0.0722 * lin(b)

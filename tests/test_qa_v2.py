@@ -142,7 +142,6 @@ def test_swapped_negatives_ask_about_a_name_or_number_the_paragraph_never_says(t
         x for x in examples if x[0]["question"] not in asked]
 
 
-
 @pytest.mark.parametrize(("question", "negated"), [
     ("When did Beyonce leave Destiny's Child?", "When did Beyonce not leave Destiny's Child?"),
     ("Who did the British East India Company hire?", "Who did the British East India Company not hire?"),

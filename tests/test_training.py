@@ -237,7 +237,6 @@ def test_resume_after_interrupt_continues_from_the_same_step(tiny_checkpoint, tm
         torch.testing.assert_close(cut[key], full[key], atol=1e-6, rtol=1e-5)
 
 
-
 def test_stop_after_ends_early_on_the_full_schedule_and_resume_finishes_it(tiny_checkpoint, tmp_path, caplog):
     task = load_registry(entry_points=False).task("sentiment")
     full_cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "full", log_every=1)

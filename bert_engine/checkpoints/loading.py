@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
 # -- the mapping tables, one per family ------------------------------------------------------------
 # (our parameter, checkpoint key(s)). Several checkpoint keys are concatenated along dim 0, in order:
 # we fuse query/key/value into one projection. "{i}" is the index of a distinct layer (ALBERT shares
@@ -230,7 +229,6 @@ def _parts(model: nn.Module) -> tuple[BertModel, str, str | None]:
 
 
 # -- reading weight files ----------------------------------------------------------------------------
-
 
 
 def find_weights(folder: Path) -> Path:

@@ -209,7 +209,6 @@ def save_adapter(model: nn.Module, folder, config: LoraConfig, base_model: str, 
         base_folder: the resolved base folder, whose weights' sha256 is recorded.
     """
 
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tied = {id(p) for p in model.encoder.embeddings.parameters()}
@@ -257,7 +256,6 @@ def looks_local(name: str) -> bool:
 def check_local_base(base: str, adapter_folder, allowed_dirs) -> None:
     """An adapter's base_model that is a local folder must lie inside `allowed_dirs` (None: anywhere);
     checked before anything is opened, so the error says nothing of what exists on the server."""
-
 
     if allowed_dirs is None or not looks_local(base):
         return

@@ -3,7 +3,6 @@ pretraining data (pairs, masking) and distillation.
 """
 
 
-
 def __getattr__(name: str):
     """`bert_engine.training` was one module (the loop, and the torchrun helpers now in
     runtime.distributed) before the layers of issue 37; its names still resolve here."""

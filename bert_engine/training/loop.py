@@ -52,7 +52,6 @@ class Job(Protocol):
     # optional: example_lengths() -> list[int], the token count of each example, for length bucketing
 
 
-
 # -- distributed ---------------------------------------------------------------------------------------
 
 def _mean_over_ranks(values: dict[str, float], dist_info: Distributed, device) -> dict[str, float]:

@@ -22,7 +22,6 @@ from ..tokenizer import Batch, Tokenizer
 logger = logging.getLogger(__name__)
 
 
-
 def read_documents(path: str | Path) -> list[list[str]]:
     """Documents (lists of non-empty lines) from a file or every *.txt / *.tokens / *.raw file in a folder.
 

@@ -163,7 +163,6 @@ def test_bad_input_is_a_clear_input_error(predictor, text, options, message):
         predictor.predict({"text": text}, **options)
 
 
-
 def test_loads_from_a_hub_id_served_locally(task, checkpoint, fake_hub, tmp_path):
     fake_hub.repos[("owner/mlm", "main")] = checkpoint
     hub = Predictor.load(task, "owner/mlm", endpoint=fake_hub.endpoint, cache_dir=tmp_path / "cache")

@@ -228,7 +228,6 @@ def test_bad_input_and_options_name_the_value(task, plain_checkpoint):
         NerHead(predictor.model.config.with_labels(["O", "PERSON"]))
 
 
-
 def test_cli_predicts_ner_with_provenance(plain_checkpoint):
     out = subprocess.run([sys.executable, "-m", "bert_engine", "predict", "ner", "--model", str(plain_checkpoint),
                           "-i", "text=Tim Cook visited Berlin."], capture_output=True, text=True, check=True)

@@ -188,7 +188,6 @@ def test_minilm_encoder_with_a_fresh_head_gives_valid_offsets(task, minilm_dir):
         assert inputs["context"][answer["start"]:answer["end"]] == answer["answer"]
 
 
-
 def _reference_long_context_best(checkpoint, question, context, max_seq_len, doc_stride, max_answer_len):
     """The classic BERT/SQuAD n-best decoding, written independently over the reference tokenizer's
     own windows and the reference model's logits: spans ranked by start + end logit across windows,

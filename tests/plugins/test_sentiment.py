@@ -115,7 +115,6 @@ def test_minilm_encoder_with_a_fresh_head(task, minilm_dir):
     assert sum(item["score"] for item in output["result"]["labels"]) == pytest.approx(1.0, abs=1e-5)
 
 
-
 def test_metric_and_reader(task, tmp_path):
     path = tmp_path / "dev.tsv"
     path.write_text("sentence\tlabel\ngood film \t1\nbad film \t0\n")

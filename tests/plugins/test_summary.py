@@ -244,7 +244,6 @@ def test_split_is_fixed_and_bad_lines_name_the_line(tmp_path):
         list(read_data(bad, "all"))
 
 
-
 def test_cli_predicts_a_summary_with_provenance(minilm_dir):
     out = subprocess.run([sys.executable, "-m", "bert_engine", "predict", "summary", "-i", f"text={DOC}",
                           "-o", "num_sentences=2"], capture_output=True, text=True, check=True)
