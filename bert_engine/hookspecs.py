@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import pluggy
 
+from .errors import InputError as InputError  # the plugin contract's error (plugins import it from here)
+
 if TYPE_CHECKING:  # annotations only: a plugin importing the contract does not load torch through it
     from torch import Tensor
 
@@ -24,13 +26,6 @@ if TYPE_CHECKING:  # annotations only: a plugin importing the contract does not 
 PROJECT = "bert_engine"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
-
-
-class InputError(ValueError):
-    """The documented error for bad user input (empty text, no [MASK], a value out of range).
-
-    Tasks raise it from `preprocess`; the playground shows its message, never a stack trace.
-    """
 
 
 def check_int(task: str, name: str, value: Any, low: int, high: int) -> None:

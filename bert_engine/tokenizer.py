@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 from torch import Tensor
 
+from .errors import InputError
 from .files import MAX_METADATA_BYTES, MAX_TOKENIZER_BYTES, metadata_file
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class Tokenizer:
         self.special_tokens = {**SPECIAL_TOKENS, **(special_tokens or {})}
         self.do_lower_case = do_lower_case
         self.backend.no_padding()
+        # A normaliser that can lengthen text (Replace, NFKC's ligatures, a SentencePiece map): texts are
+        # measured after it, in pieces, before the whole is tokenised (normalised_length).
+        self.grows = _can_grow(json.loads(backend.to_str()).get("normalizer"))
         self._lock = threading.Lock()  # truncation settings live on the backend; calls must not interleave
         for name, token in self.special_tokens.items():
             if backend.token_to_id(token) is None:
@@ -155,6 +159,10 @@ class Tokenizer:
                 backend = Backend.from_file(str(path))
             except Exception as err:  # the Rust library raises a bare Exception on parse errors
                 raise ValueError(f"{folder / 'tokenizer.json'}: cannot be parsed ({err})") from None
+            growth = _growth(json.loads(backend.to_str()).get("normalizer"))
+            if growth > MAX_NORMALISER_GROWTH:
+                raise ValueError(f"{folder / 'tokenizer.json'}: its normaliser can make a text {growth:,.0f} times "
+                                 f"longer before tokenising (a Replace rule); the limit is {MAX_NORMALISER_GROWTH}")
             kind = config.get("tokenizer_class")
             return cls(backend, model_max_length=max_length, special_tokens=specials, do_lower_case=lowercase,
                        tokenizer_class=kind if isinstance(kind, str) and kind.isidentifier() else "BertTokenizer")
@@ -224,6 +232,24 @@ class Tokenizer:
             return token[len(prefix):] if token.startswith(prefix) else token
         return self.backend.decode([int(token_id)], skip_special_tokens=False).strip()
 
+    def check_normalised_length(self, text: str) -> int:
+        """The text's length after the normaliser, measured a piece at a time (memory stays bounded
+        whatever the normaliser does).
+
+        Raises:
+            InputError: past MAX_NORMALISED_CHARS, naming the growth.
+        """
+        normalizer, total = self.backend.normalizer, 0
+        if normalizer is None:
+            return len(text)
+        for start in range(0, len(text), _NORMALISE_PIECE):
+            total += len(normalizer.normalize_str(text[start:start + _NORMALISE_PIECE]))
+            if total > MAX_NORMALISED_CHARS:
+                raise InputError(f"this model's tokenizer turns the first {start + _NORMALISE_PIECE:,} of the text's "
+                                 f"{len(text):,} characters into {total:,} (its normaliser lengthens text); the limit "
+                                 f"is {MAX_NORMALISED_CHARS:,}: send a shorter text or pick another model")
+        return total
+
     def tokenize(self, text: str) -> list[str]:
         """Word pieces of `text`, without special tokens."""
         return self.pieces([text])[0].tokens
@@ -234,6 +260,9 @@ class Tokenizer:
         For callers that assemble model inputs themselves (several sentences per row, for example).
         """
         texts = [_clean(t) for t in _as_batch(list(texts), "text")] if texts else []
+        if self.grows:
+            for text in texts:
+                self.check_normalised_length(text)
         with self._lock:  # truncation is state of the shared backend
             self.backend.no_truncation()
             return self.backend.encode_batch(texts, add_special_tokens=False) if texts else []
@@ -281,6 +310,9 @@ class Tokenizer:
             raise ValueError(f"max_length {max_length} leaves no room for text after {num_specials} special tokens")
         if return_overflowing and not 0 <= stride < max_length - num_specials:
             raise ValueError(f"stride {stride} must lie in [0, {max_length - num_specials})")
+        if self.grows:
+            for value in (*texts, *(pairs or ())):
+                self.check_normalised_length(value)
         inputs = list(zip(texts, pairs)) if pairs is not None else texts
         with self._lock:
             if truncation is None:
@@ -332,6 +364,37 @@ def _without_leading_space(offsets, sequence_ids, texts: tuple[str, str]) -> lis
                 start += 1
         out.append((start, end))
     return out
+
+
+# A tokenizer.json whose Replace rules lengthen text more than this is refused at load; the longest a
+# text may be after normalising (the inputs' limit is 1,000,000 characters) is checked per request.
+MAX_NORMALISER_GROWTH = 8
+MAX_NORMALISED_CHARS = 2_000_000
+_NORMALISE_PIECE = 65_536  # characters normalised at a time while measuring
+
+
+def _normalisers(spec: Any) -> list[dict]:
+    """The normaliser steps of a tokenizer.json's "normalizer" entry (a Sequence flattened)."""
+    if not isinstance(spec, dict):
+        return []
+    if spec.get("type") == "Sequence":
+        return [step for inner in spec.get("normalizers") or [] for step in _normalisers(inner)]
+    return [spec]
+
+
+def _growth(spec: Any) -> float:
+    """How many times longer the Replace rules of a normaliser can make a text (1: none lengthens it)."""
+    growth = 1.0
+    for step in _normalisers(spec):
+        if step.get("type") == "Replace":
+            pattern, content = step.get("pattern") or {}, str(step.get("content") or "")
+            shortest = len(pattern["String"]) if isinstance(pattern, dict) and isinstance(pattern.get("String"), str) else 1
+            growth *= max(1.0, len(content) / max(1, shortest))
+    return growth
+
+
+def _can_grow(spec: Any) -> bool:
+    return any(step.get("type") in ("Replace", "Precompiled", "NFKC", "NFKD", "Prepend") for step in _normalisers(spec))
 
 
 def _clean(text: str) -> str:

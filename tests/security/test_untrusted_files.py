@@ -222,3 +222,46 @@ def test_a_safetensors_header_with_an_unknown_dtype_or_bad_shape_is_named(tiny):
         path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
         with pytest.raises(CheckpointError, match=message):
             declared_bytes(path)
+
+
+def _with_normaliser(folder, steps):
+    """The checkpoint's tokenizer.json with `steps` appended to its normaliser (a Sequence)."""
+    from tokenizers import Tokenizer as Backend
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        from bert_engine import load_tokenizer
+        load_tokenizer(folder).save(folder)
+    spec = json.loads(path.read_text())
+    base = spec.get("normalizer")
+    spec["normalizer"] = {"type": "Sequence", "normalizers": ([base] if base else []) + steps}
+    path.write_text(json.dumps(spec))
+    Backend.from_file(str(path))  # still a valid tokenizer.json for the library itself
+
+
+def test_a_normaliser_that_multiplies_text_is_refused_at_load(tiny):
+    """A Replace rule "a" -> 50 x "a " would turn the 1,000,000-character input limit into 100 million
+    characters before tokenising (issue 36 #5): refused when the tokenizer loads, naming the growth."""
+    from bert_engine import load_tokenizer
+
+    _with_normaliser(tiny, [{"type": "Replace", "pattern": {"String": "a"}, "content": "a " * 50}])
+    with pytest.raises(ValueError, match="can make a text 100 times longer before tokenising.*the limit is 8"):
+        load_tokenizer(tiny)
+
+
+def test_text_that_a_legal_normaliser_lengthens_past_the_limit_is_refused_in_pieces(tiny):
+    """A rule within the load limit (x 8) still meets the per-request bound, measured a piece at a
+    time: an InputError naming the sizes, not gigabytes of tokens (and not a failing plugin)."""
+    import time
+
+    from bert_engine import load_tokenizer
+    from bert_engine.errors import InputError
+
+    _with_normaliser(tiny, [{"type": "Replace", "pattern": {"String": "a"}, "content": "aaaaaaaa"}])
+    tokenizer = load_tokenizer(tiny)
+    assert tokenizer.grows
+    assert tokenizer("a cat").input_ids.shape[0] == 1  # ordinary text still tokenises
+    start = time.monotonic()
+    with pytest.raises(InputError, match="turns the first .* characters into .*the limit is 2,000,000"):
+        tokenizer("a" * 1_000_000)
+    assert time.monotonic() - start < 10
