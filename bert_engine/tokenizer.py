@@ -11,7 +11,8 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -265,7 +266,8 @@ class Tokenizer:
                 self.check_normalised_length(text)
         with self._lock:  # truncation is state of the shared backend
             self.backend.no_truncation()
-            return self.backend.encode_batch(texts, add_special_tokens=False) if texts else []
+            with _backend_crash_is_the_models():
+                return self.backend.encode_batch(texts, add_special_tokens=False) if texts else []
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.backend.id_to_token(int(i)) for i in ids]
@@ -321,7 +323,10 @@ class Tokenizer:
                 self.backend.enable_truncation(max_length, stride=stride if return_overflowing else 0,
                                                strategy=truncation)
             try:
-                encodings = self.backend.encode_batch(inputs)
+                with _backend_crash_is_the_models():
+                    encodings = self.backend.encode_batch(inputs)
+            except InputError:
+                raise
             except Exception as err:  # the Rust library raises a bare Exception, e.g. a pair that cannot fit
                 raise ValueError(f"cannot tokenise with max_length={max_length}, truncation={truncation!r}: {err}") from None
         rows, sample_index, truncated = [], [], []
@@ -371,6 +376,21 @@ def _without_leading_space(offsets, sequence_ids, texts: tuple[str, str]) -> lis
 MAX_NORMALISER_GROWTH = 8
 MAX_NORMALISED_CHARS = 2_000_000
 _NORMALISE_PIECE = 65_536  # characters normalised at a time while measuring
+
+
+@contextmanager
+def _backend_crash_is_the_models() -> Iterator[None]:
+    """A panic inside the Rust tokenizer (pyo3's PanicException, a BaseException: a checkpoint's
+    catastrophic regex, say) as an InputError naming it: the model's tokenizer failed on this text,
+    which is the picked model's fault, not a task's (the plugin is not marked failing)."""
+    try:
+        yield
+    except BaseException as err:
+        if type(err).__name__ != "PanicException":
+            raise
+        message = str(err).splitlines()[0][:200] if str(err) else ""
+        raise InputError(f"this model's tokenizer crashed on the text (PanicException: {message}); "
+                         "try another text or pick another model") from None
 
 
 def _normalisers(spec: Any) -> list[dict]:

@@ -265,3 +265,23 @@ def test_text_that_a_legal_normaliser_lengthens_past_the_limit_is_refused_in_pie
     with pytest.raises(InputError, match="turns the first .* characters into .*the limit is 2,000,000"):
         tokenizer("a" * 1_000_000)
     assert time.monotonic() - start < 10
+
+
+def test_a_tokenizer_that_panics_is_the_models_error_not_the_tasks(tiny):
+    """A picked checkpoint's catastrophic pre-tokeniser regex makes the Rust library panic (pyo3's
+    PanicException, a BaseException) on a long run of one letter: the request gets an InputError naming
+    it, so the task's plugin is not marked failing for every visitor (issue 36 #6)."""
+    from bert_engine import load_tokenizer
+    from bert_engine.errors import InputError
+
+    path = tiny / "tokenizer.json"
+    if not path.is_file():
+        load_tokenizer(tiny).save(tiny)
+    spec = json.loads(path.read_text())
+    spec["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a|a)+$"}, "behavior": "Isolated", "invert": False}
+    path.write_text(json.dumps(spec))
+    tokenizer = load_tokenizer(tiny)
+    with pytest.raises(InputError, match="this model's tokenizer crashed on the text \\(PanicException: "):
+        tokenizer("a" * 40 + "b")
+    with pytest.raises(InputError, match="PanicException"):
+        tokenizer.pieces(["a" * 40 + "b"])
