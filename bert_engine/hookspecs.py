@@ -87,10 +87,23 @@ class TaskContext:
     encode: model inputs (input_ids, attention_mask, token_type_ids, and e.g. output_hidden_states)
         -> the encoder's output, for tasks that re-run the encoder on edited inputs (fill-mask's beam
         search, the summary's fallback); chunked like every forward, on the model's device.
+    labels: the head's label names in id order (`head.labels`: the checkpoint's id2label when it has
+        one), None for a head without labels. Name predictions by it: a checkpoint may order its
+        labels differently from the task's declared default.
     """
 
     tokenizer: Tokenizer
     encode: Callable[[Mapping[str, Any]], EncoderOutput]
+    labels: tuple[str, ...] | None = None
+
+
+def takes_keyword(function: Callable[..., Any] | None, name: str) -> bool:
+    """Whether `function` declares a parameter `name` (the host passes optional arguments only to
+    the hooks that ask for them, e.g. `labels=` to training_batch and loss)."""
+    try:
+        return function is not None and name in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
 
 
 def takes_context(postprocess: Callable[..., Any]) -> bool:
@@ -129,8 +142,9 @@ class TaskSpec:
         training_batch: (examples: list of (inputs, target), tokenizer, generator) -> (Batch, targets
             for `loss`): targets aligned to the batch's rows and tokens; `generator` (a seeded
             torch.Generator) drives any randomness such as masking. Without it, inputs are
-            preprocessed with the default options and the targets passed to `loss` as read.
-        loss: (head output, targets) -> scalar tensor (the mean over the batch).
+            preprocessed with the default options and the targets passed to `loss` as read. Declare
+            a `labels` parameter to get the head's label names in id order (the checkpoint's).
+        loss: (head output, targets) -> scalar tensor (the mean over the batch); `labels=` as above.
         metric: (results: list of postprocess results, targets: list as read) -> {name: number}.
         evaluate: (predictor, examples: list of (inputs, target), progress, **options) -> metrics;
             replaces the generic "predict every example, then `metric`" evaluation (masked-token

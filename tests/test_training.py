@@ -797,3 +797,81 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_the_log_stays_json(
     saved = torch.load(tmp_path / "run" / "last" / "trainer_state.pt", weights_only=True)
     assert saved["state"]["step"] == 2
     assert not (tmp_path / "run" / "best").exists()
+
+
+def test_a_checkpoint_with_its_own_label_order_is_trained_and_named_in_it(tmp_path):
+    """A third-party task whose data names its labels ("neg"/"pos") and whose default order is
+    (neg, pos), fine-tuned from a checkpoint that orders them (pos, neg): training_batch and loss get
+    the head's order (`labels=`), postprocess reads `context.labels`, so the ids trained on and the
+    names answered follow the checkpoint, never the task's default (issue 39)."""
+    from conftest import reference_checkpoint
+    from torch import nn
+
+    from bert_engine.hookspecs import TaskSpec
+    from bert_engine.tasks.registry import Registry
+
+    class Head(nn.Module):
+        needs_pooler, kind = True, "sequence"
+
+        def __init__(self, config):
+            super().__init__()
+            if config.num_labels == 0:
+                config = config.with_labels(["neg", "pos"])
+            self.labels = tuple(config.id2label[i] for i in range(config.num_labels))
+            self.classifier = nn.Linear(config.hidden_size, len(self.labels))
+
+        def forward(self, encoded):
+            return self.classifier(encoded.pooled)
+
+    seen = {}
+
+    def preprocess(inputs, tokenizer, **options):
+        return tokenizer(inputs["text"])
+
+    def postprocess(logits, batch, *, context):
+        seen["postprocess"] = context.labels
+        return {"label": context.labels[int(logits[0].argmax())]}
+
+    def training_batch(examples, tokenizer, *, generator=None, labels):
+        seen["training_batch"] = labels
+        batch = tokenizer([x["text"] for x, _ in examples])
+        return batch, torch.tensor([labels.index(name) for _, name in examples])
+
+    def loss(logits, targets, *, labels):
+        seen["loss"] = labels
+        return nn.functional.cross_entropy(logits, targets)
+
+    data = tmp_path / "data.tsv"
+    data.write_text("text\tlabel\n" + "\n".join(f"{t}\t{name}" for t, name in
+                                                [("a fine film", "pos"), ("a dull film", "neg")] * 8) + "\n")
+
+    def read_data(path, split="train"):
+        for line in Path(path).read_text().splitlines()[1:]:
+            text, name = line.split("\t")
+            yield {"text": text}, name
+
+    spec = TaskSpec(name="yesno", title="Yes/no", build_head=Head, preprocess=preprocess, postprocess=postprocess,
+                    labels=("neg", "pos"), read_data=read_data, training_batch=training_batch, loss=loss,
+                    target_labels=lambda name: (name,))
+
+    class Plugin:
+        from bert_engine.hookspecs import hookimpl
+
+        @hookimpl
+        def register_tasks(self, register):
+            register(spec)
+
+    registry = Registry()
+    assert registry.load_plugin("yesno", "1.0", "test", lambda: Plugin())
+    task = registry.task("yesno")
+    folder = reference_checkpoint(tmp_path / "reversed", "BertForSequenceClassification", id2label={0: "pos", 1: "neg"})
+    cfg = TrainConfig(task="yesno", model=str(folder), train_file=str(data), output_dir=str(tmp_path / "run"),
+                      max_steps=2, batch_size=4, log_every=1, save_every=100, precision="fp32")
+    job = TaskJob(task, cfg)
+    batch, targets = job.collate(job.examples[:2], torch.Generator().manual_seed(0))
+    assert seen["training_batch"] == ("pos", "neg") and targets.tolist() == [0, 1]  # "pos" is id 0 here
+    job.loss(job.model, batch, targets)
+    assert seen["loss"] == ("pos", "neg")
+    predictor = Predictor(task, job.model.eval(), job.tokenizer, model_id=str(folder))
+    assert predictor.predict({"text": "a fine film"})["result"]["label"] in ("pos", "neg")
+    assert seen["postprocess"] == ("pos", "neg")

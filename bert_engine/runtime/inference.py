@@ -248,7 +248,9 @@ class Predictor:
             with request_stage("postprocess"), self._lock:
                 # Postprocessing may re-run the encoder (beam search): context.encode, under this lock.
                 if self.task.takes_context:
-                    options = {**options, "context": TaskContext(self.tokenizer, self._encode)}
+                    labels = getattr(getattr(self.model, "head", None), "labels", None)
+                    options = {**options, "context": TaskContext(self.tokenizer, self._encode,
+                                                                 tuple(labels) if labels else None)}
                 return self.task.spec.postprocess(output, batch.to("cpu"), **options)
 
     def forward_rows(self, inputs: Mapping[str, torch.Tensor]) -> Any:

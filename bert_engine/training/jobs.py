@@ -35,7 +35,7 @@ from ..config import PRESETS, BertConfig
 from ..families import FAMILIES
 from ..families import family as get_family
 from ..heads import IGNORE_INDEX, BertWithHead
-from ..hookspecs import TaskSpec
+from ..hookspecs import TaskSpec, takes_keyword
 from ..runtime.distributed import Distributed, gather_objects
 from ..runtime.inference import TASK_OPTIONS_FILE, Predictor
 from ..tasks.evaluation import evaluate_task, read_examples
@@ -93,7 +93,8 @@ def split_task_options(spec: TaskSpec, options: dict[str, Any]) -> tuple[dict[st
     if spec.training_batch is not None:
         parameters = inspect.signature(spec.training_batch).parameters
         takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-        accepted = {n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY or p.default is not p.empty} - {"generator"}
+        accepted = ({n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY or p.default is not p.empty}
+                    - {"generator", "labels"})  # the host's own arguments, not options
         batch = {k: v for k, v in options.items() if takes_any or k in accepted}
     else:
         accepted, batch = declared, {k: v for k, v in options.items() if k in declared}
@@ -157,7 +158,8 @@ class TaskJob:
     def collate(self, examples: list, generator: torch.Generator):
         spec = self.spec
         if spec.training_batch is not None:
-            return spec.training_batch(examples, self.tokenizer, generator=generator, **self.batch_options)
+            labels = {"labels": self.labels} if takes_keyword(spec.training_batch, "labels") else {}
+            return spec.training_batch(examples, self.tokenizer, generator=generator, **labels, **self.batch_options)
         fields = spec.input_fields + spec.optional_fields
         inputs = {f: [x.get(f) for x, _ in examples] for f in fields if any(x.get(f) is not None for x, _ in examples)}
         batch = spec.preprocess(inputs, self.tokenizer, **{**spec.options, **self.batch_options})
@@ -166,7 +168,14 @@ class TaskJob:
     def loss(self, model: nn.Module, batch, targets):
         device = next(model.parameters()).device
         output = model(**batch.to(device).model_inputs())
-        return self.spec.loss(output, targets), {}
+        labels = {"labels": self.labels} if takes_keyword(self.spec.loss, "labels") else {}
+        return self.spec.loss(output, targets, **labels), {}
+
+    @property
+    def labels(self) -> tuple[str, ...] | None:
+        """The head's label names in id order (the checkpoint's id2label when it has one)."""
+        labels = getattr(self.model.head, "labels", None)
+        return tuple(labels) if labels else None
 
     def evaluate(self, model: nn.Module, rank: int, world: int) -> dict[str, Any]:
         if not self.eval_examples:
