@@ -7,6 +7,7 @@ It writes no tokenisation rules of its own; those come from tokenizer.json or a 
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import re
@@ -68,6 +69,50 @@ class Batch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def word_starts(self, word_spans: Sequence[Sequence[tuple[int, int]]], sequence: int = 0) -> list[list[tuple[int, int]]]:
+        """For a token task: per row, (token position, word index) of each word's first piece.
+
+        `word_spans[i]` gives input i's words as (start, end) characters of its text (of the first text
+        of a pair, or the second with sequence=1), however the data splits them ("U.S." one word or
+        three). A piece belongs to the word its first character falls in; each word's first piece in a
+        row is listed (a word split across two windows starts in both). Special tokens, padding and
+        pieces outside every word (spaces a BPE piece starts with) are never listed.
+        """
+        out = []
+        for r, sample in enumerate(self.sample_index):
+            bounds = sorted((start, end, k) for k, (start, end) in enumerate(word_spans[sample]))
+            starts, row, seen = [b[0] for b in bounds], [], set()
+            for t, ((start, end), seq) in enumerate(zip(self.offsets[r], self.sequence_ids[r])):
+                if seq != sequence or end <= start:
+                    continue
+                i = bisect.bisect_right(starts, start) - 1
+                if i < 0 or start >= bounds[i][1]:
+                    continue  # a piece between words
+                word = bounds[i][2]
+                if word not in seen:
+                    seen.add(word)
+                    row.append((t, word))
+            out.append(row)
+        return out
+
+    def word_targets(self, word_spans: Sequence[Sequence[tuple[int, int]]], word_labels: Sequence[Sequence[int]],
+                     ignore_index: int = -100, sequence: int = 0) -> Tensor:
+        """(rows, T) int64 targets for a token task: each word's label id on its first piece
+        (`word_starts`), `ignore_index` everywhere else (later pieces, specials, padding), the loss
+        `heads.IGNORE_INDEX` expects. `word_labels[i][k]` is input i's word k's label id (in the head's
+        order: training_batch's `labels=`)."""
+        targets = torch.full(self.input_ids.shape, ignore_index, dtype=torch.long)
+        for r, row in enumerate(self.word_starts(word_spans, sequence)):
+            for t, word in row:
+                targets[r, t] = int(word_labels[self.sample_index[r]][word])
+        return targets
+
+
+def whitespace_words(text: str) -> list[tuple[int, int]]:
+    """The (start, end) characters of the whitespace-separated words of `text` (what `Batch.word_starts`
+    takes for data given as words joined by spaces, as CoNLL's)."""
+    return [(m.start(), m.end()) for m in re.finditer(r"\S+", text)]
 
 
 class Tokenizer:

@@ -193,3 +193,36 @@ def test_a_wrong_truncation_value_is_named():
     with pytest.raises(TypeError, match="got 'only_third'"):
         tokenizer("hello", truncation="only_third")
     assert tokenizer("hello", truncation=None).input_ids.shape[0] == 1
+
+
+def test_word_targets_put_each_word_label_on_its_first_piece(ours):
+    """The token-task helper (issue 39): a word's label on its first word piece, -100 on later pieces,
+    specials and padding, however the data splits words ("U.S." one word here) and across windows."""
+    from bert_engine.tokenizer import whitespace_words
+
+    texts = ["Angela Merkel visited Washingtonville .", "U.S. troops"]
+    batch = ours(texts)
+    spans = [whitespace_words(t) for t in texts]
+    tokens = [ours.convert_ids_to_tokens(batch.input_ids[r].tolist()) for r in range(2)]
+    assert tokens[0][:7] == ["[CLS]", "angela", "mer", "##kel", "visited", "washington", "##ville"]
+    targets = batch.word_targets(spans, [[1, 2, 0, 3, 0], [3, 0]])
+    assert targets[0].tolist() == [-100, 1, 2, -100, 0, 3, -100, 0, -100]
+    assert targets[1].tolist()[:6] == [-100, 3, -100, -100, -100, 0]  # "u . s ." is one data word
+    assert all(v == -100 for v in targets[1].tolist()[6:])  # [SEP] and padding
+    # windows: a long text cut with stride gives each window the first pieces of the words it holds
+    long = " ".join(f"word{k}" for k in range(40))
+    windows = ours([long], max_length=16, stride=4, return_overflowing=True)
+    starts = windows.word_starts([whitespace_words(long)])
+    assert len(starts) > 1 and {w for row in starts for _, w in row} == set(range(40))
+    for r, row in enumerate(starts):
+        pieces = ours.convert_ids_to_tokens(windows.input_ids[r].tolist())
+        assert all(not pieces[t].startswith("##") for t, _ in row)
+
+
+def test_word_starts_read_the_second_text_of_a_pair(ours):
+    from bert_engine.tokenizer import whitespace_words
+
+    batch = ours(["Who wrote it?"], ["Herman Melville wrote it ."])
+    starts = batch.word_starts([whitespace_words("Herman Melville wrote it .")], sequence=1)
+    assert [w for _, w in starts[0]] == [0, 1, 2, 3, 4]
+    assert all(batch.sequence_ids[0][t] == 1 for t, _ in starts[0])
