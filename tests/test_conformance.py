@@ -199,3 +199,25 @@ def test_the_names_a_plugin_may_not_take_include_every_alias():
 
     owners = _owners_elsewhere("not-installed")
     assert owners["qa"] == owners["question-answering"] and owners["ner"] == owners["token-classification"]
+
+
+def test_the_token_task_of_the_docs_passes_the_kit_with_training_data(tmp_path):
+    """docs/plugins.md's complete token task, word for word: loaded as a plugin, it passes every rule
+    of `plugin check`, its training side included (issue 39: the docs' examples run in the suite)."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text(encoding="utf-8")
+    source = re.search(r"<!-- example: tagging -->\n```python\n(.*?)```", docs, re.S).group(1)
+    module_path = tmp_path / "docs_tagging.py"
+    module_path.write_text(source, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("docs_tagging", module_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    registry = Registry(strict=True)
+    assert registry.load_plugin("docs-tagging", "0.1", "test", lambda: module)
+    data = tmp_path / "tags.txt"
+    data.write_text("The NOUN\ncat NOUN\nsat VERB\n.\tOTHER\n\nDogs NOUN\nbark VERB\nloudly OTHER\n", encoding="utf-8")
+    violations = check_task(registry.task("tagging"), data=str(data), split="train")
+    assert violations == [], violations

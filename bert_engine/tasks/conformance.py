@@ -41,7 +41,7 @@ from ..checkpoints.hub import default_backbone
 from ..checkpoints.loader import load_tokenizer
 from ..config import PRESETS
 from ..heads import BertWithHead
-from ..hookspecs import InputError
+from ..hookspecs import InputError, takes_keyword
 from ..runtime.cancel import PredictionTimeout, call_with_timeout
 from ..runtime.inference import Predictor
 from ..tokenizer import Tokenizer
@@ -309,15 +309,20 @@ def _training_steps(task: RegisteredTask, predictor: Predictor, data: Path, spli
     violations: list[Violation] = []
     if spec.loss is not None:
         model = predictor.model.train()
+        head_labels = getattr(getattr(model, "head", None), "labels", None)
+        labels = tuple(head_labels) if head_labels else None  # as the trainer hands them (training.jobs)
         try:
             if spec.training_batch is not None:
-                batch, targets = spec.training_batch(pairs, predictor.tokenizer, generator=torch.Generator().manual_seed(0))
+                extra = {"labels": labels} if takes_keyword(spec.training_batch, "labels") else {}
+                batch, targets = spec.training_batch(pairs, predictor.tokenizer, generator=torch.Generator().manual_seed(0),
+                                                     **extra)
             else:
                 fields = spec.input_fields + spec.optional_fields
                 inputs = {f: [x.get(f) for x, _ in pairs] for f in fields if any(x.get(f) is not None for x, _ in pairs)}
                 batch, targets = spec.preprocess(inputs, predictor.tokenizer, **spec.options), [t for _, t in pairs]
             model.zero_grad(set_to_none=True)
-            loss = spec.loss(model(**batch.model_inputs()), targets)
+            loss = spec.loss(model(**batch.model_inputs()), targets,
+                             **({"labels": labels} if takes_keyword(spec.loss, "labels") else {}))
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not torch.isfinite(loss):
                 violations += fail(f"loss must be a finite scalar tensor, got {loss!r:.120}")
             elif not loss.requires_grad:
