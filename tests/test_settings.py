@@ -47,3 +47,18 @@ def test_the_cli_reads_the_precision_setting(monkeypatch, capsys):
     monkeypatch.setenv("BERT_ENGINE_PRECISION", "fp99")
     assert main(["predict", "sentiment", "--input", "text=a fine film"]) == 2  # the setting reached the command: refused
     assert "fp99" in capsys.readouterr().err
+
+
+def test_the_defaults_the_readme_states_are_the_settings_defaults():
+    """README.md names settings with their defaults ("`BERT_ENGINE_TIMEOUT` (default 120 s)"): each stated
+    number is the table's default, so a changed default cannot leave the README behind."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    stated = {}
+    for number, name in re.findall(r"(\d[\d,.]*)\s+(?:[\w.]+\s+){0,8}?\(`(BERT_ENGINE_\w+)`\)", readme):
+        stated[name] = number
+    for name, number in re.findall(r"`(BERT_ENGINE_\w+)` \((?:default )?(\d[\d,.]*)", readme):
+        stated[name] = number
+    assert len(stated) >= 4, stated
+    for name, number in stated.items():
+        default = settings.SETTINGS[name].default
+        assert float(number.replace(",", "")) == float(default), (name, number, default)
