@@ -201,23 +201,30 @@ def test_the_names_a_plugin_may_not_take_include_every_alias():
     assert owners["qa"] == owners["question-answering"] and owners["ner"] == owners["token-classification"]
 
 
-def test_the_token_task_of_the_docs_passes_the_kit_with_training_data(tmp_path):
-    """docs/plugins.md's complete token task, word for word: loaded as a plugin, it passes every rule
-    of `plugin check`, its training side included (issue 39: the docs' examples run in the suite)."""
+DOCS_EXAMPLES = {  # docs/plugins.md's complete tasks and a few lines of data in each one's read_data format
+    "tagging": "The NOUN\ncat NOUN\nsat VERB\n.\tOTHER\n\nDogs NOUN\nbark VERB\nloudly OTHER\n",
+    "nli": "premise\thypothesis\tlabel\nA man plays guitar.\tSomeone makes music.\tentailment\n"
+           "A man plays guitar.\tThe man is asleep.\tcontradiction\nA dog runs.\tThe dog is brown.\tneutral\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DOCS_EXAMPLES))
+def test_the_complete_tasks_of_the_docs_pass_the_kit_with_training_data(tmp_path, name):
+    """docs/plugins.md's complete pair and token tasks, word for word: loaded as plugins, each passes
+    every rule of `plugin check`, its training side included (issue 39: the docs' examples run)."""
     import importlib.util
     import re
-    from pathlib import Path
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text(encoding="utf-8")
-    source = re.search(r"<!-- example: tagging -->\n```python\n(.*?)```", docs, re.S).group(1)
-    module_path = tmp_path / "docs_tagging.py"
+    source = re.search(rf"<!-- example: {name} -->\n```python\n(.*?)```", docs, re.S).group(1)
+    module_path = tmp_path / f"docs_{name}.py"
     module_path.write_text(source, encoding="utf-8")
-    spec = importlib.util.spec_from_file_location("docs_tagging", module_path)
+    spec = importlib.util.spec_from_file_location(f"docs_{name}", module_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     registry = Registry(strict=True)
-    assert registry.load_plugin("docs-tagging", "0.1", "test", lambda: module)
-    data = tmp_path / "tags.txt"
-    data.write_text("The NOUN\ncat NOUN\nsat VERB\n.\tOTHER\n\nDogs NOUN\nbark VERB\nloudly OTHER\n", encoding="utf-8")
-    violations = check_task(registry.task("tagging"), data=str(data), split="train")
+    assert registry.load_plugin(f"docs-{name}", "0.1", "test", lambda: module)
+    data = tmp_path / "data.txt"
+    data.write_text(DOCS_EXAMPLES[name], encoding="utf-8")
+    violations = check_task(registry.task(name), data=str(data), split="train")
     assert violations == [], violations
