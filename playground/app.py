@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -245,9 +246,9 @@ def host_handler(gr, endpoints: dict[str, Any], function, api_name: str | None =
 
 def current_visitor() -> str | None:
     """Who the request being served is for (None outside a Gradio event): an MCP client's own session
-    (Gradio relays every MCP tool call through one shared loopback client, so its session would make all
-    MCP users one visitor; the relayed headers keep the caller's `mcp-session-id`), else the Gradio
-    session (a browser tab, a gradio_client)."""
+    when the relayed headers carry its `mcp-session-id`; an MCP tool call without one (Gradio 6.31 relays
+    them statelessly through one shared loopback client, whose session several callers may share) is a
+    visitor of its own, its address the account; else the Gradio session (a browser tab, a gradio_client)."""
     request = REQUEST.get()
     if request is None:
         return None
@@ -255,6 +256,11 @@ def current_visitor() -> str | None:
     mcp_session = headers.get("mcp-session-id") if hasattr(headers, "get") else None
     if mcp_session:
         return f"mcp:{str(mcp_session)[:128]}"
+    if hasattr(headers, "get") and headers.get("mcp-protocol-version"):
+        # An MCP tool call Gradio relays statelessly through its one loopback client: no identity of the
+        # caller survives (the relay's session may be shared by several callers), so each call is its
+        # own visitor and the caller's address (current_group) is the account that caps and orders them.
+        return f"mcp-call:{uuid.uuid4().hex}"
     return getattr(request, "session_hash", None)
 
 
