@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from bert_engine.runtime.fast import cpu_name
 from bert_engine.runtime.precision import cpu_capability
 
 
@@ -79,7 +80,7 @@ def cpu_class() -> str:
 
 def machine() -> dict[str, Any]:
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": _cpu_name(), "cpu_capability": cpu_capability().describe(), "cpu_class": cpu_class(),
+            "cpu": cpu_name(), "cpu_capability": cpu_capability().describe(), "cpu_class": cpu_class(),
             "platform": platform.platform()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
@@ -89,13 +90,6 @@ def machine() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             info[package] = None
     return info
-
-
-def _cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")  # Linux; elsewhere platform's (often empty) answer
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or "unknown"
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

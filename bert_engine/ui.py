@@ -113,11 +113,12 @@ def _first(fn: Callable[..., Any], width: int, inputs: Sequence[Any]) -> Callabl
     def first(*values: Any) -> Any:
         return fn(*values, *rest)
 
-    try:  # the first `width` parameters of fn, so a wrapper can tell how it is called
+    try:
         signature = inspect.signature(fn)
-        first.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:width])
     except (TypeError, ValueError):
-        pass
+        return first  # a callable without a signature (a builtin): nothing to narrow
+    # the first `width` parameters of fn, so a wrapper (the host's) can tell how it is called
+    first.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:width])
     return first
 
 

@@ -439,7 +439,7 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
             stored = json.loads(cache.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             stored = {}
-    machine = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    machine = f"{cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
     choice, changed = {}, False
     for name, (linear, activation) in _projections(encoder.layers[0]).items():
         if not isinstance(linear, nn.Linear):
@@ -464,7 +464,8 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
     return choice
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo; elsewhere platform's answer)."""
     cpuinfo = Path("/proc/cpuinfo")
     try:
         lines = cpuinfo.read_text(encoding="utf-8").splitlines() if cpuinfo.is_file() else []

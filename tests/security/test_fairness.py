@@ -94,17 +94,19 @@ def test_rotating_sessions_from_one_address_multiplies_nothing():
     with in_flight.admit("s1", "ip:1"), in_flight.admit("s2", "ip:1"), in_flight.admit("s3", "ip:1"):
         with pytest.raises(TooManyRequests, match="3 requests from your address are already running"):
             with in_flight.admit("s4", "ip:1"):
-                pass
+                raise AssertionError("a fourth request from the address was admitted")
         with in_flight.admit("s5", "ip:2"):  # another address is not affected
-            pass
+            assert in_flight.running("s5") == 1 and in_flight.total() == 4
     with in_flight.admit("s4", "ip:1"):  # freed again
-        pass
+        assert in_flight.running("s4") == 1 and in_flight.total() == 1
     gate = ComputeGate(slots=1)
+    ran = []
     for session in ("s1", "s2", "s3"):
         with visitor_scope(session, "ip:1"), gate.turn(1000):
-            pass
+            ran.append(session)
     with visitor_scope("s9", None), gate.turn(10):  # an address the server does not know: the session's own
-        pass
+        ran.append("s9")
+    assert ran == ["s1", "s2", "s3", "s9"]
     assert gate.usage("ip:1") == pytest.approx(3000, rel=0.01) and gate.usage("s1") == 0
     assert gate.usage("s9") == pytest.approx(10, rel=0.01)
 
