@@ -273,7 +273,9 @@ def test_user_text_is_shown_as_text_never_run_as_html(browser_page, tab, button,
     panel.get_by_role("button", name=button).click()
     rendered = panel.locator(output)
     rendered.wait_for(timeout=60_000)
-    rendered.get_by_text("onerror", exact=False).first.wait_for(timeout=30_000)  # the markup shows as text
+    # The output holds its empty state before the answer, so this wait covers the model's first load too
+    # (over 30 s once on a loaded 2-core machine under -n auto): the same bound as a request's.
+    rendered.get_by_text("onerror", exact=False).first.wait_for(timeout=90_000)  # the markup shows as text
     assert rendered.locator("img, svg, b").count() == 0
     assert browser_page.evaluate("window.__xss") is None
 
