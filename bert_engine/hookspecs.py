@@ -114,6 +114,24 @@ def takes_context(postprocess: Callable[..., Any]) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class ExplainTarget:
+    """One number of a shown prediction that "why this answer" explains (TaskSpec.explain).
+
+    name: what it is, as a visitor reads it ("POSITIVE", "Paris (LOC)", "start of the answer").
+    score: the head's output over rows that all hold row `row` of the input's batch (the host varies
+        their word embeddings) -> one differentiable value per row, shape (rows,): e.g. the predicted
+        label's probability. The attributions of the input's tokens sum to score(input) - score(baseline).
+    what: the unit of the score in a few words ("probability", "logit gap").
+    row: which row (window) of the batch holds what is explained; the attributions cover its tokens.
+    """
+
+    name: str
+    score: Callable[[Any], Tensor]
+    what: str = "probability"
+    row: int = 0
+
+
 class PluginError(RuntimeError):
     """A plugin broke the contract (import failure, hook raised, invalid or duplicate TaskSpec)."""
 
@@ -166,6 +184,11 @@ class TaskSpec:
         brief: (result) -> one short line of plain text, the answer at a glance ("POSITIVE 98 %"):
             the playground's "All tasks" tab shows it beside the other tasks' answers. None: the
             result's JSON, shortened.
+        explain: (result, batch, **options) -> a list of ExplainTarget: the numbers of `result` that
+            "why this answer" explains (the predicted label's probability, an entity's, an answer's
+            start and end). The host computes token attributions for each (Integrated Gradients or
+            gradient x input over the word embeddings: bert_engine.runtime.explain) in the playground,
+            the API and MCP. None: the task has no "why" view.
         tuned_options: metric name -> option name: a value the evaluation tunes on held-out data
             (QA's "default_threshold", sentiment's "tuned_temperature") that `bert-engine pack` makes
             the packed model's default for that option (an entry of `options`).
@@ -197,6 +220,7 @@ class TaskSpec:
     pipeline_output: Callable[[Any, Mapping[str, Any], bool], Any] | None = None
     brief: Callable[[Any], str] | None = None
     tuned_options: Mapping[str, str] = field(default_factory=dict)
+    explain: Callable[..., Iterable[ExplainTarget]] | None = None  # (result, batch, **options)
 
 
 class TaskHooks:

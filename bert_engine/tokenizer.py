@@ -70,6 +70,12 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def tokens_within(self, row: int, start: int, end: int, sequence: int = 0) -> list[int]:
+        """Positions in row `row` of the tokens of text `sequence` (0: the first, 1: the second of a pair)
+        whose characters lie in [start, end), e.g. an entity's or an answer's pieces."""
+        return [t for t, (span, seq) in enumerate(zip(self.offsets[row], self.sequence_ids[row]))
+                if seq == sequence and span[1] > span[0] and start <= span[0] and span[1] <= end]
+
     def word_starts(self, word_spans: Sequence[Sequence[tuple[int, int]]], sequence: int = 0) -> list[list[tuple[int, int]]]:
         """For a token task: per row, (token position, word index) of each word's first piece.
 

@@ -27,12 +27,15 @@ from bert_engine.checkpoints.loading import CheckpointError, inside_any
 from bert_engine.checkpoints.lora import looks_local
 from bert_engine.hookspecs import InputError
 from bert_engine.runtime.cancel import PredictionTimeout, call_with_timeout
+from bert_engine.runtime.explain import DEFAULT_STEPS, MAX_STEPS
+from bert_engine.runtime.explain import explain as explain_prediction
 from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
-from bert_engine.runtime.precision import pick_device
+from bert_engine.runtime.precision import NAMES as PRECISIONS
+from bert_engine.runtime.precision import PrecisionError, pick_device
 from bert_engine.runtime.precision import resolve as resolve_precision
-from bert_engine.serving.predictors import BatchingPredictor, LazyPredictor
+from bert_engine.serving.predictors import BatchingPredictor, LazyPredictor, ModelShelf
 from bert_engine.tasks.registry import REQUEST_STAGES, PluginFailure, Registry, failure_location, load_registry
-from playground import attention
+from playground import attention, insight
 from plugins.starter import STARTER_ROOT
 
 logger = logging.getLogger(__name__)
@@ -86,9 +89,12 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
 
     # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor); each request
     # is admitted, timed and contained by `guarded` (ServedPredictor).
-    predictors = {name: ServedPredictor(task, checkpoints.get(name), serve=serve, device=device, precision=precision,
-                                        allowed_dirs=model_dirs, shown_name=shown_model_name)
+    # models loaded to compare with the served ones (any visitor's pick), at most 2 at once
+    shelf = ModelShelf(max_models=2, device=device, allowed_dirs=model_dirs, shown_name=shown_model_name)
+    predictors = {name: ServedPredictor(task, checkpoints.get(name), serve=serve, shelf=shelf, device=device,
+                                        precision=precision, allowed_dirs=model_dirs, shown_name=shown_model_name)
                   for name, task in registry.tasks.items()}
+    precisions = runnable_precisions(device)
     statuses: dict[str, Any] = {}
     endpoints: dict[str, Any] = {}
     wrap = functools.partial(host_handler, gr, endpoints)
@@ -102,6 +108,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
                     gr.Markdown(task.spec.description)
                 statuses[name] = _build_model_picker(gr, name, predictors[name], model_dirs)
                 _build_task_tab(gr, task, predictors[name], registry, wrap)
+                _build_insight(gr, task, predictors[name], model_dirs, precisions)
             tab.select(with_request(gr, functools.partial(model_line, predictors[name])), None, statuses[name],
                        api_visibility="private")
         if len(single_text_tasks(registry)) > 1:
@@ -113,6 +120,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
         plugins_tab.select(lambda: plugin_rows(registry), None, table, api_visibility="private")
         with gr.Tab("Attention", id="attention"):
             ranges, range_inputs, range_outputs = _build_attention_tab(gr, registry, predictors)
+        _build_insight_api(gr, registry, predictors, endpoints, model_dirs)
         # each visitor's own model line, once the page opens (the warm-up may have loaded the defaults)
         app.load(with_request(gr, lambda: model_lines(predictors, statuses)), None, list(statuses.values()),
                  api_visibility="private")
@@ -121,15 +129,75 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
 
 
 class ServedPredictor(BatchingPredictor):
-    """A task's predictor as the app serves it: every prediction goes through `serve(predict, self,
-    task name)` (admission, time limit, ZeroGPU, contained failures: `guarded` and `on_gpu`)."""
+    """A task's predictor as the app serves it: every prediction, explanation and comparison goes through
+    `serve(function, self, task name)` (admission, time limit, ZeroGPU, contained failures: `guarded` and
+    `on_gpu`). Each visitor's last answered request is kept for "why" and "compare" (remember_request)."""
 
-    def __init__(self, task, checkpoint: str | None = None, *, serve, **kwargs: Any) -> None:
+    def __init__(self, task, checkpoint: str | None = None, *, serve, shelf: ModelShelf | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(task, checkpoint, **kwargs)
-        self._served = serve(super().predict, self, task.spec.name)
+        self.shelf = shelf
+        self._served = serve(self._answer, self, task.spec.name)
+        self._explained = serve(self._explain, self, task.spec.name)
+        self._compared = serve(self._compare, self, task.spec.name)
+
+    def _answer(self, inputs, **options: Any) -> dict[str, Any]:
+        output = super().predict(inputs, **options)
+        self.remember_request(inputs, options)
+        return output
 
     def predict(self, inputs, **options: Any) -> dict[str, Any]:
         return self._served(inputs, **options)
+
+    def explain(self, inputs=None, *, method: str = "integrated_gradients", steps: int = DEFAULT_STEPS,
+                **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(explanation, the inputs explained): of `inputs` with `options`, or (None) of the current visitor's
+        last answered request in this task (bert_engine.runtime.explain)."""
+        return self._explained(inputs, method=method, steps=steps, **options)
+
+    def compare(self, inputs=None, *, other: tuple[str | None, str], this: tuple[str | None, str] | None = None,
+                **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(comparison, the inputs compared): `inputs` (None: the visitor's last request) through the visitor's
+        model of this tab, or `this` = (checkpoint, precision), and through `other`."""
+        return self._compared(inputs, other=other, this=this, **options)
+
+    def _explain(self, inputs, *, method: str, steps: int, **options: Any):
+        if inputs is None:
+            inputs, options = self.last_request()
+        return explain_prediction(self, inputs, method=method, steps=steps, **options), inputs
+
+    def _compare(self, inputs, *, other, this, **options: Any):
+        if inputs is None:
+            inputs, options = self.last_request()
+        if self.shelf is None:
+            raise InputError(f"{self.task.spec.name}: comparing needs the app's model shelf")
+        sides = []
+        for label, choice in (("A", this), ("B", other)):
+            predictor = self.get() if choice is None else self.shelf.get(self.task, *choice)
+            start = time.perf_counter()
+            output = predictor.predict_checked(inputs, predictor.check_inputs(inputs, options))
+            provenance = output["provenance"]
+            sides.append({"label": label, "model": provenance["model"], "precision": provenance["dtype"],
+                          "seconds": round(time.perf_counter() - start, 3), "result": output["result"],
+                          "brief": brief_answer(self.task, output["result"])})
+        disagree, scores = insight.differences(sides[0]["result"], sides[1]["result"])
+        return {"task": self.task.spec.name, "a": sides[0], "b": sides[1], "agree": not disagree,
+                "disagreements": disagree, "score_differences": scores}, inputs
+
+
+def runnable_precisions(device: str | None) -> list[str]:
+    """The precisions a model can be loaded in on this machine ("auto" left out)."""
+    target = pick_device(device)
+    runnable = []
+    for name in PRECISIONS:
+        if name == "auto":
+            continue
+        try:
+            resolve_precision(name, target)
+        except PrecisionError:
+            continue
+        runnable.append(name)
+    return runnable
 
 
 @functools.cache
@@ -534,6 +602,133 @@ def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry, wrap
                                               location=failure_location(err)))
         gr.Markdown(f"**The tab of `{task.spec.name}` (plugin {task.plugin} {task.plugin_version}) "
                     f"failed to build:** `{html.escape(str(err))}`")
+
+
+def _build_insight(gr, task, predictor: ServedPredictor, model_dirs: list[Path], precisions: list[str]) -> None:
+    """Under a task's tab: "Why this answer?" (token attributions of the visitor's last answer, for a task
+    that declares `explain`) and "Compare with another model" (the last input through a second model)."""
+    name = task.spec.name
+    if task.spec.explain is not None:
+        with gr.Accordion("Why this answer?", open=False):
+            with gr.Row():
+                method = gr.Radio([("Integrated Gradients (adds up, slower)", "integrated_gradients"),
+                                   ("gradient × input (fast)", "gradient_x_input")], value="integrated_gradients",
+                                  label="Method", scale=2)
+                steps = gr.Slider(4, 128, value=DEFAULT_STEPS, step=4, label="Steps (Integrated Gradients)", scale=1)
+            why_button = gr.Button("Explain my last answer", elem_classes=["be-why-run"])
+            why_out = gr.HTML(ui.empty_state("Which words raised or lowered your last answer's scores appears here."),
+                              label="Why this answer", elem_classes=["be-why-out"])
+
+        def why(method_value: str, steps_value: float):
+            with visitor_scope(current_visitor(), current_group()):
+                explained, inputs = predictor.explain(method=method_value, steps=int(steps_value))
+            return insight.why_html(explained, inputs)
+
+        # "your last answer" is a browser session's: not documented, not an MCP tool (see /explain for those)
+        why_button.click(with_request(gr, input_errors_shown(gr, why)), [method, steps], why_out,
+                         api_name=f"{name}_why", api_visibility="undocumented")
+    with gr.Accordion("Compare with another model", open=False):
+        known = find_checkpoints(model_dirs, name)
+        with gr.Row():
+            other = gr.Dropdown(choices=[("default (the task's starter model)", ""),
+                                         *[(f"{k} · {family_label(v)}", k) for k, v in known.items()]],
+                                value="", allow_custom_value=True, label="Model B", filterable=True, scale=3,
+                                info="a listed model, or a Hub id; A is this tab's model")
+            precision = gr.Radio(precisions, value="int8" if "int8" in precisions else precisions[0],
+                                 label="Precision of B", scale=2)
+        compare_button = gr.Button("Compare on my last input", elem_classes=["be-compare-run"])
+        compare_out = gr.HTML(ui.empty_state("Both models' answers side by side, and where they disagree, appear here."),
+                              label="Comparison", elem_classes=["be-compare-out"])
+
+    def compare(model_value: str | None, precision_value: str):
+        with visitor_scope(current_visitor(), current_group()):
+            checkpoint = check_model_choice(model_value or "", model_dirs, find_checkpoints(model_dirs, name))
+            compared, _ = predictor.compare(other=(checkpoint, precision_value))
+        return insight.compare_html(compared)
+
+    compare_button.click(with_request(gr, input_errors_shown(gr, compare)), [other, precision], compare_out,
+                         api_name=f"{name}_compare", api_visibility="undocumented")
+
+
+def _parse_inputs(task, inputs: str | dict) -> dict[str, Any]:
+    """An API caller's inputs: a JSON object keyed by the task's input fields."""
+    if isinstance(inputs, str):
+        try:
+            inputs = json.loads(inputs)
+        except ValueError as err:
+            raise InputError(f"{task.spec.name}: inputs must be a JSON object such as "
+                             f"{json.dumps({f: '...' for f in task.spec.input_fields})}: {err}") from None
+    if not isinstance(inputs, dict):
+        raise InputError(f"{task.spec.name}: inputs must be a JSON object keyed by "
+                         f"{', '.join(task.spec.input_fields)}, got {type(inputs).__name__}")
+    return inputs
+
+
+def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredictor], endpoints: dict[str, Any],
+                       model_dirs: list[Path]) -> None:
+    """The API endpoints and MCP tools `explain` and `compare`: any task, inputs given in the call (the
+    tabs' buttons use the visitor's last input instead). Their components are not shown."""
+    names = [n for n, t in registry.tasks.items() if t.spec.explain is not None]
+
+    def task_of(task: str):
+        if task not in predictors:
+            raise InputError(f"there is no task {task!r}; tasks: {', '.join(predictors)}")
+        return registry.tasks[task]
+
+    def explain(task: str, inputs: str, method: str = "integrated_gradients", steps: float = DEFAULT_STEPS):
+        """Explain a task's answer: how much each token of the input raised or lowered each of the answer's
+        scores (Integrated Gradients over the word embeddings, from a blank text; or gradient x input).
+
+        Args:
+            task: the task: TASKS.
+            inputs: the task's inputs as a JSON object, e.g. {"text": "..."} or {"question": "...", "context": "..."}.
+            method: "integrated_gradients" (the attributions add up to the score's change) or "gradient_x_input" (fast).
+            steps: Integrated Gradients' steps, 1 to MAX_STEPS (more: closer sums, slower).
+        """
+        spec = task_of(task)
+        if spec.spec.explain is None:
+            raise InputError(f"{task}: this task does not say what to explain; tasks that do: {', '.join(names)}")
+        if isinstance(steps, float) and steps.is_integer():
+            steps = int(steps)
+        with visitor_scope(current_visitor(), current_group()):
+            explained, _ = predictors[task].explain(_parse_inputs(spec, inputs), method=method, steps=steps)
+        return explained
+
+    explain.__doc__ = explain.__doc__.replace("TASKS", ", ".join(names)).replace("MAX_STEPS", str(MAX_STEPS))
+
+    def compare(task: str, inputs: str, model_b: str = "", precision_b: str = "int8", model_a: str = "",
+                precision_a: str = "fp32"):
+        """Run one input through two models of a task and say where their answers disagree (labels, words,
+        answers) and how far their scores differ.
+
+        Args:
+            task: the task, e.g. sentiment, ner, qa, fill_mask.
+            inputs: the task's inputs as a JSON object, e.g. {"text": "..."}.
+            model_b: the second model: a listed model, an allowed folder or a Hub id ("": the task's default).
+            precision_b: its precision: fp32, int8 (CPU), bf16 or fp16 where the machine runs them.
+            model_a: the first model ("": the task's default).
+            precision_a: its precision.
+        """
+        spec = task_of(task)
+        with visitor_scope(current_visitor(), current_group()):
+            known = find_checkpoints(model_dirs, task)
+            a = (check_model_choice(model_a or "", model_dirs, known), precision_a or "fp32")
+            b = (check_model_choice(model_b or "", model_dirs, known), precision_b or "fp32")
+            compared, _ = predictors[task].compare(_parse_inputs(spec, inputs), this=a, other=b)
+        return compared
+
+    with gr.Group(visible=False):
+        task = gr.Textbox(label="task")
+        inputs = gr.Textbox(label="inputs")
+        method = gr.Textbox(label="method", value="integrated_gradients")
+        steps = gr.Number(label="steps", value=DEFAULT_STEPS)
+        models = [gr.Textbox(label=label) for label in ("model_b", "precision_b", "model_a", "precision_a")]
+        result = gr.JSON(label="result")
+        explain_button, compare_button = gr.Button("explain"), gr.Button("compare")
+    explain_button.click(host_handler(gr, endpoints, explain, "explain"), [task, inputs, method, steps], result,
+                         api_name="explain")
+    compare_button.click(host_handler(gr, endpoints, compare, "compare"), [task, inputs, *models], result,
+                         api_name="compare")
 
 
 def shown_error(gr, message: str):

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from bert_engine import ui
 from bert_engine.heads import IGNORE_INDEX, MaskedLMHead
-from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.hookspecs import ExplainTarget, InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.runtime.inference import max_request_tokens
 from bert_engine.training.pretraining import continuation_ids, mask_tokens, masked_lm_counts, read_documents
 from plugins.starter import starter_checkpoint
@@ -439,6 +439,28 @@ def pipeline_output(result: dict, options, single: bool):
     return per_mask[0] if len(per_mask) == 1 else per_mask
 
 
+def explain(result, batch, **_options) -> list[ExplainTarget]:
+    """Per mask: the top candidate's probability there (independent mode; the joint and target modes
+    score sequences of passes, which one gradient does not follow)."""
+    if result.get("mode") != "independent":
+        return []
+    targets = []
+    for prediction in result["predictions"]:
+        positions = batch.tokens_within(0, prediction["start"], prediction["end"])
+        if not positions or not prediction["candidates"]:
+            continue
+        top = prediction["candidates"][0]
+        label = f"“{top['token']}” at [MASK] {prediction['mask'] + 1}" if result["masks"] > 1 else f"“{top['token']}”"
+        targets.append(ExplainTarget(label, _token_probability(positions[0], top["token_id"])))
+    return targets
+
+
+def _token_probability(position: int, token_id: int):
+    def score(output: FillMaskOutput) -> Tensor:
+        return output.head.logits(output.hidden_states[:, position]).float().softmax(-1)[:, token_id]
+    return score
+
+
 def brief(result) -> str:
     """The top candidates per mask: "[MASK] 1: city 41 %, capital 30 %"."""
     parts = []
@@ -452,6 +474,7 @@ def brief(result) -> str:
 def register_tasks(register):
     register(TaskSpec(
         brief=brief,
+        explain=explain,
         name="fill_mask",
         default_checkpoint=starter_checkpoint("fill_mask"),
         title="Fill-mask",

@@ -27,7 +27,7 @@ from torch import Tensor
 from bert_engine import ui
 from bert_engine.crf import CRF
 from bert_engine.heads import IGNORE_INDEX, TokenClassificationHead
-from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.hookspecs import ExplainTarget, InputError, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.runtime.inference import predict_texts
 from bert_engine.ui import percent
 from plugins.starter import starter_checkpoint
@@ -476,6 +476,32 @@ def pipeline_output(result: dict, options, single: bool) -> list[dict]:
             for e in result["entities"]]
 
 
+def explain(result, batch, **_options) -> list[ExplainTarget]:
+    """Per entity: the mean over its tokens of the probability of its type (B-, I-, ... tags of that
+    type together, before the CRF), in the first window holding it."""
+    if isinstance(result, list):  # several texts at once: explained one by one
+        return []
+    targets, seen = [], {}
+    for entity in result["entities"]:
+        row, positions = next(((r, p) for r in range(len(batch))
+                               if (p := batch.tokens_within(r, entity["start"], entity["end"]))), (None, []))
+        if row is None:
+            continue
+        name = f"{entity['text']} ({entity['type']})"
+        seen[name] = seen.get(name, 0) + 1
+        targets.append(ExplainTarget(name if seen[name] == 1 else f"{name} #{seen[name]}",
+                                     _type_probability(positions, entity["type"]),
+                                     f"mean probability of {entity['type']} per token", row))
+    return targets
+
+
+def _type_probability(positions: list[int], kind: str):
+    def score(output: NerOutput) -> Tensor:
+        tags = [i for i, label in enumerate(output.head.labels) if label != "O" and label.split("-", 1)[-1] == kind]
+        return output.logits.float().softmax(-1)[:, positions][:, :, tags].sum(-1).mean(-1)
+    return score
+
+
 def brief(result) -> str:
     """The entities with type and score: "Tim Cook (PER 99 %), Berlin (LOC 98 %)"."""
     entities = result["entities"]
@@ -488,6 +514,7 @@ def brief(result) -> str:
 def register_tasks(register):
     register(TaskSpec(
         brief=brief,
+        explain=explain,
         name="ner",
         default_checkpoint=starter_checkpoint("ner"),
         title="Named entities",

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from bert_engine import ui
 from bert_engine.heads import SpanHead, SpanOutput
-from bert_engine.hookspecs import InputError, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.hookspecs import ExplainTarget, InputError, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.ui import percent
 from plugins.qa_answerability import features, no_answer_probability
 from plugins.qa_data import read_data
@@ -410,6 +410,41 @@ def pipeline_output(result: dict, options, single: bool):
     return answers[0] if top_k == 1 else answers[:top_k]
 
 
+def explain(result, batch, **_options) -> list[ExplainTarget]:
+    """The best answer's start and end (each a probability over the window's tokens) and the "no answer"
+    decision (the null score minus the answer's, in logits: above 0 leans to "no answer"), in the window
+    holding the answer; without any candidate, the null score alone."""
+    if isinstance(result, list):
+        return []
+    if not result["answers"]:
+        return [ExplainTarget("no answer", lambda out: out.start_logits.float()[:, 0] + out.end_logits.float()[:, 0],
+                              "null score (logits)")]
+    best = result["answers"][0]
+    for row in range(len(batch)):
+        positions = batch.tokens_within(row, best["start"], best["end"], sequence=1)
+        spans = [batch.offsets[row][t] for t in positions]
+        if positions and spans[0][0] <= best["start"] and spans[-1][1] >= best["end"]:
+            break
+    else:
+        return []
+    s, e = positions[0], positions[-1]
+    shown = best["answer"] if len(best["answer"]) <= 40 else best["answer"][:39] + "…"
+
+    def start(out) -> torch.Tensor:
+        return out.start_logits.float().softmax(-1)[:, s]
+
+    def end(out) -> torch.Tensor:
+        return out.end_logits.float().softmax(-1)[:, e]
+
+    def gap(out) -> torch.Tensor:
+        starts, ends = out.start_logits.float(), out.end_logits.float()
+        return starts[:, 0] + ends[:, 0] - starts[:, s] - ends[:, e]
+
+    return [ExplainTarget(f"start of “{shown}”", start, "probability", row),
+            ExplainTarget(f"end of “{shown}”", end, "probability", row),
+            ExplainTarget(f"no answer rather than “{shown}”", gap, "null minus answer score (logits)", row)]
+
+
 def brief(result) -> str:
     """The answer and its probability, or that the context holds none."""
     answers = result["answers"]
@@ -422,6 +457,7 @@ def brief(result) -> str:
 def register_tasks(register):
     register(TaskSpec(
         brief=brief,
+        explain=explain,
         name="qa",
         default_checkpoint=starter_checkpoint("qa"),
         title="Question answering",

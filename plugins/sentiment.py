@@ -18,7 +18,7 @@ from torch import Tensor
 
 from bert_engine import ui
 from bert_engine.heads import SequenceClassificationHead
-from bert_engine.hookspecs import InputError, TaskSpec, hookimpl, length_option
+from bert_engine.hookspecs import ExplainTarget, InputError, TaskSpec, hookimpl, length_option
 from bert_engine.runtime.inference import predict_texts
 from plugins.starter import starter_checkpoint
 
@@ -285,6 +285,25 @@ def pipeline_output(result: dict, options, single: bool):
     return [top] if single else top
 
 
+def explain(result, batch, *, temperature, **_options) -> list[ExplainTarget]:
+    """Every label's score as shown (the same function and temperature), per label, best first; over the
+    first window when the text was read in several (named so)."""
+    if isinstance(result, list):  # several texts at once: explained one by one
+        return []
+    used = result["function"]
+    windowed = " (first window)" if result["long_input"]["windows"] > 1 else ""
+
+    def score_of(label: str):
+        def score(output: SentimentOutput) -> Tensor:
+            logits = output.logits.float()
+            scaled = logits / temperature if used != "none" else logits
+            return probabilities(scaled, used, None)[0][:, output.labels.index(label)]
+        return score
+
+    what = "score" if used == "none" else "probability"
+    return [ExplainTarget(item["label"] + windowed, score_of(item["label"]), what) for item in result["labels"]]
+
+
 def brief(result) -> str:
     """The label and its probability: "POSITIVE 98 %"."""
     return f"{result['label']} {ui.percent(result['score'])}"
@@ -294,6 +313,7 @@ def brief(result) -> str:
 def register_tasks(register):
     register(TaskSpec(
         brief=brief,
+        explain=explain,
         name="sentiment",
         default_checkpoint=starter_checkpoint("sentiment"),
         title="Sentiment",

@@ -176,6 +176,9 @@ class Predictor:
         # Option defaults the model folder was calibrated with (its manifest's "options", e.g. QA's
         # null_threshold): over the task's defaults, under the caller's own options.
         self.model_options: dict[str, Any] = dict(model_options or {})
+        # (checkpoint, device, load keywords) when loaded by `load`: explain.py loads an fp32 copy with
+        # plain kernels from it when this model's kernels have no backward (packed, int8, compiled)
+        self.source: tuple[str, torch.device, dict[str, Any]] | None = None
         self._lock = ModelLock()  # one forward pass at a time per model; callers queue, a cut-off one lets go
 
     @classmethod
@@ -200,6 +203,8 @@ class Predictor:
                         revision=loaded.checkpoint.commit or loaded.checkpoint.revision, untrained_head=loaded.untrained,
                         model_options=model_options(loaded.checkpoint.folder, task.spec))
         predictor.precision = "int8" if precision == "int8" else None
+        # how to load the same weights again with plain kernels (an explanation needs gradients: explain.py)
+        predictor.source = (name, target, dict(load_kwargs))
         return predictor
 
     def check_inputs(self, inputs: Any, options: Mapping[str, Any]) -> dict[str, Any]:

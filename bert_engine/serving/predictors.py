@@ -57,6 +57,7 @@ class LazyPredictor:
         self._choices: OrderedDict[str, str] = OrderedDict()  # visitor -> their checkpoint, least recent first
         self._loading: dict[str | None, threading.Lock] = {}  # a lock per checkpoint being loaded
         self._last: OrderedDict[str | None, tuple[Predictor, LastInput]] = OrderedDict()  # visitor -> last input
+        self._asked: OrderedDict[str | None, tuple[dict[str, Any], dict[str, Any]] | None] = OrderedDict()
         self._lock = threading.Lock()  # guards the dictionaries above; never held while loading
 
     @property
@@ -171,6 +172,34 @@ class LazyPredictor:
         predictor, last = found
         return predictor.attention(last)
 
+    MAX_REMEMBERED_CHARS = 100_000  # a longer request is not kept for "why" and "compare" (they say so)
+
+    def remember_request(self, inputs: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+        """Keep the current visitor's last answered request (inputs and the options they gave) in this task,
+        for the views that re-run it ("why this answer", "compare"); one per visitor, the latest 256."""
+        size = sum(len(v) for v in inputs.values() if isinstance(v, str))
+        kept = (dict(inputs), dict(options)) if size <= self.MAX_REMEMBERED_CHARS else None
+        with self._lock:
+            who = VISITOR.get()
+            self._asked[who] = kept
+            self._asked.move_to_end(who)
+            while len(self._asked) > self.MAX_REMEMBERED:
+                self._asked.popitem(last=False)
+
+    def last_request(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The current visitor's last answered request in this task: (inputs, options).
+
+        Raises:
+            InputError: none yet, or it was too long to keep."""
+        with self._lock:
+            if VISITOR.get() not in self._asked:
+                raise InputError(f"no answer yet in the {self.task.spec.title} tab: run a prediction there first")
+            found = self._asked[VISITOR.get()]
+        if found is None:
+            raise InputError(f"your last {self.task.spec.title} input was longer than {self.MAX_REMEMBERED_CHARS:,} "
+                             "characters, too long to explain or compare here; try a shorter one")
+        return found
+
     @property
     def last(self) -> LastInput | None:
         """The current visitor's last input in this task (None before their first)."""
@@ -270,3 +299,45 @@ class BatchingPredictor(LazyPredictor):
                 request["output"] = output
             except Exception as err:  # handed to that request's own caller
                 request["error"] = err
+
+
+class ModelShelf:
+    """Models loaded beside the served ones (to compare two models on one input): shared by every
+    visitor (a model is only read), keyed by (task, checkpoint, precision), at most `max_models` at once
+    (the least recently used goes). Loads hold only their own key's lock."""
+
+    def __init__(self, *, max_models: int = 2, shown_name: Callable[[str], str] | None = None,
+                 **load_kwargs: Any) -> None:
+        self.max_models = max_models
+        self.shown_name = shown_name or str
+        self.load_kwargs = load_kwargs
+        self._models: OrderedDict[tuple[str, str | None, str], Predictor] = OrderedDict()
+        self._loading: dict[tuple[str, str | None, str], threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def get(self, task: RegisteredTask, checkpoint: str | None, precision: str) -> Predictor:
+        """The model of `task` from `checkpoint` (None: the task's default) in `precision`, loaded once."""
+        key = (task.spec.name, checkpoint, precision)
+        with self._lock:
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:
+            with self._lock:
+                if key in self._models:
+                    return self._models[key]
+            try:
+                logger.info("loading %s (%s) of task %s to compare", self.shown_name(checkpoint) if checkpoint
+                            else "the default model", precision, task.spec.name)
+                predictor = Predictor.load(task, checkpoint, precision=precision, **self.load_kwargs)
+            finally:
+                with self._lock:
+                    self._loading.pop(key, None)
+            predictor.model_id = self.shown_name(predictor.model_id)
+            predictor.gate = GATE
+            with self._lock:
+                self._models[key] = predictor
+                while len(self._models) > self.max_models:
+                    self._models.popitem(last=False)
+            return predictor

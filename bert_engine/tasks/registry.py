@@ -56,7 +56,7 @@ def builtin_plugins() -> tuple[str, ...]:
 
 
 SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
-REQUEST_STAGES = ("preprocess", "forward", "postprocess", "request", "time limit")
+REQUEST_STAGES = ("preprocess", "forward", "postprocess", "explain", "request", "time limit")
 IMPORT_TIMEOUT_S = 30.0  # importing a plugin and running its register_tasks hook (BERT_ENGINE_PLUGIN_TIMEOUT)
 
 
@@ -247,7 +247,7 @@ class Registry:
             problems.append(f"best_metric must be a metric's name or None, got {spec.best_metric!r}")
         if not isinstance(spec.aliases, tuple) or not all(isinstance(a, str) and a for a in spec.aliases):
             problems.append(f"aliases must be a tuple of names, got {spec.aliases!r:.80}")
-        for hook in ("pipeline_output", "brief"):
+        for hook in ("pipeline_output", "brief", "explain"):
             value = getattr(spec, hook)
             if value is not None and not callable(value):
                 problems.append(f"{hook} must be callable or None, got {type(value).__name__}")
