@@ -692,7 +692,7 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
             steps = int(steps)
         with visitor_scope(current_visitor(), current_group()):
             explained, _ = predictors[task].explain(_parse_inputs(spec, inputs), method=method, steps=steps)
-        return explained
+        return json.dumps(explained, ensure_ascii=False)  # JSON text: what an MCP client reads
 
     explain.__doc__ = explain.__doc__.replace("TASKS", ", ".join(names)).replace("MAX_STEPS", str(MAX_STEPS))
 
@@ -715,7 +715,7 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
             a = (check_model_choice(model_a or "", model_dirs, known), precision_a or "fp32")
             b = (check_model_choice(model_b or "", model_dirs, known), precision_b or "fp32")
             compared, _ = predictors[task].compare(_parse_inputs(spec, inputs), this=a, other=b)
-        return compared
+        return json.dumps(compared, ensure_ascii=False)
 
     with gr.Group(visible=False):
         task = gr.Textbox(label="task")
@@ -723,7 +723,7 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
         method = gr.Textbox(label="method", value="integrated_gradients")
         steps = gr.Number(label="steps", value=DEFAULT_STEPS)
         models = [gr.Textbox(label=label) for label in ("model_b", "precision_b", "model_a", "precision_a")]
-        result = gr.JSON(label="result")
+        result = gr.Textbox(label="result (JSON)")
         explain_button, compare_button = gr.Button("explain"), gr.Button("compare")
     explain_button.click(host_handler(gr, endpoints, explain, "explain"), [task, inputs, method, steps], result,
                          api_name="explain")

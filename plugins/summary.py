@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from bert_engine import ui
-from bert_engine.hookspecs import InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.hookspecs import ExplainTarget, InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.model import mean_pool
 from bert_engine.runtime.inference import predict_texts
 from bert_engine.tokenizer import Batch
@@ -543,6 +543,30 @@ def pipeline_output(result: dict, options, single: bool):
     return [summary] if single else summary
 
 
+def explain(result, batch, **_options) -> list[ExplainTarget]:
+    """Per chosen sentence: the trained scorer's probability of keeping it (in hybrid mode its share of the
+    score; the centroid part compares sentences read one by one, which one gradient does not follow)."""
+    if isinstance(result, list) or result.get("mode") not in ("supervised", "hybrid"):
+        return []
+    where = {k: (r, start, end) for r, row in enumerate(batch.meta["cls"]) for start, end, d, k in row if d == 0}
+    targets = []
+    for k in result["selected"]:
+        if k not in where:
+            continue
+        row, start, end = where[k]
+        words = result["sentences"][k]["text"].split()
+        shown = " ".join(words[:6]) + (" …" if len(words) > 6 else "")
+        targets.append(ExplainTarget(f"keep sentence {k + 1} (“{shown}”)", _keep_probability(start, end),
+                                     "scorer's probability", row))
+    return targets
+
+
+def _keep_probability(start: int, end: int):
+    def score(output: SummaryOutput) -> Tensor:
+        return output.token_scores.float()[:, start:end].mean(-1).sigmoid()
+    return score
+
+
 def brief(result) -> str:
     """The chosen sentences."""
     return result["summary"] or "no sentence chosen"
@@ -552,6 +576,7 @@ def brief(result) -> str:
 def register_tasks(register):
     register(TaskSpec(
         brief=brief,
+        explain=explain,
         name="summary",
         default_checkpoint=starter_checkpoint("summary"),
         title="Summary",

@@ -150,7 +150,7 @@ def test_the_api_names_every_input_and_output_and_has_one_endpoint_per_task(serv
     info = Client(url, verbose=False).view_api(return_format="dict", print_info=False)
     endpoints = info["named_endpoints"]
     tasks = [name for name in app.predictors if name != "broken_tab"]
-    assert set(endpoints) == {f"/{name}" for name in tasks} | {"/all_tasks", "/plugins"}
+    assert set(endpoints) == {f"/{name}" for name in tasks} | {"/all_tasks", "/plugins", "/explain", "/compare"}
     assert not info["unnamed_endpoints"]
     required = {name: [p["parameter_name"] for p in e["parameters"] if not p["parameter_has_default"]]
                 for name, e in endpoints.items()}
@@ -178,14 +178,16 @@ def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
                 tools = {tool.name: tool for tool in (await session.list_tools()).tools}
                 answer = await session.call_tool("sentiment", {"text": "A gorgeous, witty, seductive movie."})
                 refused = await session.call_tool("ner", {"text": "   "})
-                return tools, answer, refused
+                explained = await session.call_tool("explain", {
+                    "task": "sentiment", "inputs": json.dumps({"text": "A gorgeous, witty movie."}), "steps": 8})
+                return tools, answer, refused, explained
 
     try:
-        tools, answer, refused = asyncio.run(session_calls())
+        tools, answer, refused, explained = asyncio.run(session_calls())
     finally:
         app.close()
     tasks = {name for name in app.predictors if name != "broken_tab"}
-    assert tasks | {"all_tasks", "plugins"} == set(tools)
+    assert tasks | {"all_tasks", "plugins", "explain", "compare"} == set(tools)
     assert "sequence-classification" in tools["sentiment"].description  # the task's own description
     assert tools["sentiment"].inputSchema["required"] == ["text"]
     for name in tasks:  # every task's tool: task-named inputs, each described
@@ -193,6 +195,11 @@ def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
         assert not any(key.endswith("_value") for key in properties), (name, list(properties))
         assert all(p.get("description") for p in properties.values()), (name, properties)
     assert set(tools["qa"].inputSchema["properties"]) == {"question", "context", "top_k", "no_answer"}
+    for name in ("explain", "compare"):  # the why and compare tools: every input described
+        properties = tools[name].inputSchema["properties"]
+        assert {"task", "inputs"} <= set(properties) and all(p.get("description") for p in properties.values())
+    why = json.loads(" ".join(part.text for part in explained.content if part.type == "text"))
+    assert not explained.isError and why["targets"][0]["name"] == "POSITIVE" and why["steps"] == 8
     text = " ".join(part.text for part in answer.content if part.type == "text")
     assert not answer.isError and "POSITIVE" in text
     assert refused.isError and "the text is empty" in " ".join(p.text for p in refused.content if p.type == "text")
@@ -601,7 +608,7 @@ def test_a_request_cut_off_while_waiting_for_others_is_not_the_plugins_fault(tmp
 def test_the_api_has_one_endpoint_per_task_and_optional_inputs_are_optional():
     registry = load_registry(entry_points=False)
     endpoints = build_app(registry).get_api_info()["named_endpoints"]
-    expected = {f"/{name}" for name in registry.tasks} | {"/plugins", "/all_tasks"}
+    expected = {f"/{name}" for name in registry.tasks} | {"/plugins", "/all_tasks", "/explain", "/compare"}
     assert set(endpoints) == expected  # no stray /lambda; the per-session model picker and attention undocumented
     for name, field in (("sentiment", "text_pair"), ("fill_mask", "targets")):
         parameters = {p["parameter_name"]: p for p in endpoints[f"/{name}"]["parameters"]}
@@ -771,3 +778,35 @@ def test_every_html_answer_says_what_will_appear_before_the_first_run(registry):
     found = {b.label: str(b.value) for b in app.blocks.values() if isinstance(b, gr.HTML) and b.label in labels}
     assert set(found) == labels
     assert all('class="be-empty"' in value and "appear" in value for value in found.values()), found
+
+
+def test_why_and_compare_explain_the_visitors_own_last_answer(served):
+    """The tab's buttons explain and compare the visitor's own last answer (another visitor has none
+    yet); the documented /explain and /compare take the inputs in the call."""
+    app, url = served
+    visitor, stranger = Client(url, verbose=False), Client(url, verbose=False)
+    visitor.predict("A gorgeous, witty, seductive movie.", "", "truncate", api_name="/sentiment")
+    why = visitor.predict("integrated_gradients", 16, api_name="/sentiment_why")
+    assert "POSITIVE: probability" in why and 'class="be-mark"' in why and "gorgeous" in why
+    assert "they add up" in why
+    fast = visitor.predict("gradient_x_input", 16, api_name="/sentiment_why")
+    assert "gradient x input" in fast
+    with pytest.raises(Exception, match="no answer yet in the Sentiment tab"):
+        stranger.predict("integrated_gradients", 16, api_name="/sentiment_why")
+    compared = visitor.predict("", "int8", api_name="/sentiment_compare")
+    assert "float32" in compared and "int8" in compared and "They agree" in compared
+    explained = json.loads(stranger.predict("ner", json.dumps({"text": "Tim Cook visited Berlin."}),
+                                            "integrated_gradients", 16, api_name="/explain"))
+    assert [t["name"] for t in explained["targets"]] == ["Tim Cook (PER)", "Berlin (LOC)"]
+    tokens = explained["rows"][0]["tokens"]
+    assert tokens[0]["token"] == "[CLS]" and explained["targets"][0]["attributions"][0] == 0.0  # specials kept
+    with pytest.raises(Exception, match="inputs must be a JSON object"):
+        stranger.predict("ner", "Tim Cook", "integrated_gradients", 16, api_name="/explain")
+    with pytest.raises(Exception, match="does not say what to explain"):
+        stranger.predict("similarity", json.dumps({"text": "a", "text_pair": "b"}), "integrated_gradients", 8,
+                         api_name="/explain")
+    compared = json.loads(stranger.predict("qa", json.dumps({"question": "Who wrote it?", "context": "Moby-Dick was "
+                                                             "written by Herman Melville."}), "", "int8", "", "fp32",
+                                           api_name="/compare"))
+    assert compared["a"]["precision"] == "float32" and compared["b"]["precision"] == "int8"
+    assert compared["agree"] == (not compared["disagreements"]) and "Melville" in compared["a"]["brief"]

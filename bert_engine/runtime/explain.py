@@ -14,8 +14,8 @@ tokens, with one of two methods:
   backward pass, fast, without that guarantee (its gap is reported too).
 
 The baseline: every text token's word embedding replaced by the padding token's, so the model reads
-a blank text of the same length; the special tokens ([CLS], [SEP]) and [MASK], the positions and the
-segments stay as they are, and their attributions are 0.
+a blank text of the same length; the special tokens ([CLS], [SEP], [PAD]) and [MASK], the positions
+and the segments stay as they are, and their attributions are 0.
 
 Cost: each step is a forward and one backward pass per target (about 1 + 2 x targets forwards),
 run in chunks that take turns at the fairness gate like every forward. One explanation may cost at
@@ -196,9 +196,8 @@ def _attribute(predictor: Predictor, model: nn.Module, batch, r: int, n: int, ta
     ids = batch.input_ids[r:r + 1, :n].to(device)
     segments = batch.token_type_ids[r:r + 1, :n].to(device)
     tokenizer = predictor.tokenizer
-    kept = {tokenizer.mask_token_id}
-    varied = torch.tensor([batch.sequence_ids[r][t] is not None and int(ids[0, t]) not in kept for t in range(n)],
-                          device=device)
+    kept = {tokenizer.token_id(name) for name in ("cls_token", "sep_token", "pad_token", "mask_token")}
+    varied = ~torch.isin(ids[0], torch.tensor(sorted(kept), device=device))  # (n,) the text's own tokens
     with torch.no_grad():
         x = table(ids)[0].detach()  # (n, E)
         blank = table.weight[tokenizer.pad_token_id].detach() if tokenizer.pad_token_id is not None else 0.0
@@ -260,10 +259,11 @@ def _tokens(tokenizer, batch, r: int, n: int, fields: list[str], inputs: Mapping
     """Row `r`'s tokens, each with the input field it comes from and its character span there (None for specials)."""
     tokens = tokenizer.convert_ids_to_tokens(batch.input_ids[r, :n].tolist())
     out = []
+    sequences, offsets = batch.sequence_ids[r], batch.offsets[r]
     for t, token in enumerate(tokens):
-        sequence = batch.sequence_ids[r][t]
-        field = fields[sequence] if sequence is not None and sequence < len(fields) else None
-        start, end = batch.offsets[r][t] if field is not None else (None, None)
+        sequence = sequences[t] if t < len(sequences) else None
+        field = fields[sequence] if sequence is not None and sequence < len(fields) and t < len(offsets) else None
+        start, end = offsets[t] if field is not None else (None, None)
         out.append({"token": token, "field": field, "start": start, "end": end})
     return out
 
