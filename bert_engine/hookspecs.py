@@ -186,7 +186,7 @@ class TaskSpec:
             result's JSON, shortened.
         explain: (result, batch, **options) -> a list of ExplainTarget: the numbers of `result` that
             "why this answer" explains (the predicted label's probability, an entity's, an answer's
-            start and end). The host computes token attributions for each (Integrated Gradients or
+            start and end); declare a `context` parameter to get the TaskContext (the head's labels). The host computes token attributions for each (Integrated Gradients or
             gradient x input over the word embeddings: bert_engine.runtime.explain) in the playground,
             the API and MCP. None: the task has no "why" view.
         tuned_options: metric name -> option name: a value the evaluation tunes on held-out data

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bert_engine import ui
-from bert_engine.hookspecs import InputError, TaskSpec, hookimpl
+from bert_engine.hookspecs import ExplainTarget, InputError, TaskSpec, hookimpl
 from bert_engine.tasks.conformance import check_task, tiny_predictor
 from bert_engine.tasks.registry import Registry, load_registry
 
@@ -124,6 +124,25 @@ def test_a_tab_event_that_fails_through_gradio_is_named():
         ui.wire(gr, gr.Button(), lambda t: predictor.predict({"text": t})["result"], [text], [label], api_name="yesno")
 
     assert "firing 'yesno' through Gradio raised" in _rules(_spec(build_tab=build_tab))["tab-event"]
+
+
+def test_an_explain_that_follows_the_contract_passes_and_each_way_to_break_it_is_named():
+    """A declared `explain`: ExplainTarget records whose score is one differentiable value per row of the
+    output it is handed. The kit explains every example and names what breaks (rule `explain`)."""
+    def explain(result, batch, **options):
+        return [ExplainTarget("yes", lambda logits: logits.float().softmax(-1)[:, 1])]
+
+    assert _rules(_spec(explain=explain)) == {}
+    broken = {
+        "must return ExplainTarget": lambda r, b, **o: [("yes", 0.5)],
+        "shape (2,), got (2, 2)": lambda r, b, **o: [ExplainTarget("yes", lambda logits: logits)],
+        "does not depend on the output": lambda r, b, **o: [ExplainTarget("yes", lambda logits: torch.ones(len(logits)))],
+        "not finite": lambda r, b, **o: [ExplainTarget("yes", lambda logits: logits[:, 0] * float("nan"))],
+        "names row 3": lambda r, b, **o: [ExplainTarget("yes", lambda logits: logits[:, 0], row=3)],
+        "ZeroDivisionError": lambda r, b, **o: [1 / 0],
+    }
+    for message, function in broken.items():
+        assert message in _rules(_spec(explain=function)).get("explain", ""), message
 
 
 def test_declared_labels_must_be_the_heads():

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..checkpoints.loader import load
-from ..hookspecs import ExplainTarget, InputError
+from ..hookspecs import ExplainTarget, InputError, takes_context
 from ..model import encoder_of
 from .fairness import chunk_flops
 from .inference import Predictor, max_request_tokens, request_stage, row_flops
@@ -133,7 +133,8 @@ def explain(predictor: Predictor, inputs: Mapping[str, Any], *, method: str = "i
         batch = spec.preprocess(inputs, predictor.tokenizer, **checked)
     result = predictor.run(batch, checked)
     with request_stage("explain"):
-        found = list(spec.explain(result, batch, **checked) or ())
+        extra = {"context": predictor.context()} if takes_context(spec.explain) else {}
+        found = list(spec.explain(result, batch, **checked, **extra) or ())
         chosen = _choose(spec.name, found, targets, len(batch))
     fields = [f for f in (*spec.input_fields, *spec.optional_fields) if inputs.get(f) is not None]
     rows = sorted({t.row for t in chosen})
@@ -240,6 +241,9 @@ def _attribute(predictor: Predictor, model: nn.Module, batch, r: int, n: int, ta
             output = run(path)
             for k, target in enumerate(targets):
                 value = _scores(target, output, a.shape[0])
+                if not value.requires_grad:
+                    raise TypeError(f"ExplainTarget {target.name!r}: its score does not depend on the output it is "
+                                    "handed (no gradient reaches the input); compute it from that output")
                 (grad,) = torch.autograd.grad(value.sum(), path, retain_graph=k < len(targets) - 1)
                 sums[k] += (w * grad.float()).sum(0)
     return [(s * delta.float()).sum(-1).cpu() for s in sums], scores, baselines

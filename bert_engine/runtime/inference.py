@@ -253,10 +253,14 @@ class Predictor:
             with request_stage("postprocess"), self._lock:
                 # Postprocessing may re-run the encoder (beam search): context.encode, under this lock.
                 if self.task.takes_context:
-                    labels = getattr(getattr(self.model, "head", None), "labels", None)
-                    options = {**options, "context": TaskContext(self.tokenizer, self._encode,
-                                                                 tuple(labels) if labels else None)}
+                    options = {**options, "context": self.context()}
                 return self.task.spec.postprocess(output, batch.to("cpu"), **options)
+
+    def context(self) -> TaskContext:
+        """What a postprocess (or explain) that asks for `context` gets: the tokenizer, the encoder, the
+        head's label names in id order."""
+        labels = getattr(getattr(self.model, "head", None), "labels", None)
+        return TaskContext(self.tokenizer, self._encode, tuple(labels) if labels else None)
 
     def forward_rows(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         """The model's output for already-tokenised rows, for a task that batches inputs its own way

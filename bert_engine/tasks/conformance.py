@@ -175,11 +175,41 @@ def check_task(task: RegisteredTask, predictor: Predictor | None = None, *, buil
             continue
         violations += check_result(task, case, inputs, output["result"], labels)
         violations += _check_shapes(task, case, output["result"])
+    if task.spec.explain is not None:
+        violations += _check_explain(task, predictor, timed)
     if build_tab and task.spec.build_tab is not None:
         violations += _check_tab(task, predictor, timed)
     if data is not None:
         violations += _check_training(task, predictor, Path(data), split, timed)
     return violations
+
+
+def _check_explain(task: RegisteredTask, predictor: Predictor, timed) -> list[Violation]:
+    """A declared `explain` answers every example with ExplainTarget records whose scores are one finite,
+    differentiable value per row, and Integrated Gradients' attributions are finite and add up (rule
+    `explain`)."""
+    from ..runtime.explain import explain  # noqa: PLC0415 - only for tasks that declare it
+
+    found = []
+    for i, example in enumerate(task.spec.examples[:3] or ({field: "A short example." for field in task.spec.input_fields},)):
+        case = f"explain example {i}"
+        try:
+            explained = timed(case, explain, predictor, dict(example), steps=32)
+        except (InputError, _Skip):
+            continue
+        except (Exception, SystemExit, GeneratorExit) as err:
+            found.append(Violation(task.spec.name, case, "explain", f"raised {type(err).__name__}: {str(err)[:200]}"))
+            continue
+        for target in explained["targets"]:
+            difference = target["score"] - target["baseline_score"]
+            if not all(math.isfinite(v) for v in target["attributions"]):
+                found.append(Violation(task.spec.name, case, "explain", f"{target['name']!r}: attributions not finite"))
+            elif abs(target["completeness_gap"]) > 0.25 * abs(difference) + 0.01:
+                found.append(Violation(task.spec.name, case, "explain",
+                                       f"{target['name']!r}: attributions sum to {target['sum']:.4g} but the score moved "
+                                       f"{difference:.4g} from the baseline: does the score read only the rows it is "
+                                       "handed?"))
+    return found
 
 
 def _crash(task: RegisteredTask, case: str, err: BaseException) -> Violation:
