@@ -9,7 +9,6 @@ rule), and duplicate spans are merged. The null score comes from [CLS] (SQuAD 2.
 
 from __future__ import annotations
 
-from html import escape
 from typing import Any
 
 import torch
@@ -18,10 +17,10 @@ from tqdm.auto import tqdm
 from bert_engine import ui
 from bert_engine.heads import SpanHead, SpanOutput
 from bert_engine.hookspecs import ExplainTarget, InputError, TaskSpec, check_int, hookimpl, length_option
-from bert_engine.ui import percent
 from plugins.qa_answerability import features, no_answer_probability
 from plugins.qa_data import read_data
 from plugins.qa_metric import metric
+from plugins.qa_view import answer_view, candidate_scores
 from plugins.starter import starter_checkpoint
 
 N_BEST_PER_WINDOW = 20  # best spans kept per window before merging across windows
@@ -279,67 +278,6 @@ def loss(output, targets: list[tuple[int, int]]):
         starts, ends = starts.masked_fill(padding, -1e9), ends.masked_fill(padding, -1e9)
     ce = torch.nn.functional.cross_entropy
     return (ce(starts, positions[:, 0]) + ce(ends, positions[:, 1])) / 2
-
-
-EXCERPT_CHARS = 600  # a longer context shows this much around the answer, the whole text one click away
-
-
-def _excerpt(context: str, start: int, end: int, mark: str) -> str:
-    """The context as HTML with `mark` in place of [start, end); a long one cut to EXCERPT_CHARS around
-    it at word boundaries, the whole text one click away."""
-    if len(context) <= EXCERPT_CHARS:
-        return escape(context[:start]) + mark + escape(context[end:])
-    lo, hi = max(0, start - EXCERPT_CHARS // 2), min(len(context), end + EXCERPT_CHARS // 2)
-    lo = context.rfind(" ", 0, lo) + 1 if lo else 0  # never cut inside a word
-    hi = hi if hi == len(context) or context.find(" ", hi) < 0 else context.find(" ", hi)
-    body = ("… " if lo else "") + escape(context[lo:start]) + mark + escape(context[end:hi]) + (" …" if hi < len(context) else "")
-    return body + (f'<details class="qa-whole"><summary>The whole context ({len(context):,} characters)</summary>'
-                   f'{escape(context[:start])}{mark}{escape(context[end:])}</details>')
-
-
-def answer_view(context: str, result: dict) -> str:
-    """The headline ("Answer: ... - 88 %" or "No answer in this context") over the context with the
-    answer (or, for "no answer", the best candidate) marked inline; a long context shows an excerpt
-    around it, cut at word boundaries, and the rest on demand."""
-    answers, null = result["answers"], result["no_answer"]
-    style = ('style="background:{bg};color:#1f2937;padding:0 .15em;border-radius:3px;white-space:nowrap"')
-    if null["predicted"] or not answers:
-        if not answers:
-            why = "no span fits"
-        elif null.get("rule") == "verifier":
-            why = (f"the model is {percent(null['probability'])} sure the text does not say it; the best candidate "
-                   f"is marked")
-        else:
-            why = (f"the best span, “{escape(answers[0]['answer'])}” ({percent(answers[0]['score'])}), "
-                   f"is weaker than “no answer” by more than the threshold")
-        head = (f'<p class="qa-headline qa-none"><b>No answer in this context</b> '
-                f'<span class="qa-why">({why})</span></p>')
-        if answers:
-            best = answers[0]
-            mark = f'<mark class="be-mark qa-candidate" {style.format(bg="#e5e7eb")}>{escape(best["answer"])}</mark>'
-            body = _excerpt(context, best["start"], best["end"], mark)
-        else:
-            body = _excerpt(context, 0, 0, "")
-        return (f'<div class="qa-view">{head}<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">'
-                f'{body}</div></div>')
-    best = answers[0]
-    start, end, score = best["start"], best["end"], percent(best["score"])
-    mark = (f'<mark class="be-mark qa-answer" {style.format(bg="#fde68a")}>{escape(context[start:end])}'
-            f'<sup class="qa-score" style="color:#1f2937"> {score}</sup></mark>')
-    return (f'<div class="qa-view"><p class="qa-headline">Answer: <b>{escape(best["answer"])}</b> – {score}</p>'
-            f'<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">'
-            f'{_excerpt(context, start, end, mark)}</div></div>')
-
-
-def candidate_scores(result: dict) -> dict[str, float]:
-    """Candidates for the bars: answer text -> probability, with "no answer" among them; the same text
-    found at two places is told apart by its position."""
-    scores: dict[str, float] = {}
-    for a in result["answers"]:
-        label = a["answer"] if a["answer"] not in scores else f"{a['answer']} (at {a['start']})"
-        scores[label] = a["score"]
-    scores["(no answer)"] = result["no_answer"]["score"]
-    return scores
 
 
 NO_ANSWER_LABELS = {  # the tab's words for NO_ANSWER_CHOICES (scripts/qa_calibrate.py sets each threshold)
