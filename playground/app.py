@@ -40,7 +40,8 @@ from plugins.starter import STARTER_ROOT
 
 logger = logging.getLogger(__name__)
 
-# Phones: Gradio moves the tabs that do not fit into an overflow menu behind a bare "..." button; it
+# Phones: a "Go to a task" menu (narrow screens only) lists every tab in the first screen; Gradio moves the tabs
+# that do not fit into an overflow menu behind a bare "..." button, which
 # gets a label, so the other tabs are found. Wide tables and heatmaps scroll inside their own box.
 # A failed run keeps the last result on screen: the error is the toast's message, and Gradio's "Error"
 # overlay, which would cover the previous answer, is not drawn.
@@ -56,6 +57,14 @@ PAGE_CSS = """
 .be-card-error .be-card-answer, .be-card-skipped .be-card-answer { color: var(--body-text-color-subdued);
                                                                     font-style: italic; }
 .table-wrap, .attention-links { overflow-x: auto; max-width: 100%; }
+.be-task-menu { display: none; }
+.dark [role=tablist] [role=tab][aria-selected=true] { color: var(--primary-400) !important; }
+@media (max-width: 640px) { .be-task-menu { display: block; } }
+table th, table th * { white-space: nowrap; word-break: keep-all; overflow-wrap: normal; }
+.be-why-field { font-weight: 600; margin-right: .4em; }
+.be-why-text { line-height: 1.8; white-space: pre-wrap; }
+table.be-compare td, table.be-compare th { padding: 2px 8px; text-align: left; }
+tr.be-disagree td { font-weight: 600; }
 .attention-links th, .attention-links td { padding: 2px 8px; text-align: left; }
 """
 
@@ -102,30 +111,42 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
             ui.wiring(wrap):
         gr.Markdown("# bert_engine playground\nBERT written from scratch in PyTorch: pick a task, type or paste "
                     "text, and see what the model answers. " + plural(len(registry.tasks), "task") + ".")
-        for name, task in registry.tasks.items():
-            with gr.Tab(task.spec.title, id=name) as tab:
-                if task.spec.description:
-                    gr.Markdown(task.spec.description)
-                statuses[name] = _build_model_picker(gr, name, predictors[name], model_dirs)
-                _build_task_tab(gr, task, predictors[name], registry, wrap)
-                _build_insight(gr, task, predictors[name], model_dirs, precisions)
-            tab.select(with_request(gr, functools.partial(model_line, predictors[name])), None, statuses[name],
-                       api_visibility="private")
-        if len(single_text_tasks(registry)) > 1:
-            with gr.Tab("All tasks", id="all_tasks"):
-                _build_all_tasks_tab(gr, registry, predictors, timeout_s)
-        with gr.Tab("Plugins", id="plugins") as plugins_tab:
-            table = _build_plugins_tab(gr, registry, endpoints)
-        # failures since start-up show on opening; not an API endpoint (/plugins is)
-        plugins_tab.select(lambda: plugin_rows(registry), None, table, api_visibility="private")
-        with gr.Tab("Attention", id="attention"):
-            ranges, range_inputs, range_outputs = _build_attention_tab(gr, registry, predictors)
+        titles = [(task.spec.title, name) for name, task in registry.tasks.items()]
+        titles += [("All tasks", "all_tasks")] if len(single_text_tasks(registry)) > 1 else []
+        menu = gr.Dropdown(choices=[*titles, ("Plugins", "plugins"), ("Attention", "attention")], value=None,
+                           label="Go to a task", elem_classes=["be-task-menu"], filterable=False)  # phones only (CSS)
+        with gr.Tabs() as tabs:
+            _build_tabs(gr, app, registry, predictors, statuses, endpoints, wrap, model_dirs, precisions, timeout_s)
         _build_insight_api(gr, registry, predictors, endpoints, model_dirs)
-        # each visitor's own model line, once the page opens (the warm-up may have loaded the defaults)
-        app.load(with_request(gr, lambda: model_lines(predictors, statuses)), None, list(statuses.values()),
-                 api_visibility="private")
-        app.load(ranges, range_inputs, range_outputs, api_visibility="private")  # the sliders' real ranges
+        menu.change(lambda chosen: gr.Tabs(selected=chosen) if chosen else gr.skip(), menu, tabs,
+                    api_visibility="private")
     return app
+
+
+def _build_tabs(gr, app, registry, predictors, statuses, endpoints, wrap, model_dirs, precisions, timeout_s) -> None:
+    """One tab per task (with its model picker, why and compare), All tasks, Plugins and Attention."""
+    for name, task in registry.tasks.items():
+        with gr.Tab(task.spec.title, id=name) as tab:
+            if task.spec.description:
+                gr.Markdown(task.spec.description)
+            statuses[name] = _build_model_picker(gr, name, predictors[name], model_dirs)
+            _build_task_tab(gr, task, predictors[name], registry, wrap)
+            _build_insight(gr, task, predictors[name], model_dirs, precisions)
+        tab.select(with_request(gr, functools.partial(model_line, predictors[name])), None, statuses[name],
+                   api_visibility="private")
+    if len(single_text_tasks(registry)) > 1:
+        with gr.Tab("All tasks", id="all_tasks"):
+            _build_all_tasks_tab(gr, registry, predictors, timeout_s)
+    with gr.Tab("Plugins", id="plugins") as plugins_tab:
+        table = _build_plugins_tab(gr, registry, endpoints)
+    # failures since start-up show on opening; not an API endpoint (/plugins is)
+    plugins_tab.select(lambda: plugin_rows(registry), None, table, api_visibility="private")
+    with gr.Tab("Attention", id="attention"):
+        ranges, range_inputs, range_outputs = _build_attention_tab(gr, registry, predictors)
+    # each visitor's own model line, once the page opens (the warm-up may have loaded the defaults)
+    app.load(with_request(gr, lambda: model_lines(predictors, statuses)), None, list(statuses.values()),
+             api_visibility="private")
+    app.load(ranges, range_inputs, range_outputs, api_visibility="private")  # the sliders' real ranges
 
 
 class ServedPredictor(BatchingPredictor):
@@ -216,12 +237,26 @@ def playground_class(gr):
             self.max_threads = 40  # Gradio's default
 
         def launch(self, *args: Any, **kwargs: Any):
+            kwargs.setdefault("theme", page_theme(gr))
             kwargs.setdefault("css", ui.CSS + PAGE_CSS)
             kwargs.setdefault("head", ui.KEYBOARD_JS)
             kwargs.setdefault("max_threads", self.max_threads)
             return super().launch(*args, **kwargs)
 
     return Playground
+
+
+def page_theme(gr):
+    """Gradio's default theme with every text at 4.5:1 or more (WCAG AA) in light and dark, as the browser
+    test measures from computed styles: white on a darker orange for the primary buttons, the selected
+    tab's accent darker (lighter in dark mode: PAGE_CSS), and the subdued text (an input's info line, a slider's ends, card titles)
+    darker on light and lighter on dark."""
+    return gr.themes.Default().set(
+        button_primary_background_fill="*primary_700", button_primary_background_fill_dark="*primary_700",
+        button_primary_background_fill_hover="*primary_800", button_primary_background_fill_hover_dark="*primary_800",
+        button_primary_text_color="white", button_primary_text_color_dark="white",
+        color_accent="*primary_700",
+        body_text_color_subdued="*neutral_600", body_text_color_subdued_dark="*neutral_400")
 
 
 # Requests Gradio hands to the handlers at once, per event. Gradio's queue is first-in first-out and would
@@ -886,9 +921,9 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
     show = gr.Button("Show attention", variant="primary", elem_classes=[ui.RUN_CLASS])
     caption = gr.Markdown(label="What is shown")
     with gr.Row(equal_height=False):
-        heatmap = gr.Image(label="Attention (one head)", type="pil", format="png", interactive=False,
+        heatmap = gr.Image(label="Attention (one head)", show_label=False, type="pil", format="png", interactive=False,
                            buttons=["download", "fullscreen"], scale=3, elem_classes=["attention-image"])
-        grid = gr.Image(label="Every head of the layer", type="pil", format="png", interactive=False,
+        grid = gr.Image(label="Every head of the layer", show_label=False, type="pil", format="png", interactive=False,
                         buttons=["download", "fullscreen"], scale=2, elem_classes=["attention-image"])
     with gr.Accordion("Strongest links of each token (text, for touch screens)", open=False):
         links = gr.HTML(label="Strongest links")

@@ -467,10 +467,11 @@ def render(text: str, result: dict) -> str:
     for sentence in result["sentences"]:
         parts.append(escape(text[cursor:sentence["start"]]))
         style = (f"background:#fde68a;color:{ui.HIGHLIGHT_TEXT}" if sentence["selected"] else
-                 "color:#9ca3af;text-decoration:line-through" if sentence["index"] in dropped else "")
+                 "color:var(--body-text-color-subdued);text-decoration:line-through" if sentence["index"] in dropped
+                 else "")
         parts.append(f'<span class="sentence{" chosen" if sentence["selected"] else ""}" style="{style}" '
                      f'title="score {sentence["score"]:.3f}">{escape(sentence["text"])}'
-                     f'<sub style="color:#6b7280;font-size:0.7em"> {sentence["score"]:.2f}</sub></span>')
+                     f'<sub style="color:inherit;font-size:0.75em"> {sentence["score"]:.2f}</sub></span>')
         cursor = sentence["end"]
     parts.append(escape(text[cursor:]))
     return '<div class="summary-doc" style="white-space:pre-wrap;line-height:1.7">' + "".join(parts) + "</div>"

@@ -296,6 +296,103 @@ def contrast(foreground: str, background: str) -> float:
     return (high + 0.05) / (low + 0.05)
 
 
+# Every text in the visible tab panel and the tab bar, from computed styles: its colour over its effective
+# background (the ancestors' backgrounds composited, alpha included), WCAG contrast.
+CONTRAST_JS = r"""
+() => {
+  const parse = (c) => { const m = c.match(/rgba?\(([^)]+)\)/); if (!m) return null;
+    const p = m[1].split(/[ ,\/]+/).filter(Boolean).map(Number); return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1]; };
+  const lum = ([r, g, b]) => { const f = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b); };
+  const over = (top, bottom) => { const a = top[3]; return [0,1,2].map(i => top[i] * a + bottom[i] * (1 - a)).concat([1]); };
+  const background = (el) => { const layers = []; for (let e = el; e; e = e.parentElement) {
+      const c = parse(getComputedStyle(e).backgroundColor); if (c && c[3] > 0) { layers.push(c); if (c[3] >= 1) break; } }
+    let base = parse(getComputedStyle(document.body).backgroundColor) || [255,255,255,1];
+    if (base[3] < 1) base = [255,255,255,1];
+    for (let i = layers.length - 1; i >= 0; i--) base = over(layers[i], base); return base; };
+  const failures = []; let checked = 0;
+  const panel = document.querySelector('[role=tabpanel]:not([style*="display: none"])') || document.body;
+  const roots = [panel, document.querySelector('[role=tablist]')].filter(Boolean);
+  for (const root of roots) for (const el of root.querySelectorAll('*')) {
+    const own = [...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim());
+    if (!own) continue;
+    const r = el.getBoundingClientRect(); if (!r.width || !r.height) continue;
+    const s = getComputedStyle(el); if (s.visibility === 'hidden' || s.display === 'none' || parseFloat(s.opacity) === 0) continue;
+    if (el.closest('[aria-hidden=true], .visually-hidden, .hide, [hidden]')) continue;
+    const bg = background(el); let fg = parse(s.color); if (!fg) continue; fg = over(fg, bg);
+    const [hi, lo] = [lum(fg), lum(bg)].sort((a, b) => b - a); const ratio = (hi + 0.05) / (lo + 0.05); checked++;
+    if (ratio < 4.5) failures.push({text: el.textContent.trim().slice(0, 40), tag: el.tagName, cls: String(el.className).slice(0, 60),
+                                    fg: s.color, bg: 'rgb(' + bg.slice(0,3).map(Math.round).join(',') + ')', ratio: Math.round(ratio * 100) / 100});
+  }
+  return {checked, failures};
+}
+"""
+
+# How each tab is made to show its answers before its texts are measured: (button, or an example's text to click)
+RUNS = {"Sentiment": ("example", "A gorgeous, witty, seductive movie."), "Named entities": ("button", "Find entities"),
+        "Question answering": ("button", "Answer"), "Summary": ("button", "Summarise"), "Fill-mask": ("button", "Fill"),
+        "Similarity": ("button", "Compare"), "All tasks": ("example", "Tim Cook said the new Apple office"),
+        "Plugins": None, "Attention": ("button", "Show attention")}
+
+
+def _run_tab(panel, title: str) -> None:
+    run = RUNS.get(title)
+    if run is None:
+        return
+    kind, what = run
+    if kind == "example":
+        panel.get_by_text(what).first.click()
+    else:
+        panel.get_by_role("button", name=what, exact=True).click()
+    panel.locator("[data-testid=status-tracker].pending, .eta-bar").first.wait_for(state="detached", timeout=60_000)
+    panel.page.wait_for_timeout(1500)
+
+
+def _why_and_compare(panel) -> None:
+    """Open the tab's "Why this answer?" and "Compare" sections and run both on the last input."""
+    panel.get_by_text("Why this answer?", exact=True).first.click()
+    panel.get_by_role("button", name="Explain my last answer").click()
+    panel.locator(".be-why .be-mark").first.wait_for(timeout=60_000)
+    panel.get_by_text("Compare with another model", exact=True).first.click()
+    panel.get_by_role("button", name="Compare on my last input").click()
+    panel.locator(".be-compare-verdict").first.wait_for(timeout=60_000)
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_every_text_reads_at_4_5_to_1_in_both_themes(browser, page_url, theme):
+    """Issue 38: contrast >= 4.5:1 for every text of every tab, tags, headers, buttons, the selected tab and
+    the why / compare views included, measured from the browser's computed styles."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000}, color_scheme=theme)
+    _visit(page, page_url + ("?__theme=dark" if theme == "dark" else ""))
+    failures, checked = [], 0
+    for title in TITLES:
+        panel = _open(page, title)
+        _run_tab(panel, title)
+        if title in ("Sentiment", "Question answering"):
+            _why_and_compare(panel)
+        found = page.evaluate(CONTRAST_JS)
+        checked += found["checked"]
+        failures += [(title, f) for f in found["failures"]]
+        _shot(page, f"contrast_{theme}_{title.lower().replace(' ', '_')}")
+    page.close()
+    assert checked > 300 and not failures, failures
+
+
+def test_why_and_compare_views_explain_the_visitors_last_answer(browser_page):
+    panel = _open(browser_page, "Question answering")
+    panel.get_by_role("button", name="Answer", exact=True).click()
+    panel.locator("mark.qa-answer").first.wait_for(timeout=60_000)
+    _why_and_compare(panel)
+    why = panel.locator(".be-why")
+    assert "start of" in why.inner_text() and "no answer rather than" in why.inner_text()
+    assert why.locator(".be-why-field").all_inner_texts()[:2] == ["question", "context"]  # both texts, highlighted
+    assert "they add up" in why.inner_text()
+    verdict = panel.locator(".be-compare-verdict").inner_text()
+    assert verdict.startswith(("They agree", "They disagree"))
+    assert "int8" in panel.locator(".be-cards").last.inner_text()
+    _shot(browser_page, "qa_why_and_compare")
+
+
 def test_dark_theme_highlights_are_readable(browser, page_url):
     page = browser.new_page(viewport={"width": 1400, "height": 1000}, color_scheme="dark")
     _visit(page, page_url + "?__theme=dark")
@@ -322,6 +419,15 @@ def test_dark_theme_highlights_are_readable(browser, page_url):
 def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page_url):
     page = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
     _visit(page, page_url)
+    menu = page.locator(".be-task-menu")
+    assert menu.is_visible() and menu.bounding_box()["y"] + menu.bounding_box()["height"] <= 844  # the first screen
+    for title in TITLES:  # every tab one choice away in the "Go to a task" menu
+        menu.locator("input").click()
+        page.get_by_role("option", name=title, exact=True).click()
+        selected = page.locator("[role=tablist] [aria-selected=true], .overflow-dropdown .selected")
+        from playwright.sync_api import expect
+
+        expect(selected.first).to_contain_text(title, timeout=30_000)
     for title in TITLES:  # each tab is on the bar, or one tap away behind the labelled "More tabs" button
         _reach(page, title)
         selected = page.locator("[role=tablist] [aria-selected=true], .overflow-dropdown .selected")
