@@ -180,7 +180,7 @@ def test_similarity_tab(browser_page):
     boxes = panel.locator("textarea")
     boxes.nth(0).fill("A man is playing a guitar.")
     boxes.nth(1).fill("Someone plays an instrument.")
-    panel.get_by_role("button", name="Compare").click()
+    panel.get_by_role("button", name="Compare", exact=True).click()
     panel.get_by_text("different", exact=True).first.wait_for(timeout=60_000)  # only the output label has it
     assert panel.get_by_text("similar", exact=True).count() >= 1
     _shot(browser_page, "similarity")
