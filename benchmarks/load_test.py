@@ -3,6 +3,9 @@
     python -m benchmarks.load_test                       # 32 clients for 120 s, then a table
     python -m benchmarks.load_test --clients 8 --seconds 30 --max-requests 500 --json load.json
     python -m benchmarks.load_test --clients 15 --seconds 60 --attacker   # quiet, then with one attacker
+    python -m benchmarks.load_test --scenario long-sessions --seconds 60  # issue 36's worst cases, one each:
+    python -m benchmarks.load_test --scenario deep-albert --clients 15 --seconds 60
+    python -m benchmarks.load_test --scenario mcp-sessions
 
 Bounded in time (`--seconds`) and count (`--max-requests`), loopback only. Each client loops over
 the tabs (sentiment, NER, QA, summary, fill-mask, and now and then an empty input, which must come
@@ -26,11 +29,15 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+from benchmarks import load_scenarios
 from benchmarks.common import machine, print_table, write_json
+
+SCENARIOS = ("mixed", "long-sessions", "deep-albert", "mcp-sessions")
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY_TEXT = ("The council approved the new budget on Monday after a long debate. Spending on schools rises by "
@@ -111,12 +118,14 @@ def attack_calls() -> list[tuple[str, tuple]]:
             ("qa", ("Which letter comes after eta?", prose[:170_000], 1))]
 
 
-def attacker_loop(url: str, stop: threading.Event, client, results: list, lock: threading.Lock, offset: int):
-    """Slow requests back to back; `client` None: a new session for every request (the per-visitor
-    in-flight limit never sees the same visitor twice; only the compute gate's scheduling is left)."""
+def attacker_loop(url: str, stop: threading.Event, client, results: list, lock: threading.Lock, offset: int,
+                  calls: list | None = None):
+    """Slow requests (`calls`, default attack_calls()) back to back; `client` None: a new session for every
+    request (the per-visitor in-flight limit never sees the same visitor twice; only the compute gate's
+    scheduling is left)."""
     from gradio_client import Client
 
-    calls = attack_calls()
+    calls = calls or attack_calls()
     i = offset
     while not stop.is_set():
         name, args = calls[i % len(calls)]
@@ -177,26 +186,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attacker-threads", type=int, default=4, help="the attacker's parallel requests")
     parser.add_argument("--rotate-sessions", action="store_true",
                         help="the attacker opens a new session for every request (dodging per-visitor limits)")
+    parser.add_argument("--scenario", choices=SCENARIOS, default="mixed",
+                        help="mixed: the clients above; the others replay issue 36's worst cases "
+                             "(benchmarks/load_scenarios.py): long-sessions, deep-albert (implies --attacker), "
+                             "mcp-sessions")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    args.attacker = args.attacker or args.scenario == "deep-albert"
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
-    process = start_app(port, args.concurrency)
-    try:
-        wait_ready(url, process)
-        from gradio_client import Client
+    with tempfile.TemporaryDirectory() as models:
+        if args.scenario == "deep-albert":  # the attacker's model, in a folder the app's picker allows
+            args.albert = str(load_scenarios.deep_albert_folder(Path(models)))
+            os.environ["BERT_ENGINE_MODEL_DIRS"] = models
+        process = start_app(port, args.concurrency)
+        try:
+            wait_ready(url, process)
+            from gradio_client import Client
 
-        warm = Client(url, verbose=False)  # one request per tab first: models load (lazily) before the clock starts
-        for name, calls in CALLS.items():
-            warm.predict(*calls[0], api_name=f"/{name}")
-        rss_start = rss_mb(process.pid)
-        phases = {}
-        for phase in (["quiet", "attacked"] if args.attacker else ["run"]):
-            phases[phase] = run_phase(url, args, attacked=phase == "attacked")
-        rss_end, rss_peak = rss_mb(process.pid), rss_mb(process.pid, "VmHWM")
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+            warm = Client(url, verbose=False)  # one request per tab first: models load (lazily) before the clock starts
+            for name, calls in CALLS.items():
+                warm.predict(*calls[0], api_name=f"/{name}")
+            rss_start = rss_mb(process.pid)
+            if args.scenario in ("long-sessions", "mcp-sessions"):
+                result = (load_scenarios.long_sessions(url, args.seconds) if args.scenario == "long-sessions"
+                          else load_scenarios.mcp_sessions(url))
+                result.update(machine=machine(), rss_mb={"after_warm_up": rss_start, "end": rss_mb(process.pid),
+                                                         "peak": rss_mb(process.pid, "VmHWM")})
+                load_scenarios.report(result)
+                write_json(args.json, result)
+                return 0 if result["met"] else 1
+            phases = {}
+            for phase in (["quiet", "attacked"] if args.attacker else ["run"]):
+                phases[phase] = run_phase(url, args, attacked=phase == "attacked")
+            rss_end, rss_peak = rss_mb(process.pid), rss_mb(process.pid, "VmHWM")
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
     info = machine()
     errors: list[str] = []
     for phase, (results, elapsed, attacks) in phases.items():
@@ -221,15 +247,19 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
             for reason in sorted({o for _, _, o in attacks if o != "answered"})[:5]:
                 print("#   ", reason)
+    ratio = None
     if args.attacker:
         quiet = len(phases["quiet"][0]) / phases["quiet"][1]
         attacked = len(phases["attacked"][0]) / phases["attacked"][1]
+        ratio = attacked / quiet
         print(f"# normal clients: {quiet:.1f} requests/s quiet, {attacked:.1f} with the attacker "
-              f"({100 * attacked / quiet:.0f} % of quiet; the target is at least 80 %)")
-    print(f"# server RSS {rss_start:.0f} MB after warm-up, {rss_end:.0f} MB at the end, peak {rss_peak:.0f} MB")
+              f"({100 * ratio:.0f} % of quiet; the target is at least 80 %)")
+    print(f"# server RSS {rss_start:.0f} MB after warm-up, {rss_end:.0f} MB at the end "
+          f"({100 * (rss_end / rss_start - 1):+.0f} %; the target is at most +25 %), peak {rss_peak:.0f} MB")
     for error in sorted(set(errors))[:10]:
         print("error:", error)
-    write_json(args.json, {"machine": info, "clients": args.clients,
+    write_json(args.json, {"machine": info, "clients": args.clients, "scenario": args.scenario,
+                           "throughput_ratio": ratio, "rss_growth": rss_end / rss_start - 1,
                            "phases": {k: {"requests": len(v[0]), "seconds": v[1], "attacks": len(v[2])}
                                       for k, v in phases.items()},
                            "rss_mb": {"after_warm_up": rss_start, "end": rss_end, "peak": rss_peak},
@@ -249,7 +279,12 @@ def run_phase(url: str, args, *, attacked: bool) -> tuple[list, float, list]:
     if attacked:
         # one visitor: one session for every attacking request (or, rotating, a new session each time)
         client = None if args.rotate_sessions else Client(url, verbose=False)
-        attackers = [threading.Thread(target=attacker_loop, args=(url, stop, client, attacks, lock, i), daemon=True)
+        loop, calls = attacker_loop, attack_calls()
+        if getattr(args, "albert", None):  # deep-albert: the visitor's sentiment tab uses the deepest ALBERT allowed
+            client = client or Client(url, verbose=False)
+            client.predict(args.albert, api_name="/sentiment_model")
+            calls = [("sentiment", (calls[0][1][0][:20_000], "", "windows")), ("sentiment", ("A short one.", "", "truncate"))]
+        attackers = [threading.Thread(target=loop, args=(url, stop, client, attacks, lock, i, calls), daemon=True)
                      for i in range(args.attacker_threads)]
     for thread in attackers:
         thread.start()
