@@ -6,12 +6,15 @@ import sys
 
 from bert_engine import settings
 from bert_engine.runtime.precision import PrecisionError
+from bert_engine.serving import memory
 from playground import build_app
 from playground.app import serve_queue, warm_up
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 if __name__ == "__main__":
+    if settings.get("BERT_ENGINE_TUNE_MALLOC"):
+        memory.tune_allocator()  # before any thread: a bounded number of arenas, tensors over 1 MB mmapped
     try:
         app = build_app(device=settings.get("BERT_ENGINE_DEVICE") or None,
                         precision=settings.get("BERT_ENGINE_PRECISION"),

@@ -31,9 +31,7 @@ def _stats(latencies: list[float]) -> dict[str, float]:
 
 def long_sessions(url: str, seconds: float, sessions: int = 12, drain: float = 150) -> dict[str, Any]:
     """The light visitor's latencies while `sessions` sessions each keep a long legal request in flight."""
-    from gradio_client import Client
-
-    from benchmarks.load_test import attack_calls
+    from benchmarks.load_test import attack_calls, visitor
 
     long_args = attack_calls()[0][1]  # sentiment, windows, just under the token limit
     stop, lock = threading.Event(), threading.Lock()
@@ -41,8 +39,8 @@ def long_sessions(url: str, seconds: float, sessions: int = 12, drain: float = 1
     light: list[float] = []
     light_errors: list[str] = []
 
-    def long_loop() -> None:
-        client = Client(url, verbose=False)
+    def long_loop(i: int) -> None:
+        client = visitor(url, f"10.2.0.{i + 1}")  # twelve visitors, each one long request at a time
         while not stop.is_set():
             try:
                 client.predict(*long_args, api_name="/sentiment")
@@ -53,7 +51,7 @@ def long_sessions(url: str, seconds: float, sessions: int = 12, drain: float = 1
                 outcomes[key] = outcomes.get(key, 0) + 1
 
     def light_loop() -> None:
-        client = Client(url, verbose=False)
+        client = visitor(url, "10.3.0.1")
         time.sleep(5)  # the long requests are under way
         while not stop.is_set():
             start = time.perf_counter()
@@ -64,7 +62,7 @@ def long_sessions(url: str, seconds: float, sessions: int = 12, drain: float = 1
                 light_errors.append(str(err)[:120])
             time.sleep(0.5)
 
-    threads = [threading.Thread(target=long_loop, daemon=True) for _ in range(sessions)]
+    threads = [threading.Thread(target=long_loop, args=(i,), daemon=True) for i in range(sessions)]
     threads.append(threading.Thread(target=light_loop, daemon=True))
     for thread in threads:
         thread.start()

@@ -50,11 +50,23 @@ CALLS = {  # api name -> argument lists, cycled
             ("Apple opened an office in Berlin.", True, 3)],
     "qa": [("Who wrote the book?", "The book, published in 1851, was written by Herman Melville.", 1),
            ("When was it published?", "The book, published in 1851, was written by Herman Melville.", 2)],
-    "summary": [(SUMMARY_TEXT, 2, 0.3, 4, "auto")],
+    "summary": [(SUMMARY_TEXT, "2 sentences", 4, "auto")],
     "fill_mask": [("The capital of France is [MASK].", 5, "independent", ""),
                   ("She [MASK] to the [MASK] every day.", 3, "joint", "")],
 }
 EMPTY = {"sentiment": ("   ", "", "truncate"), "ner": ("", True, 3)}  # must return the task's own message
+
+
+ATTACKER_ADDRESS = "10.66.0.1"
+
+
+def visitor(url: str, address: str):
+    """A gradio_client session as a visitor at `address` sees it: loopback connections are the app's trusted
+    proxy (uvicorn's default), so X-Forwarded-For names the visitor's address, as a Space's proxy does;
+    without it every simulated visitor would be one address and share its in-flight cap."""
+    from gradio_client import Client
+
+    return Client(url, verbose=False, headers={"X-Forwarded-For": address})
 
 
 def free_port() -> int:
@@ -113,7 +125,7 @@ def attack_calls() -> list[tuple[str, tuple]]:
     sentences = " ".join(f"Sentence {i} tells of {rng.choice(words)} and {rng.choice(words)}." for i in range(1_990))
     targets = ", ".join(words[:20] * 5)
     return [("sentiment", (prose, "", "windows")),
-            ("summary", (sentences, 5, 0.3, 4, "auto")),
+            ("summary", (sentences, "5 sentences", 4, "auto")),
             ("fill_mask", ("The [MASK] " + " ".join(words * 4), 5, "independent", targets)),
             ("qa", ("Which letter comes after eta?", prose[:170_000], 1))]
 
@@ -123,7 +135,6 @@ def attacker_loop(url: str, stop: threading.Event, client, results: list, lock: 
     """Slow requests (`calls`, default attack_calls()) back to back; `client` None: a new session for every
     request (the per-visitor in-flight limit never sees the same visitor twice; only the compute gate's
     scheduling is left)."""
-    from gradio_client import Client
 
     calls = calls or attack_calls()
     i = offset
@@ -132,7 +143,7 @@ def attacker_loop(url: str, stop: threading.Event, client, results: list, lock: 
         i += 1
         start = time.perf_counter()
         try:
-            (client or Client(url, verbose=False)).predict(*args, api_name=f"/{name}")
+            (client or visitor(url, ATTACKER_ADDRESS)).predict(*args, api_name=f"/{name}")
             outcome = "answered"
         except Exception as err:  # noqa: BLE001 - a refusal is an answer too
             outcome = "refused: " + str(err)[:120]
@@ -141,9 +152,7 @@ def attacker_loop(url: str, stop: threading.Event, client, results: list, lock: 
 
 
 def client_loop(url: str, seed: int, stop: threading.Event, budget: list[int], results: list, lock: threading.Lock):
-    from gradio_client import Client
-
-    client = Client(url, verbose=False)
+    client = visitor(url, f"10.1.{seed // 250}.{seed % 250 + 1}")  # each client a visitor of its own
     rng = random.Random(seed)
     names = list(CALLS)
     while not stop.is_set():
@@ -270,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
 def run_phase(url: str, args, *, attacked: bool) -> tuple[list, float, list]:
     """The normal clients for `args.seconds` (with the attacker beside them when `attacked`):
     (their results, the seconds it took, the attacker's results)."""
-    from gradio_client import Client
 
     stop, lock, budget, results, attacks = threading.Event(), threading.Lock(), [args.max_requests], [], []
     threads = [threading.Thread(target=client_loop, args=(url, i, stop, budget, results, lock), daemon=True)
@@ -278,10 +286,10 @@ def run_phase(url: str, args, *, attacked: bool) -> tuple[list, float, list]:
     attackers = []
     if attacked:
         # one visitor: one session for every attacking request (or, rotating, a new session each time)
-        client = None if args.rotate_sessions else Client(url, verbose=False)
+        client = None if args.rotate_sessions else visitor(url, ATTACKER_ADDRESS)
         loop, calls = attacker_loop, attack_calls()
         if getattr(args, "albert", None):  # deep-albert: the visitor's sentiment tab uses the deepest ALBERT allowed
-            client = client or Client(url, verbose=False)
+            client = client or visitor(url, ATTACKER_ADDRESS)
             client.predict(args.albert, api_name="/sentiment_model")
             calls = [("sentiment", (calls[0][1][0][:20_000], "", "windows")), ("sentiment", ("A short one.", "", "truncate"))]
         attackers = [threading.Thread(target=loop, args=(url, stop, client, attacks, lock, i, calls), daemon=True)

@@ -32,6 +32,9 @@ SETTINGS = {s.name: s for s in (
             "stopped (0: no limit)"),
     Setting("BERT_ENGINE_CONCURRENCY", "int", 64, "start", "requests per event Gradio hands to the fairness gate at "
             "once (the gate decides who runs next)"),
+    Setting("BERT_ENGINE_TUNE_MALLOC", "bool", True, "start", "app.py caps glibc's malloc arenas at 2 and mmaps "
+            "blocks over 1 MB, so a long-running server's memory comes back after large requests "
+            "(MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_ in the environment win)"),
     Setting("BERT_ENGINE_MCP", "bool", True, "start", "serve every task as an MCP tool at /gradio_api/mcp/"),
     Setting("BERT_ENGINE_MODEL_DIRS", "paths", (), "start", "more folders the model picker may load checkpoints "
             "from, besides the starter pack, ./models and ./runs"),

@@ -33,6 +33,7 @@ from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Wait
 from bert_engine.runtime.precision import NAMES as PRECISIONS
 from bert_engine.runtime.precision import PrecisionError, pick_device
 from bert_engine.runtime.precision import resolve as resolve_precision
+from bert_engine.serving import memory
 from bert_engine.serving.predictors import BatchingPredictor, LazyPredictor, ModelShelf
 from bert_engine.tasks.registry import REQUEST_STAGES, PluginFailure, Registry, failure_location, load_registry
 from playground import attention, insight
@@ -419,6 +420,8 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
             message = _task_failure(task, registry, err)
         finally:
             WAITED.reset(token)
+            if in_flight.total() == 0:  # nobody else running: hand the freed memory back (serving/memory.py)
+                memory.trim()
         # Raised here, outside the except blocks, so the error carries no __context__: the failed call's
         # frames (and whatever memory they hold, e.g. after a MemoryError) are freed now.
         raise shown_error(gr, public_message(message))
