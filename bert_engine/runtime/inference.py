@@ -250,8 +250,9 @@ class Predictor:
         with torch.inference_mode():
             with request_stage("forward"):
                 output = self._forward(batch.to(self.device))
-            with request_stage("postprocess"), self._lock:
-                # Postprocessing may re-run the encoder (beam search): context.encode, under this lock.
+            with request_stage("postprocess"):
+                # Postprocessing may re-run the encoder (beam search, a summary's second pass): context.encode
+                # takes turns at the gate and the model's lock per chunk, like every forward.
                 if self.task.takes_context:
                     options = {**options, "context": self.context()}
                 return self.task.spec.postprocess(output, batch.to("cpu"), **options)
@@ -292,10 +293,12 @@ class Predictor:
         return {"task": spec.name, "result": result, "provenance": self.provenance(latency_ms)}
 
     def _encode(self, inputs: Mapping[str, Any]):
-        """The encoder alone over model inputs, chunked (TaskContext.encode; the caller holds the lock)."""
+        """The encoder alone over model inputs (TaskContext.encode), in chunks that wait their turn at the
+        fairness gate and hold the model's lock, like every forward: a postprocess's extra passes (fill-mask
+        targets, a summary's sentences) are charged to the visitor who asked."""
         encoder = encoder_of(self.model)
         moved = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        return forward_in_chunks(encoder, moved, self.max_rows)
+        return forward_in_chunks(encoder, moved, self.max_rows, lock=self._lock, gate=self.gate)
 
     def _forward(self, batch: Batch):
         return self._forward_inputs(batch.model_inputs())
