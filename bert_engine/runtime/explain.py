@@ -232,8 +232,10 @@ def _attribute(predictor: Predictor, model: nn.Module, batch, r: int, n: int, ta
         alphas, weights = np.ones(1), np.ones(1)
     sums = [torch.zeros_like(x, dtype=torch.float32) for _ in targets]
     per_step = per_row * (1 + 2 * len(targets))
-    chunk = max(1, min(32, int(chunk_flops() // max(per_step, 1.0))))
-    for i in range(0, len(alphas), chunk):
+    i = 0
+    while i < len(alphas):
+        budget = gate.chunk_budget() if gate is not None else chunk_flops()  # shorter while others wait
+        chunk = max(1, min(32, int(budget // max(per_step, 1.0))))
         a = torch.tensor(alphas[i:i + chunk], dtype=x.dtype, device=device)[:, None, None]
         w = torch.tensor(weights[i:i + chunk], dtype=torch.float32, device=device)[:, None, None]
         with turn(per_step * a.shape[0]), predictor._lock, torch.enable_grad():
@@ -246,6 +248,7 @@ def _attribute(predictor: Predictor, model: nn.Module, batch, r: int, n: int, ta
                                     "handed (no gradient reaches the input); compute it from that output")
                 (grad,) = torch.autograd.grad(value.sum(), path, retain_graph=k < len(targets) - 1)
                 sums[k] += (w * grad.float()).sum(0)
+        i += chunk
     return [(s * delta.float()).sum(-1).cpu() for s in sums], scores, baselines
 
 

@@ -48,6 +48,8 @@ def max_in_flight_per_group() -> int:
 
 
 HALF_LIFE_S = 30.0  # a visitor's recent compute halves every 30 s
+SHARED_S = 2.0  # another account used the gate this recently: the machine is shared, chunks are short
+SHARED_CHUNK_SHARE = 8  # ... an eighth of BERT_ENGINE_CHUNK_GFLOP (a row at least), so others wait less
 STUCK_GRACE_S = 2.0  # a cancelled holder stuck in native code this long no longer blocks the gate
 
 VISITOR: ContextVar[str | None] = ContextVar("bert_engine_visitor", default=None)
@@ -169,6 +171,19 @@ class ComputeGate:
         tokens, when = self._usage.get(key, (0.0, 0.0))
         now = time.monotonic() if now is None else now
         return tokens * math.exp(-self.decay * (now - when))
+
+    def chunk_budget(self, key: object | None = None) -> float:
+        """The FLOPs `key`'s next chunk may hold the machine for: chunk_flops() while nobody else is around,
+        an eighth of it while another account waits or used the gate in the last SHARED_S seconds. A
+        chunk cannot be interrupted, so a light visitor arriving behind a heavy one waits for at most
+        one short chunk (~30 ms of MiniLM on 2 cores instead of ~0.25 s); alone, a long request keeps
+        big, efficient chunks."""
+        key = key if key is not None else GROUP.get() or VISITOR.get()
+        now = time.monotonic()
+        with self._cond:
+            shared = any(w.key != key for w in self._waiting) or any(
+                k != key and now - when < SHARED_S for k, (_, when) in self._usage.items())
+        return chunk_flops() / SHARED_CHUNK_SHARE if shared else chunk_flops()
 
     @contextmanager
     def turn(self, cost: float, key: object | None = None) -> Iterator[None]:

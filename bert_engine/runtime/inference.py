@@ -347,16 +347,18 @@ def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int
     is charged its FLOPs there, and holds `lock` (the model's) while it runs. Tensor inputs are sliced
     along the batch, other keywords passed whole, outputs concatenated."""
     rows, length = inputs["input_ids"].shape[:2]
-    max_flops = chunk_flops() if max_flops is None else max_flops
     per_row = row_flops(model, length)
-    step = max(1, min(max_rows, int(max_flops // max(per_row, 1.0))))
-    parts = []
-    for i in range(0, rows, step):
+    parts, i = [], 0
+    while i < rows:
+        # sized at each chunk: a gate shared with other visitors hands out shorter chunks (fairness.py)
+        budget = max_flops if max_flops is not None else gate.chunk_budget() if gate is not None else chunk_flops()
+        step = max(1, min(max_rows, int(budget // max(per_row, 1.0))))
         chunk = {k: v[i:i + step] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         cost = per_row * chunk["input_ids"].shape[0]
         with gate.turn(cost) if gate is not None else contextlib.nullcontext(), \
                 lock if lock is not None else contextlib.nullcontext():
             parts.append(model(**chunk))
+        i += step
     return parts[0] if len(parts) == 1 else _concat(parts)
 
 

@@ -207,3 +207,34 @@ def test_time_waiting_at_the_gate_is_counted_while_it_goes_on():
     holder.join(10)
     waiter.join(10)
     assert served.is_set() and 0.3 < waited.seconds < 10
+
+
+def test_chunks_are_short_while_the_machine_is_shared(tiny_config, monkeypatch):
+    """A chunk cannot be interrupted: while another visitor waits or used the gate in the last seconds, a
+    heavy request's chunks hold an eighth of BERT_ENGINE_CHUNK_GFLOP, so the other waits for at most a
+    short one; alone, it keeps full chunks (the load test's light visitor behind long requests)."""
+    from bert_engine import BertModel
+    from bert_engine.runtime import fairness
+
+    model = BertModel(tiny_config).eval()
+    ids = torch.randint(5, tiny_config.vocab_size, (16, 64))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+    row = row_flops(model, 64)
+    monkeypatch.setenv("BERT_ENGINE_CHUNK_GFLOP", str(16 * row / 1e9))  # 16 rows per chunk when alone
+
+    def chunks(gate):
+        costs, original = [], gate.turn
+        gate.turn = lambda cost, key=None: (costs.append(cost), original(cost, key))[1]
+        with torch.inference_mode(), visitor_scope("heavy"):
+            forward_in_chunks(model, inputs, 32, gate=gate)
+        return len(costs)
+
+    alone = ComputeGate(slots=1)
+    assert chunks(alone) == 1 and alone.chunk_budget("heavy") == fairness.chunk_flops()
+    shared = ComputeGate(slots=1)
+    with shared.turn(10, key="light"):  # another visitor has just been served
+        pass
+    assert shared.chunk_budget("heavy") == fairness.chunk_flops() / fairness.SHARED_CHUNK_SHARE
+    assert chunks(shared) == 8  # 2 rows per chunk
+    monkeypatch.setattr(fairness, "SHARED_S", 0.0)  # long ago: alone again
+    assert chunks(shared) == 1
