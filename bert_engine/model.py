@@ -9,6 +9,7 @@ Shape legend: B batch, T tokens, H hidden size, N heads, D head size (H = N·D),
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,11 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout
 
 
 ATTENTION_BACKENDS = {"eager": eager_attention, "sdpa": sdpa_attention}
+
+# Called after each applied layer but the last, with the number of layers applied so far, where set: the
+# runtime hands its turn at the fairness gate back between layers when one row is more work than a turn
+# (runtime/inference.py), so a deep model's row cannot hold the machine for seconds.
+BETWEEN_LAYERS: ContextVar[Callable[[int], None] | None] = ContextVar("bert_engine_between_layers", default=None)
 
 
 class Unpadded:
@@ -286,12 +292,15 @@ class BertModel(nn.Module):
         attentions, states = [], [x]
         if unpadded is not None:
             x = unpadded.unpad(x)  # (R, H): the real tokens only
-        for index in self.schedule:
+        between = BETWEEN_LAYERS.get()
+        for applied, index in enumerate(self.schedule, 1):
             x, weights = self.layers[index](x, mask, output_attentions, unpadded)
             if output_attentions:
                 attentions.append(weights)
             if output_hidden_states:
                 states.append(x if unpadded is None else unpadded.pad(x))
+            if between is not None and applied < len(self.schedule):
+                between(applied)
         if unpadded is not None:
             x = unpadded.pad(x)  # (B, T, H), zeros at padding
         pooled = self.pooler(x) if self.pooler is not None else None

@@ -153,6 +153,20 @@ class _Waiter:
         self.key, self.seq = key, seq
 
 
+class Turn:
+    """A turn at the gate being used: `hand_back(cost)` charges the work done so far, lets whoever used
+    least lately go first, and returns when this key's turn comes again (a row too long for one turn
+    hands it back between the encoder's layers: runtime/inference.py)."""
+
+    def __init__(self, gate: ComputeGate, key: object) -> None:
+        self.gate, self.key, self.charged = gate, key, 0.0
+
+    def hand_back(self, cost: float) -> None:
+        self.gate._release(self.key, cost)
+        self.charged += cost
+        self.gate._acquire(self.key)
+
+
 class ComputeGate:
     """`slots` forward chunks at a time; the next slot goes to the waiter whose visitor has the least
     recent compute (ties: first come). Waiting polls, so a request's cancellation reaches it."""
@@ -186,10 +200,19 @@ class ComputeGate:
         return chunk_flops() / SHARED_CHUNK_SHARE if shared else chunk_flops()
 
     @contextmanager
-    def turn(self, cost: float, key: object | None = None) -> Iterator[None]:
+    def turn(self, cost: float, key: object | None = None) -> Iterator[Turn]:
         """Wait for a slot, run the block, then charge `cost` (its FLOPs: BertConfig.forward_flops) to
-        `key` (default: the current GROUP, else VISITOR, else a key for this one call)."""
+        `key` (default: the current GROUP, else VISITOR, else a key for this one call). The block gets
+        the Turn, which it may hand back and take again mid-work (`Turn.hand_back`)."""
         key = key if key is not None else GROUP.get() or VISITOR.get() or object()
+        turn = Turn(self, key)
+        self._acquire(key)
+        try:
+            yield turn
+        finally:
+            self._release(key, max(0.0, cost - turn.charged))
+
+    def _acquire(self, key: object) -> None:
         waited = WAITED.get()
         with self._cond:
             self._seq += 1
@@ -204,19 +227,18 @@ class ComputeGate:
                 self._waiting.remove(waiter)
                 if waited is not None:
                     waited.stop()
+            self._holders.append(threading.current_thread())
+
+    def _release(self, key: object, cost: float) -> None:
+        with self._cond:
             me = threading.current_thread()
-            self._holders.append(me)
-        try:
-            yield
-        finally:
-            with self._cond:
-                if me in self._holders:
-                    self._holders.remove(me)
-                now = time.monotonic()
-                self._usage[key] = (self.usage(key, now) + cost, now)
-                if len(self._usage) > 4096:  # forget the visitors whose compute has decayed away
-                    self._usage = {k: v for k, v in self._usage.items() if self.usage(k, now) > 1.0}
-                self._cond.notify_all()
+            if me in self._holders:
+                self._holders.remove(me)
+            now = time.monotonic()
+            self._usage[key] = (self.usage(key, now) + cost, now)
+            if len(self._usage) > 4096:  # forget the visitors whose compute has decayed away
+                self._usage = {k: v for k, v in self._usage.items() if self.usage(k, now) > 1.0}
+            self._cond.notify_all()
 
     def _my_turn(self, waiter: _Waiter) -> bool:
         self._holders = [t for t in self._holders if t.is_alive() and (cancelled_for(t) or 0.0) < STUCK_GRACE_S]

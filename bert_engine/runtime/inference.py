@@ -28,7 +28,7 @@ from ..checkpoints.hub import default_backbone
 from ..checkpoints.loader import load
 from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
 from ..hookspecs import InputError, TaskContext
-from ..model import encoder_of
+from ..model import BETWEEN_LAYERS, encoder_of
 from ..tokenizer import Batch, Tokenizer
 from .cancel import ModelLock
 from .fairness import ComputeGate, chunk_flops
@@ -355,11 +355,39 @@ def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int
         step = max(1, min(max_rows, int(budget // max(per_row, 1.0))))
         chunk = {k: v[i:i + step] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         cost = per_row * chunk["input_ids"].shape[0]
-        with gate.turn(cost) if gate is not None else contextlib.nullcontext(), \
+        with gate.turn(cost) if gate is not None else contextlib.nullcontext() as turn, \
                 lock if lock is not None else contextlib.nullcontext():
-            parts.append(model(**chunk))
+            # One row more work than a turn (a deep or wide model, a long row): hand the turn back between
+            # layers, so nobody waits for the whole row.
+            pausing = turn is not None and cost > budget
+            token = BETWEEN_LAYERS.set(_between_layers(turn, lock, cost, model, budget)) if pausing else None
+            try:
+                parts.append(model(**chunk))
+            finally:
+                if token is not None:
+                    BETWEEN_LAYERS.reset(token)
         i += step
     return parts[0] if len(parts) == 1 else _concat(parts)
+
+
+def _between_layers(turn, lock: Any, cost: float, model: nn.Module, budget: float) -> Callable[[int], None]:
+    """The BETWEEN_LAYERS hook of one chunk: every few layers (about `budget` of work), charge them, let the
+    model's lock and the gate's turn go (others run), and take both again, in the gate-then-lock order
+    every forward uses."""
+    config = getattr(encoder_of(model), "config", None)
+    layers = max(1, int(getattr(config, "applied_layers", 1)))
+    per_layer = cost / layers
+    every = max(1, int(budget // max(per_layer, 1.0)))
+
+    def between(applied: int) -> None:
+        if applied % every:
+            return
+        if lock is not None:
+            lock.__exit__(None, None, None)
+        turn.hand_back(per_layer * every)
+        if lock is not None:
+            lock.__enter__()
+    return between
 
 
 def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size: int = 32,

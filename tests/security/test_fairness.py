@@ -238,3 +238,27 @@ def test_chunks_are_short_while_the_machine_is_shared(tiny_config, monkeypatch):
     assert chunks(shared) == 8  # 2 rows per chunk
     monkeypatch.setattr(fairness, "SHARED_S", 0.0)  # long ago: alone again
     assert chunks(shared) == 1
+
+
+def test_a_row_that_is_more_than_a_turn_hands_the_turn_back_between_layers(tiny_config):
+    """One row of a deep model (the review's ALBERT: 256 shared layers, ~2 TFLOP per 512-token row) cannot
+    be split into rows: it hands its turn (and its model's lock) back between layers, charging what it
+    did, so a light visitor waits for a few layers, not the whole row; the output is unchanged."""
+    import dataclasses
+
+    from bert_engine import BertModel
+
+    deep = dataclasses.replace(tiny_config, model_type="albert", num_hidden_layers=40, embedding_size=16)
+    model = BertModel(deep).eval()
+    ids = torch.randint(5, tiny_config.vocab_size, (1, 32))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+    per_row = row_flops(model, 32)
+    gate, turns = ComputeGate(slots=1), []
+    acquire = gate._acquire
+    gate._acquire = lambda key: (turns.append(key), acquire(key))[1]
+    with torch.inference_mode(), visitor_scope("heavy"):
+        whole = model(**inputs).last_hidden_state
+        chunked = forward_in_chunks(model, inputs, 32, max_flops=per_row / 4, gate=gate).last_hidden_state
+    assert turns == ["heavy"] * 4  # handed back after layers 10, 20 and 30
+    assert gate.usage("heavy") == pytest.approx(per_row, rel=0.01)  # charged in parts, the whole row in all
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
