@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+import torch
+
 from .. import settings
 from .cancel import cancelled_for
 
@@ -160,6 +162,13 @@ class Turn:
 
     def __init__(self, gate: ComputeGate, key: object) -> None:
         self.gate, self.key, self.charged = gate, key, 0.0
+        self.behind = False  # set when the turn starts: lighter visitors share the machine (see `threads`)
+
+    def threads(self) -> int:
+        """Intra-op threads for this turn's work: all of them, or half while lighter visitors share the machine
+        (their tokenising, decoding and the server's own work run beside it, on the other cores)."""
+        total = torch.get_num_threads()
+        return max(1, total // 2) if self.behind and total > 1 else total
 
     def hand_back(self, cost: float) -> None:
         self.gate._release(self.key, cost)
@@ -207,10 +216,20 @@ class ComputeGate:
         key = key if key is not None else GROUP.get() or VISITOR.get() or object()
         turn = Turn(self, key)
         self._acquire(key)
+        turn.behind = self.behind_others(key)
         try:
             yield turn
         finally:
             self._release(key, max(0.0, cost - turn.charged))
+
+    def behind_others(self, key: object) -> bool:
+        """Whether a visitor with less recent compute than `key` waits, or used the gate in the last SHARED_S
+        seconds: `key` is the heavier one on a shared machine."""
+        now = time.monotonic()
+        with self._cond:
+            mine = self.usage(key, now)
+            return any(w.key != key and self.usage(w.key, now) < mine for w in self._waiting) or any(
+                k != key and now - when < SHARED_S and self.usage(k, now) < mine for k, (_, when) in self._usage.items())
 
     def _acquire(self, key: object) -> None:
         waited = WAITED.get()

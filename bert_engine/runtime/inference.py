@@ -362,12 +362,28 @@ def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int
             pausing = turn is not None and cost > budget
             token = BETWEEN_LAYERS.set(_between_layers(turn, lock, cost, model, budget)) if pausing else None
             try:
-                parts.append(model(**chunk))
+                with _threads(turn.threads() if turn is not None else None):
+                    parts.append(model(**chunk))
             finally:
                 if token is not None:
                     BETWEEN_LAYERS.reset(token)
         i += step
     return parts[0] if len(parts) == 1 else _concat(parts)
+
+
+@contextmanager
+def _threads(count: int | None):
+    """Run the block on `count` intra-op threads (None: as set). One chunk holds the gate at a time, so the
+    process-wide setting is the holder's while it runs; restored after."""
+    before = torch.get_num_threads()
+    if count is None or count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _between_layers(turn, lock: Any, cost: float, model: nn.Module, budget: float) -> Callable[[int], None]:
