@@ -42,18 +42,25 @@ document.addEventListener("keydown", (event) => {{
 """
 
 
-# The host's wrapper for the handlers `wire` connects (see `wiring`), and each run button's examples place.
-_WIRING: ContextVar[tuple[Callable[..., Any], str] | None] = ContextVar("bert_engine_ui_wiring", default=None)
+# The host's wrapper for the handlers `wire` connects (see `wiring`), the task's description, the host's
+# publisher of the task's API endpoint, and each run button's examples place.
+_WIRING: ContextVar[tuple[Callable[..., Any], str, Callable[..., None] | None] | None] = ContextVar(
+    "bert_engine_ui_wiring", default=None)
 _EXAMPLE_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
-def wiring(wrap: Callable[[Callable[..., Any], str | None], Callable[..., Any]], description: str = "") -> Iterator[None]:
+def wiring(wrap: Callable[[Callable[..., Any], str | None], Callable[..., Any]], description: str = "",
+           publish: Callable[..., None] | None = None) -> Iterator[None]:
     """For the host, not for tabs: while a tab builds, every handler `wire` connects is served as
     `wrap(fn, api_name)` (api_name None for the Enter key and the examples), and the run button's
     endpoint is described by `description` (the task's) when given. The playground uses it to show a
-    task's InputError as the UI's message, to tell visitors apart and to name each MCP tool."""
-    token = _WIRING.set((wrap, description))
+    task's InputError as the UI's message, to tell visitors apart and to name each MCP tool.
+
+    With `publish`, the run button's own event is the browser's (`{api_name}_view`, undocumented: its
+    outputs are the page's components) and `publish(fn, inputs, api_name, description)` makes the API
+    endpoint and MCP tool `api_name` itself (the playground's answers JSON: the result and provenance)."""
+    token = _WIRING.set((wrap, description, publish))
     try:
         yield
     finally:
@@ -81,10 +88,17 @@ def wire(gr, button, fn: Callable[..., Any], inputs: Sequence[Any], outputs: Seq
     also run on Enter. Returns the click event.
 
     The API endpoint's (and MCP tool's) input names are `fn`'s parameter names, its description
-    `fn`'s docstring (an `Args:` section describes each input) unless the host gives the task's."""
-    wrap, description = _WIRING.get() or ((lambda f, _name: f), "")
+    `fn`'s docstring (an `Args:` section describes each input) unless the host gives the task's. In the
+    playground the endpoint `api_name` answers with the result as JSON text and the button's own event is
+    `{api_name}_view` (see `wiring`)."""
+    wrap, description, publish = _WIRING.get() or ((lambda f, _name: f), "", None)
     described = {"api_description": description} if description else {}
-    event = button.click(wrap(fn, api_name), list(inputs), list(outputs), api_name=api_name, **described)
+    if publish is None:
+        event = button.click(wrap(fn, api_name), list(inputs), list(outputs), api_name=api_name, **described)
+    else:  # the host publishes the endpoint; the button's event serves the page
+        event = button.click(wrap(fn, api_name), list(inputs), list(outputs), api_name=f"{api_name}_view",
+                             api_visibility="undocumented")
+        publish(fn, list(inputs), api_name, description)
     for component in inputs:
         if isinstance(component, gr.Textbox) and (component.lines or 1) == 1:
             component.submit(wrap(fn, None), list(inputs), list(outputs), api_visibility="private")

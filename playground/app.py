@@ -108,8 +108,9 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     statuses: dict[str, Any] = {}
     endpoints: dict[str, Any] = {}
     wrap = functools.partial(host_handler, gr, endpoints)
+    publish = functools.partial(publish_json, gr)
     with playground_class(gr)(predictors, model_dirs, endpoints, title="bert_engine playground") as app, \
-            ui.wiring(wrap):
+            ui.wiring(wrap, publish=publish):
         gr.Markdown("# bert_engine playground\nBERT written from scratch in PyTorch: pick a task, type or paste "
                     "text, and see what the model answers. " + plural(len(registry.tasks), "task") + ".")
         titles = [(task.spec.title, name) for name, task in registry.tasks.items()]
@@ -346,6 +347,34 @@ def host_handler(gr, endpoints: dict[str, Any], function, api_name: str | None =
     if api_name and handler is not function:
         handler.__name__ = handler.__qualname__ = api_name
     return handler
+
+
+def publish_json(gr, function, inputs: list[Any], api_name: str, description: str = "") -> None:
+    """A tab's API endpoint and MCP tool `api_name` (ui.wiring's publisher): the run button's inputs and
+    handler, answering with JSON text (the task's result and provenance; for All tasks, each task's),
+    not the page's components. The button's own event stays the page's (`{api_name}_view`)."""
+    def answer(*args, **kwargs):
+        return json.dumps(json_answer(function(*args, **kwargs)), ensure_ascii=False, default=str)
+
+    functools.update_wrapper(answer, function)  # the inputs' names and the docstring the tool describes
+    answer.__signature__ = inspect.signature(function).replace(return_annotation=str)
+    handler = host_handler(gr, {}, answer, api_name)
+    described = {"api_description": description} if description else {}
+    result = gr.Textbox(visible=False, label="result (JSON)")
+    gr.Button(visible=False).click(handler, inputs, result, api_name=api_name, **described)
+
+
+def json_answer(outputs: Any) -> Any:
+    """What the API answers from a tab handler's outputs: the prediction ({"task", "result", "provenance"});
+    else a mapping of such predictions (All tasks); else every output that is not the page's HTML."""
+    values = outputs if isinstance(outputs, tuple) else (outputs,)
+    for value in values:
+        if isinstance(value, dict) and {"task", "result", "provenance"} <= set(value):
+            return value
+    for value in values:
+        if isinstance(value, dict) and value and all(isinstance(v, dict) and "result" in v for v in value.values()):
+            return value
+    return [v for v in values if not (isinstance(v, str) and v.lstrip().startswith("<"))]
 
 
 def current_visitor() -> str | None:
@@ -632,7 +661,7 @@ def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry, wrap
         gr.Markdown(f"Task `{task.spec.name}` has no tab; use it through the Python API.")
         return
     try:
-        with ui.wiring(wrap, task.spec.description):
+        with ui.wiring(wrap, task.spec.description, publish=functools.partial(publish_json, gr)):
             task.spec.build_tab(predictor)
     except Exception as err:  # a stranger's tab must not take the app down
         registry.record_failure(PluginFailure(task.plugin, task.plugin_version, "tab",

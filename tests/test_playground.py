@@ -108,36 +108,45 @@ def served(registry):
 
 
 def test_every_task_endpoint_answers_through_gradio_client(served):
+    """`/<task>` (the documented API and the MCP tool) answers JSON text: the result and its provenance;
+    `/<task>_view` is the tab's own event, answering with the page's components."""
     app, url = served
     client = Client(url, verbose=False)
-    label, output = client.predict("A man is playing a guitar.", "Someone plays an instrument.", api_name="/similarity")
+    answer = json.loads(client.predict("A gorgeous, witty movie.", "", "truncate", api_name="/sentiment"))
+    assert answer["task"] == "sentiment" and answer["result"]["label"] == "POSITIVE" and answer["provenance"]["model"]
+    answer = json.loads(client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", 2, api_name="/qa"))
+    assert answer["result"]["answer"] == "Herman Melville"
+    every = json.loads(client.predict("Angela Merkel visited Paris.", api_name="/all_tasks"))
+    assert {"sentiment", "ner", "summary"} <= set(every) and every["ner"]["result"]["entities"]
+    label, output = client.predict("A man is playing a guitar.", "Someone plays an instrument.", api_name="/similarity_view")
     assert output["task"] == "similarity" and 0.0 <= output["result"]["score"] <= 1.0
     assert output["provenance"]["plugin"] == "similarity" and output["provenance"]["latency_ms"] > 0
-    bars, output = client.predict("A gorgeous, witty movie.", "", "truncate", api_name="/sentiment")
+    bars, output = client.predict("A gorgeous, witty movie.", "", "truncate", api_name="/sentiment_view")
     assert output["task"] == "sentiment" and {c["label"] for c in bars["confidences"]} == {"NEGATIVE", "POSITIVE"}
-    view, candidates, output = client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", 2,
-                                              api_name="/qa")
+    view, candidates, output = client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", 2, "eager",
+                                              api_name="/qa_view")  # an undocumented endpoint: every input given
     assert output["task"] == "qa" and len(candidates["confidences"]) == 3  # two answers and "(no answer)"
     assert "Answer: <b>" in view and '<mark class="be-mark qa-answer"' in view
-    view, output = client.predict("The capital of France is [MASK].", 3, "independent", "", api_name="/fill_mask")
+    view, output = client.predict("The capital of France is [MASK].", 3, "independent", "", api_name="/fill_mask_view")
     assert output["task"] == "fill_mask" and view.count('class="be-bar"') == 3
-    html, words, paths, transitions, output = client.predict("Tim Cook visited Berlin.", True, 2, api_name="/ner")
+    html, words, paths, transitions, output = client.predict("Tim Cook visited Berlin.", True, 2, "model",
+                                                             api_name="/ner_view")
     assert output["task"] == "ner" and [row[0] for row in words["data"]] == ["Tim", "Cook", "visited", "Berlin", "."]
     assert len(paths["headers"]) == 3 and transitions.count("<tr>") == 10  # word + 2 paths; header + 9 tags
     assert [row[0] for row in paths["data"]] == ["Tim", "Cook", "visited", "Berlin", "."]  # lined up with the words
     # "Read capital letters": the starter was trained with them, so "model" is "on"; "off" is another input
-    results = {choice: client.predict("Tim Cook visited Berlin.", True, 2, choice, api_name="/ner")[-1]["result"]
+    results = {choice: client.predict("Tim Cook visited Berlin.", True, 2, choice, api_name="/ner_view")[-1]["result"]
                for choice in ("model", "on", "off")}
     assert results["model"] == results["on"] != results["off"]
     assert all(float(row[3].rstrip(" %<")) <= 100 for row in words["data"])  # probabilities never above 1
     summary, html, dropped, output = client.predict("One short line. " * 3 + "A much longer sentence follows here.",
-                                                    "1 sentence", 4, "auto", api_name="/summary")
+                                                    "1 sentence", 4, "auto", api_name="/summary_view")
     assert output["task"] == "summary" and summary == "A much longer sentence follows here."
     assert 'class="sentence chosen"' in html
     caption, heatmap, grid, links = client.predict("similarity", 0, 0, True, 0, api_name="/attention")
     assert "mean of its heads" in caption and "[CLS]" in links
     assert Path(heatmap).suffix == ".png" and Path(grid).suffix == ".png"
-    cards, outputs = client.predict("Angela Merkel visited Paris.", api_name="/all_tasks")
+    cards, outputs = client.predict("Angela Merkel visited Paris.", api_name="/all_tasks_view")
     assert set(outputs) == {"sentiment", "ner", "summary", "broken_tab"}  # fill-mask refused it: its card says why
     assert "Angela Merkel (PER" in cards and "has no [MASK] token" in cards
 
@@ -201,7 +210,7 @@ def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
     why = json.loads(" ".join(part.text for part in explained.content if part.type == "text"))
     assert not explained.isError and why["targets"][0]["name"] == "POSITIVE" and why["steps"] == 8
     text = " ".join(part.text for part in answer.content if part.type == "text")
-    assert not answer.isError and "POSITIVE" in text
+    assert not answer.isError and json.loads(text)["result"]["label"] == "POSITIVE"  # JSON, not the page's HTML
     assert refused.isError and "the text is empty" in " ".join(p.text for p in refused.content if p.type == "text")
 
 
@@ -327,7 +336,7 @@ def test_model_picker_switches_and_reports_errors(served, tmp_path):
     status = client.predict(str(folder), api_name="/sentiment_model")
     shown = f"{tmp_path.name}/stars"  # outside the working folder: without the server's folders
     assert f"`{shown}`" in status and "head not trained" not in status
-    bars, output = client.predict("Great value.", "", "truncate", api_name="/sentiment")
+    bars, output = client.predict("Great value.", "", "truncate", api_name="/sentiment_view")
     assert {c["label"] for c in bars["confidences"]} == {f"{i + 1} stars" for i in range(5)}
     assert output["provenance"]["model"] == shown
 
@@ -342,17 +351,17 @@ def test_a_visitors_model_choice_is_theirs_alone(served, tmp_path):
     folder = reference_checkpoint(tmp_path / "stars", "BertForSequenceClassification",
                                   id2label={i: f"{i + 1} stars" for i in range(5)})
     alice, bob = Client(url, verbose=False), Client(url, verbose=False)
-    default_labels = {c["label"] for c in bob.predict("Great value.", "", "truncate", api_name="/sentiment")[0]
+    default_labels = {c["label"] for c in bob.predict("Great value.", "", "truncate", api_name="/sentiment_view")[0]
                       ["confidences"]}
     alice.predict(str(folder), api_name="/sentiment_model")
     stars = {f"{i + 1} stars" for i in range(5)}
-    assert {c["label"] for c in alice.predict("Great value.", "", "truncate", api_name="/sentiment")[0]
+    assert {c["label"] for c in alice.predict("Great value.", "", "truncate", api_name="/sentiment_view")[0]
             ["confidences"]} == stars
-    bars, output = bob.predict("Great value.", "", "truncate", api_name="/sentiment")
+    bars, output = bob.predict("Great value.", "", "truncate", api_name="/sentiment_view")
     assert {c["label"] for c in bars["confidences"]} == default_labels != stars
     assert "stars" not in output["provenance"]["model"]
     alice.predict("", api_name="/sentiment_model")  # back to the default: for alice only, as before
-    assert {c["label"] for c in alice.predict("Fine.", "", "truncate", api_name="/sentiment")[0]
+    assert {c["label"] for c in alice.predict("Fine.", "", "truncate", api_name="/sentiment_view")[0]
             ["confidences"]} == default_labels
 
 
@@ -673,7 +682,7 @@ def test_gradios_queue_never_holds_a_light_request_behind_long_ones(tmp_path):
             time.sleep(0.05)
         started = time.monotonic()
         light = Client(url, verbose=False).submit("light", api_name="/slowtask")
-        assert light.result(timeout=20)["result"] == {"ok": True}
+        assert json.loads(light.result(timeout=20))["result"] == {"ok": True}  # the API answers JSON text
         assert time.monotonic() - started < 10 and not any(job.done() for job in long_ones)
     finally:
         SlowWhenAskedPlugin.release.set()
