@@ -449,6 +449,30 @@ def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page
     assert choice.bounding_box()["x"] + choice.bounding_box()["width"] <= 390 + 1
     assert page.evaluate("document.documentElement.scrollWidth") <= 390 + 1
     _shot(page, "phone_ner_options")
+    panel.get_by_role("button", name="Find entities", exact=True).click()
+    panel.locator(".ner-text mark").first.wait_for(timeout=60_000)
+    # every table header on one line ("viterbi", "probability" were split mid-word): one line box per header
+    lines = panel.evaluate("""p => [...p.querySelectorAll('th')].filter(th => th.innerText.trim()).map(th => {
+        const range = document.createRange(); range.selectNodeContents(th);
+        const tops = new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)));
+        return [th.innerText.trim(), tops.size]; })""")
+    assert lines and all(count == 1 for _, count in lines), lines
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390 + 1  # tables scroll inside their box
+    _shot(page, "phone_ner_tables")
+    _reach(page, "Attention")  # the pictures carry no label over their top-left corner
+    panel = page.locator("[role=tabpanel]:visible").first
+    panel.get_by_label("Last input of").click()
+    page.get_by_role("option", name="Named entities", exact=True).click()  # this visitor's last input is there
+    panel.get_by_role("button", name="Show attention").click()
+    panel.locator(".attention-image img").first.wait_for(timeout=60_000)
+    overlaps = panel.evaluate("""p => [...p.querySelectorAll('.attention-image')].map(box => {
+        const img = box.querySelector('img'); if (!img) return false; const i = img.getBoundingClientRect();
+        return [...box.querySelectorAll('[data-testid=block-label]')].some(label => {
+            const l = label.getBoundingClientRect(), s = getComputedStyle(label);
+            return s.display !== 'none' && s.visibility !== 'hidden' && l.width > 1 && l.height > 1 &&
+                   l.left < i.right && i.left < l.right && l.top < i.bottom && i.top < l.bottom; }); })""")
+    assert overlaps and not any(overlaps), overlaps
+    _shot(page, "phone_attention")
     page.close()
 
 

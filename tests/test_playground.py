@@ -819,3 +819,21 @@ def test_why_and_compare_explain_the_visitors_own_last_answer(served):
                                            api_name="/compare"))
     assert compared["a"]["precision"] == "float32" and compared["b"]["precision"] == "int8"
     assert compared["agree"] == (not compared["disagreements"]) and "Melville" in compared["a"]["brief"]
+
+
+def test_why_and_compare_answer_for_every_built_in_task(served):
+    """Through the documented /explain and /compare (and so the MCP tools), each built-in task's first
+    example: attributions for what its answer shows, and the starter in fp32 beside it in int8."""
+    import plugins
+
+    app, url = served
+    client = Client(url, verbose=False)
+    for name in (module.rsplit(".", 1)[1] for module in plugins.BUILTIN):  # each built-in module is its task
+        example = json.dumps(dict(app.predictors[name].task.spec.examples[0]))
+        explained = json.loads(client.predict(name, example, "gradient_x_input", 1, api_name="/explain"))
+        assert explained["targets"] and explained["method"] == "gradient_x_input", name
+        tokens = explained["rows"][0]["tokens"]
+        assert all(len(t["attributions"]) == len(tokens) for t in explained["targets"] if t["row"] == 0), name
+        compared = json.loads(client.predict(name, example, "", "int8", "", "fp32", api_name="/compare"))
+        assert compared["a"]["precision"] == "float32" and compared["b"]["precision"] == "int8", name
+        assert compared["a"]["brief"] and compared["agree"] == (not compared["disagreements"]), name

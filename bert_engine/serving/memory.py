@@ -52,7 +52,7 @@ def tune_allocator(arenas: int = 2, mmap_threshold: int = 1 << 20) -> bool:
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         done |= bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold))
         libc.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold)
-    logger.info("malloc tuned: at most %d arenas, blocks over %d KB mmapped", arenas, mmap_threshold // 1024)
+    logger.debug("malloc tuned: at most %d arenas, blocks over %d KB mmapped", arenas, mmap_threshold // 1024)
     return done
 
 
