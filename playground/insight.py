@@ -127,7 +127,7 @@ def differences(a: Any, b: Any, limit: int = 30) -> tuple[list[dict[str, Any]], 
     SCORE_TOLERANCE, largest first; at most `limit` of each."""
     left, right = _leaves(a), _leaves(b)
     disagree, scores = [], []
-    for path in sorted(set(left) | set(right), key=lambda p: (list(left).index(p) if p in left else len(left))):
+    for path in [*left, *(p for p in right if p not in left)]:  # A's order, then what only B has
         x, y = left.get(path, "—"), right.get(path, "—")
         if _is_number(x) and _is_number(y) and not path.endswith("length"):
             if abs(x - y) > SCORE_TOLERANCE and math.isfinite(x - y):
