@@ -218,6 +218,12 @@ def test_attention_tab_shows_the_last_input(browser_page):
         natural = images.nth(i).evaluate("img => [img.naturalWidth, img.naturalHeight]")
         assert 100 < natural[0] <= 800 and 100 < natural[1] <= 1200, natural  # sized to the input, not 2,600 px
         assert box["width"] <= 1280 and box["height"] <= 1000, box  # and shown whole on the page
+    layer = panel.locator("input[type=range]").first  # moving the layer slider redraws, no button pressed
+    box = layer.bounding_box()
+    browser_page.mouse.click(box["x"] + box["width"] * 0.7, box["y"] + box["height"] / 2)
+    import re
+
+    panel.get_by_text(re.compile(r"^Layer [1-5] of 6")).first.wait_for(timeout=30_000)
     panel.get_by_text("Strongest links of each token").click()  # on a touch screen: tap, read, no hovering
     links = panel.locator(".attention-links")
     links.wait_for()
