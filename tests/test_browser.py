@@ -262,6 +262,7 @@ def test_all_tasks_tab_answers_side_by_side(browser_page):
     assert titles == ["Sentiment", "Named entities", "Summary", "Fill-mask"]
     text = panel.locator(".be-cards").inner_text()
     assert "Angela Merkel (PER" in text and "Paris (LOC" in text and "%" in text
+    assert "[MASK] (" not in text  # a special token is never an entity
     tops = {round(card.bounding_box()["y"]) for card in cards.all()}
     assert len(tops) == 1  # side by side on a laptop
     _shot(browser_page, "all_tasks")
