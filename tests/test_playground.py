@@ -819,6 +819,10 @@ def test_why_and_compare_explain_the_visitors_own_last_answer(served):
                                            api_name="/compare"))
     assert compared["a"]["precision"] == "float32" and compared["b"]["precision"] == "int8"
     assert compared["agree"] == (not compared["disagreements"]) and "Melville" in compared["a"]["brief"]
+    # a third-party task (the example plugin declares no explain) is compared all the same
+    pair = json.dumps({"text_a": "A man plays guitar.", "text_b": "Someone makes music."})
+    compared = json.loads(stranger.predict("similarity", pair, "", "int8", "", "fp32", api_name="/compare"))
+    assert compared["task"] == "similarity" and compared["b"]["precision"] == "int8" and compared["a"]["brief"]
 
 
 def test_why_and_compare_answer_for_every_built_in_task(served):
