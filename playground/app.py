@@ -118,21 +118,23 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
         menu = gr.Dropdown(choices=[*titles, ("Plugins", "plugins"), ("Attention", "attention")], value=None,
                            label="Go to a task", elem_classes=["be-task-menu"], filterable=False)  # phones only (CSS)
         with gr.Tabs() as tabs:
-            _build_tabs(gr, app, registry, predictors, statuses, endpoints, wrap, model_dirs, precisions, timeout_s)
+            _build_tabs(gr, app, registry, predictors, statuses, endpoints, (wrap, publish), model_dirs, precisions,
+                        timeout_s)
         _build_insight_api(gr, registry, predictors, endpoints, model_dirs)
         menu.change(lambda chosen: gr.Tabs(selected=chosen) if chosen else gr.skip(), menu, tabs,
                     api_visibility="private")
     return app
 
 
-def _build_tabs(gr, app, registry, predictors, statuses, endpoints, wrap, model_dirs, precisions, timeout_s) -> None:
-    """One tab per task (with its model picker, why and compare), All tasks, Plugins and Attention."""
+def _build_tabs(gr, app, registry, predictors, statuses, endpoints, wiring, model_dirs, precisions, timeout_s) -> None:
+    """One tab per task (with its model picker, why and compare), All tasks, Plugins and Attention; `wiring`:
+    the host's (wrap, publish) for ui.wiring."""
     for name, task in registry.tasks.items():
         with gr.Tab(task.spec.title, id=name) as tab:
             if task.spec.description:
                 gr.Markdown(task.spec.description)
             statuses[name] = _build_model_picker(gr, name, predictors[name], model_dirs)
-            _build_task_tab(gr, task, predictors[name], registry, wrap)
+            _build_task_tab(gr, task, predictors[name], registry, *wiring)
             _build_insight(gr, task, predictors[name], model_dirs, precisions)
         tab.select(with_request(gr, functools.partial(model_line, predictors[name])), None, statuses[name],
                    api_visibility="private")
@@ -450,7 +452,7 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
         finally:
             WAITED.reset(token)
             if in_flight.total() == 0:  # nobody else running: hand the freed memory back (serving/memory.py)
-                memory.trim()
+                memory.trim(background=True)
         # Raised here, outside the except blocks, so the error carries no __context__: the failed call's
         # frames (and whatever memory they hold, e.g. after a MemoryError) are freed now.
         raise shown_error(gr, public_message(message))
@@ -656,12 +658,12 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
     return status
 
 
-def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry, wrap) -> None:
+def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry, wrap, publish) -> None:
     if task.spec.build_tab is None:
         gr.Markdown(f"Task `{task.spec.name}` has no tab; use it through the Python API.")
         return
     try:
-        with ui.wiring(wrap, task.spec.description, publish=functools.partial(publish_json, gr)):
+        with ui.wiring(wrap, task.spec.description, publish=publish):
             task.spec.build_tab(predictor)
     except Exception as err:  # a stranger's tab must not take the app down
         registry.record_failure(PluginFailure(task.plugin, task.plugin_version, "tab",
@@ -755,9 +757,7 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
         spec = task_of(task)
         if spec.spec.explain is None:
             raise InputError(f"{task}: this task does not say what to explain; tasks that do: {', '.join(names)}")
-        if isinstance(steps, float) and steps.is_integer():
-            steps = int(steps)
-        with visitor_scope(current_visitor(), current_group()):
+        with visitor_scope(current_visitor(), current_group()):  # explain() reads a whole float as its integer
             explained, _ = predictors[task].explain(_parse_inputs(spec, inputs), method=method, steps=steps)
         return json.dumps(explained, ensure_ascii=False)  # JSON text: what an MCP client reads
 

@@ -199,14 +199,10 @@ class ComputeGate:
         """The FLOPs `key`'s next chunk may hold the machine for: chunk_flops() while nobody else is around,
         an eighth of it while another account waits or used the gate in the last SHARED_S seconds. A
         chunk cannot be interrupted, so a light visitor arriving behind a heavy one waits for at most
-        one short chunk (~30 ms of MiniLM on 2 cores instead of ~0.25 s); alone, a long request keeps
-        big, efficient chunks."""
+        one short chunk (12.5 GFLOP: one 512-token MiniLM row, 77 ms on the 2-core AVX-512 EPYC by
+        benchmarks.encoder, against ~0.6 s for 100 GFLOP); alone, a long request keeps big, efficient chunks."""
         key = key if key is not None else GROUP.get() or VISITOR.get()
-        now = time.monotonic()
-        with self._cond:
-            shared = any(w.key != key for w in self._waiting) or any(
-                k != key and now - when < SHARED_S for k, (_, when) in self._usage.items())
-        return chunk_flops() / SHARED_CHUNK_SHARE if shared else chunk_flops()
+        return chunk_flops() / SHARED_CHUNK_SHARE if self._others_around(key) else chunk_flops()
 
     @contextmanager
     def turn(self, cost: float, key: object | None = None) -> Iterator[Turn]:
@@ -225,11 +221,16 @@ class ComputeGate:
     def behind_others(self, key: object) -> bool:
         """Whether a visitor with less recent compute than `key` waits, or used the gate in the last SHARED_S
         seconds: `key` is the heavier one on a shared machine."""
+        return self._others_around(key, lighter=True)
+
+    def _others_around(self, key: object, lighter: bool = False) -> bool:
+        """Whether another account waits at the gate or used it in the last SHARED_S seconds (`lighter`: one
+        with less recent compute than `key`)."""
         now = time.monotonic()
         with self._cond:
-            mine = self.usage(key, now)
-            return any(w.key != key and self.usage(w.key, now) < mine for w in self._waiting) or any(
-                k != key and now - when < SHARED_S and self.usage(k, now) < mine for k, (_, when) in self._usage.items())
+            mine = self.usage(key, now) if lighter else math.inf
+            others = {w.key for w in self._waiting} | {k for k, (_, when) in self._usage.items() if now - when < SHARED_S}
+            return any(k != key and self.usage(k, now) < mine for k in others)
 
     def _acquire(self, key: object) -> None:
         waited = WAITED.get()

@@ -52,13 +52,15 @@ def tune_allocator(arenas: int = 2, mmap_threshold: int = 1 << 20) -> bool:
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         done |= bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold))
         libc.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold)
-    logger.debug("malloc tuned: at most %d arenas, blocks over %d KB mmapped", arenas, mmap_threshold // 1024)
+    if done:
+        logger.debug("malloc tuned: at most %d arenas, blocks over %d KB mmapped", arenas, mmap_threshold // 1024)
     return done
 
 
-def trim(every_s: float = 5.0) -> bool:
-    """Hand the arenas' free memory back to the system (malloc_trim), at most once per `every_s` seconds.
-    Returns whether it ran."""
+def trim(every_s: float = 5.0, background: bool = False) -> bool:
+    """Hand the arenas' free memory back to the system (malloc_trim), at most once per `every_s` seconds;
+    `background`: in a thread of its own (it takes ~30 ms after a busy spell: not on a request's path).
+    Returns whether it ran (or was started)."""
     libc = _glibc()
     if libc is None:
         return False
@@ -67,5 +69,8 @@ def trim(every_s: float = 5.0) -> bool:
         if now - _LAST_TRIM[0] < every_s:
             return False
         _LAST_TRIM[0] = now
-    libc.malloc_trim(0)
+    if background:
+        threading.Thread(target=libc.malloc_trim, args=(0,), name="bert-engine-malloc-trim", daemon=True).start()
+    else:
+        libc.malloc_trim(0)
     return True

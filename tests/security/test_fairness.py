@@ -232,8 +232,8 @@ def test_chunks_are_short_while_the_machine_is_shared(tiny_config, monkeypatch):
     alone = ComputeGate(slots=1)
     assert chunks(alone) == 1 and alone.chunk_budget("heavy") == fairness.chunk_flops()
     shared = ComputeGate(slots=1)
-    with shared.turn(10, key="light"):  # another visitor has just been served
-        pass
+    with shared.turn(10, key="light"):  # another visitor is being served
+        assert shared._holders == [threading.current_thread()]
     assert shared.chunk_budget("heavy") == fairness.chunk_flops() / fairness.SHARED_CHUNK_SHARE
     assert chunks(shared) == 8  # 2 rows per chunk
     monkeypatch.setattr(fairness, "SHARED_S", 0.0)  # long ago: alone again

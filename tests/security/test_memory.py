@@ -62,3 +62,5 @@ def test_the_environment_wins_and_trim_is_rate_limited(monkeypatch):
     memory._LAST_TRIM[0] = 0.0
     assert memory.trim(every_s=60) is True
     assert memory.trim(every_s=60) is False  # again within the minute: skipped
+    memory._LAST_TRIM[0] = 0.0
+    assert memory.trim(background=True) is True  # off the request path: started in a thread of its own
