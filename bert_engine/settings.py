@@ -55,6 +55,8 @@ SETTINGS = {s.name: s for s in (
             "included): the unit the fairness gate hands out and charges (rows of 128 tokens: MiniLM about 4,500 tokens, "
             "bert-base about 570)"),
     Setting("BERT_ENGINE_MAX_IN_FLIGHT", "int", 2, "use", "requests one visitor may have running at once"),
+    Setting("BERT_ENGINE_MAX_WAITING", "int", 2, "use", "requests one visitor (and one address) may have waiting "
+            "for a place beyond those caps, up to the request time limit; more are refused at once (0: none wait)"),
     Setting("BERT_ENGINE_MAX_IN_FLIGHT_PER_IP", "int", 8, "use", "requests one address may have running at once "
             "over all its sessions (0: no cap); its sessions also share one share of the compute gate"),
     Setting("BERT_ENGINE_MAX_PARAMETERS", "int", 2_000_000_000, "use", "the largest model a config.json may "

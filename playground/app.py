@@ -423,7 +423,9 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
         token = WAITED.set(waited)  # the request's thread adds its time at the compute gate
         others, admitted = 0, None  # requests running beside this one when it started; admissions so far
         try:
-            with in_flight.admit(visitor, group), visitor_scope(visitor, group):  # its share (fairness.py)
+            # beyond its in-flight cap a request waits (idle) up to its time limit for a place: fairness.py
+            with in_flight.admit(visitor, group, wait_s=timeout_s or DEFAULT_TIMEOUT_S), \
+                    visitor_scope(visitor, group):  # its share of the gate (fairness.py)
                 others, admitted = in_flight.total() - (visitor is not None), in_flight.admitted
                 return call_with_timeout(predict, timeout_s, *args, what=f"task {task!r}", **kwargs)
         except (InputError, gr.Error):

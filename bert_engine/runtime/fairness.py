@@ -7,7 +7,9 @@ visitor sending many of the costliest requests allowed would still take the mach
 Two rules keep the others' share:
 
 - **In flight.** A visitor (a browser session) may have `max_in_flight()` requests (BERT_ENGINE_MAX_IN_FLIGHT) running at once;
-  one more is refused at once with a message, so it never holds one of the app's workers.
+  `max_waiting()` more (BERT_ENGINE_MAX_WAITING) wait, without using the CPU, for one of them to finish, and
+  any beyond those are refused at once with a message. A client that resends every refusal at once would
+  otherwise turn its share into a flood of refusals, each a trip through the server.
 - **Least recent compute first.** Every forward pass goes through one `ComputeGate`, in chunks of
   about `chunk_flops()` of work (BERT_ENGINE_CHUNK_GFLOP). When the gate frees, the waiting chunk whose visitor has used the
   least compute recently (FLOPs, decaying with a half-life of `HALF_LIFE_S`) goes next. A visitor
@@ -47,6 +49,12 @@ def max_in_flight() -> int:
 def max_in_flight_per_group() -> int:
     """Requests one address may have running at once, over all its sessions: BERT_ENGINE_MAX_IN_FLIGHT_PER_IP."""
     return settings.get("BERT_ENGINE_MAX_IN_FLIGHT_PER_IP")
+
+
+def max_waiting() -> int:
+    """Requests one visitor (and one address) may have waiting for a free place beyond its in-flight cap:
+    BERT_ENGINE_MAX_WAITING, read now."""
+    return settings.get("BERT_ENGINE_MAX_WAITING")
 
 
 HALF_LIFE_S = 30.0  # a visitor's recent compute halves every 30 s
@@ -91,34 +99,60 @@ class TooManyRequests(Exception):  # noqa: N818 - the HTTP name says what it is
 
 
 class InFlight:
-    """How many requests each visitor has running; `admit` refuses one beyond the limit."""
+    """How many requests each visitor has running; `admit` holds one beyond the limit in a short waiting
+    line, and refuses one beyond that."""
 
-    def __init__(self, limit: int | None = None, group_limit: int | None = None) -> None:
+    def __init__(self, limit: int | None = None, group_limit: int | None = None, waiting: int | None = None) -> None:
         self._limit = limit  # None: the setting, read when a request is admitted
         self._group_limit = group_limit
+        self._waiting_limit = waiting
         self._running: dict[str, int] = {}
         self._groups: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._waiting: dict[str, int] = {}  # visitors' and groups' requests waiting for a place (keys v:, g:)
+        self._cond = threading.Condition()
         self.admitted = 0  # requests admitted so far: one admitted during another's run overlapped it
 
+    def _full(self, visitor: str, group: str | None, limit: int, group_limit: int) -> str | None:
+        """Why the visitor may not start another request now (None: it may)."""
+        if self._running.get(visitor, 0) >= limit:
+            return f"you already have {limit} requests running"
+        if group is not None and self._groups.get(group, 0) >= group_limit:
+            return f"{group_limit} requests from your address are already running (over all its sessions)"
+        return None
+
     @contextmanager
-    def admit(self, visitor: str | None, group: str | None = None) -> Iterator[None]:
-        """Count the request while it runs. Raises TooManyRequests (before anything runs) when the
-        visitor already has `limit` running, or its group (address) `group_limit` over all its
-        sessions; a request without a visitor is not counted."""
+    def admit(self, visitor: str | None, group: str | None = None, wait_s: float = 0.0) -> Iterator[None]:
+        """Count the request while it runs. When the visitor already has `limit` running, or its group
+        (address) `group_limit` over all its sessions, the request waits up to `wait_s` seconds for one
+        of them to finish, if fewer than `waiting` of the visitor's and of the group's already wait;
+        otherwise (or when the wait runs out) raises TooManyRequests before anything runs. A request
+        without a visitor is not counted."""
         limit = max_in_flight() if self._limit is None else self._limit
         group_limit = max_in_flight_per_group() if self._group_limit is None else self._group_limit
+        line = max_waiting() if self._waiting_limit is None else self._waiting_limit
         if visitor is None or limit <= 0:
             yield
             return
         group = group if group_limit > 0 else None
-        with self._lock:
-            if self._running.get(visitor, 0) >= limit:
-                raise TooManyRequests(f"you already have {limit} requests running; wait for their answers "
-                                      "before sending more")
-            if group is not None and self._groups.get(group, 0) >= group_limit:
-                raise TooManyRequests(f"{group_limit} requests from your address are already running (over all "
-                                      "its sessions); wait for their answers before sending more")
+        lines = [f"v:{visitor}"] + ([f"g:{group}"] if group is not None else [])
+        with self._cond:
+            full = self._full(visitor, group, limit, group_limit)
+            if full is not None and wait_s > 0 and all(self._waiting.get(k, 0) < line for k in lines):
+                for key in lines:
+                    self._waiting[key] = self._waiting.get(key, 0) + 1
+                deadline = time.monotonic() + wait_s
+                try:
+                    while full is not None and time.monotonic() < deadline:
+                        self._cond.wait(deadline - time.monotonic())
+                        full = self._full(visitor, group, limit, group_limit)
+                finally:
+                    for key in lines:
+                        _decrement(self._waiting, key)
+                if full is not None:
+                    raise TooManyRequests(f"{full} and none finished within {wait_s:g} s; wait for their answers "
+                                          "before sending more")
+            if full is not None:
+                raise TooManyRequests(f"{full}; wait for their answers before sending more")
             self._running[visitor] = self._running.get(visitor, 0) + 1
             if group is not None:
                 self._groups[group] = self._groups.get(group, 0) + 1
@@ -126,19 +160,25 @@ class InFlight:
         try:
             yield
         finally:
-            with self._lock:
+            with self._cond:
                 _decrement(self._running, visitor)
                 if group is not None:
                     _decrement(self._groups, group)
+                self._cond.notify_all()
 
     def total(self) -> int:
         """Requests running now, every visitor's."""
-        with self._lock:
+        with self._cond:
             return sum(self._running.values())
 
     def running(self, visitor: str) -> int:
-        with self._lock:
+        with self._cond:
             return self._running.get(visitor, 0)
+
+    def waiting(self, visitor: str) -> int:
+        """The visitor's requests waiting for a place now."""
+        with self._cond:
+            return self._waiting.get(f"v:{visitor}", 0)
 
 
 def _decrement(counts: dict[str, int], key: str) -> None:

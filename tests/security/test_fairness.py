@@ -85,6 +85,80 @@ def test_a_visitor_may_have_only_so_many_requests_in_flight():
         pass
 
 
+def test_a_request_beyond_the_cap_waits_idle_for_a_place_and_one_beyond_the_line_is_refused_at_once():
+    """A client that resends each refusal at once turns its share into a flood of refusals (issue 36: the
+    attacker sending 4 at once); the third and fourth wait, without the CPU, and start when a place frees."""
+    in_flight = InFlight(limit=2, group_limit=8, waiting=2)
+    first_done, second_done = threading.Event(), threading.Event()
+    started, refused = [], []
+
+    def third(name, release):
+        with in_flight.admit("a", "ip:1", wait_s=60):
+            started.append(name)
+            release.wait(30)
+
+    with in_flight.admit("a", "ip:1"):
+        second = in_flight.admit("a", "ip:1")
+        second.__enter__()
+        waiters = [threading.Thread(target=third, args=(n, e)) for n, e in (("c", first_done), ("d", second_done))]
+        for thread in waiters:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while in_flight.waiting("a") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert in_flight.waiting("a") == 2 and started == []  # both wait; neither runs beside the two
+        began = time.monotonic()
+        with pytest.raises(TooManyRequests, match="you already have 2 requests running"):
+            with in_flight.admit("a", "ip:1", wait_s=60):  # the line is full: refused, not held 60 s
+                refused.append("e")
+        assert time.monotonic() - began < 30 and refused == []
+        second.__exit__(None, None, None)  # a place frees: exactly one waiter starts
+        deadline = time.monotonic() + 10
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(started) == 1 and in_flight.running("a") == 2 and in_flight.waiting("a") == 1
+    first_done.set(), second_done.set()
+    for thread in waiters:
+        thread.join(10)
+    assert sorted(started) == ["c", "d"] and in_flight.running("a") == 0 and in_flight.waiting("a") == 0
+
+
+def test_a_wait_for_a_place_ends_with_a_refusal_when_none_frees():
+    in_flight = InFlight(limit=1, group_limit=8, waiting=2)
+    with in_flight.admit("a", "ip:1"):
+        with pytest.raises(TooManyRequests, match=r"you already have 1 requests running and none finished within 0.2 s"):
+            with in_flight.admit("a", "ip:1", wait_s=0.2):
+                raise AssertionError("admitted while the first still ran")
+        assert in_flight.waiting("a") == 0 and in_flight.running("a") == 1
+    no_line = InFlight(limit=1, group_limit=8, waiting=0)  # BERT_ENGINE_MAX_WAITING=0: refused at once
+    with no_line.admit("a"), pytest.raises(TooManyRequests, match="you already have 1 requests running;"):
+        with no_line.admit("a", wait_s=60):
+            raise AssertionError("admitted beyond the cap")
+
+
+def test_an_address_has_one_waiting_line_over_all_its_sessions():
+    """Rotating sessions does not lengthen the line either: an address's sessions share it."""
+    in_flight = InFlight(limit=2, group_limit=1, waiting=1)
+    release = threading.Event()
+
+    def wait_in_line():
+        with in_flight.admit("s2", "ip:1", wait_s=60):
+            release.wait(30)
+
+    with in_flight.admit("s1", "ip:1"):
+        waiter = threading.Thread(target=wait_in_line)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while in_flight.waiting("s2") < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(TooManyRequests, match="1 requests from your address are already running"):
+            with in_flight.admit("s3", "ip:1", wait_s=60):
+                raise AssertionError("a second session of the address joined its full line")
+    release.set()
+    waiter.join(10)
+    assert in_flight.total() == 0
+
+
 def test_rotating_sessions_from_one_address_multiplies_nothing():
     """Per address as well as per session: a new session per request gets no more in flight than the
     address's cap, and the gate charges the address's sessions to one account (issue 36)."""
