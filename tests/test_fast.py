@@ -296,6 +296,8 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
         assert isinstance(module, fast.PackedLinear) == (choice[name]["chose"] == "packed"), name
     assert predictor.provenance()["kernels"] == {name: c["chose"] for name, c in choice.items()}
     assert len(json.loads(cache.read_text())) == 4
+    # keyed by what the kernels can use, not the model name alone (an "AMD EPYC" VM is AVX2 or AVX-512)
+    assert all(f"|{fast.cpu_isa()}|" in key for key in json.loads(cache.read_text()))
 
     def no_timing(*args, **kwargs):
         raise AssertionError("timed again although the cache holds this machine's timings")

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
 import warnings
 from collections.abc import Iterable
@@ -403,10 +402,12 @@ def _projections(layer: nn.Module) -> dict[str, tuple[nn.Linear, Any]]:
 
 
 def time_kernels(linear: nn.Linear, activation: Any = None, rows: Iterable[int] = KERNEL_ROWS,
-                 repeats: int = 3) -> dict[str, float]:
-    """Seconds (median of `repeats`, summed over `rows`) of one projection (and its activation) as
-    oneDNN's packed matmul with the activation fused ("packed") and as nn.Linear then the activation
-    ("plain": MKL's sgemm through addmm)."""
+                 repeats: int = 5) -> dict[str, float]:
+    """Seconds (the fastest of `repeats` rounds, summed over `rows`) of one projection (and its activation)
+    as oneDNN's packed matmul with the activation fused ("packed") and as nn.Linear then the activation
+    ("plain": MKL's sgemm through addmm). The candidates take turns within each round, and each keeps its
+    fastest time: a burst of other work on the machine slows a round, not one candidate (timed one after
+    the other, a busy moment once made the packed path look twice as slow as it is, and the choice was kept)."""
     packed = PackedLinear(linear, activation if activation in PackedLinear._GELU else None)
     after = _identity if activation is None or activation in PackedLinear._GELU else activation
     candidates = {"packed": lambda x: after(packed(x)),
@@ -415,14 +416,16 @@ def time_kernels(linear: nn.Linear, activation: Any = None, rows: Iterable[int] 
     with torch.inference_mode():
         for n in rows:
             x = torch.randn(n, linear.in_features, dtype=linear.weight.dtype, generator=torch.Generator().manual_seed(n))
-            for name, run in candidates.items():
+            best = dict.fromkeys(candidates, float("inf"))
+            for run in candidates.values():
                 run(x)  # warm-up: packing caches, first-touch of the output
-                times = []
-                for _ in range(repeats):
+            for _ in range(repeats):
+                for name, run in candidates.items():
                     start = time.perf_counter()
                     run(x)
-                    times.append(time.perf_counter() - start)
-                total[name] += statistics.median(times)
+                    best[name] = min(best[name], time.perf_counter() - start)
+            for name in candidates:
+                total[name] += best[name]
     return total
 
 
@@ -439,7 +442,7 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
             stored = json.loads(cache.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             stored = {}
-    machine = f"{cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    machine = f"{cpu_name()}|{cpu_isa()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
     choice, changed = {}, False
     for name, (linear, activation) in _projections(encoder.layers[0]).items():
         if not isinstance(linear, nn.Linear):
@@ -473,6 +476,13 @@ def cpu_name() -> str:
         lines = []
     names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
     return names[0] if names else platform.processor() or platform.machine()
+
+
+def cpu_isa() -> str:
+    """The instruction sets the kernels can use: torch's dispatch level and AMX ("AVX512+AMX", "AVX2"). A
+    model name alone does not tell them apart (a VM's "AMD EPYC" is an AVX2 Zen 2/3 or an AVX-512 Zen 4)."""
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return torch.backends.cpu.get_cpu_capability() + ("+AMX" if amx else "")
 
 
 def _identity(x: Tensor) -> Tensor:
