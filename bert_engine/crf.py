@@ -84,9 +84,13 @@ class CRF(nn.Module):
     def _forward_alphas(self, compact, valid, trans, start) -> Tensor:
         """alpha[:, s, l]: log-sum of the scores of all partial paths ending in tag l at step s."""
         alphas = [start + compact[:, 0]]  # (B, L)
+        # The per-step work is a few tiny tensors: op dispatch, not arithmetic, is the cost (a visitor's
+        # sentence pays it per step), so what does not depend on the previous step is done once for all.
+        moves = trans[None, None] + compact[:, 1:, None, :]  # (B, S-1, L_from, L_to)
+        ragged = not bool(valid.all())  # rows of different lengths: finished rows keep their last alpha
         for s in range(1, compact.shape[1]):
-            step = torch.logsumexp(alphas[-1][:, :, None] + trans[None] + compact[:, s, None, :], dim=1)  # (B, L)
-            alphas.append(torch.where(valid[:, s, None], step, alphas[-1]))
+            step = torch.logsumexp(alphas[-1][:, :, None] + moves[:, s - 1], dim=1)  # (B, L)
+            alphas.append(torch.where(valid[:, s, None], step, alphas[-1]) if ragged else step)
         return torch.stack(alphas, 1)  # (B, S, L)
 
     # -- public API ------------------------------------------------------------------------------------
@@ -129,9 +133,11 @@ class CRF(nn.Module):
         B, S, L = compact.shape
         alphas = self._forward_alphas(compact, valid, trans, start)  # (B, S, L)
         betas = [end]
+        moves = trans[None, None] + compact[:, 1:, None, :]  # (B, S-1, L_from, L_to)
+        ragged = not bool(valid.all())
         for s in range(S - 2, -1, -1):
-            step = torch.logsumexp(trans[None] + compact[:, s + 1, None, :] + betas[-1][:, None, :], dim=2)  # (B, L)
-            betas.append(torch.where(valid[:, s + 1, None], step, end))
+            step = torch.logsumexp(moves[:, s] + betas[-1][:, None, :], dim=2)  # (B, L)
+            betas.append(torch.where(valid[:, s + 1, None], step, end) if ragged else step)
         betas = torch.stack(betas[::-1], 1)  # (B, S, L)
         log_z = torch.logsumexp(alphas[:, -1] + end, dim=-1)  # (B,)
         probs = ((alphas + betas - log_z[:, None, None]).exp().clamp(max=1.0) * valid[..., None]).float()  # (B, S, L)
@@ -159,15 +165,19 @@ class CRF(nn.Module):
         pointers = []  # per step s ≥ 1: (B, L, K) flat index prev_tag * K + prev_rank
         keep_index = (torch.arange(L, device=compact.device)[:, None] * K
                       + torch.arange(K, device=compact.device)[None, :]).expand(B, L, K)
+        moves = (trans[None, None] + compact[:, 1:, None, :]).transpose(2, 3)[..., None]  # (B, S-1, L_to, L_from, 1)
+        ragged = not bool(valid.all())
         for s in range(1, S):
-            cand = scores[:, :, None, :] + trans[None, :, :, None] + compact[:, s, None, :, None]  # (B, L, L, K)
-            cand = cand.permute(0, 2, 1, 3).reshape(B, L, L * K)  # (B, L_to, L_from * K)
+            cand = (scores[:, None, :, :] + moves[:, s - 1]).reshape(B, L, L * K)  # (B, L_to, L_from * K)
             best, where = cand.topk(K, dim=-1)  # (B, L, K)
-            step_valid = valid[:, s, None, None]
-            scores = torch.where(step_valid, best, scores)
-            pointers.append(torch.where(step_valid, where, keep_index))
+            if ragged:
+                step_valid = valid[:, s, None, None]
+                best, where = torch.where(step_valid, best, scores), torch.where(step_valid, where, keep_index)
+            scores = best
+            pointers.append(where)
         final = (scores + end[:, :, None]).reshape(B, L * K)
         best, where = final.topk(min(K, L * K), dim=-1)  # (B, K)
+        back = torch.stack(pointers, 1).tolist() if pointers else [[] for _ in range(B)]  # (B, S-1, L, K), as lists
         results = []
         for b in range(B):
             n = int(lengths[b])
@@ -181,7 +191,7 @@ class CRF(nn.Module):
                 tag, rank = divmod(flat, K)
                 path = [tag]
                 for s in range(S - 1, 0, -1):
-                    tag, rank = divmod(int(pointers[s - 1][b, tag, rank]), K)
+                    tag, rank = divmod(back[b][s - 1][tag][rank], K)
                     path.append(tag)
                 # Steps past the row's length point back to the same tag and rank, so the path's
                 # tail repeats its last real tag: its first n entries are the row's path.
