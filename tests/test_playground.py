@@ -689,6 +689,38 @@ def test_gradios_queue_never_holds_a_light_request_behind_long_ones(tmp_path):
         app.close()
 
 
+def test_one_session_sending_four_at_once_gets_two_running_two_waiting_and_four_answers(tmp_path):
+    """A client that sends more than its in-flight cap at once (issue 36's attacker sends 4) is not
+    refused and left to resend: the two beyond the cap wait, idle, and run as places free."""
+    from conftest import reference_checkpoint
+
+    from playground.app import serve_queue
+
+    registry = load_registry(entry_points=False)
+    registry.load_plugin("slow", "0.1", "test", SlowWhenAskedPlugin)
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertModel"))
+    app = serve_queue(build_app(registry, checkpoints={"slowtask": tiny}, timeout_s=60))
+    port = _free_port()
+    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    SlowWhenAskedPlugin.waiting = 0
+    SlowWhenAskedPlugin.release.clear()
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)  # one session
+        jobs = [client.submit(f"slow request {i}", api_name="/slowtask") for i in range(4)]
+        deadline = time.monotonic() + 30
+        while SlowWhenAskedPlugin.waiting < 2:
+            assert time.monotonic() < deadline, f"only {SlowWhenAskedPlugin.waiting} requests reached the handler"
+            time.sleep(0.05)
+        time.sleep(1.0)  # time for a third to start, were the cap not kept
+        assert SlowWhenAskedPlugin.waiting == 2 and not any(job.done() for job in jobs)  # 2 run, 2 wait (not refused)
+        SlowWhenAskedPlugin.release.set()
+        answers = [json.loads(job.result(timeout=60))["result"] for job in jobs]
+    finally:
+        SlowWhenAskedPlugin.release.set()
+        app.close()
+    assert answers == [{"ok": True}] * 4 and SlowWhenAskedPlugin.waiting == 4
+
+
 def test_each_mcp_session_is_its_own_visitor(tmp_path):
     """Eight MCP sessions, one slow request each: all are admitted (before, every MCP call was one
     visitor with 2 requests in flight, and 6 of the 8 were refused at once)."""
