@@ -162,3 +162,23 @@ def test_predict_file_under_torchrun_gives_the_single_process_output(sentiment_c
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "75 of 76 lines answered, 1 failed" in done.stderr, done.stderr[-2000:]
     assert shared.read_text() == single.read_text() and len(single.read_text().splitlines()) == 76
+
+
+def test_info_on_an_adapter_folder_without_a_head_says_which_task_and_how_to_load_it(tmp_path, capsys):
+    """`bert-engine info --model plugins/starter/ner` used to say only "needs its task's head", while --head
+    takes head kinds (sequence, token, ...), not task names."""
+    import shutil
+    from pathlib import Path
+
+    starter = Path(__file__).resolve().parents[1] / "plugins" / "starter" / "ner"
+    assert main(["info", "--model", str(starter)]) == 2
+    err = capsys.readouterr().err
+    assert "pass --head (one of mlm, nsp, pretraining, sequence, span, token)" in err
+    assert f"`bert-engine predict ner --model {starter}` (its manifest says task 'ner')" in err
+    copy = tmp_path / "adapter"
+    copy.mkdir()
+    shutil.copy(starter / "adapter_config.json", copy)
+    (copy / "manifest.json").write_text(json.dumps({"task": "ner; rm -rf /"}))  # not a task name: not repeated
+    assert main(["info", "--model", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert "rm -rf" not in err and "`bert-engine predict TASK --model FOLDER`" in err

@@ -6,12 +6,14 @@ between them, then loads the tokenizer and checks that model and tokenizer belon
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .. import heads
 from ..tokenizer import Tokenizer
 from .hub import resolve
 from .loading import CheckpointError, Loaded, load_model
@@ -50,7 +52,7 @@ def load(name_or_path: str | Path, head: str | nn.Module | None = None, *, label
     resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
     if (resolved.folder / "adapter_config.json").is_file():
         if head is None or head == "auto":
-            raise CheckpointError(f"{resolved.folder}: a LoRA adapter folder needs its task's head to load")
+            raise CheckpointError(_adapter_needs_a_head(resolved.folder))
         loaded = load_adapter(resolved, head, attn_backend=attn_backend, dtype=dtype, device=device,
                               local_files_only=local_files_only, allowed_dirs=allowed_dirs, **hub_kwargs)
     else:
@@ -59,6 +61,21 @@ def load(name_or_path: str | Path, head: str | nn.Module | None = None, *, label
     if with_tokenizer:
         loaded.tokenizer = _matching_tokenizer(loaded)
     return loaded
+
+
+def _adapter_needs_a_head(folder: Path) -> str:
+    """The refusal for an adapter folder loaded without a head: which task it is for (its manifest.json,
+    when it has one) and the two ways to load it."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        manifest = None
+    task = manifest.get("task") if isinstance(manifest, dict) else None
+    task = task if isinstance(task, str) and task.isidentifier() else None
+    use = (f"`bert-engine predict {task} --model {folder}` (its manifest says task {task!r})" if task
+           else "`bert-engine predict TASK --model FOLDER`")
+    return (f"{folder}: a LoRA adapter folder needs a head to load: pass --head (one of "
+            f"{', '.join(sorted(heads.HEADS))}) matching its task, or run it through its task: {use}")
 
 
 def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = None, **kwargs) -> nn.Module:
