@@ -81,12 +81,16 @@ class CRF(nn.Module):
         end = _per_row(end, ends, B)  # (B, L)
         return compact, valid, index, lengths, trans, start, end
 
-    def _forward_alphas(self, compact, valid, trans, start) -> Tensor:
+    @staticmethod
+    def _moves(compact: Tensor, trans: Tensor) -> Tensor:
+        """(B, S-1, L_from, L_to): the transition plus the next step's emission, for every step at once. The
+        per-step work of the recursions is a few tiny tensors, where op dispatch, not arithmetic, is the cost
+        (a visitor's sentence pays it per step), so what does not depend on the previous step is done here."""
+        return trans[None, None] + compact[:, 1:, None, :]
+
+    def _forward_alphas(self, compact, valid, start, moves) -> Tensor:
         """alpha[:, s, l]: log-sum of the scores of all partial paths ending in tag l at step s."""
         alphas = [start + compact[:, 0]]  # (B, L)
-        # The per-step work is a few tiny tensors: op dispatch, not arithmetic, is the cost (a visitor's
-        # sentence pays it per step), so what does not depend on the previous step is done once for all.
-        moves = trans[None, None] + compact[:, 1:, None, :]  # (B, S-1, L_from, L_to)
         ragged = not bool(valid.all())  # rows of different lengths: finished rows keep their last alpha
         for s in range(1, compact.shape[1]):
             step = torch.logsumexp(alphas[-1][:, :, None] + moves[:, s - 1], dim=1)  # (B, L)
@@ -99,7 +103,7 @@ class CRF(nn.Module):
                       begins: Tensor | None = None, ends: Tensor | None = None) -> Tensor:
         """log Z per row (B,); 0 for a row with no selected position."""
         compact, valid, _, lengths, trans, start, end = self._prepare(emissions, mask, constrained, begins, ends)
-        last = self._forward_alphas(compact, valid, trans, start)[:, -1]  # (B, L)
+        last = self._forward_alphas(compact, valid, start, self._moves(compact, trans))[:, -1]  # (B, L)
         return torch.where(lengths > 0, torch.logsumexp(last + end, dim=-1), torch.zeros_like(lengths, dtype=last.dtype))
 
     def path_score(self, emissions: Tensor, tags: Tensor, mask: Tensor | None = None, *, constrained: bool = False,
@@ -131,9 +135,9 @@ class CRF(nn.Module):
         # exp(alpha + beta - log Z) came out as 1.000015 for a sure tag (a "probability" above 1).
         compact, trans, start, end = compact.double(), trans.double(), start.double(), end.double()
         B, S, L = compact.shape
-        alphas = self._forward_alphas(compact, valid, trans, start)  # (B, S, L)
+        moves = self._moves(compact, trans)
+        alphas = self._forward_alphas(compact, valid, start, moves)  # (B, S, L)
         betas = [end]
-        moves = trans[None, None] + compact[:, 1:, None, :]  # (B, S-1, L_from, L_to)
         ragged = not bool(valid.all())
         for s in range(S - 2, -1, -1):
             step = torch.logsumexp(moves[:, s] + betas[-1][:, None, :], dim=2)  # (B, L)
@@ -165,7 +169,7 @@ class CRF(nn.Module):
         pointers = []  # per step s ≥ 1: (B, L, K) flat index prev_tag * K + prev_rank
         keep_index = (torch.arange(L, device=compact.device)[:, None] * K
                       + torch.arange(K, device=compact.device)[None, :]).expand(B, L, K)
-        moves = (trans[None, None] + compact[:, 1:, None, :]).transpose(2, 3)[..., None]  # (B, S-1, L_to, L_from, 1)
+        moves = self._moves(compact, trans).transpose(2, 3)[..., None]  # (B, S-1, L_to, L_from, 1)
         ragged = not bool(valid.all())
         for s in range(1, S):
             cand = (scores[:, None, :, :] + moves[:, s - 1]).reshape(B, L, L * K)  # (B, L_to, L_from * K)

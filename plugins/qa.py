@@ -207,15 +207,7 @@ def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: 
             batches.append(preprocess(item, predictor.tokenizer, **options))
         except InputError as err:
             raise InputError(f"qa: input {i}: {err}") from None
-    order = sorted(range(len(items)), key=lambda i: batches[i].input_ids.shape[1])
-    groups, group, rows = [], [], 0
-    for i in order:
-        if group and rows + len(batches[i]) > max_rows:
-            groups.append(group)
-            group, rows = [], 0
-        group.append(i)
-        rows += len(batches[i])
-    groups += [group] if group else []
+    groups = window_groups(batches, max_rows)
     results: list[Any] = [None] * len(items)
     pad = predictor.tokenizer.pad_token_id
     for group in tqdm(groups, disable=not progress, desc="qa", unit="batch"):
@@ -231,6 +223,20 @@ def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: 
             results[i] = postprocess(output, batches[i], **options)
             row += n
     return results
+
+
+def window_groups(batches: list, max_rows: int = 32) -> list[list[int]]:
+    """The order predict_many runs inputs in: their indices sorted by padded width, in groups whose windows
+    share one forward pass of at most `max_rows` rows (an input with more windows is a group of its own)."""
+    order = sorted(range(len(batches)), key=lambda i: batches[i].input_ids.shape[1])
+    groups, group, rows = [], [], 0
+    for i in order:
+        if group and rows + len(batches[i]) > max_rows:
+            groups.append(group)
+            group, rows = [], 0
+        group.append(i)
+        rows += len(batches[i])
+    return groups + ([group] if group else [])
 
 
 def evaluate(predictor, examples: list, *, progress: bool = False, **options) -> dict[str, float]:

@@ -20,9 +20,7 @@ from pathlib import Path
 
 import torch
 from qa_calibrate import auc  # this folder's: one ROC AUC for both scripts
-from tqdm import tqdm
 
-from bert_engine.heads import SpanOutput
 from bert_engine.model import encoder_of
 from bert_engine.runtime.inference import Predictor
 from bert_engine.tasks.registry import load_registry
@@ -33,44 +31,32 @@ from plugins.qa_data import read_data
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
-def predict_with_cls(predictor, items: list[dict], max_rows: int = 32) -> tuple[list[dict], torch.Tensor]:
-    """qa.predict_many's answers, and each item's [CLS] vector from its first window, (N, hidden)."""
-    options = predictor.check_options({"null_threshold": None, "top_k": 1})
-    batches = [qa.preprocess(item, predictor.tokenizer, **options) for item in items]
-    order = sorted(range(len(items)), key=lambda i: batches[i].input_ids.shape[1])
-    groups, group, rows = [], [], 0
-    for i in order:
-        if group and rows + len(batches[i]) > max_rows:
-            groups.append(group)
-            group, rows = [], 0
-        group.append(i)
-        rows += len(batches[i])
-    groups += [group] if group else []
+def predict_with_cls(predictor, items: list[dict]) -> tuple[list[dict], torch.Tensor]:
+    """qa.predict_many's answers (no threshold), and each item's [CLS] vector from its first window, (N, hidden):
+    the encoder's outputs, caught by a hook, come in predict_many's order (qa.window_groups)."""
+    options = {"null_threshold": None, "top_k": 1}
+    # tokenised once more here (seconds, beside minutes of forward passes) for each input's window count
+    checked = predictor.check_options(options)
+    batches = [qa.preprocess(item, predictor.tokenizer, **checked) for item in items]
     captured: list[torch.Tensor] = []
     hook = encoder_of(predictor.model).register_forward_hook(
         lambda module, args, out: captured.append(out.last_hidden_state[:, 0].float().cpu()))
-    results: list = [None] * len(items)
-    cls = torch.zeros(len(items), encoder_of(predictor.model).config.hidden_size)
-    pad = predictor.tokenizer.pad_token_id
     try:
-        for group in tqdm(groups, desc="qa", unit="batch"):
-            parts = [batches[i] for i in group]
-            inputs = {"input_ids": qa._padded(parts, "input_ids", pad), "attention_mask": qa._padded(parts, "attention_mask", 0),
-                      "token_type_ids": qa._padded(parts, "token_type_ids", 0)}
-            captured.clear()
-            output = predictor.forward_rows(inputs)
-            vectors = torch.cat(captured)
-            starts, ends = output.start_logits.float().cpu(), output.end_logits.float().cpu()
-            row = 0
-            for i in group:
-                n, t = len(batches[i]), batches[i].input_ids.shape[1]
-                results[i] = qa.postprocess(SpanOutput(starts[row:row + n, :t], ends[row:row + n, :t]), batches[i],
-                                            **options)
-                cls[i] = vectors[row]
-                row += n
+        results = qa.predict_many(predictor, items, progress=True, **options)
     finally:
         hook.remove()
-    return results, cls
+    rows, first, row = torch.cat(captured), torch.zeros(len(items), dtype=torch.long), 0
+    for i in (i for group in qa.window_groups(batches) for i in group):
+        first[i] = row
+        row += len(batches[i])
+    if row != len(rows):
+        raise RuntimeError(f"caught {len(rows)} encoder rows for {row} windows: predict_many's order changed")
+    return results, rows[first]
+
+
+def labelled_auc(scores: list[float], labels: list[float]) -> float:
+    """ROC AUC of scores where label 1 (no answer) is the positive class."""
+    return auc([v for v, n in zip(scores, labels) if n], [v for v, n in zip(scores, labels) if not n])
 
 
 def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,9 +92,7 @@ def chosen_l2(x: torch.Tensor, y: torch.Tensor, grid=(0.1, 1.0, 10.0, 100.0, 100
             held = torch.zeros(len(x), dtype=torch.bool)
             held[bounds[k]:bounds[k + 1]] = True
             model = fit_logistic(x[~held], y[~held], l2)
-            s = score(model, x[held])
-            labels = y[held].tolist()
-            aucs.append(auc([v for v, n in zip(s, labels) if n], [v for v, n in zip(s, labels) if not n]))
+            aucs.append(labelled_auc(score(model, x[held]), y[held].tolist()))
         mean_auc = sum(aucs) / folds
         if mean_auc > best_auc:
             best, best_auc = l2, mean_auc
@@ -134,9 +118,7 @@ def main() -> None:
     for name, x in (("ten features", feats), ("[CLS] vector", cls), ("both", torch.cat([feats, cls], 1))):
         l2 = chosen_l2(x[:half], y[:half])
         model = fit_logistic(x[:half], y[:half], l2)
-        s, labels = score(model, x[half:]), y[half:].tolist()
-        report["variants"][name] = {"l2": l2, "heldout_auc": auc([v for v, n in zip(s, labels) if n],
-                                                                 [v for v, n in zip(s, labels) if not n])}
+        report["variants"][name] = {"l2": l2, "heldout_auc": labelled_auc(score(model, x[half:]), y[half:].tolist())}
         print(f"{name}: L2 {l2:g} (5-fold CV on half A), ROC AUC on half B {report['variants'][name]['heldout_auc']:.3f}")
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(report, indent=1))
