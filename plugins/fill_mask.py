@@ -24,6 +24,7 @@ from bert_engine.heads import IGNORE_INDEX, MaskedLMHead
 from bert_engine.hookspecs import ExplainTarget, InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.runtime.inference import max_request_tokens
 from bert_engine.training.pretraining import continuation_ids, mask_tokens, masked_lm_counts, read_documents
+from plugins import fill_mask_words
 from plugins.starter import starter_checkpoint
 
 MODES = ("independent", "joint")
@@ -397,9 +398,11 @@ def loss(output: FillMaskOutput, targets) -> Tensor:
 
 
 def evaluate(predictor, examples, *, progress: bool = False, batch_size: int = 64, seed: int = 0,
-             **options) -> dict[str, float]:
+             words: int = 1000, **options) -> dict[str, float]:
     """Masked-token accuracy on held-out passages: 15 % of the tokens masked with a fixed seed;
-    top-1 / top-5 accuracy of the original token and the perplexity over the masked tokens."""
+    top-1 / top-5 accuracy of the original token and the perplexity over the masked tokens. Beside
+    them, what a visitor gets: `words` whole words drawn with the same seed, each behind one [MASK]
+    (fill_mask_words: words_top1 / words_top5, and the same for content and function words; 0 to skip)."""
 
     predictor = predictor.get()
     model, tokenizer = predictor.model, predictor.tokenizer
@@ -417,8 +420,13 @@ def evaluate(predictor, examples, *, progress: bool = False, batch_size: int = 6
     count = totals["masked"]
     if not count:
         raise ValueError("no tokens were masked: the evaluation passages are empty")
-    return {"top1": totals["top1"] / count, "top5": totals["top5"] / count,
-            "perplexity": math.exp(min(totals["nll"] / count, 50)), "masked_tokens": count}
+    figures = {"top1": totals["top1"] / count, "top5": totals["top5"] / count,
+               "perplexity": math.exp(min(totals["nll"] / count, 50)), "masked_tokens": count}
+    check_int("fill_mask", "words", words, 0, 100_000)
+    if words:
+        items = fill_mask_words.draw_words([inputs["text"] for inputs, _ in examples], words, seed)
+        figures.update(fill_mask_words.flat(fill_mask_words.score_words(predictor, items, progress=progress)))
+    return figures
 
 
 def pipeline_output(result: dict, options, single: bool):

@@ -241,3 +241,37 @@ def test_whole_word_training_masks_every_piece_of_a_chosen_word(predictor):
                     partial = True
         assert starts.any()
         assert partial == expect_partial
+
+
+def test_whole_words_are_drawn_from_words_only_and_reproducibly():
+    from plugins.fill_mask_words import draw_words
+
+    passages = ["The cat , sat @-@ on 42 mats .", "Dogs bark ; loudly !"]
+    items = draw_words(passages, 100, seed=0)
+    assert sorted(word for _, word in items) == sorted(["The", "cat", "sat", "on", "42", "mats", "Dogs", "bark",
+                                                          "loudly"])  # every word once, no punctuation or "@-@"
+    assert all(text.count("[MASK]") == 1 for text, _ in items)
+    assert ("The cat , sat @-@ on 42 [MASK] .", "mats") in items
+    assert draw_words(passages, 3, seed=5) == draw_words(passages, 3, seed=5) != draw_words(passages, 3, seed=6)
+
+
+@pytest.mark.skipif(not (STARTER_ROOT / "fill_mask" / "manifest.json").is_file(), reason="no fill-mask starter")
+def test_whole_word_scores_count_what_the_tab_answers_per_kind():
+    from plugins.fill_mask import evaluate
+    from plugins.fill_mask_words import score_words
+
+    predictor = Predictor.load(load_registry(entry_points=False).task("fill_mask"))
+    items = [("It was a dark and stormy [MASK].", "night"),   # the starter's first guess
+             ("A week has seven [MASK].", "Hours"),           # its fifth, not its first (case ignored)
+             ("She drank a cup of hot [MASK].", "lava"),      # none of its five
+             ("She drank a cup [MASK] hot tea.", "of")]       # a function word
+    scores = score_words(predictor, items)
+    assert scores["content"] == {"words": 3, "top1": 1 / 3, "top5": 2 / 3}
+    assert scores["function"]["words"] == 1 and scores["all"]["words"] == 4
+    assert scores["all"]["top1"] == pytest.approx((1 + scores["function"]["top1"]) / 4)
+    # evaluate reports them beside the token-level figures, drawn from its own passages
+    figures = evaluate(predictor, [({"text": "It was a dark and stormy night and the rain fell in torrents ."}, None)],
+                       words=5)
+    assert figures["words"] == 5 and figures["content_words"] + figures["function_words"] == 5
+    assert 0 <= figures["content_top1"] <= figures["content_top5"] <= 1 and "top1" in figures
+    assert "words_top1" not in evaluate(predictor, [({"text": "It was a dark and stormy night ."}, None)], words=0)
