@@ -82,6 +82,7 @@ def test_a_compiled_predictor_runs_padding_free_and_answers_as_the_eager_one(tin
     compiled.load_state_dict(eager.state_dict())
     prepare_for_inference(eager, "fp32")
     prepare_for_inference(compiled, "fp32", compile=True)  # the default pack=True gives way to the compiler
+    assert compiled.compiled and not eager.compiled  # what provenance() reports
     ids = torch.randint(5, 99, (3, 11))
     mask = torch.ones_like(ids)
     mask[1, 7:] = mask[2, 3:] = 0
@@ -91,3 +92,30 @@ def test_a_compiled_predictor_runs_padding_free_and_answers_as_the_eager_one(tin
     if onednn_int8_available():
         with pytest.raises(ValueError, match="compile"):
             prepare_for_inference(BertWithHead(tiny_config.with_labels(["a", "b"]), "token"), "int8", compile=True)
+
+
+def test_compile_without_a_cpp_compiler_falls_back_to_eager_and_says_so(tiny_config, monkeypatch, caplog):
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+    from bert_engine.runtime import fast  # noqa: PLC0415
+    from bert_engine.runtime.fast import encoder_of  # noqa: PLC0415
+
+    # the real search, not a stub: Inductor is told to look for a compiler that is not there
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++-compiler",))
+    from torch._inductor import cpp_builder  # noqa: PLC0415
+
+    cpp_builder.cpp_compiler_search.cache_clear()
+    try:
+        assert fast.cpp_compiler() is None
+        model = BertWithHead(tiny_config.with_labels(["a", "b"]), "token")
+        with caplog.at_level("WARNING", logger="bert_engine.runtime.precision"):
+            prepare_for_inference(model, "fp32", compile=True)
+        assert "none was found" in caplog.text and "running without compile" in caplog.text
+        assert not model.compiled and not isinstance(encoder_of(model).layers[0], torch._dynamo.eval_frame.OptimizedModule)
+        ids = torch.randint(5, 99, (2, 9))
+        with torch.inference_mode():
+            assert model(ids, torch.ones_like(ids)).logits.shape == (2, 9, 2)  # it answers, uncompiled
+    finally:
+        monkeypatch.undo()
+        cpp_builder.cpp_compiler_search.cache_clear()
+    assert fast.cpp_compiler()  # this machine has one: found again once the setting is back

@@ -489,6 +489,18 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
+def cpp_compiler() -> str | None:
+    """The C++ compiler torch.compile's CPU backend (Inductor) would build its kernels with, or None
+    where it finds none (it looks for g++ unless torch._inductor.config.cpp.cxx names another)."""
+    try:
+        from torch._inductor import cpp_builder  # noqa: PLC0415 - loads Inductor, only when compile is asked for
+
+        return cpp_builder.get_cpp_compiler()
+    except Exception as err:  # noqa: BLE001 - InvalidCxxCompiler, or an Inductor that cannot load here
+        logger.debug("no C++ compiler for torch.compile: %s", err)
+        return None
+
+
 def compile_encoder(model: nn.Module) -> nn.Module:
     """torch.compile each encoder layer (dynamic shapes); the first calls of each shape are slow."""
     encoder = encoder_of(model)

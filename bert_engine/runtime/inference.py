@@ -315,6 +315,8 @@ class Predictor:
         kernels = getattr(self.model, "kernel_choice", None)
         if kernels:  # which matmul kernel each projection uses on this machine (runtime.fast.choose_kernels)
             info["kernels"] = {name: choice["chose"] for name, choice in kernels.items()}
+        if getattr(self.model, "compiled", False):
+            info["compiled"] = True  # torch.compile'd encoder layers (load(compile=True) where a compiler was found)
         if latency_ms is not None:
             info["latency_ms"] = round(latency_ms, 2)
         return info

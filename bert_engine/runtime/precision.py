@@ -162,7 +162,12 @@ def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = 
     if compile and precision.prepare == "quantize":
         raise ValueError(f"precision {name!r} cannot be combined with compile: torch.compile cannot lower "
                          "the int8 matmuls; use one or the other")
+    if compile and device.type == "cpu" and fast.cpp_compiler() is None:
+        logger.warning("compile: torch.compile on the CPU builds its kernels with a C++ compiler and none was found "
+                       "(install g++, or set torch._inductor.config.cpp.cxx); running without compile")
+        compile = False
     model = model.to(dtype=precision.dtype).eval()
+    model.compiled = compile
     for module in model.modules():
         if isinstance(module, BertModel):
             module.padding_free = True  # heads read real tokens only; the padding's share of the work is skipped
