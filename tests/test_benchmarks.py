@@ -39,3 +39,15 @@ def test_int8_rotation_benchmark_times_fp32_and_int8_with_and_without_rotation(t
     rows = {row["model"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"fp32", "int8, no rotation", "int8, rotation 4", "int8, rotation 16"}
     assert rows["fp32"]["vs_fp32"] == 1 and all(row["ms"] > 0 and row["shape"] == "1x8" for row in rows.values())
+
+
+def test_single_request_benchmark_splits_a_request_into_forward_and_the_rest(tmp_path):
+    from benchmarks import single_request
+
+    out = tmp_path / "single.json"
+    single_request.main(["--tasks", "sentiment", "--data", str(SST), "--items", "4", "--repeats", "1",
+                         "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["task"] == "sentiment" and row["items"] == 4
+    assert 0 < row["forward_p50_ms"] < row["request_p50_ms"]  # the request holds the forward and more
+    assert row["outside_ms"] == pytest.approx(row["request_p50_ms"] - row["forward_p50_ms"], abs=0.02)
