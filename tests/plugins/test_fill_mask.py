@@ -258,13 +258,19 @@ def test_whole_words_are_drawn_from_words_only_and_reproducibly():
 @pytest.mark.skipif(not (STARTER_ROOT / "fill_mask" / "manifest.json").is_file(), reason="no fill-mask starter")
 def test_whole_word_scores_count_what_the_tab_answers_per_kind():
     from plugins.fill_mask import evaluate
-    from plugins.fill_mask_words import score_words
+    from plugins.fill_mask_words import kind_of, score_words
 
     predictor = Predictor.load(load_registry(entry_points=False).task("fill_mask"))
-    items = [("It was a dark and stormy [MASK].", "night"),   # the starter's first guess
-             ("A week has seven [MASK].", "Hours"),           # its fifth, not its first (case ignored)
-             ("She drank a cup of hot [MASK].", "lava"),      # none of its five
-             ("She drank a cup [MASK] hot tea.", "of")]       # a function word
+
+    def five(text):
+        return [c["token"] for c in predictor.predict({"text": text}, top_k=5)["result"]["predictions"][0]["candidates"]]
+
+    night, week, tea = ("It was a dark and stormy [MASK].", "A week has seven [MASK].", "She drank a cup of hot [MASK].")
+    items = [(night, five(night)[0]),             # the model's first guess
+             (week, five(week)[4].upper()),       # its fifth, not its first (case ignored)
+             (tea, "lava"),                       # none of its five
+             ("She drank a cup [MASK] hot tea.", "of")]  # a function word
+    assert "lava" not in five(tea) and all(kind_of(w) == "content" for _, w in items[:3])
     scores = score_words(predictor, items)
     assert scores["content"] == {"words": 3, "top1": 1 / 3, "top5": 2 / 3}
     assert scores["function"]["words"] == 1 and scores["all"]["words"] == 4
