@@ -24,15 +24,22 @@ from plugins.fill_mask_words import draw_words, score_words
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext2" / "wiki.test.tokens"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="fill-mask checkpoint (default: the starter)")
-    parser.add_argument("--data", type=Path, default=DATA)
-    parser.add_argument("--words", type=int, default=1000)
+    parser.add_argument("--data", type=Path, default=DATA,
+                        help="a text file or folder to draw words from (default: WikiText-2 test in ../shared/data, "
+                        "the datasets folder beside the repository)")
+    parser.add_argument("--words", type=int, default=1000, help="how many words to draw (default: 1000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if not args.data.exists():
+        parser.error(f"--data: no text file or folder at {args.data} (point it at WikiText-2's wiki.test.tokens, "
+                     "or any plain text)")
+    if args.words < 1:
+        parser.error(f"--words must be at least 1, got {args.words}")
     predictor = Predictor.load(load_registry(entry_points=False).task("fill_mask"), args.model)
     passages = [inputs["text"] for inputs, _ in fill_mask.read_data(str(args.data), "all")]
     scores = score_words(predictor, draw_words(passages, args.words, args.seed), progress=True)

@@ -281,3 +281,14 @@ def test_whole_word_scores_count_what_the_tab_answers_per_kind():
     assert figures["words"] == 5 and figures["content_words"] + figures["function_words"] == 5
     assert 0 <= figures["content_top1"] <= figures["content_top5"] <= 1 and "top1" in figures
     assert "words_top1" not in evaluate(predictor, [({"text": "It was a dark and stormy night ."}, None)], words=0)
+
+
+def test_the_whole_word_script_names_a_missing_data_file_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[2] / "scripts" / "fill_mask_whole_words.py"
+    done = subprocess.run([sys.executable, str(script), "--data", str(tmp_path / "absent.tokens")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"no text file or folder at {tmp_path / 'absent.tokens'}" in done.stderr
