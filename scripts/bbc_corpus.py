@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plugins import summary  # noqa: E402
+from scripts.squad_contexts import write_articles  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,16 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.bbc.is_file():
         print(f"error: no BBC News Summary file at {args.bbc}", file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    count = words = 0
-    with open(args.out, "w", encoding="utf-8") as out:
-        for inputs, _ in summary.read_data(args.bbc, "train"):
-            paragraphs = [" ".join(p.split()) for p in inputs["text"].split("\n")]
-            paragraphs = [p for p in paragraphs if p]
-            if paragraphs:
-                out.write("\n".join(paragraphs) + "\n\n")
-                count += 1
-                words += sum(len(p.split()) for p in paragraphs)
+    documents = ([p for p in (" ".join(line.split()) for line in inputs["text"].split("\n")) if p]
+                 for inputs, _ in summary.read_data(args.bbc, "train"))
+    count, words = write_articles(args.out, documents)
     print(f"{args.out}: {count} articles, {words:,} words (the summary task's train split)")
     return 0
 

@@ -28,6 +28,20 @@ def articles(paths: list[str]):
             yield article.get("title", ""), [p for p in paragraphs if p]
 
 
+def write_articles(path: Path, documents) -> tuple[int, int]:
+    """Each document (a list of paragraphs) as one paragraph per line, a blank line after it (the
+    format `bert-engine train fill_mask` reads); empty documents skipped. Returns (documents, words)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = words = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for paragraphs in documents:
+            if paragraphs:
+                out.write("\n".join(paragraphs) + "\n\n")
+                count += 1
+                words += sum(len(p.split()) for p in paragraphs)
+    return count, words
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("squad", help="SQuAD JSON file or glob pattern of shards")
@@ -38,14 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: no SQuAD file at {missing[0]}", file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    count = words = 0
-    with open(args.out, "w", encoding="utf-8") as out:
-        for _, paragraphs in articles(paths):
-            if paragraphs:
-                out.write("\n".join(paragraphs) + "\n\n")
-                count += 1
-                words += sum(len(p.split()) for p in paragraphs)
+    count, words = write_articles(args.out, (paragraphs for _, paragraphs in articles(paths)))
     print(f"{args.out}: {count} articles, {words:,} words from {len(paths)} file(s)")
     return 0
 
