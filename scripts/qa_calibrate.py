@@ -17,6 +17,11 @@
 4. --write-pack writes the verifier and the thresholds into the folder's manifest.json task options
    (the shipped preset: --preset, default "eager").
 
+--trained-on FILES (SQuAD files the model trained on, e.g. the part of half A that
+`scripts/squad_v2_parts.py` writes): their questions leave half A's calibration, and their articles
+(by title) leave SQuAD 1.1 dev's figures, which hold the same Wikipedia articles. Half B must not
+hold any of them: refused if it does.
+
 Predictions are cached next to the report (one JSON per file and model), so re-running is cheap.
 """
 
@@ -54,6 +59,18 @@ def auc(positive: list[float], negative: list[float]) -> float:
         i = j
     n_pos, n_neg = len(positive), len(negative)
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def question_keys(path: Path) -> list[tuple[str, str]]:
+    """(question id, article title) of every question of a SQuAD file, in the order read_data yields them."""
+    return [(qa["id"], article.get("title", "")) for article in json.loads(Path(path).read_text(encoding="utf-8"))["data"]
+            for p in article["paragraphs"] for qa in p["qas"]]
+
+
+def trained_on(paths) -> tuple[set[str], set[str]]:
+    """(question ids, article titles) of the SQuAD files a model trained on."""
+    keys = [key for path in paths for key in question_keys(path)]
+    return {i for i, _ in keys}, {t for _, t in keys}
 
 
 def predictions(predictor, path: Path, split: str, cache: Path) -> list[tuple[dict, dict, dict]]:
@@ -127,6 +144,9 @@ def main() -> None:
                         help="more answerable questions (SQuAD layout, e.g. ../shared/data/qed/qed-train*.json) the "
                         "eager and balanced presets must not refuse beyond their share either (default: none; the "
                         "shipped pack was calibrated without; QED dev stays held out either way)")
+    parser.add_argument("--trained-on", nargs="*", type=Path, default=(),
+                        help="SQuAD files the model was trained on: left out of the calibration and of SQuAD 1.1 "
+                        "dev's figures (by article title)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     folder = Path(args.model)
@@ -137,6 +157,11 @@ def main() -> None:
     v2 = predictions(predictor, args.data / "squad" / "dev-v2.0.json", "dev", cache / "dev-v2.0.json")
     half = len(v2) // 2
     calibration, heldout = v2[:half], v2[half:]
+    trained_ids, trained_titles = trained_on(args.trained_on)
+    v2_ids = [i for i, _ in question_keys(args.data / "squad" / "dev-v2.0.json")]
+    if trained_ids & set(v2_ids[half:]):
+        raise SystemExit("error: --trained-on holds questions of the held-out half B of SQuAD 2.0 dev")
+    calibration = [row for row, i in zip(calibration, v2_ids) if i not in trained_ids]
     rows_a = [features(x["question"], x["context"], r) for x, _, r in calibration]
     verifier = fit(rows_a, [int(t["answers"] == [""]) for _, t, _ in calibration])
 
@@ -149,8 +174,12 @@ def main() -> None:
 
     others = {name: predictions(predictor, path, "dev", cache / path.name) for name, path in (
         ("SQuAD 1.1 dev", args.data / "squad" / "dev-v1.1.json"), ("QED dev", args.data / "qed" / "qed-dev.squad.json"))}
+    if trained_titles:
+        v1_titles = [t for _, t in question_keys(args.data / "squad" / "dev-v1.1.json")]
+        others["SQuAD 1.1 dev"] = [row for row, t in zip(others["SQuAD 1.1 dev"], v1_titles) if t not in trained_titles]
     answerable = {path.name: predictions(predictor, path, "train", cache / path.name) for path in args.answerable}
     report = {"model": str(folder), "calibration_questions": len(calibration), "heldout_questions": len(heldout),
+              "trained_on": [str(p) for p in args.trained_on], "SQuAD 1.1 dev questions": len(others["SQuAD 1.1 dev"]),
               "answerable_calibration": {name: len(rows) for name, rows in answerable.items()},
               "features": list(FEATURES), "verifier": verifier, "rules": {}}
     for name, score in (("null gap", gap), ("verifier", verified)):

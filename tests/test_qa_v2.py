@@ -234,3 +234,52 @@ def test_a_predictor_built_from_a_loaded_one_keeps_its_calibrated_defaults_when_
     assert Predictor(task, model, loaded.tokenizer, model_id="m").predict(inputs)["result"]["no_answer"]["rule"] == "none"
     with pytest.raises(ValueError, match=r"\['beam_width'\]"):
         Predictor(task, model, loaded.tokenizer, model_id="m", model_options={"beam_width": 4})
+
+
+def _v2_file(path, sizes: list[int]) -> None:
+    """A SQuAD 2.0 file of articles "a0", "a1", ... holding `sizes` questions each (every other unanswerable)."""
+    articles = [{"title": f"a{k}", "paragraphs": [{"context": "Paris is in France.", "qas": [
+        {"id": f"{k}-{q}", "question": "Where is Paris?", "is_impossible": bool(q % 2),
+         "answers": [] if q % 2 else [{"text": "France", "answer_start": 12}]} for q in range(size)]}]}
+        for k, size in enumerate(sizes)]
+    path.write_text(json.dumps({"version": "v2.0", "data": articles}))
+
+
+def test_the_v2_dev_parts_keep_every_training_article_in_the_first_half(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "scripts" / "squad_v2_parts.py"
+    dev = tmp_path / "dev-v2.0.json"
+    _v2_file(dev, [3, 4, 2, 3, 6, 2])  # 20 questions, half 10: a3 ends at 12, so it straddles the middle
+    done = subprocess.run([sys.executable, str(script), str(dev), str(tmp_path / "out"), "--articles", "2"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    titles = {name: [a["title"] for a in json.loads((tmp_path / "out" / name).read_text())["data"]]
+              for name in ("dev-v2-train.json", "dev-v2-calibrate.json")}
+    assert titles == {"dev-v2-train.json": ["a0", "a1"], "dev-v2-calibrate.json": ["a2"]}  # a3 reaches half B
+    # training articles reaching into the second half, or none left to calibrate on: refused, one line naming it
+    for articles in ("4", "3"):
+        refused = subprocess.run([sys.executable, str(script), str(dev), str(tmp_path / "no"), "--articles", articles],
+                                 capture_output=True, text=True)
+        assert refused.returncode == 2 and f"--articles {articles}" in refused.stderr
+        assert "Traceback" not in refused.stderr and not (tmp_path / "no").exists()
+
+
+def test_calibration_leaves_out_what_the_model_trained_on(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "qa_calibrate", Path(__file__).resolve().parents[1] / "scripts" / "qa_calibrate.py")
+    calibrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibrate)
+    trained = tmp_path / "train.json"
+    _v2_file(trained, [2, 3])
+    ids, titles = calibrate.trained_on([trained])
+    assert ids == {"0-0", "0-1", "1-0", "1-1", "1-2"} and titles == {"a0", "a1"}
+    # the keys follow read_data's order, one per question, so rows and keys pair up
+    assert [key for key, _ in calibrate.question_keys(trained)] == ["0-0", "0-1", "1-0", "1-1", "1-2"]
+    assert len(list(read_data(trained, "dev"))) == 5
