@@ -260,6 +260,15 @@ def test_the_v2_dev_parts_keep_every_training_article_in_the_first_half(tmp_path
     titles = {name: [a["title"] for a in json.loads((tmp_path / "out" / name).read_text())["data"]]
               for name in ("dev-v2-train.json", "dev-v2-calibrate.json")}
     assert titles == {"dev-v2-train.json": ["a0", "a1"], "dev-v2-calibrate.json": ["a2"]}  # a3 reaches half B
+    heldout = json.loads((tmp_path / "out" / "dev-v2-heldout.json").read_text())["data"]
+    assert [qa["id"] for a in heldout for p in a["paragraphs"] for qa in p["qas"]] == \
+        ["3-1", "3-2"] + [f"4-{q}" for q in range(6)] + ["5-0", "5-1"]  # questions 10..19: a3's last two on
+    v1 = tmp_path / "dev-v1.1.json"
+    _v2_file(v1, [1, 1, 1, 1, 1, 1])
+    subprocess.run([sys.executable, str(script), str(dev), str(tmp_path / "out"), "--articles", "2", "--v1", str(v1)],
+                   check=True, capture_output=True)
+    untrained = json.loads((tmp_path / "out" / "dev-v1.1-untrained.json").read_text())["data"]
+    assert [a["title"] for a in untrained] == ["a2", "a3", "a4", "a5"]
     # training articles reaching into the second half, or none left to calibrate on: refused, one line naming it
     for articles in ("4", "3"):
         refused = subprocess.run([sys.executable, str(script), str(dev), str(tmp_path / "no"), "--articles", articles],
