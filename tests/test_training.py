@@ -185,6 +185,8 @@ def test_bucketed_training_logs_less_padding(tiny_checkpoint, tmp_path):
         train(TaskJob(task, cfg), cfg)
         rows = [json.loads(line) for line in (tmp_path / f"run{buckets}" / "metrics.jsonl").read_text().splitlines()]
         shares[buckets] = sum(r["padding"] for r in rows if "padding" in r) / 3
+        # each training record says how much memory the run holds (a growing run shows before it is killed)
+        assert all(r["resident_mb"] > 10 for r in rows if "loss" in r)
     assert 0 <= shares[3] < shares[0]
 
 

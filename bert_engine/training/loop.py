@@ -178,6 +178,24 @@ class MetricsLog:
             handle.write(json.dumps(_finite({"time": round(time.time(), 3), **record})) + "\n")
 
 
+def resident_mb() -> float | None:
+    """This process's resident memory now, in MiB (Linux: /proc/self/statm), else its peak so far
+    (getrusage), else None. Logged with each training record: a run whose memory keeps growing shows it
+    long before the kernel's out-of-memory killer ends it without a word."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            return round(int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource  # noqa: PLC0415 - POSIX only
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return round(peak / (2**20 if platform.system() == "Darwin" else 2**10), 1)  # bytes on macOS, KiB elsewhere
+    except (ImportError, OSError):
+        return None
+
+
 def _finite(value: Any) -> Any:
     """`value` with every NaN or infinite float as None: metrics.jsonl stays JSON (NaN is not)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -270,6 +288,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                 if step % cfg.log_every == 0 or step == end:
                     logs = _mean_over_ranks({k: v / running_count for k, v in running.items()}, dist_info, device)
                     logs["lr"] = scheduler.get_last_lr()[0]
+                    logs["resident_mb"] = resident_mb()
                     bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if k in ("loss", "lr")})
                     log.write(step=step, epoch=round(step / steps_per_epoch, 4), **logs)
                     running, running_count = {}, 0
