@@ -11,6 +11,7 @@ global batch is split across ranks, only rank 0 logs and saves, and metrics are 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -196,6 +197,32 @@ def resident_mb() -> float | None:
         return None
 
 
+TRIM_EVERY = 50  # steps between release_freed_memory calls
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none (macOS, musl, Windows)."""
+    try:
+        import ctypes  # noqa: PLC0415
+
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the pages the C allocator holds free back to the system (glibc's malloc_trim). A training
+    step's activations come and go in sizes that change with every batch (QA's windows, length buckets);
+    glibc keeps what was freed, scattered, and a process's resident memory only climbs: session 25's QA
+    run grew from 4 to 24 GB in 1,091 steps and was killed by the kernel. Called every TRIM_EVERY steps:
+    after every step it held QA's resident memory at 1.1 GB against 4.7 GB untrimmed (120 steps), but
+    each step then faulted its gigabytes of activations in afresh (about 18 % slower)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def _finite(value: Any) -> Any:
     """`value` with every NaN or infinite float as None: metrics.jsonl stays JSON (NaN is not)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -274,6 +301,8 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                 stats = _one_step(job, cfg, forward_model, model, optimizer, scheduler, scaler, amp_dtype, device,
                                   order, s, dist_info)
                 step += 1
+                if step % TRIM_EVERY == 0:
+                    release_freed_memory()
                 if not math.isfinite(stats["loss"]):  # the weights are ruined from here: stop, save nothing
                     raise NonFiniteLoss(
                         f"train: the loss is {stats['loss']} at step {step} (lr {scheduler.get_last_lr()[0]:.3g}); "
