@@ -5,6 +5,7 @@ weights and inputs.
     python -m benchmarks.encoder --models minilm --shapes 1x128 --repeats 30 --json out.json
     python -m benchmarks.encoder --precisions fp32,bf16,int8   # also the engine's faster CPU modes
     python -m benchmarks.encoder --no-onnx                     # without ONNX Runtime
+    python -m benchmarks.encoder --precisions int8,int8+compile  # int8 with torch.compile'd quantisers
 
 For each model and shape: checks the outputs agree (max |difference| of the last hidden state
 <= 1e-4) before timing, then runs the contenders in turn and reports median latency, tokens/s,
@@ -71,7 +72,8 @@ def load_pair(folder: Path, device: str, precision: str):
     from bert_engine.runtime.precision import prepare_for_inference
 
     # The engine as the Predictor runs it (packed oneDNN linears on CPU; see bert_engine/runtime/fast.py).
-    ours = prepare_for_inference(load_pretrained(folder, device=device), precision)
+    base, _, compiled = precision.partition("+")  # "int8+compile": load(compile=True)
+    ours = prepare_for_inference(load_pretrained(folder, device=device), base, compile=compiled == "compile")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     reference = transformers.BertModel.from_pretrained(folder, attn_implementation="sdpa").to(device, dtype).eval()
     return ours, reference
@@ -81,7 +83,11 @@ def run(names: list[str], shapes: list[tuple[int, int]], precisions: list[str], 
         workdir: Path, onnx: bool = True) -> dict:
     # Each precision is held to the matmul peak of its own dtype (int8 to fp32's: its activations
     # are quantised per call, and the fp32 peak is the bar it has to beat).
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32,
+              "int8+compile": torch.float32}
+    unknown = sorted(set(precisions) - set(dtypes))
+    if unknown:
+        raise SystemExit(f"--precisions: {unknown} unknown; choose from {', '.join(dtypes)}")
     peaks = {p: matmul_peak_gflops(dtypes[p], device=device) for p in precisions}
     rows = []
     onnx = onnx and device == "cpu" and onnx_runtime.available()
@@ -89,7 +95,8 @@ def run(names: list[str], shapes: list[tuple[int, int]], precisions: list[str], 
         exported = onnx_runtime.export(folder, workdir / "onnx", name) if onnx else {}
         for precision in precisions:
             ours, reference = load_pair(folder, device, precision)
-            ort = onnx_runtime.load(exported[precision], torch.get_num_threads()) if precision in exported else None
+            kind = precision.partition("+")[0]  # ONNX Runtime's own int8 beside the engine's int8+compile
+            ort = onnx_runtime.load(exported[kind], torch.get_num_threads()) if kind in exported else None
             config = ours.config
             for batch, tokens in shapes:
                 g = torch.Generator().manual_seed(batch * 1000 + tokens)
@@ -116,7 +123,7 @@ def run(names: list[str], shapes: list[tuple[int, int]], precisions: list[str], 
                         reference(**inputs)
 
                 # int8 has no transformers counterpart: it is compared with transformers in fp32.
-                contenders = {"engine": engine} if precision == "int8" else {"engine": engine,
+                contenders = {"engine": engine} if precision.startswith("int8") else {"engine": engine,
                                                                              "transformers": transformers_sdpa}
                 if ort is not None:
                     contenders["onnxruntime"] = lambda ort=ort, inputs=inputs: ort(inputs)
@@ -142,7 +149,7 @@ def _add_ratios(rows: list[dict]) -> None:
     reference, ort = times("transformers"), times("onnxruntime")
     for r in rows:
         key = (r["model"], r["shape"], r["precision"])
-        base = reference.get((*key[:2], r["precision"] if r["precision"] != "int8" else "fp32"))
+        base = reference.get((*key[:2], "fp32" if r["precision"].startswith("int8") else r["precision"]))
         r["speedup"] = base / r["ms"] if base else None
         r["vs_ort"] = ort[key] / r["ms"] if key in ort and r["impl"] != "onnxruntime" else None
 
@@ -151,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="minilm,bert-base", help="comma-separated: minilm, bert-base")
     parser.add_argument("--shapes", default=",".join(f"{b}x{t}" for b, t in SHAPES), help="BxT,... (batch x tokens)")
-    parser.add_argument("--precisions", default="fp32", help="engine precisions: fp32 (always compared), bf16, int8")
+    parser.add_argument("--precisions", default="fp32",
+                        help="engine precisions: fp32 (always compared), bf16, int8, int8+compile")
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds per contender (after 2 warm-up rounds)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workdir", default=None, help="where the random bert-base folder is kept (default: a temp dir)")

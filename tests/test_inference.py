@@ -74,12 +74,16 @@ def test_inference_runs_the_encoder_padding_free(tiny_config):
 
 
 @pytest.mark.slow  # torch.compile's first calls take about 15 s
-def test_a_compiled_predictor_runs_padding_free_and_answers_as_the_eager_one(tiny_config):
+def test_a_compiled_predictor_runs_padding_free_and_answers_as_the_eager_one(tiny_config, monkeypatch):
+    from bert_engine.runtime import fast  # noqa: PLC0415
     from bert_engine.runtime.fast import onednn_int8_available  # noqa: PLC0415
+
+    monkeypatch.setattr(fast, "FUSED_MIN_ROWS", 1)  # the fused int8 quantisers on these few rows too
 
     eager = BertWithHead(tiny_config.with_labels(["a", "b"]), "token")
     compiled = BertWithHead(tiny_config.with_labels(["a", "b"]), "token")
-    compiled.load_state_dict(eager.state_dict())
+    weights = {name: tensor.clone() for name, tensor in eager.state_dict().items()}
+    compiled.load_state_dict(weights)
     prepare_for_inference(eager, "fp32")
     prepare_for_inference(compiled, "fp32", compile=True)  # the default pack=True gives way to the compiler
     assert compiled.compiled and not eager.compiled  # what provenance() reports
@@ -89,9 +93,36 @@ def test_a_compiled_predictor_runs_padding_free_and_answers_as_the_eager_one(tin
     real = mask.bool()
     with torch.inference_mode():
         torch.testing.assert_close(compiled(ids, mask).logits[real], eager(ids, mask).logits[real], atol=1e-5, rtol=1e-5)
-    if onednn_int8_available():
-        with pytest.raises(ValueError, match="compile"):
-            prepare_for_inference(BertWithHead(tiny_config.with_labels(["a", "b"]), "token"), "int8", compile=True)
+    if onednn_int8_available():  # int8: the quantisers are compiled, the int8 matmuls stay oneDNN's
+        int8 = BertWithHead(tiny_config.with_labels(["a", "b"]), "token")
+        int8.load_state_dict(weights)
+        int8_compiled = BertWithHead(tiny_config.with_labels(["a", "b"]), "token")
+        int8_compiled.load_state_dict(weights)
+        prepare_for_inference(int8, "int8")
+        prepare_for_inference(int8_compiled, "int8", compile=True)
+        assert int8_compiled.compiled and "fused quantiser" in repr(int8_compiled)
+        with torch.inference_mode():
+            torch.testing.assert_close(int8_compiled(ids, mask).logits[real], int8(ids, mask).logits[real],
+                                       atol=1e-4, rtol=1e-4)
+
+
+def test_the_fused_int8_quantisers_give_the_eager_codes():
+    from bert_engine.runtime.fast import Int8Linear, hadamard, one_sided_codes, symmetric_codes  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 64) * torch.linspace(0.1, 8, 64)  # channels of very different widths
+    rotation = hadamard(16)
+    rotated = (x.reshape(-1, 16) @ rotation).view_as(x)
+    codes, scale, mid = symmetric_codes(x, None, rotation)
+    expected, _, expected_scale, _ = Int8Linear._codes(rotated.clone())
+    assert mid is None and codes.dtype == torch.uint8
+    assert torch.equal(codes, expected.view(torch.uint8).add_(128)) and torch.equal(scale, expected_scale)
+    gelu = torch.nn.functional.gelu(x)  # one-sided: FFN down's input
+    codes, step, mid = one_sided_codes(gelu, None, None)
+    expected, _, expected_step, expected_mid = Int8Linear._one_sided_codes(gelu.clone())
+    assert (codes.int() - expected.view(torch.uint8).add_(128).int()).abs().max() <= 1
+    torch.testing.assert_close(step, expected_step)
+    torch.testing.assert_close(mid, expected_mid)
 
 
 def test_compile_without_a_cpp_compiler_falls_back_to_eager_and_says_so(tiny_config, monkeypatch, caplog):
@@ -115,6 +146,13 @@ def test_compile_without_a_cpp_compiler_falls_back_to_eager_and_says_so(tiny_con
         ids = torch.randint(5, 99, (2, 9))
         with torch.inference_mode():
             assert model(ids, torch.ones_like(ids)).logits.shape == (2, 9, 2)  # it answers, uncompiled
+        caplog.clear()
+        from bert_engine import pipeline  # noqa: PLC0415 - pipeline(compile=) reaches the same decision
+
+        with caplog.at_level("WARNING", logger="bert_engine.runtime.precision"):
+            classify = pipeline("sentiment", precision="int8", compile=True)
+        assert "running without compile" in caplog.text and not classify.predictor.provenance().get("compiled")
+        assert classify("a fine film")[0]["label"] == "POSITIVE"  # it answers, uncompiled
     finally:
         monkeypatch.undo()
         cpp_builder.cpp_compiler_search.cache_clear()

@@ -191,7 +191,8 @@ class Predictor:
                 (dynamic quantisation of the encoder's linear layers, CPU only); see precision.py.
             pack: on the CPU, run the encoder's linear layers through pre-packed oneDNN matmuls.
             compile: torch.compile the encoder layers (slow first calls, faster steady state); on
-                the CPU instead of the packed linears (Inductor cannot lower them); not with int8.
+                the CPU instead of the packed linears (Inductor cannot lower them); with int8, each
+                projection's input quantiser (one fused pass; the int8 matmuls stay oneDNN's).
         """
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
         target = pick_device(device)

@@ -155,13 +155,11 @@ def kernel_cache() -> Path:
 def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = True,
                           compile: bool = False) -> nn.Module:
     """What the Predictor does to a loaded model: the precision's dtype, then its preparation (int8
-    quantisation, or on the CPU pre-packed linear layers), then optionally torch.compile. The encoder
+    quantisation, or on the CPU pre-packed linear layers), then optionally torch.compile (of the encoder
+    layers; with int8, of each projection's input quantiser, the int8 matmuls staying oneDNN's). The encoder
     runs padding-free (model.Unpadded): outputs at padding are zeros, real tokens' are unchanged."""
     device = next(model.parameters()).device
     precision = resolve(name, device)
-    if compile and precision.prepare == "quantize":
-        raise ValueError(f"precision {name!r} cannot be combined with compile: torch.compile cannot lower "
-                         "the int8 matmuls; use one or the other")
     if compile and device.type == "cpu" and fast.cpp_compiler() is None:
         logger.warning("compile: torch.compile on the CPU builds its kernels with a C++ compiler and none was found "
                        "(install g++, or set torch._inductor.config.cpp.cxx); running without compile")
@@ -184,6 +182,11 @@ def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = 
         else:
             model.kernel_choice = {name: {"chose": kernels} for name in fast.PROJECTIONS}
             fast.pack_linear_layers(model, fast.PROJECTIONS if kernels == "packed" else ())
-    if compile:
+    if compile and precision.prepare == "quantize":
+        # Inductor cannot lower oneDNN's int8 matmuls: it compiles what feeds them, each projection's quantiser
+        if not fast.onednn_int8_available() or not fast.fuse_int8_quantisers(model):
+            logger.warning("compile: this int8 model has no oneDNN int8 projections to fuse; running without compile")
+            model.compiled = False
+    elif compile:
         fast.compile_encoder(model)
     return model
