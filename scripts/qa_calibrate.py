@@ -154,13 +154,16 @@ def main() -> None:
     key = hashlib.sha256((folder / "adapter.safetensors").read_bytes()).hexdigest()[:12]
     cache = args.report.parent / f"qa_predictions_{key}"
 
+    try:  # checked before the minutes of predicting
+        trained_ids, trained_titles = trained_on(args.trained_on)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"error: --trained-on: not a readable SQuAD file ({err})") from None
+    v2_ids = [i for i, _ in question_keys(args.data / "squad" / "dev-v2.0.json")]
+    if trained_ids & set(v2_ids[len(v2_ids) // 2:]):
+        raise SystemExit("error: --trained-on holds questions of the held-out half B of SQuAD 2.0 dev")
     v2 = predictions(predictor, args.data / "squad" / "dev-v2.0.json", "dev", cache / "dev-v2.0.json")
     half = len(v2) // 2
     calibration, heldout = v2[:half], v2[half:]
-    trained_ids, trained_titles = trained_on(args.trained_on)
-    v2_ids = [i for i, _ in question_keys(args.data / "squad" / "dev-v2.0.json")]
-    if trained_ids & set(v2_ids[half:]):
-        raise SystemExit("error: --trained-on holds questions of the held-out half B of SQuAD 2.0 dev")
     calibration = [row for row, i in zip(calibration, v2_ids) if i not in trained_ids]
     rows_a = [features(x["question"], x["context"], r) for x, _, r in calibration]
     verifier = fit(rows_a, [int(t["answers"] == [""]) for _, t, _ in calibration])

@@ -122,10 +122,7 @@ class Int8Linear(nn.Module):
             qx, row_scale, mid = self.fused_quantiser(x, self.input_multiplier, self.input_rotation)
             input_scale = 1.0 if self.one_sided_input else 1.0 / 127
         else:
-            if self.input_multiplier is not None:
-                x = x * self.input_multiplier
-            if self.input_rotation is not None:
-                x = (x.reshape(-1, self.input_rotation.shape[0]) @ self.input_rotation).view(-1, self.in_features)
+            x = _prepared_rows(x, self.input_multiplier, self.input_rotation)
             qx, input_scale, row_scale, mid = self._one_sided_codes(x) if self.one_sided_input else self._codes(x)
             # the codes are int8; shifted by 128 into uint8: oneDNN's fast kernels take u8 activations only (an
             # int8 input runs a reference path thousands of times slower). Float to int8 is vectorised where
@@ -173,12 +170,13 @@ class Int8Linear(nn.Module):
 
 # Below this many rows (tokens) a projection quantises its input eagerly even where a fused quantiser is set.
 # Measured on MiniLM int8, the two models timed in turn (2-core AVX-512 EPYC): compiled quantisers on every
-# call made 32x128 1.08x faster, 8x128 (1,024 rows) 0.95x and 1x128 about 0.94x (Inductor's loops lose to
-# torch's own kernels on short inputs; benchmarks/README.md, "int8 with fused quantisers").
+# call made 32x128 1.08x faster, 8x128 (1,024 rows) 0.95x and 1x128 about 0.94x (why the short ones lose was
+# not profiled; benchmarks/README.md, "int8 with fused quantisers"). The first such input compiles (seconds).
 FUSED_MIN_ROWS = 2048
 
 
 def _prepared_rows(x: Tensor, multiplier: Tensor | None, rotation: Tensor | None) -> Tensor:
+    """An int8 projection's input rows smoothed (times `multiplier`) and rotated in Hadamard blocks, as set."""
     if multiplier is not None:
         x = x * multiplier
     if rotation is not None:

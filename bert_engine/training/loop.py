@@ -207,7 +207,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
         import ctypes  # noqa: PLC0415
 
         return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows' CDLL takes no None
         return None
 
 
