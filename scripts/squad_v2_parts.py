@@ -69,7 +69,8 @@ def second_half(data: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dev", type=Path, help="SQuAD 2.0 dev JSON (dev-v2.0.json)")
-    parser.add_argument("out", type=Path, help="folder to write dev-v2-train.json and dev-v2-calibrate.json")
+    parser.add_argument("out", type=Path, help="folder to write dev-v2-train.json, dev-v2-calibrate.json, "
+                        "dev-v2-heldout.json (and with --v1 dev-v1.1-untrained.json)")
     parser.add_argument("--articles", type=int, default=11, help="whole articles to train on (default 11)")
     parser.add_argument("--v1", type=Path, help="SQuAD 1.1 dev JSON: also write it less the training articles")
     args = parser.parse_args(argv)

@@ -169,9 +169,10 @@ class Int8Linear(nn.Module):
 
 
 # Below this many rows (tokens) a projection quantises its input eagerly even where a fused quantiser is set.
-# Measured on MiniLM int8, the two models timed in turn (2-core AVX-512 EPYC): compiled quantisers on every
-# call made 32x128 1.08x faster, 8x128 (1,024 rows) 0.95x and 1x128 about 0.94x (why the short ones lose was
-# not profiled; benchmarks/README.md, "int8 with fused quantisers"). The first such input compiles (seconds).
+# MiniLM int8 timed in turn (2-core AVX-512 EPYC): with compiled quantisers on every call, 32x128 read 1.08x
+# and 8x128 (1,024 rows) / 1x128 0.95x / 0.94x in one run. With this floor, `python -m benchmarks.int8_fused`
+# read 1.00x / 0.99x / 1.00x in another (benchmarks/README.md, "int8 with fused quantisers").
+# The first input this long compiles (about 2 s).
 FUSED_MIN_ROWS = 2048
 
 

@@ -125,7 +125,7 @@ def pipeline(task: str, model: str | None = None, *, device: str | None = None, 
     """Load `task` (a registered task's name or alias; built-in or a plugin's) with `model` (a folder,
     a Hub id or an adapter; default: the task's starter model) and return it as a callable.
     `precision` and `compile` as Predictor.load takes them (compile=True with int8: fused input
-    quantisers, faster on large batches; without a C++ compiler it runs uncompiled and says so).
+    quantisers on long inputs; without a C++ compiler it runs uncompiled and says so).
 
     Raises:
         KeyError: no such task (the message lists the known names).
