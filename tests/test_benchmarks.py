@@ -53,3 +53,17 @@ def test_single_request_benchmark_splits_a_request_into_forward_and_the_rest(tmp
     # slower: which is larger is the benchmark's figure, not something a test can hold)
     assert row["forward_p50_ms"] > 0 and row["request_p50_ms"] > 0
     assert row["outside_ms"] == pytest.approx(row["request_p50_ms"] - row["forward_p50_ms"], abs=0.02)
+
+
+def test_int8_fused_benchmark_times_both_int8_models_in_turn(tmp_path):
+    from benchmarks import int8_fused
+    from bert_engine.runtime.fast import onednn_int8_available
+
+    if not onednn_int8_available():
+        pytest.skip("no oneDNN int8 in this torch")
+    out = tmp_path / "fused.json"
+    result = int8_fused.main(["--shapes", "1x8", "--rounds", "1", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row == result["rows"][0] and row["shape"] == "1x8" and row["rows"] == 8
+    assert row["eager_ms"] > 0 and row["fused_ms"] > 0 and row["max_abs_diff"] == 0.0  # 8 rows: the eager quantiser
+    assert result["command"].startswith("python -m benchmarks.int8_fused --shapes 1x8")
