@@ -66,4 +66,4 @@ def test_int8_fused_benchmark_times_both_int8_models_in_turn(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row == result["rows"][0] and row["shape"] == "1x8" and row["rows"] == 8
     assert row["eager_ms"] > 0 and row["fused_ms"] > 0 and row["max_abs_diff"] == 0.0  # 8 rows: the eager quantiser
-    assert result["command"].startswith("python -m benchmarks.int8_fused --shapes 1x8")
+    assert "command" in json.loads(out.read_text())  # the file says how it was made

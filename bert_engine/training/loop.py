@@ -180,21 +180,15 @@ class MetricsLog:
 
 
 def resident_mb() -> float | None:
-    """This process's resident memory now, in MiB (Linux: /proc/self/statm), else its peak so far
-    (getrusage), else None. Logged with each training record: a run whose memory keeps growing shows it
-    long before the kernel's out-of-memory killer ends it without a word."""
+    """This process's resident memory now, in MiB, from /proc/self/statm; None where there is none
+    (not Linux). Logged with each training record: a run whose memory keeps growing shows it long
+    before the kernel's out-of-memory killer ends it without a word."""
     try:
         with open("/proc/self/statm", encoding="ascii") as handle:
-            return round(int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+            pages = int(handle.read().split()[1])
     except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import resource  # noqa: PLC0415 - POSIX only
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return round(peak / (2**20 if platform.system() == "Darwin" else 2**10), 1)  # bytes on macOS, KiB elsewhere
-    except (ImportError, OSError):
         return None
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
 
 
 TRIM_EVERY = 50  # steps between release_freed_memory calls
