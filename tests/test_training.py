@@ -266,6 +266,47 @@ def test_stop_after_ends_early_on_the_full_schedule_and_resume_finishes_it(tiny_
         _sentiment_cfg(tiny_checkpoint, tmp_path / "bad", stop_after=0)
 
 
+class _Clock:
+    """time for the loop module: monotonic() reads a clock the test moves (one second per step)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def time(self):
+        return self.now
+
+    def tick(self, step, logs):
+        self.now += 1.0
+
+
+def test_max_minutes_sets_the_schedule_from_the_first_steps_and_resume_keeps_it(tiny_checkpoint, tmp_path,
+                                                                                monkeypatch, caplog):
+    from bert_engine.training import loop
+
+    clock = _Clock()
+    monkeypatch.setattr(loop, "time", clock)
+    task = load_registry(entry_points=False).task("sentiment")
+    # 1 s per step, a 1-minute budget: timed over steps 10-40, planned after 39 s, so 21 more steps fit
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "timed", max_steps=1000, max_minutes=1.0, stop_after=50,
+                         log_every=1, eval_every=1000)
+    with caplog.at_level("INFO", logger="bert_engine.training.loop"):
+        assert train(TaskJob(task, cfg), cfg, on_step=clock.tick)["steps"] == 50  # stop_after still cuts it
+    assert "max_minutes 1: 1 s per step over steps 10-40; the schedule ends at step 61" in caplog.text
+    rows = [json.loads(line) for line in (tmp_path / "timed" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    assert lrs[45] == pytest.approx(5e-3 * (61 - 45) / (61 - 15))  # warm-up 25 % of 61 steps, then decay to step 61
+    resumed = dataclasses.replace(cfg, resume=True, stop_after=None)
+    assert train(TaskJob(task, resumed), resumed, on_step=clock.tick)["steps"] == 61  # the count kept, not re-timed
+    assert json.loads((tmp_path / "timed" / "run.json").read_text())["scheduled_steps"] == 61
+    capped = _sentiment_cfg(tiny_checkpoint, tmp_path / "capped", max_steps=45, max_minutes=10.0, eval_every=1000)
+    assert train(TaskJob(task, capped), capped, on_step=clock.tick)["steps"] == 45  # max_steps caps the plan
+    with pytest.raises(ValueError, match="max_minutes must be positive.*got 0"):
+        _sentiment_cfg(tiny_checkpoint, tmp_path / "bad", max_minutes=0)
+
+
 KILL_SCRIPT = """
 import json, os, signal, sys
 from bert_engine.training.jobs import TaskJob

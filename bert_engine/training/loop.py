@@ -266,6 +266,8 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
     if cfg.resume:
         state = _restore(out / "last", model, optimizer, scheduler, scaler, state)
         log.keep_until(state["step"])
+    if cfg.max_minutes and state.get("planned_steps"):  # a timed run resumed: the count set when it began
+        total, end = _replan(cfg, scheduler, state["planned_steps"])
     if dist_info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n", encoding="utf-8")
@@ -297,6 +299,22 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                 step += 1
                 if step % TRIM_EVERY == 0:
                     release_freed_memory()
+                if cfg.max_minutes and not state.get("planned_steps") and step - state["step"] in (PLAN_FROM, PLAN_AT):
+                    if step - state["step"] == PLAN_FROM:
+                        plan_started = time.monotonic()
+                    else:
+                        per_step = (time.monotonic() - plan_started) / (PLAN_AT - PLAN_FROM)
+                        left = cfg.max_minutes * 60 - (wall_before + time.monotonic() - started)
+                        planned = max(step, min(total, step + int(left / per_step)))
+                        if dist_info.world > 1:  # every process must stop at the same step
+                            planned = int(_mean_over_ranks({"steps": float(planned)}, dist_info, device)["steps"])
+                        total, end = _replan(cfg, scheduler, planned)
+                        state["planned_steps"] = total
+                        bar.total = total
+                        bar.refresh()
+                        if dist_info.is_main:
+                            logger.info("max_minutes %g: %.3g s per step over steps %d-%d; the schedule ends at "
+                                        "step %d", cfg.max_minutes, per_step, step - PLAN_AT + PLAN_FROM, step, total)
                 if not math.isfinite(stats["loss"]):  # the weights are ruined from here: stop, save nothing
                     raise NonFiniteLoss(
                         f"train: the loss is {stats['loss']} at step {step} (lr {scheduler.get_last_lr()[0]:.3g}); "
@@ -345,6 +363,17 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                 job.save(model, scratch)
     return {"steps": step, "best": state["best"], "best_metric": state["best_metric"],
             "last_eval": state["last_eval"], "output_dir": str(out)}
+
+
+# max_minutes: the steps timed to set the schedule's length (the first PLAN_FROM warm caches and kernels).
+PLAN_FROM, PLAN_AT = 10, 40
+
+
+def _replan(cfg: TrainConfig, scheduler, planned: int) -> tuple[int, int]:
+    """A timed run's schedule set to `planned` steps: the learning-rate curve (warm-up, decay) rebuilt to
+    end there; returns (total, end) as train() keeps them."""
+    scheduler.lr_lambdas = [linear_schedule(int(cfg.warmup_ratio * planned), planned)] * len(scheduler.lr_lambdas)
+    return planned, min(planned, cfg.stop_after or planned)
 
 
 def _one_step(job, cfg, forward_model, model, optimizer, scheduler, scaler, amp_dtype, device, order, s,

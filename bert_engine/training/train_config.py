@@ -35,6 +35,9 @@ class TrainConfig:
     stop_after: int | None = _help("end this invocation at this step (evaluated and checkpointed there) while the "
                                    "learning-rate schedule still spans max_steps / epochs; --resume continues it",
                                    default=None)
+    max_minutes: float | None = _help("end the schedule after about this many minutes of training: the step count is "
+                                      "set from the speed of the first steps (max_steps or epochs cap it; evaluations "
+                                      "and checkpoints add their own time); --resume keeps the count", default=None)
     batch_size: int = _help("examples per optimizer step per process, before accumulation", default=16)
     grad_accum: int = _help("micro-batches accumulated per optimizer step", default=1)
     lr: float = _help("peak learning rate of the encoder (and LoRA tensors)", default=5e-5)
@@ -106,6 +109,8 @@ class TrainConfig:
             raise ValueError(f"max_steps must be at least 1 (or left out to train for `epochs`), got {self.max_steps}")
         if self.stop_after is not None and (isinstance(self.stop_after, bool) or self.stop_after < 1):
             raise ValueError(f"stop_after must be at least 1 (or left out to run the whole schedule), got {self.stop_after}")
+        if self.max_minutes is not None and (isinstance(self.max_minutes, bool) or not self.max_minutes > 0):
+            raise ValueError(f"max_minutes must be positive (or left out), got {self.max_minutes}")
         if self.epochs <= 0 and self.max_steps is None:
             raise ValueError(f"epochs must be positive, got {self.epochs}")
         parse_best_metric(self.best_metric)  # a malformed name:goal fails now, not at the first evaluation
