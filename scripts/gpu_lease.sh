@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# What a lent GPU machine runs in one call (the `device` tool: 64 MiB of files in, ~10 minutes, no network):
+# the fill-mask starter trained further (issue 35), timed to fit, then the GPU benchmarks of issue 40.
+#
+#   python scripts/compact_base.py pack default .devcarry/minilm-compact    # 90 MB -> 34 MB (see its docstring)
+#   tar cf - -C STAGE corpus | xz -9 > .devcarry/corpus.tar.xz             # the training text, below
+#   OUT=... bash scripts/gpu_lease.sh                                      # on the machine; SMOKE=1: a CPU dry run
+#
+# corpus/ holds the fill-mask starter's training text (README "Starter models"): gutenberg/ (the train split is
+# taken by hash at read time), wiki.valid.tokens, squad-train.txt (scripts/squad_contexts.py), bbc-train.txt
+# (scripts/bbc_corpus.py), and sst2-dev.tsv for the padding-free benchmark. Every stage logs to $OUT; a failed smoke run ends the call at once (time left to rerun), a failed benchmark does not stop the next,
+# and the training stops itself in time (--max-minutes) and at worst on SIGINT,
+# which writes a resumable checkpoint.
+set -uo pipefail
+OUT=${OUT:?set OUT to the folder that comes back}
+CARRY=${CARRY:-.devcarry}
+WORK=${WORK:-/tmp/lease}
+TRAIN_MINUTES=${TRAIN_MINUTES:-5}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
+PY=${PY:-python3}
+mkdir -p "$WORK" "$OUT"
+device=cuda; [ -n "${SMOKE:-}" ] && device=cpu
+stage() { echo "== $(date +%T) $*"; }
+
+stage setup
+xz -dc "$CARRY/corpus.tar.xz" | tar xf - -C "$WORK"
+$PY scripts/compact_base.py expand "$CARRY/minilm-compact" "$WORK/minilm" > "$OUT/base.json"
+$PY scripts/compact_base.py rebase plugins/starter/fill_mask --base default --copy "$WORK/minilm" \
+    --out "$WORK/init_fill_mask" > "$OUT/rebase.json" || exit 1
+$PY - <<'EOF' > "$OUT/machine.json"
+import json, platform, torch
+info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}
+if torch.cuda.is_available():
+    info["gpu"] = torch.cuda.get_device_name()
+print(json.dumps(info))
+EOF
+cat "$OUT/machine.json"
+
+C=$WORK/corpus
+train=(--train-file "$C/gutenberg,$C/wiki.valid.tokens,$C/squad-train.txt,$C/bbc-train.txt" --train-split train
+       --eval-file "$C/gutenberg" --eval-split test --eval-limit 300 --model "$WORK/minilm"
+       --init-adapter "$WORK/init_fill_mask" --lora-rank 128 --lora-alpha 128
+       --lora-targets query,key,value,attention_output,ffn_up,ffn_down -o whole_word=true
+       --precision bf16 --length-buckets 50 --log-every 50 --device $device)
+
+stage "smoke: 12 steps of the training on $device"
+if [ -n "${SMOKE:-}" ]; then sizes=(--batch-size 4); else sizes=(--batch-size 256); fi
+timeout -s INT 120 $PY -m bert_engine train fill_mask "${train[@]}" "${sizes[@]}" --output-dir "$WORK/smoke" \
+    --max-steps 12 --eval-every 12 --eval-limit 20 --save-every 12 > "$OUT/smoke.json" 2> "$OUT/smoke.log" \
+  || { echo "the smoke run failed:"; tail -30 "$OUT/smoke.log"; exit 1; }
+tail -3 "$OUT/smoke.log"
+
+stage "fill-mask training, about $TRAIN_MINUTES minutes"
+if [ -n "${SMOKE:-}" ]; then long=(--batch-size 4 --max-steps 60 --eval-every 30 --eval-limit 20 --save-every 30)
+else long=(--batch-size 256 --max-steps 100000 --eval-every 1000 --save-every 500); fi
+timeout -s INT $(python3 -c "print(int($TRAIN_MINUTES * 60 + 90))") $PY -m bert_engine train fill_mask "${train[@]}" \
+    "${long[@]}" --max-minutes "$TRAIN_MINUTES" --lr 1e-3 --head-lr 2e-3 --seed 45 --output-dir "$WORK/fill_mask" \
+    > "$OUT/train.json" 2> "$OUT/train.log"
+echo "training exit $?"; grep -E "max_minutes|best so far|Error|error" "$OUT/train.log" | tail -12
+cp "$WORK/fill_mask/metrics.jsonl" "$WORK/fill_mask/run.json" "$OUT/" 2>/dev/null
+for kind in best last; do  # the adapter alone in float16 (16 MiB a file comes back), not the optimizer state
+  [ -d "$WORK/fill_mask/$kind" ] || continue
+  $PY -c "import sys; from safetensors.torch import load_file, save_file; p = sys.argv[1]; \
+save_file({k: v.half() if v.is_floating_point() else v for k, v in load_file(p).items()}, p)" \
+      "$WORK/fill_mask/$kind/adapter.safetensors"
+  tar cf "$OUT/$kind.tar" -C "$WORK/fill_mask/$kind" $(cd "$WORK/fill_mask/$kind" && ls | grep -v trainer_state.pt)
+done
+if [ -z "${SMOKE:-}" ]; then
+  stage "benchmarks (GPU, bert-base in its shape with random weights)"
+  timeout 50 $PY -m benchmarks.encoder --device cuda --models bert-base --shapes 32x128,32x512 \
+      --precisions bf16 --no-onnx --repeats 20 --json "$OUT/encoder_cuda.json" > "$OUT/bench.log" 2>&1
+  timeout 50 $PY -m benchmarks.train_step --device cuda --model bert-base --shape 32x512 --precision bf16 \
+      --json "$OUT/train_step_cuda.json" >> "$OUT/bench.log" 2>&1
+  timeout 50 $PY -m benchmarks.train_step --device cuda --model bert-base --shape 32x128 --precision bf16 \
+      --objective classify --data "$C/sst2-dev.tsv" --json "$OUT/train_step_cuda_sst2.json" >> "$OUT/bench.log" 2>&1
+  grep -v "^\s*$" "$OUT/bench.log" | tail -40
+fi
+
+ls -la "$OUT"
+stage done
