@@ -18,23 +18,24 @@ WORK=${WORK:-/tmp/lease}
 TRAIN_MINUTES=${TRAIN_MINUTES:-5}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 PY=${PY:-python3}
-mkdir -p "$WORK" "$OUT"
+LOGS=$WORK/logs  # small files, sent back as one logs.tar (8 files come back at most)
+mkdir -p "$WORK" "$OUT" "$LOGS"
 device=cuda; [ -n "${SMOKE:-}" ] && device=cpu
-stage() { echo "== $(date +%T) $*"; }
+stage() { [ -d "$LOGS" ] && tar cf "$OUT/logs.tar" -C "$LOGS" .; echo "== $(date +%T) $*"; }
 
 stage setup
 xz -dc "$CARRY/corpus.tar.xz" | tar xf - -C "$WORK"
-$PY scripts/compact_base.py expand "$CARRY/minilm-compact" "$WORK/minilm" > "$OUT/base.json"
+$PY scripts/compact_base.py expand "$CARRY/minilm-compact" "$WORK/minilm" > "$LOGS/base.json"
 $PY scripts/compact_base.py rebase plugins/starter/fill_mask --base default --copy "$WORK/minilm" \
-    --out "$WORK/init_fill_mask" > "$OUT/rebase.json" || exit 1
-$PY - <<'EOF' > "$OUT/machine.json"
+    --out "$WORK/init_fill_mask" > "$LOGS/rebase.json" || exit 1
+$PY - <<'EOF' > "$LOGS/machine.json"
 import json, platform, torch
 info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}
 if torch.cuda.is_available():
     info["gpu"] = torch.cuda.get_device_name()
 print(json.dumps(info))
 EOF
-cat "$OUT/machine.json"
+cat "$LOGS/machine.json"
 
 C=$WORK/corpus
 train=(--train-file "$C/gutenberg,$C/wiki.valid.tokens,$C/squad-train.txt,$C/bbc-train.txt" --train-split train
@@ -46,18 +47,19 @@ train=(--train-file "$C/gutenberg,$C/wiki.valid.tokens,$C/squad-train.txt,$C/bbc
 stage "smoke: 12 steps of the training on $device"
 if [ -n "${SMOKE:-}" ]; then sizes=(--batch-size 4); else sizes=(--batch-size 256); fi
 timeout -s INT 120 $PY -m bert_engine train fill_mask "${train[@]}" "${sizes[@]}" --output-dir "$WORK/smoke" \
-    --max-steps 12 --eval-every 12 --eval-limit 20 --save-every 12 > "$OUT/smoke.json" 2> "$OUT/smoke.log" \
-  || { echo "the smoke run failed:"; tail -30 "$OUT/smoke.log"; exit 1; }
-tail -3 "$OUT/smoke.log"
+    --max-steps 12 --eval-every 12 --eval-limit 20 --save-every 12 > "$LOGS/smoke.json" 2> "$LOGS/smoke.log" \
+  || { echo "the smoke run failed:"; tail -30 "$LOGS/smoke.log"; stage failed; exit 1; }
+tail -3 "$LOGS/smoke.log"
 
 stage "fill-mask training, about $TRAIN_MINUTES minutes"
 if [ -n "${SMOKE:-}" ]; then long=(--batch-size 4 --max-steps 60 --eval-every 30 --eval-limit 20 --save-every 30)
 else long=(--batch-size 256 --max-steps 100000 --eval-every 1000 --save-every 500); fi
 timeout -s INT $(python3 -c "print(int($TRAIN_MINUTES * 60 + 90))") $PY -m bert_engine train fill_mask "${train[@]}" \
     "${long[@]}" --max-minutes "$TRAIN_MINUTES" --lr 1e-3 --head-lr 2e-3 --seed 45 --output-dir "$WORK/fill_mask" \
-    > "$OUT/train.json" 2> "$OUT/train.log"
-echo "training exit $?"; grep -E "max_minutes|best so far|Error|error" "$OUT/train.log" | tail -12
-cp "$WORK/fill_mask/metrics.jsonl" "$WORK/fill_mask/run.json" "$OUT/" 2>/dev/null
+    > "$LOGS/train.json" 2> "$LOGS/train.log"
+echo "training exit $?"; grep -E "max_minutes|best so far|Error|error" "$LOGS/train.log" | tail -12
+cp "$WORK/fill_mask/metrics.jsonl" "$WORK/fill_mask/run.json" "$LOGS/" 2>/dev/null
+stage "the adapters"
 for kind in best last; do  # the adapter alone in float16 (16 MiB a file comes back), not the optimizer state
   [ -d "$WORK/fill_mask/$kind" ] || continue
   $PY -c "import sys; from safetensors.torch import load_file, save_file; p = sys.argv[1]; \
@@ -68,12 +70,12 @@ done
 if [ -z "${SMOKE:-}" ]; then
   stage "benchmarks (GPU, bert-base in its shape with random weights)"
   timeout 50 $PY -m benchmarks.encoder --device cuda --models bert-base --shapes 32x128,32x512 \
-      --precisions bf16 --no-onnx --repeats 20 --json "$OUT/encoder_cuda.json" > "$OUT/bench.log" 2>&1
+      --precisions bf16 --no-onnx --repeats 20 --json "$LOGS/encoder_cuda.json" > "$LOGS/bench.log" 2>&1
   timeout 50 $PY -m benchmarks.train_step --device cuda --model bert-base --shape 32x512 --precision bf16 \
-      --json "$OUT/train_step_cuda.json" >> "$OUT/bench.log" 2>&1
+      --json "$LOGS/train_step_cuda.json" >> "$LOGS/bench.log" 2>&1
   timeout 50 $PY -m benchmarks.train_step --device cuda --model bert-base --shape 32x128 --precision bf16 \
-      --objective classify --data "$C/sst2-dev.tsv" --json "$OUT/train_step_cuda_sst2.json" >> "$OUT/bench.log" 2>&1
-  grep -v "^\s*$" "$OUT/bench.log" | tail -40
+      --objective classify --data "$C/sst2-dev.tsv" --json "$LOGS/train_step_cuda_sst2.json" >> "$LOGS/bench.log" 2>&1
+  grep -v "^\s*$" "$LOGS/bench.log" | tail -40
 fi
 
 ls -la "$OUT"
