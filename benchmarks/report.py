@@ -44,6 +44,8 @@ def _x(value: float | None) -> str:
 
 def _machine(result: dict[str, Any]) -> str:
     info = result["machine"]
+    if info.get("gpu"):
+        return f"{info['gpu']}, torch {info['torch']}"
     return f"{info['cpu']}, {info['threads']} threads, torch {info['torch']}"
 
 

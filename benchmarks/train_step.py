@@ -40,7 +40,7 @@ def step_flops(config, lengths: list[int], masked: int) -> float:
     return 3 * (forward + masked * 2 * config.hidden_size * (config.hidden_size + config.vocab_size))
 
 
-def real_batches(path: str, count: int, batch: int, tokens: int, seed: int = 0) -> list[dict]:
+def real_batches(path: str, count: int, batch: int, tokens: int, seed: int = 0, tokenizer_folder: str | None = None) -> list[dict]:
     """`count` batches of `batch` sentences of the sentiment file at `path`, drawn at random, tokenised
     with MiniLM's tokenizer (bert-base-uncased's vocabulary), each padded to its longest (at most `tokens`)."""
     from bert_engine.checkpoints.hub import default_backbone
@@ -50,7 +50,7 @@ def real_batches(path: str, count: int, batch: int, tokens: int, seed: int = 0) 
     texts = [inputs["text"] for inputs, _ in load_registry(entry_points=False).task("sentiment").spec.read_data(path, "all")]
     if len(texts) < batch:
         raise SystemExit(f"{path} has {len(texts)} sentences; a batch needs {batch}")
-    tokenizer = Tokenizer.from_pretrained(default_backbone())
+    tokenizer = Tokenizer.from_pretrained(tokenizer_folder or default_backbone())
     g = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(count):
@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="train on real sentences of this sentiment-format file (e.g. ../shared/data/sst2/train.tsv), "
                              "B per batch, each batch padded to its longest (--shape's T is the cap)")
     parser.add_argument("--batches", type=int, default=4, help="with --data: batches per timed step")
+    parser.add_argument("--tokenizer", default=None,
+                        help="with --data: a tokenizer folder (default: the installed MiniLM's; any bert-base-uncased "
+                             "vocabulary, e.g. a folder written by scripts/compact_base.py)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     precision = args.precision or ("bf16" if args.device.startswith("cuda") else "fp32")
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = matmul_peak_gflops(DTYPES[precision], device=args.device)
     if args.data:
         def batches_of(config):
-            return real_batches(args.data, args.batches, batch, tokens)
+            return real_batches(args.data, args.batches, batch, tokens, tokenizer_folder=args.tokenizer)
     else:
         def batches_of(config):
             return full_batches(config, batch, tokens)

@@ -53,9 +53,9 @@ tail -3 "$LOGS/smoke.log"
 
 stage "fill-mask training, about $TRAIN_MINUTES minutes"
 if [ -n "${SMOKE:-}" ]; then long=(--batch-size 4 --max-steps 60 --eval-every 30 --eval-limit 20 --save-every 30)
-else long=(--batch-size 256 --max-steps 100000 --eval-every 1000 --save-every 500); fi
+else long=(--batch-size 256 --max-steps ${STEPS:-100000} --eval-every 1000 --save-every 500); fi
 timeout -s INT $(python3 -c "print(int($TRAIN_MINUTES * 60 + 90))") $PY -m bert_engine train fill_mask "${train[@]}" \
-    "${long[@]}" --max-minutes "$TRAIN_MINUTES" --lr 1e-3 --head-lr 2e-3 --seed 45 --output-dir "$WORK/fill_mask" \
+    "${long[@]}" ${STEPS:+--warmup-ratio 0.03} $([ -z "${STEPS:-}" ] && echo --max-minutes "$TRAIN_MINUTES") --lr 1e-3 --head-lr 2e-3 --seed 45 --output-dir "$WORK/fill_mask" \
     > "$LOGS/train.json" 2> "$LOGS/train.log"
 echo "training exit $?"; grep -E "max_minutes|best so far|Error|error" "$LOGS/train.log" | tail -12
 cp "$WORK/fill_mask/metrics.jsonl" "$WORK/fill_mask/run.json" "$LOGS/" 2>/dev/null
@@ -74,7 +74,7 @@ if [ -z "${SMOKE:-}" ]; then
   timeout 50 $PY -m benchmarks.train_step --device cuda --model bert-base --shape 32x512 --precision bf16 \
       --json "$LOGS/train_step_cuda.json" >> "$LOGS/bench.log" 2>&1
   timeout 50 $PY -m benchmarks.train_step --device cuda --model bert-base --shape 32x128 --precision bf16 \
-      --objective classify --data "$C/sst2-dev.tsv" --json "$LOGS/train_step_cuda_sst2.json" >> "$LOGS/bench.log" 2>&1
+      --objective classify --data "$C/sst2-dev.tsv" --tokenizer "$WORK/minilm" --json "$LOGS/train_step_cuda_sst2.json" >> "$LOGS/bench.log" 2>&1
   grep -v "^\s*$" "$LOGS/bench.log" | tail -40
 fi
 
