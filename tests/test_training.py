@@ -301,8 +301,20 @@ def test_max_minutes_sets_the_schedule_from_the_first_steps_and_resume_keeps_it(
     resumed = dataclasses.replace(cfg, resume=True, stop_after=None)
     assert train(TaskJob(task, resumed), resumed, on_step=clock.tick)["steps"] == 61  # the count kept, not re-timed
     assert json.loads((tmp_path / "timed" / "run.json").read_text())["scheduled_steps"] == 61
+    # a GPU speeds up as it meets each new batch shape: 2 s per step to step 40, then 1 s; a 5-minute budget
+    sped = _Clock()
+    sped.tick = lambda step, logs: setattr(sped, "now", sped.now + (2.0 if step < 40 else 1.0))
+    monkeypatch.setattr(loop, "time", sped)
+    faster = _sentiment_cfg(tiny_checkpoint, tmp_path / "faster", max_steps=1000, max_minutes=5.0, eval_every=1000)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="bert_engine.training.loop"):
+        assert train(TaskJob(task, faster), faster, on_step=sped.tick)["steps"] == 262
+    assert "2 s per step over steps 10-40; the schedule ends at step 151" in caplog.text  # 78 s spent, 222 left
+    assert "1 s per step over steps 40-80; the schedule ends at step 262" in caplog.text  # re-timed: 182 s left
+    assert "steps 80-160" not in caplog.text  # 198 s spent, past half the time: the count stays (and did not move)
+    assert sped.now == pytest.approx(300, abs=1)
     capped = _sentiment_cfg(tiny_checkpoint, tmp_path / "capped", max_steps=45, max_minutes=10.0, eval_every=1000)
-    assert train(TaskJob(task, capped), capped, on_step=clock.tick)["steps"] == 45  # max_steps caps the plan
+    assert train(TaskJob(task, capped), capped, on_step=sped.tick)["steps"] == 45  # max_steps caps the plan
     with pytest.raises(ValueError, match="max_minutes must be positive.*got 0"):
         _sentiment_cfg(tiny_checkpoint, tmp_path / "bad", max_minutes=0)
 

@@ -268,6 +268,9 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
         log.keep_until(state["step"])
     if cfg.max_minutes and state.get("planned_steps"):  # a timed run resumed: the count set when it began
         total, end = _replan(cfg, scheduler, state["planned_steps"])
+    # max_minutes: the speed of steps PLAN_FROM-PLAN_AT sets the count, re-timed over each doubling of the steps
+    # (a GPU speeds up as it meets each new batch shape) until half the time is spent
+    timing = {"next": PLAN_AT, "cap": total} if cfg.max_minutes and not state.get("planned_steps") else None
     if dist_info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n", encoding="utf-8")
@@ -299,22 +302,28 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                 step += 1
                 if step % TRIM_EVERY == 0:
                     release_freed_memory()
-                if cfg.max_minutes and not state.get("planned_steps") and step - state["step"] in (PLAN_FROM, PLAN_AT):
-                    if step - state["step"] == PLAN_FROM:
-                        plan_started = time.monotonic()
-                    else:
-                        per_step = (time.monotonic() - plan_started) / (PLAN_AT - PLAN_FROM)
-                        left = cfg.max_minutes * 60 - (wall_before + time.monotonic() - started)
-                        planned = max(step, min(total, step + int(left / per_step)))
+                if timing is not None and step - state["step"] in (PLAN_FROM, timing["next"]):
+                    now = time.monotonic()
+                    if step - state["step"] > PLAN_FROM:
+                        per_step = max(1e-6, (now - timing["since"]) / (step - timing["from"]))
+                        spent = wall_before + now - started
+                        left = cfg.max_minutes * 60 - spent
+                        planned = max(step, min(timing["cap"], step + int(left / per_step)))
                         if dist_info.world > 1:  # every process must stop at the same step
                             planned = int(_mean_over_ranks({"steps": float(planned)}, dist_info, device)["steps"])
-                        total, end = _replan(cfg, scheduler, planned)
+                        if "planned" not in timing or abs(planned - total) > REPLAN_TOLERANCE * total:
+                            total, end = _replan(cfg, scheduler, planned)
+                            bar.total = total
+                            bar.refresh()
+                            if dist_info.is_main:
+                                logger.info("max_minutes %g: %.3g s per step over steps %d-%d; the schedule ends at "
+                                            "step %d", cfg.max_minutes, per_step, timing["from"], step, total)
+                        timing.update(planned=True, next=2 * (step - state["step"]))
                         state["planned_steps"] = total
-                        bar.total = total
-                        bar.refresh()
-                        if dist_info.is_main:
-                            logger.info("max_minutes %g: %.3g s per step over steps %d-%d; the schedule ends at "
-                                        "step %d", cfg.max_minutes, per_step, step - PLAN_AT + PLAN_FROM, step, total)
+                        if spent > cfg.max_minutes * 30:  # past half the time: the count stays
+                            timing = None
+                    if timing is not None:
+                        timing.update(since=now, **{"from": step})
                 if not math.isfinite(stats["loss"]):  # the weights are ruined from here: stop, save nothing
                     raise NonFiniteLoss(
                         f"train: the loss is {stats['loss']} at step {step} (lr {scheduler.get_last_lr()[0]:.3g}); "
@@ -365,8 +374,9 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
             "last_eval": state["last_eval"], "output_dir": str(out)}
 
 
-# max_minutes: the steps timed to set the schedule's length (the first PLAN_FROM warm caches and kernels).
-PLAN_FROM, PLAN_AT = 10, 40
+# max_minutes: the steps timed to set the schedule's length (the first PLAN_FROM warm caches and kernels),
+# and how far a later timing must move the count to change the schedule.
+PLAN_FROM, PLAN_AT, REPLAN_TOLERANCE = 10, 40, 0.02
 
 
 def _replan(cfg: TrainConfig, scheduler, planned: int) -> tuple[int, int]:

@@ -36,8 +36,9 @@ class TrainConfig:
                                    "learning-rate schedule still spans max_steps / epochs; --resume continues it",
                                    default=None)
     max_minutes: float | None = _help("end the schedule after about this many minutes of training: the step count is "
-                                      "set from the speed of the first steps (max_steps or epochs cap it; evaluations "
-                                      "and checkpoints add their own time); --resume keeps the count", default=None)
+                                      "set from the speed of steps 10-40 and re-timed at steps 80, 160, ... until half "
+                                      "the time is spent (max_steps or epochs cap it; evaluations and checkpoints add "
+                                      "their own time); --resume keeps the count", default=None)
     batch_size: int = _help("examples per optimizer step per process, before accumulation", default=16)
     grad_accum: int = _help("micro-batches accumulated per optimizer step", default=1)
     lr: float = _help("peak learning rate of the encoder (and LoRA tensors)", default=5e-5)
