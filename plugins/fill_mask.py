@@ -349,7 +349,8 @@ EXAMPLES = (
 )
 # What the starter is, in one line on the tab (a picked checkpoint says its own name in the raw result).
 STARTER_NOTE = ("The starter: all-MiniLM-L6-v2, a sentence encoder never trained to guess words, with a word-guessing "
-                "head and adapter trained on books and Wikipedia: sure of grammar words, often wrong on names and facts.")
+                "head and adapter trained on books, Wikipedia and news: sure of grammar words, often wrong on names "
+                "and facts.")
 
 
 PASSAGE_WORDS = 80  # training passages: about 110 wordpieces, inside max_length 128

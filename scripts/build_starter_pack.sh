@@ -96,7 +96,18 @@ for task in "${TASKS[@]}"; do
       RUN=fill_mask_r64c train_and_pack fill_mask --eval-data "$DATA/gutenberg" --eval-data "$DATA/wikitext2/wiki.test.tokens" \
         --eval-split test --eval-split all --checkpoint last --adapter-rank 32 --adapter-dtype fp16 -- \
         --train-file "$passages,$RUNS/corpus/sentences.txt" "${common[@]}" --lora-rank 64 --lora-alpha 32 \
-        --lr 4e-4 --head-lr 8e-4 --eval-every 1000 --max-steps 8000 --seed 43 --init-adapter "$RUNS/fill_mask_r64/best" ;;
+        --lr 4e-4 --head-lr 8e-4 --eval-every 1000 --max-steps 8000 --seed 43 --init-adapter "$RUNS/fill_mask_r64/best"
+      # then (session 26, on a GPU) 3,000 steps from that pack with whole-word masking, the rank grown to 128, batch 256
+      # and the BBC train articles added, stored at rank 40 (a starter folder holds at most 4 MB): 3.5 min on an H200.
+      # scripts/gpu_lease.sh ran it on a device machine that takes a compact copy of MiniLM (scripts/compact_base.py).
+      python scripts/bbc_corpus.py "$DATA/bbc_news_summary/bbc_news_summary.jsonl" "$RUNS/corpus/bbc-train.txt"
+      RUN=fill_mask_wwm train_and_pack fill_mask --eval-data "$DATA/gutenberg" --eval-data "$DATA/wikitext2/wiki.test.tokens" \
+        --eval-split test --eval-split all --adapter-rank 40 --adapter-dtype fp16 -- \
+        --train-file "$passages,$RUNS/corpus/bbc-train.txt" --train-split train --eval-file "$DATA/gutenberg" \
+        --eval-split test --eval-limit 300 --init-adapter plugins/starter/fill_mask --lora-rank 128 --lora-alpha 128 \
+        --lora-targets query,key,value,attention_output,ffn_up,ffn_down -o whole_word=true --precision bf16 \
+        --length-buckets 50 --log-every 50 --batch-size 256 --max-steps 3000 --warmup-ratio 0.03 --eval-every 1000 \
+        --save-every 500 --lr 1e-3 --head-lr 2e-3 --seed 45 --device cuda ;;
     qa)
       # SQuAD v1.1 train (all shards) with unanswerable pairs; bf16 autocast needs a CPU with AVX512-BF16/AMX
       # (or a GPU: add --device cuda); 1 h 30 min on a 2-core AVX-512 EPYC, then the two warm starts below
