@@ -316,8 +316,9 @@ class Predictor:
         kernels = getattr(self.model, "kernel_choice", None)
         if kernels:  # which matmul kernel each projection uses on this machine (runtime.fast.choose_kernels)
             info["kernels"] = {name: choice["chose"] for name, choice in kernels.items()}
-        if getattr(self.model, "compiled", False):
-            info["compiled"] = True  # torch.compile'd encoder layers (load(compile=True) where a compiler was found)
+        compiled = getattr(self.model, "compiled", False)
+        if compiled:  # True: torch.compile'd encoder layers; int8 says which part (load(compile=True), a compiler found)
+            info["compiled"] = compiled
         if latency_ms is not None:
             info["latency_ms"] = round(latency_ms, 2)
         return info
