@@ -101,8 +101,8 @@ def test_a_compiled_predictor_runs_padding_free_and_answers_as_the_eager_one(tin
         prepare_for_inference(int8, "int8")
         prepare_for_inference(int8_compiled, "int8", compile=True)
         assert "fused quantiser" in repr(int8_compiled)
-        assert int8_compiled.compiled.startswith("int8 input quantisers, for batches of 1+ tokens")  # provenance (the
-        # threshold patched to 1 above)
+        # what provenance() says (the threshold patched to 1 above)
+        assert int8_compiled.compiled.startswith("int8 input quantisers, for batches of 1+ tokens")
         with torch.inference_mode():
             torch.testing.assert_close(int8_compiled(ids, mask).logits[real], int8(ids, mask).logits[real],
                                        atol=1e-4, rtol=1e-4)
