@@ -4,13 +4,16 @@
 #
 #   python scripts/compact_base.py pack default .devcarry/minilm-compact    # 90 MB -> 34 MB (see its docstring)
 #   tar cf - -C STAGE corpus | xz -9 > .devcarry/corpus.tar.xz             # the training text, below
-#   OUT=... bash scripts/gpu_lease.sh                                      # on the machine; SMOKE=1: a CPU dry run
+#   OUT=... bash scripts/gpu_lease.sh      # there, after `pip install --no-deps --no-build-isolation -e .`
 #
-# corpus/ holds the fill-mask starter's training text (README "Starter models"): gutenberg/ (the train split is
-# taken by hash at read time), wiki.valid.tokens, squad-train.txt (scripts/squad_contexts.py), bbc-train.txt
-# (scripts/bbc_corpus.py), and sst2-dev.tsv for the padding-free benchmark. Every stage logs to $OUT; a failed smoke run ends the call at once (time left to rerun), a failed benchmark does not stop the next,
-# and the training stops itself in time (--max-minutes) and at worst on SIGINT,
-# which writes a resumable checkpoint.
+# SMOKE=1: a CPU dry run of the same stages, tiny. STEPS=N: train N steps instead of TRAIN_MINUTES (default 5,
+# `--max-minutes`); session 26 ran STEPS=3000 (3 min 31 s on an H200). corpus/ holds the fill-mask starter's
+# training text (MODEL_CARD.md): gutenberg/ (the train split is taken by hash at read time), wiki.valid.tokens,
+# squad-train.txt (scripts/squad_contexts.py), bbc-train.txt (scripts/bbc_corpus.py), and sst2-dev.tsv for the
+# padding-free benchmark. Small files go back as one logs.tar, refreshed at each stage; a failed smoke run ends
+# the call at once (time left to rerun), a failed benchmark does not stop the next, and the training stops
+# itself in time, at worst on SIGINT, which writes a resumable checkpoint. The adapters come back in float16
+# (a file of at most 16 MiB): rebase them with compact_base.py and score them on the real MiniLM.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder that comes back}
 CARRY=${CARRY:-.devcarry}
