@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bert_engine.checkpoints.hub import default_backbone  # noqa: E402
-from bert_engine.checkpoints.loading import find_weights  # noqa: E402
+from bert_engine.checkpoints.loading import CheckpointError, find_weights  # noqa: E402
 from bert_engine.checkpoints.lora import ADAPTER_CONFIG, file_sha256, read_adapter_config  # noqa: E402
 
 logger = logging.getLogger("compact_base")
@@ -112,6 +112,8 @@ def rebase(adapter: Path, base: str, copy: Path, out: Path) -> dict:
     record_file = copy / COMPACT_RECORD
     if not record_file.is_file():
         raise SystemExit(f"error: {copy}: no {COMPACT_RECORD}; not an expanded compact copy")
+    if (copy / COMPACT_WEIGHTS).is_file():
+        raise SystemExit(f"error: {copy} is a packed copy; `expand` it, and give the expanded folder as --copy")
     made_from = json.loads(record_file.read_text(encoding="utf-8"))["source_sha256"]
     copy_sha = file_sha256(find_weights(copy))
     if meta.get("base_sha256") == made_from:  # onto the copy: the base itself need not be here
@@ -126,6 +128,11 @@ def rebase(adapter: Path, base: str, copy: Path, out: Path) -> dict:
                          f"those {copy} was made from ({made_from}) nor {copy}'s own ({copy_sha})")
     if out.resolve() != adapter.resolve():
         shutil.copytree(adapter, out, dirs_exist_ok=True)
+    manifest = out / "manifest.json"  # a packed adapter's manifest names its base too
+    if manifest.is_file():
+        record = json.loads(manifest.read_text(encoding="utf-8"))
+        record.update(base_model=target_name, base_sha256=target_sha)
+        manifest.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     rebased = {"from_base": meta["base_model"], "from_sha256": meta["base_sha256"],
                "compact_copy": "matrices bfloat16, word embeddings int8 per row (scripts/compact_base.py)"}
     meta.update(base_model=target_name, base_sha256=target_sha,
@@ -136,7 +143,7 @@ def rebase(adapter: Path, base: str, copy: Path, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     verbs = parser.add_subparsers(dest="verb", required=True)
     p = verbs.add_parser("pack", help="write the compact copy of BASE into OUT")
     p.add_argument("base", help='a model folder, or "default" (the installed MiniLM)')
@@ -145,17 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("compact", type=Path)
     e.add_argument("out", type=Path)
     r = verbs.add_parser("rebase", help="record the other of (base, copy) as an adapter's base")
-    r.add_argument("adapter", type=Path)
+    r.add_argument("adapter", type=Path, help="an adapter folder (a training run's best/ or a packed starter)")
     r.add_argument("--base", required=True, help='the original base: a folder or "default"')
     r.add_argument("--copy", required=True, type=Path, help="the expanded compact copy of it")
     r.add_argument("--out", required=True, type=Path, help="where the rebased adapter goes (may be ADAPTER)")
     args = parser.parse_args(argv)
-    if args.verb == "pack":
-        result = pack(args.base, args.out)
-    elif args.verb == "expand":
-        result = expand(args.compact, args.out)
-    else:
-        result = rebase(args.adapter, args.base, args.copy, args.out)
+    try:
+        if args.verb == "pack":
+            result = pack(args.base, args.out)
+        elif args.verb == "expand":
+            result = expand(args.compact, args.out)
+        else:
+            result = rebase(args.adapter, args.base, args.copy, args.out)
+    except (CheckpointError, OSError) as err:  # a missing or unreadable folder or file: one line, no traceback
+        raise SystemExit(f"error: {err}") from None
     print(json.dumps(result, indent=2))
     return 0
 

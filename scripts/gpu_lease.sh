@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# What a lent GPU machine runs in one call (the `device` tool: 64 MiB of files in, ~10 minutes, no network):
+# What a rented GPU machine runs in one call (here: 64 MiB of files in, at most 10 minutes, no network):
 # the fill-mask starter trained further (issue 35), timed to fit, then the GPU benchmarks of issue 40.
 #
+# Before, here (the carried files live in .devcarry/, which git ignores):
 #   python scripts/compact_base.py pack default .devcarry/minilm-compact    # 90 MB -> 34 MB (see its docstring)
-#   tar cf - -C STAGE corpus | xz -9 > .devcarry/corpus.tar.xz             # the training text, below
-#   OUT=... bash scripts/gpu_lease.sh      # there, after `pip install --no-deps --no-build-isolation -e .`
+#   mkdir -p STAGE/corpus; cp -r ../shared/data/gutenberg ../shared/data/wikitext2/wiki.valid.tokens STAGE/corpus/
+#   cp ../shared/data/sst2/dev.tsv STAGE/corpus/sst2-dev.tsv
+#   python scripts/squad_contexts.py "../shared/data/squad/train-v1.1.part0*of08.json" STAGE/corpus/squad-train.txt
+#   python scripts/bbc_corpus.py ../shared/data/bbc_news_summary/bbc_news_summary.jsonl STAGE/corpus/bbc-train.txt
+#   tar cf - -C STAGE corpus | xz -9 > .devcarry/corpus.tar.xz              # 15 MB
+# There, in the repository, with .devcarry/ carried along:
+#   pip install --no-deps --no-build-isolation -e . && OUT=... bash scripts/gpu_lease.sh
+# After, here: untar OUT's best.tar or last.tar, `compact_base.py rebase` it onto default, cast its tensors back
+# to float32, and `bert-engine pack` it with the evaluation data (MODEL_CARD.md, fill_mask, gives the commands).
 #
 # SMOKE=1: a CPU dry run of the same stages, tiny. STEPS=N: train N steps instead of TRAIN_MINUTES (default 5,
 # `--max-minutes`); session 26 ran STEPS=3000 (3 min 31 s on an H200). corpus/ holds the fill-mask starter's

@@ -35,8 +35,10 @@ def test_pack_expand_and_rebase_an_adapter_both_ways(tiny_checkpoint, tmp_path):
     assert (a - b).abs().max() < 0.05 * a.abs().max() and not torch.equal(a, b)
 
     adapter = _adapter(tiny_checkpoint, tmp_path / "adapter")
+    (adapter / "manifest.json").write_text(json.dumps({"task": "sequence", "base_sha256": info["source_sha256"]}))
     moved = compact_base.rebase(adapter, str(tiny_checkpoint), copy, tmp_path / "on-copy")
     assert moved["base_sha256"] == first["sha256"]
+    assert json.loads((tmp_path / "on-copy" / "manifest.json").read_text())["base_sha256"] == first["sha256"]
     load(tmp_path / "on-copy", "sequence")  # its recorded base is the copy now, checked by sha256 on loading
     meta = json.loads((tmp_path / "on-copy" / "adapter_config.json").read_text())
     (tmp_path / "on-copy" / "adapter_config.json").write_text(json.dumps({**meta, "base_sha256": info["source_sha256"]}))
@@ -65,5 +67,7 @@ def test_rebase_refuses_an_unrelated_adapter_or_copy(tiny_checkpoint, tmp_path):
     on_copy = _adapter(copy, tmp_path / "b")
     with pytest.raises(SystemExit, match="was made from weights with sha256 .* not from"):
         compact_base.rebase(on_copy, str(other), copy, tmp_path / "out")  # back onto the wrong base
+    with pytest.raises(SystemExit, match="is a packed copy; `expand` it"):
+        compact_base.rebase(tmp_path / "a", str(other), tmp_path / "compact", tmp_path / "out")
     with pytest.raises(SystemExit, match="no compact.json"):
         compact_base.rebase(tmp_path / "a", str(other), other, tmp_path / "out")

@@ -313,6 +313,25 @@ def test_max_minutes_sets_the_schedule_from_the_first_steps_and_resume_keeps_it(
     assert "1 s per step over steps 40-80; the schedule ends at step 262" in caplog.text  # re-timed: 182 s left
     assert "steps 80-160" not in caplog.text  # 198 s spent, past half the time: the count stays (and did not move)
     assert sped.now == pytest.approx(300, abs=1)
+    # evaluations are not steps: one costing 50 s inside the first timing leaves the speed at 1 s per step
+    slow_eval = _Clock()
+    evaluate = loop._evaluate_and_keep_best
+
+    def costly(*args, **kwargs):
+        slow_eval.now += 50.0
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "time", slow_eval)
+    monkeypatch.setattr(loop, "_evaluate_and_keep_best", costly)
+    evaluated = _sentiment_cfg(tiny_checkpoint, tmp_path / "evaluated", max_steps=1000, max_minutes=3.0,
+                               eval_every=25)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="bert_engine.training.loop"):
+        assert train(TaskJob(task, evaluated), evaluated, on_step=slow_eval.tick)["steps"] == 80
+    assert "1 s per step over steps 10-40; the schedule ends at step 131" in caplog.text  # 89 s spent, 91 left
+    # by step 80 the evaluations at 50 and 75 have spent the budget: the schedule ends there
+    assert "1 s per step over steps 40-80; the schedule ends at step 80" in caplog.text
+    monkeypatch.setattr(loop, "time", sped)
     capped = _sentiment_cfg(tiny_checkpoint, tmp_path / "capped", max_steps=45, max_minutes=10.0, eval_every=1000)
     assert train(TaskJob(task, capped), capped, on_step=sped.tick)["steps"] == 45  # max_steps caps the plan
     with pytest.raises(ValueError, match="max_minutes must be positive.*got 0"):

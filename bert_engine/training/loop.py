@@ -270,7 +270,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
         total, end = _replan(cfg, scheduler, state["planned_steps"])
     # max_minutes: the speed of steps PLAN_FROM-PLAN_AT sets the count, re-timed over each doubling of the steps
     # (a GPU speeds up as it meets each new batch shape) until half the time is spent
-    timing = {"next": PLAN_AT, "cap": total} if cfg.max_minutes and not state.get("planned_steps") else None
+    timing = {"next": PLAN_AT, "cap": total, "aside": 0.0} if cfg.max_minutes and not state.get("planned_steps") else None
     if dist_info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n", encoding="utf-8")
@@ -305,7 +305,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                 if timing is not None and step - state["step"] in (PLAN_FROM, timing["next"]):
                     now = time.monotonic()
                     if step - state["step"] > PLAN_FROM:
-                        per_step = max(1e-6, (now - timing["since"]) / (step - timing["from"]))
+                        per_step = max(1e-6, (now - timing["since"] - timing["aside"]) / (step - timing["from"]))
                         spent = wall_before + now - started
                         left = cfg.max_minutes * 60 - spent
                         planned = max(step, min(timing["cap"], step + int(left / per_step)))
@@ -323,7 +323,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                         if spent > cfg.max_minutes * 30:  # past half the time: the count stays
                             timing = None
                     if timing is not None:
-                        timing.update(since=now, **{"from": step})
+                        timing.update(since=now, aside=0.0, **{"from": step})
                 if not math.isfinite(stats["loss"]):  # the weights are ruined from here: stop, save nothing
                     raise NonFiniteLoss(
                         f"train: the loss is {stats['loss']} at step {step} (lr {scheduler.get_last_lr()[0]:.3g}); "
@@ -343,12 +343,15 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                     log.write(step=step, epoch=round(step / steps_per_epoch, 4), **logs)
                     running, running_count = {}, 0
                 end_of_epoch = (s == steps_per_epoch - 1)
+                aside = time.monotonic()  # evaluations and checkpoints: left out of max_minutes' speed
                 if (cfg.eval_every and step % cfg.eval_every == 0) or (not cfg.eval_every and end_of_epoch) or step == end:
                     _evaluate_and_keep_best(job, cfg, model, step, state, dist_info, log, out)
                     model.train()
                 state["wall_seconds"] = wall_before + time.monotonic() - started
                 if step % cfg.save_every == 0 and dist_info.is_main:
                     _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
+                if timing is not None:
+                    timing["aside"] += time.monotonic() - aside
                 if on_step is not None:
                     on_step(step, logs)
                 if step >= end:
