@@ -382,7 +382,9 @@ def _add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        text = f.metadata.get("help", "")
+        if "(default" not in text:  # a help that names its default in words keeps only those
+            text = f"{text} (default: {f.default})"
         if typing.get_origin(kind) is dict:
             parser.add_argument("-o", "--option", dest=f.name, action="append", type=_one_option,
                                 default=argparse.SUPPRESS, help=f.metadata.get("help", ""))
