@@ -290,11 +290,13 @@ def _training_config(args: argparse.Namespace, **fixed) -> TrainConfig:
 
 
 def _run_training(job_factory, cfg) -> dict:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     from .runtime.distributed import init_distributed, process_group
     from .training.loop import train
 
     dist_info = init_distributed(cfg.device)
-    with process_group(dist_info):
+    with process_group(dist_info), logging_redirect_tqdm():  # log lines above the progress bar, not glued to it
         job = job_factory(cfg)
         return train(job, cfg, dist_info=dist_info)
 
