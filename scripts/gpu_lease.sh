@@ -35,7 +35,8 @@ device=cuda; [ -n "${SMOKE:-}" ] && device=cpu
 stage() { [ -d "$LOGS" ] && tar cf "$OUT/logs.tar" -C "$LOGS" .; echo "== $(date +%T) $*"; }
 
 stage setup
-xz -dc "$CARRY/corpus.tar.xz" | tar xf - -C "$WORK"
+$PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
+    "$CARRY/corpus.tar.xz" "$WORK"  # Python's own xz: no xz program needed there
 $PY scripts/compact_base.py expand "$CARRY/minilm-compact" "$WORK/minilm" > "$LOGS/base.json"
 $PY scripts/compact_base.py rebase plugins/starter/fill_mask --base default --copy "$WORK/minilm" \
     --out "$WORK/init_fill_mask" > "$LOGS/rebase.json" || exit 1
