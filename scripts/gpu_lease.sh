@@ -66,7 +66,7 @@ tail -3 "$LOGS/smoke.log"
 stage "fill-mask training, about $TRAIN_MINUTES minutes"
 if [ -n "${SMOKE:-}" ]; then long=(--batch-size 4 --max-steps 60 --eval-every 30 --eval-limit 20 --save-every 30)
 else long=(--batch-size 256 --max-steps ${STEPS:-100000} --eval-every 1000 --save-every 500); fi
-timeout -s INT $(python3 -c "print(int($TRAIN_MINUTES * 60 + 90))") $PY -m bert_engine train fill_mask "${train[@]}" \
+timeout -s INT $($PY -c "print(int($TRAIN_MINUTES * 60 + 90))") $PY -m bert_engine train fill_mask "${train[@]}" \
     "${long[@]}" ${STEPS:+--warmup-ratio 0.03} $([ -z "${STEPS:-}" ] && echo --max-minutes "$TRAIN_MINUTES") --lr 1e-3 --head-lr 2e-3 --seed 45 --output-dir "$WORK/fill_mask" \
     > "$LOGS/train.json" 2> "$LOGS/train.log"
 echo "training exit $?"; grep -E "max_minutes|best so far|Error|error" "$LOGS/train.log" | tail -12
