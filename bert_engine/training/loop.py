@@ -270,7 +270,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
         total, end = _replan(cfg, scheduler, state["planned_steps"])
     # max_minutes: the speed of steps PLAN_FROM-PLAN_AT sets the count, re-timed over each doubling of the steps
     # (a GPU speeds up as it meets each new batch shape) until half the time is spent
-    timing = {"next": PLAN_AT, "cap": total, "aside": 0.0} if cfg.max_minutes and not state.get("planned_steps") else None
+    timing = _Timing(total) if cfg.max_minutes and not state.get("planned_steps") else None
     if dist_info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n", encoding="utf-8")
@@ -302,28 +302,24 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                 step += 1
                 if step % TRIM_EVERY == 0:
                     release_freed_memory()
-                if timing is not None and step - state["step"] in (PLAN_FROM, timing["next"]):
-                    now = time.monotonic()
-                    if step - state["step"] > PLAN_FROM:
-                        per_step = max(1e-6, (now - timing["since"] - timing["aside"]) / (step - timing["from"]))
-                        spent = wall_before + now - started
-                        left = cfg.max_minutes * 60 - spent
-                        planned = max(step, min(timing["cap"], step + int(left / per_step)))
+                if timing is not None and timing.due(step - state["step"]):
+                    now, window_from = time.monotonic(), timing.window_from
+                    spent = wall_before + now - started
+                    measured = timing.measure(step, step - state["step"], now, cfg.max_minutes * 60 - spent)
+                    if measured is not None:
+                        per_step, planned = measured
                         if dist_info.world > 1:  # every process must stop at the same step
                             planned = int(_mean_over_ranks({"steps": float(planned)}, dist_info, device)["steps"])
-                        if "planned" not in timing or abs(planned - total) > REPLAN_TOLERANCE * total:
+                        if not state.get("planned_steps") or abs(planned - total) > REPLAN_TOLERANCE * total:
                             total, end = _replan(cfg, scheduler, planned)
                             bar.total = total
                             bar.refresh()
                             if dist_info.is_main:
                                 logger.info("max_minutes %g: %.3g s per step over steps %d-%d; the schedule ends at "
-                                            "step %d", cfg.max_minutes, per_step, timing["from"], step, total)
-                        timing.update(planned=True, next=2 * (step - state["step"]))
+                                            "step %d", cfg.max_minutes, per_step, window_from, step, total)
                         state["planned_steps"] = total
                         if spent > cfg.max_minutes * 30:  # past half the time: the count stays
                             timing = None
-                    if timing is not None:
-                        timing.update(since=now, aside=0.0, **{"from": step})
                 if not math.isfinite(stats["loss"]):  # the weights are ruined from here: stop, save nothing
                     raise NonFiniteLoss(
                         f"train: the loss is {stats['loss']} at step {step} (lr {scheduler.get_last_lr()[0]:.3g}); "
@@ -351,7 +347,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                 if step % cfg.save_every == 0 and dist_info.is_main:
                     _checkpoint(out / "last", job, model, optimizer, scheduler, scaler, {**state, "step": step})
                 if timing is not None:
-                    timing["aside"] += time.monotonic() - aside
+                    timing.aside += time.monotonic() - aside
                 if on_step is not None:
                     on_step(step, logs)
                 if step >= end:
@@ -380,6 +376,29 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
 # max_minutes: the steps timed to set the schedule's length (the first PLAN_FROM warm caches and kernels),
 # and how far a later timing must move the count to change the schedule.
 PLAN_FROM, PLAN_AT, REPLAN_TOLERANCE = 10, 40, 0.02
+
+
+class _Timing:
+    """max_minutes' clock: the speed over steps PLAN_FROM-PLAN_AT, then over each doubling of the steps, with
+    evaluations and checkpoints (`aside`, seconds the loop adds) left out; `measure` turns it into a step count."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.next, self.aside = cap, PLAN_AT, 0.0  # cap: the count max_steps / epochs allow
+        self.since, self.window_from = 0.0, 0
+
+    def due(self, done: int) -> bool:
+        return done in (PLAN_FROM, self.next)
+
+    def measure(self, step: int, done: int, now: float, left: float) -> tuple[float, int] | None:
+        """(seconds per step, the step where `left` seconds run out) over the window ending now; None
+        when this only opens the first window. Opens the next window either way."""
+        measured = None
+        if done > PLAN_FROM:
+            per_step = max(1e-6, (now - self.since - self.aside) / (step - self.window_from))
+            measured = per_step, max(step, min(self.cap, step + int(left / per_step)))
+            self.next = 2 * done
+        self.since, self.window_from, self.aside = now, step, 0.0
+        return measured
 
 
 def _replan(cfg: TrainConfig, scheduler, planned: int) -> tuple[int, int]:
