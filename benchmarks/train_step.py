@@ -42,7 +42,8 @@ def step_flops(config, lengths: list[int], masked: int) -> float:
 
 def real_batches(path: str, count: int, batch: int, tokens: int, seed: int = 0, tokenizer_folder: str | None = None) -> list[dict]:
     """`count` batches of `batch` sentences of the sentiment file at `path`, drawn at random, tokenised
-    with MiniLM's tokenizer (bert-base-uncased's vocabulary), each padded to its longest (at most `tokens`)."""
+    with MiniLM's tokenizer (bert-base-uncased's vocabulary; or the one in `tokenizer_folder`), each padded to its
+    longest (at most `tokens`)."""
     from bert_engine.checkpoints.hub import default_backbone
     from bert_engine.tasks.registry import load_registry
     from bert_engine.tokenizer import Tokenizer
