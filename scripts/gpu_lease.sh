@@ -27,6 +27,9 @@ OUT=${OUT:?set OUT to the folder that comes back}
 CARRY=${CARRY:-.devcarry}
 WORK=${WORK:-/tmp/lease}
 TRAIN_MINUTES=${TRAIN_MINUTES:-5}
+TASK=${TASK:-fill_mask}   # or qa
+RANK=${RANK:-40}          # the adapter's rank: 40 is what a starter folder stores (session 26 trained at 128)
+case $TASK in fill_mask) DATA_TAR=corpus.tar.xz ;; qa) DATA_TAR=qa-data.tar.xz ;; *) echo "TASK: fill_mask or qa, not $TASK"; exit 2 ;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 PY=${PY:-python3}
 LOGS=$WORK/logs  # small files, sent back as one logs.tar (8 files come back at most)
@@ -36,10 +39,10 @@ stage() { [ -d "$LOGS" ] && tar cf "$OUT/logs.tar" -C "$LOGS" .; echo "== $(date
 
 stage setup
 $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
-    "$CARRY/corpus.tar.xz" "$WORK"  # Python's own xz: no xz program needed there
+    "$CARRY/$DATA_TAR" "$WORK"  # Python's own xz: no xz program needed there
 $PY scripts/compact_base.py expand "$CARRY/minilm-compact" "$WORK/minilm" > "$LOGS/base.json"
-$PY scripts/compact_base.py rebase plugins/starter/fill_mask --base default --copy "$WORK/minilm" \
-    --out "$WORK/init_fill_mask" > "$LOGS/rebase.json" || exit 1
+$PY scripts/compact_base.py rebase plugins/starter/$TASK --base default --copy "$WORK/minilm" \
+    --out "$WORK/init" > "$LOGS/rebase.json" || exit 1
 $PY - <<'EOF' > "$LOGS/machine.json"
 import json, platform, torch
 info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}
@@ -50,41 +53,54 @@ EOF
 cat "$LOGS/machine.json"
 
 C=$WORK/corpus
-train=(--train-file "$C/gutenberg,$C/wiki.valid.tokens,$C/squad-train.txt,$C/bbc-train.txt" --train-split train
-       --eval-file "$C/gutenberg" --eval-split test --eval-limit 300 --model "$WORK/minilm"
-       --init-adapter "$WORK/init_fill_mask" --lora-rank 128 --lora-alpha 128
-       --lora-targets query,key,value,attention_output,ffn_up,ffn_down -o whole_word=true
-       --precision bf16 --length-buckets 50 --log-every 50 --device $device)
+if [ "$TASK" = fill_mask ]; then
+  train=(--train-file "$C/gutenberg,$C/wiki.valid.tokens,$C/squad-train.txt,$C/bbc-train.txt" --train-split train
+         --eval-file "$C/gutenberg" --eval-split test --eval-limit 300 -o whole_word=true)
+  batch=256 rates=(--lr 1e-3 --head-lr 2e-3) seed=${SEED:-46}
+else  # the recipe of the shipped pack's last step (MODEL_CARD.md, qa), four times the batch
+  Q=$WORK/qa-data
+  train=(--train-file "$(ls $Q/train-v1.1.part0*of08.json | paste -sd,),$Q/qed-train.squad.part1of2.json,$Q/qed-train.squad.part2of2.json,$Q/qed-train.squad.part1of2.json,$Q/qed-train.squad.part2of2.json"
+         --train-split "train+negatives:0.1+absent:0.15+removed:0.15+swapped+antonym+numbers+negated:0.25"
+         --eval-file "$Q/dev-v2.0.json" --eval-split dev --eval-limit 400 --best-metric best_f1)
+  batch=64 rates=(--lr 6e-4 --head-lr 3e-3) seed=${SEED:-48}
+fi
+train+=(--model "$WORK/minilm" --init-adapter "$WORK/init" --lora-rank "$RANK" --lora-alpha "$RANK"
+        --lora-targets query,key,value,attention_output,ffn_up,ffn_down
+        --precision bf16 --length-buckets 50 --log-every 50 --device $device)
 
-stage "smoke: 12 steps of the training on $device"
-if [ -n "${SMOKE:-}" ]; then sizes=(--batch-size 4); else sizes=(--batch-size 256); fi
-timeout -s INT 120 $PY -m bert_engine train fill_mask "${train[@]}" "${sizes[@]}" --output-dir "$WORK/smoke" \
+stage "smoke: 12 steps of the $TASK training on $device"
+if [ -n "${SMOKE:-}" ]; then sizes=(--batch-size 4); else sizes=(--batch-size $batch); fi
+[ "$TASK" = qa ] && sizes+=(--train-limit 2000)  # reading all of SQuAD twice would cost a minute
+timeout -s INT 150 $PY -m bert_engine train $TASK "${train[@]}" "${sizes[@]}" --output-dir "$WORK/smoke" \
     --max-steps 12 --eval-every 12 --eval-limit 20 --save-every 12 > "$LOGS/smoke.json" 2> "$LOGS/smoke.log" \
   || { echo "the smoke run failed:"; tail -30 "$LOGS/smoke.log"; stage failed; exit 1; }
 tail -3 "$LOGS/smoke.log"
 
-stage "fill-mask training, about $TRAIN_MINUTES minutes"
+stage "$TASK training, about $TRAIN_MINUTES minutes"
 if [ -n "${SMOKE:-}" ]; then long=(--batch-size 4 --max-steps 60 --eval-every 30 --eval-limit 20 --save-every 30)
-else long=(--batch-size 256 --max-steps ${STEPS:-100000} --eval-every 1000 --save-every 500); fi
-timeout -s INT $($PY -c "print(int($TRAIN_MINUTES * 60 + 90))") $PY -m bert_engine train fill_mask "${train[@]}" \
-    "${long[@]}" ${STEPS:+--warmup-ratio 0.03} $([ -z "${STEPS:-}" ] && echo --max-minutes "$TRAIN_MINUTES") --lr 1e-3 --head-lr 2e-3 --seed 45 --output-dir "$WORK/fill_mask" \
+else long=(--batch-size $batch --max-steps ${STEPS:-100000} --eval-every 1000 --save-every 500); fi
+timeout -s INT $($PY -c "print(int($TRAIN_MINUTES * 60 + 90))") $PY -m bert_engine train $TASK "${train[@]}" \
+    "${long[@]}" ${STEPS:+--warmup-ratio 0.03} $([ -z "${STEPS:-}" ] && echo --max-minutes "$TRAIN_MINUTES") "${rates[@]}" --seed $seed --output-dir "$WORK/run" \
     > "$LOGS/train.json" 2> "$LOGS/train.log"
 echo "training exit $?"; grep -E "max_minutes|best so far|Error|error" "$LOGS/train.log" | tail -12
-cp "$WORK/fill_mask/metrics.jsonl" "$WORK/fill_mask/run.json" "$LOGS/" 2>/dev/null
+cp "$WORK/run/metrics.jsonl" "$WORK/run/run.json" "$LOGS/" 2>/dev/null
 stage "the adapters"
 for kind in best last; do  # the adapter alone in float16 (16 MiB a file comes back), not the optimizer state
-  [ -d "$WORK/fill_mask/$kind" ] || continue
+  [ -d "$WORK/run/$kind" ] || continue
   $PY -c "import sys; from safetensors.torch import load_file, save_file; p = sys.argv[1]; \
 save_file({k: v.half() if v.is_floating_point() else v for k, v in load_file(p).items()}, p)" \
-      "$WORK/fill_mask/$kind/adapter.safetensors"
-  tar cf "$OUT/$kind.tar" -C "$WORK/fill_mask/$kind" $(cd "$WORK/fill_mask/$kind" && ls | grep -v trainer_state.pt)
+      "$WORK/run/$kind/adapter.safetensors"
+  tar cf "$OUT/$kind.tar" -C "$WORK/run/$kind" $(cd "$WORK/run/$kind" && ls | grep -v trainer_state.pt)
 done
-if [ -z "${SMOKE:-}" ]; then
+BENCH=${BENCH:-real}  # real: the padding-free step on SST-2 lengths only; all: session 26's too; none
+if [ -z "${SMOKE:-}" ] && [ "$BENCH" != none ] && [ "$TASK" = fill_mask ]; then
   stage "benchmarks (GPU, bert-base in its shape with random weights)"
-  timeout 50 $PY -m benchmarks.encoder --device cuda --models bert-base --shapes 32x128,32x512 \
-      --precisions bf16 --no-onnx --repeats 20 --json "$LOGS/encoder_cuda.json" > "$LOGS/bench.log" 2>&1
-  timeout 50 $PY -m benchmarks.train_step --device cuda --model bert-base --shape 32x512 --precision bf16 \
-      --json "$LOGS/train_step_cuda.json" >> "$LOGS/bench.log" 2>&1
+  if [ "${BENCH}" = all ]; then  # session 26's figures (benchmarks/results/gpu/)
+    timeout 50 $PY -m benchmarks.encoder --device cuda --models bert-base --shapes 32x128,32x512 \
+        --precisions bf16 --no-onnx --repeats 20 --json "$LOGS/encoder_cuda.json" > "$LOGS/bench.log" 2>&1
+    timeout 50 $PY -m benchmarks.train_step --device cuda --model bert-base --shape 32x512 --precision bf16 \
+        --json "$LOGS/train_step_cuda.json" >> "$LOGS/bench.log" 2>&1
+  fi
   timeout 50 $PY -m benchmarks.train_step --device cuda --model bert-base --shape 32x128 --precision bf16 \
       --objective classify --data "$C/sst2-dev.tsv" --tokenizer "$WORK/minilm" --json "$LOGS/train_step_cuda_sst2.json" >> "$LOGS/bench.log" 2>&1
   grep -v "^\s*$" "$LOGS/bench.log" | tail -40
