@@ -68,6 +68,7 @@ train+=(--model "$WORK/minilm" --init-adapter "$WORK/init" --lora-rank "$RANK" -
         --lora-targets query,key,value,attention_output,ffn_up,ffn_down
         --precision bf16 --length-buckets 50 --log-every 50 --device $device)
 
+rm -rf "$WORK/smoke" "$WORK/run"  # a warm machine keeps /tmp: the last call's run is not this one's
 stage "smoke: 12 steps of the $TASK training on $device"
 if [ -n "${SMOKE:-}" ]; then sizes=(--batch-size 4); else sizes=(--batch-size $batch); fi
 [ "$TASK" = qa ] && sizes+=(--train-limit 2000)  # reading all of SQuAD twice would cost a minute
@@ -83,7 +84,7 @@ timeout -s INT $($PY -c "print(int($TRAIN_MINUTES * 60 + 90))") $PY -m bert_engi
     "${long[@]}" ${STEPS:+--warmup-ratio 0.03} $([ -z "${STEPS:-}" ] && echo --max-minutes "$TRAIN_MINUTES") "${rates[@]}" --seed $seed --output-dir "$WORK/run" \
     > "$LOGS/train.json" 2> "$LOGS/train.log"
 echo "training exit $?"; grep -E "max_minutes|best so far|Error|error" "$LOGS/train.log" | tail -12
-cp "$WORK/run/metrics.jsonl" "$WORK/run/run.json" "$LOGS/" 2>/dev/null
+cp "$WORK/run/metrics.jsonl" "$WORK/run/run.json" "$WORK/run/train_config.json" "$LOGS/" 2>/dev/null  # what `pack` reads
 stage "the adapters"
 for kind in best last; do  # the adapter alone in float16 (16 MiB a file comes back), not the optimizer state
   [ -d "$WORK/run/$kind" ] || continue

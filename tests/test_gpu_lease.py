@@ -44,7 +44,7 @@ def test_the_lease_script_runs_every_stage_on_a_cpu(tmp_path):
     with tarfile.open(out / "logs.tar") as logs:
         names = {Path(n).name for n in logs.getnames()}
         rebased = json.load(logs.extractfile("./rebase.json"))
-    assert {"base.json", "machine.json", "smoke.log", "train.log", "metrics.jsonl", "run.json"} <= names
+    assert {"base.json", "machine.json", "smoke.log", "train.log", "metrics.jsonl", "run.json", "train_config.json"} <= names
     assert rebased["base_model"] == str(work / "minilm")  # the shipped adapter, moved onto the expanded copy
     with tarfile.open(out / "last.tar") as adapter:
         assert "trainer_state.pt" not in adapter.getnames()  # the adapter only, not the optimizer
