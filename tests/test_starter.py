@@ -88,13 +88,17 @@ def test_summary_starter(registry):
 
 @pytest.mark.skipif("fill_mask" not in PACKED, reason="no fill-mask starter model packed")
 def test_fill_mask_starter(registry):
+    from scripts.fill_mask_probes import PROBES
+
     predictor = _predictor(registry, "fill_mask")
-    # Trained on 19th-century novels: everyday nouns and adjectives of that prose, not world facts.
-    for text, expected in (("She opened the [MASK] and walked into the garden.", "door"),
-                           ("Once upon a [MASK] there lived a king.", "time"),
-                           ("He was a [MASK] man.", "old")):
-        result = predictor.predict({"text": text})["result"]
-        assert expected in [c["token"] for c in result["predictions"][0]["candidates"]], text
+    result = predictor.predict({"text": "She opened the [MASK] and walked into the garden."})["result"]
+    assert result["predictions"][0]["candidates"][0]["token"] == "door"
+    # The thirty everyday cloze sentences (scripts/fill_mask_probes.py, written before any pack was scored): the
+    # session-27 pack has 11 in its top five, the two before it 10 and 12. ("Once upon a [MASK]" lost "time" in
+    # that pack, which this test checked before: MODEL_CARD.md says so.)
+    found = sum(expected in [c["token"] for c in predictor.predict({"text": text})["result"]["predictions"][0]["candidates"]]
+                for text, expected in PROBES)
+    assert found >= 9, found
 
 
 def test_the_fill_mask_tabs_one_mask_examples_are_answered_right_by_the_starter(registry):
