@@ -166,8 +166,7 @@ def postprocess(output: NerOutput, batch, *, max_length, stride, nbest, constrai
     emissions = output.logits.float().cpu()
     kwargs = dict(constrained=constrained, begins=begins, ends=ends)
     paths = crf.decode(emissions, mask, nbest=nbest, **kwargs)
-    marginals = crf.marginals(emissions, mask, **kwargs)  # (B, T, L)
-    log_z = crf.log_partition(emissions, mask, **kwargs)  # (B,)
+    marginals, log_z = crf.marginals(emissions, mask, with_log_z=True, **kwargs)  # (B, T, L), (B,)
     rows_of: dict[int, list[int]] = {}
     for r, sample in enumerate(batch.sample_index):
         rows_of.setdefault(sample, []).append(r)

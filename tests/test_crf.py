@@ -180,3 +180,36 @@ def test_marginals_are_probabilities_even_for_sure_tags():
     marginals = crf.marginals(emissions, torch.ones(8, 120, dtype=torch.bool), constrained=False)
     assert float(marginals.max()) <= 1.0 and float(marginals.min()) >= 0.0
     torch.testing.assert_close(marginals.sum(-1), torch.ones(8, 120), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("scale", [1.0, 15.0])
+def test_the_scaled_recursion_matches_the_log_space_one(scale):
+    """marginals' probability-space pass (numpy) against the log-space torch pass it falls back to, on ragged
+    rows, mid-document windows, constraints and peaked emissions; log Z against log_partition."""
+    crf = _random_crf(len(BIO), seed=3, tags=BIO, scheme="BIO")
+    generator = torch.Generator().manual_seed(4)
+    emissions = torch.randn(6, 30, len(BIO), generator=generator) * scale
+    mask = torch.rand(6, 30, generator=generator) > 0.3
+    mask[5] = False  # a row with nothing selected
+    begins, ends = torch.tensor([1, 0, 1, 0, 1, 1], dtype=torch.bool), torch.tensor([1, 1, 0, 0, 1, 0], dtype=torch.bool)
+    for constrained in (False, True):
+        kwargs = dict(constrained=constrained, begins=begins, ends=ends)
+        marginals, log_z = crf.marginals(emissions, mask, with_log_z=True, **kwargs)
+        compact, valid, index, _, trans, start, end = crf._prepare(emissions, mask, constrained, begins, ends)
+        reference, _ = crf._log_space_marginals(compact, valid, trans, start, end)
+        expected = torch.zeros_like(marginals).scatter(1, index[..., None].expand(*reference.shape), reference)
+        torch.testing.assert_close(marginals, expected, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(log_z, crf.log_partition(emissions, mask, **kwargs), atol=1e-3, rtol=1e-6)
+        assert float(log_z[5]) == 0.0 and marginals[5].abs().sum() == 0
+
+
+def test_marginals_fall_back_to_log_space_where_every_path_underflows():
+    """Scores 2,000 apart: in probability space the one step's mass rounds to 0, so the log-space pass answers."""
+    crf = CRF(2)
+    with torch.no_grad():
+        crf.transitions.copy_(torch.tensor([[0.0, -2000.0], [-2000.0, 0.0]]))
+    emissions = torch.tensor([[[0.0, -2000.0], [-3000.0, 0.0]]])
+    marginals, log_z = crf.marginals(emissions, with_log_z=True, constrained=False)
+    # Two best paths tie at -2000 (0 -> 1 and 1 -> 1): position 0 is even, position 1 is tag 1.
+    torch.testing.assert_close(marginals[0], torch.tensor([[0.5, 0.5], [0.0, 1.0]]))
+    assert float(log_z[0]) == pytest.approx(-2000 + math.log(2), abs=1e-3)
