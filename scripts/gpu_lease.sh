@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# What a rented GPU machine runs in one call (here: 64 MiB of files in, at most 10 minutes, no network):
-# the fill-mask starter trained further (issue 35), timed to fit, then the GPU benchmarks of issue 40.
+# What a rented GPU machine runs in one call (here: 64 MiB of files in, at most 10 minutes, no network): a
+# starter trained further (issue 35; TASK=fill_mask, the default, or TASK=qa), timed to fit, then for fill-mask
+# the GPU benchmarks of issue 40.
 #
 # Before, here (the carried files live in .devcarry/, which git ignores):
 #   python scripts/compact_base.py pack default .devcarry/minilm-compact    # 90 MB -> 34 MB (see its docstring)
-#   mkdir -p STAGE/corpus; cp -r ../shared/data/gutenberg ../shared/data/wikitext2/wiki.valid.tokens STAGE/corpus/
-#   cp ../shared/data/sst2/dev.tsv STAGE/corpus/sst2-dev.tsv
-#   python scripts/squad_contexts.py "../shared/data/squad/train-v1.1.part0*of08.json" STAGE/corpus/squad-train.txt
-#   python scripts/bbc_corpus.py ../shared/data/bbc_news_summary/bbc_news_summary.jsonl STAGE/corpus/bbc-train.txt
-#   tar cf - -C STAGE corpus | xz -9 > .devcarry/corpus.tar.xz              # 15 MB
-# There, in the repository, with .devcarry/ carried along:
-#   pip install --no-deps --no-build-isolation -e . && OUT=... bash scripts/gpu_lease.sh
+#   fill_mask: the corpus (15 MB)
+#     mkdir -p STAGE/corpus; cp -r ../shared/data/gutenberg ../shared/data/wikitext2/wiki.valid.tokens STAGE/corpus/
+#     cp ../shared/data/sst2/dev.tsv STAGE/corpus/sst2-dev.tsv
+#     python scripts/squad_contexts.py "../shared/data/squad/train-v1.1.part0*of08.json" STAGE/corpus/squad-train.txt
+#     python scripts/bbc_corpus.py ../shared/data/bbc_news_summary/bbc_news_summary.jsonl STAGE/corpus/bbc-train.txt
+#     tar cf - -C STAGE corpus | xz -9 > .devcarry/corpus.tar.xz
+#   qa: SQuAD 1.1 train, QED train and SQuAD 2.0 dev (8 MB), and pysbd (pure Python; the lent image lacks it)
+#     mkdir -p STAGE/qa-data; cp ../shared/data/squad/train-v1.1.part0*of08.json ../shared/data/qed/qed-train.squad.part*of2.json \
+#       ../shared/data/squad/dev-v2.0.json STAGE/qa-data/; tar cf - -C STAGE qa-data | xz -9 > .devcarry/qa-data.tar.xz
+#     mkdir -p .devcarry/py; cp -r "$(python -c 'import pysbd, os; print(os.path.dirname(pysbd.__file__))')" .devcarry/py/
+# There, in the repository, with those .devcarry/ paths carried along (session 27's two calls):
+#   pip install --no-deps --no-build-isolation -e . && TRAIN_MINUTES=3.5 OUT=... bash scripts/gpu_lease.sh
+#   pip install ... && PYTHONPATH=$PWD/.devcarry/py TASK=qa TRAIN_MINUTES=4 OUT=... bash scripts/gpu_lease.sh
 # After, here: untar OUT's best.tar or last.tar, `compact_base.py rebase` it onto default, cast its tensors back
-# to float32, and `bert-engine pack` it with the evaluation data (MODEL_CARD.md, fill_mask, gives the commands).
+# to float32, put logs.tar's train_config.json, run.json and metrics.jsonl beside it as the run folder, and
+# `bert-engine pack` it with the evaluation data (MODEL_CARD.md gives the commands; QA then qa_calibrate.py).
 #
 # SMOKE=1: a CPU dry run of the same stages, tiny. STEPS=N: train N steps instead of TRAIN_MINUTES (default 5,
-# `--max-minutes`); session 26 ran STEPS=3000 (3 min 31 s on an H200). corpus/ holds the fill-mask starter's
+# `--max-minutes`); session 26 ran STEPS=3000 (3 min 31 s on an H200). RANK: the adapter's rank (default 40, what
+# a starter folder stores); SEED. corpus/ holds the fill-mask starter's
 # training text (MODEL_CARD.md): gutenberg/ (the train split is taken by hash at read time), wiki.valid.tokens,
 # squad-train.txt (scripts/squad_contexts.py), bbc-train.txt (scripts/bbc_corpus.py), and sst2-dev.tsv for the
 # padding-free benchmark. Small files go back as one logs.tar, refreshed at each stage; a failed smoke run ends

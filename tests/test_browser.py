@@ -232,11 +232,20 @@ def test_attention_tab_shows_the_last_input(browser_page):
 
 
 def test_a_failed_run_keeps_the_last_result_visible(browser_page):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     _classify(browser_page, "What a wonderful, moving film.")
     panel = _open(browser_page, "Sentiment")
     panel.locator("textarea").first.fill("   ")
-    panel.get_by_role("button", name="Classify").click()
-    browser_page.get_by_text("the text is empty").first.wait_for(timeout=30_000)
+    message = browser_page.get_by_text("the text is empty").first
+    for attempt in range(3):  # under a loaded 2-core machine a click right after the fill was once lost (suite run,
+        panel.get_by_role("button", name="Classify").click()  # session 27): clicked again, the message must come
+        try:
+            message.wait_for(timeout=20_000)
+            break
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
     label = panel.get_by_text("POSITIVE").first
     box = label.bounding_box()
     # the label is on top where it is drawn, not under an "Error" overlay; polled for up to 5 s, since right after

@@ -52,3 +52,30 @@ def test_the_lease_script_runs_every_stage_on_a_cpu(tmp_path):
         config = json.load(io.TextIOWrapper(adapter.extractfile("adapter_config.json")))
     assert {str(t.dtype) for t in tensors.values()} == {"torch.float16"}  # half the bytes on the way back
     assert config["base_sha256"] == json.loads((work / "logs" / "base.json").read_text())["sha256"]  # trained on the copy
+
+
+@pytest.mark.slow
+def test_the_lease_script_trains_qa_on_a_cpu(tmp_path):
+    """TASK=qa: the QA starter rebased, trained on the SQuAD-layout files the script names, and sent back."""
+    data = tmp_path / "stage" / "qa-data"
+    data.mkdir(parents=True)
+    squad = FIXTURES / "regression" / "squad_v2_dev_second_half.json"  # answerable and unanswerable questions
+    for name in ("train-v1.1.part01of08.json", "qed-train.squad.part1of2.json", "qed-train.squad.part2of2.json",
+                 "dev-v2.0.json"):
+        shutil.copy(squad, data / name)
+    carry = tmp_path / "carry"
+    compact_base.pack("default", carry / "minilm-compact")
+    with lzma.open(carry / "qa-data.tar.xz", "wb") as packed, tarfile.open(fileobj=packed, mode="w") as archive:
+        archive.add(data, arcname="qa-data")
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "SMOKE": "1", "TASK": "qa", "OUT": str(out), "CARRY": str(carry), "WORK": str(work),
+           "PY": sys.executable, "TRAIN_MINUTES": "0.2"}
+    done = subprocess.run(["bash", "scripts/gpu_lease.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with tarfile.open(out / "last.tar") as adapter:
+        config = json.load(io.TextIOWrapper(adapter.extractfile("adapter_config.json")))
+    with tarfile.open(out / "logs.tar") as logs:
+        trained = json.load(logs.extractfile("./train_config.json"))
+    assert config["head"] == "SpanHead" and config["rank"] == 40  # the QA pack, grown from rank 32 to RANK
+    assert trained["task"] == "qa" and trained["batch_size"] == 4 and trained["init_adapter"] == str(work / "init")
