@@ -136,7 +136,8 @@ def at(rows: list[tuple[float, float, float]], threshold: float) -> dict[str, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="the QA checkpoint folder (a pack)")
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--data", type=Path, default=DATA,
+                        help=f"the datasets folder holding squad/ and qed/ (default: {DATA})")
     parser.add_argument("--report", type=Path, default=Path("runs/qa_calibration.json"))
     parser.add_argument("--preset", choices=PRESETS, default="eager", help="the shipped default")
     parser.add_argument("--write-pack", action="store_true", help="write verifier + thresholds into the manifest")

@@ -167,7 +167,7 @@ def test_provenance_and_conformance_of_an_in_test_task():
     assert check_task(registry.task("toy"), predictor, build_tab=False) == []
     with pytest.raises(InputError, match="unknown option"):
         predictor.predict({"text": "x"}, top_k=3)
-    with pytest.raises(InputError, match="input 'text' must be text, got NoneType"):
+    with pytest.raises(InputError, match="input 'text' is missing; the task reads text"):
         predictor.predict({})
 
 

@@ -217,6 +217,9 @@ class Predictor:
             value = inputs.get(field)
             if value is None and field in spec.optional_fields:
                 continue
+            if value is None:
+                raise InputError(f"{spec.name}: input {field!r} is missing; the task reads "
+                                 f"{', '.join(spec.input_fields + spec.optional_fields)}")
             if not isinstance(value, str):
                 raise InputError(f"{spec.name}: input {field!r} must be text, got {type(value).__name__}")
             if len(value) > MAX_INPUT_CHARS:
