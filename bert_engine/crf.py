@@ -11,6 +11,7 @@ Shape legend: B batch, T tokens, S selected positions per row (≤ T), L tags, K
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -241,8 +242,6 @@ def _scaled_forward_backward(compact: Tensor, valid: Tensor, trans: Tensor, star
     relative to its largest entry, and each marginal is alpha x beta renormalised over the tags, so
     nothing overflows. None where a rescale meets a zero or non-finite sum (every path through a step
     underflowing: scores hundreds apart): the caller falls back to the log-space recursion."""
-    import numpy as np  # noqa: PLC0415 - torch depends on numpy; kept local like the other CPU helpers
-
     em = compact.detach().double().cpu().numpy()  # (B, S, L)
     ok = valid.cpu().numpy()  # (B, S)
     tr = trans.detach().double().cpu().numpy()  # (L, L)

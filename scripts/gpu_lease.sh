@@ -66,7 +66,7 @@ if [ "$TASK" = fill_mask ]; then
   train=(--train-file "$C/gutenberg,$C/wiki.valid.tokens,$C/squad-train.txt,$C/bbc-train.txt" --train-split train
          --eval-file "$C/gutenberg" --eval-split test --eval-limit 300 -o whole_word=true)
   batch=256 rates=(--lr 1e-3 --head-lr 2e-3) seed=${SEED:-46}
-else  # the recipe of the shipped pack's last step (MODEL_CARD.md, qa), four times the batch
+else  # the shipped pack's part 7 (MODEL_CARD.md, qa): part 5's data and split at four times its batch
   Q=$WORK/qa-data
   train=(--train-file "$(ls $Q/train-v1.1.part0*of08.json | paste -sd,),$Q/qed-train.squad.part1of2.json,$Q/qed-train.squad.part2of2.json,$Q/qed-train.squad.part1of2.json,$Q/qed-train.squad.part2of2.json"
          --train-split "train+negatives:0.1+absent:0.15+removed:0.15+swapped+antonym+numbers+negated:0.25"
