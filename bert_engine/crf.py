@@ -177,46 +177,14 @@ class CRF(nn.Module):
         if nbest < 1:
             raise ValueError(f"nbest must be at least 1, got {nbest}")
         compact, valid, _, lengths, trans, start, end = self._prepare(emissions, mask, constrained, begins, ends)
-        B, S, L = compact.shape
-        K = nbest
-        neg_inf = float("-inf")
-        scores = compact.new_full((B, L, K), neg_inf)
-        scores[:, :, 0] = start + compact[:, 0]  # (B, L, K): best K partial scores ending in each tag
-        pointers = []  # per step s ≥ 1: (B, L, K) flat index prev_tag * K + prev_rank
-        keep_index = (torch.arange(L, device=compact.device)[:, None] * K
-                      + torch.arange(K, device=compact.device)[None, :]).expand(B, L, K)
-        moves = self._moves(compact, trans).transpose(2, 3)[..., None]  # (B, S-1, L_to, L_from, 1)
-        ragged = not bool(valid.all())
-        for s in range(1, S):
-            cand = (scores[:, None, :, :] + moves[:, s - 1]).reshape(B, L, L * K)  # (B, L_to, L_from * K)
-            best, where = cand.topk(K, dim=-1)  # (B, L, K)
-            if ragged:
-                step_valid = valid[:, s, None, None]
-                best, where = torch.where(step_valid, best, scores), torch.where(step_valid, where, keep_index)
-            scores = best
-            pointers.append(where)
-        final = (scores + end[:, :, None]).reshape(B, L * K)
-        best, where = final.topk(min(K, L * K), dim=-1)  # (B, K)
-        back = torch.stack(pointers, 1).tolist() if pointers else [[] for _ in range(B)]  # (B, S-1, L, K), as lists
+        paths = _viterbi_nbest(compact, valid, trans, start, end, nbest)
         results = []
-        for b in range(B):
-            n = int(lengths[b])
+        for n, row in zip(lengths.tolist(), paths):
             if n == 0:
                 results.append([([], 0.0)])
                 continue
-            paths = []
-            for score, flat in zip(best[b].tolist(), where[b].tolist()):
-                if score == neg_inf or (constrained and score < FORBIDDEN / 2):
-                    continue
-                tag, rank = divmod(flat, K)
-                path = [tag]
-                for s in range(S - 1, 0, -1):
-                    tag, rank = divmod(back[b][s - 1][tag][rank], K)
-                    path.append(tag)
-                # Steps past the row's length point back to the same tag and rank, so the path's
-                # tail repeats its last real tag: its first n entries are the row's path.
-                paths.append((path[::-1][:n], score))
-            results.append(paths)
+            results.append([(path[:n], score) for path, score in row
+                            if not (constrained and score < FORBIDDEN / 2)])
         return results
 
 
@@ -282,3 +250,50 @@ def _scaled_forward_backward(compact: Tensor, valid: Tensor, trans: Tensor, star
             return None
         probs = np.where(ok[..., None], joint / np.where(total > 0, total, 1.0), 0.0)
     return torch.from_numpy(probs).float(), torch.from_numpy(log_z)
+
+
+def _viterbi_nbest(compact: Tensor, valid: Tensor, trans: Tensor, start: Tensor, end: Tensor,
+                   nbest: int) -> list[list[tuple[list[int], float]]]:
+    """Per row, the `nbest` best (path over all S steps, score) pairs, best first, by Viterbi with K-best
+    lists, in numpy on the CPU (a request's decode is a dozen steps over 9 tags: torch's per-op dispatch
+    cost more than the arithmetic). Steps past a row's end keep its lists and point back to the same tag
+    and rank, so a path's first `length` entries are the row's path. Paths scoring -inf (fewer than
+    `nbest` exist) are left out."""
+    em = compact.detach().float().cpu().numpy()  # (B, S, L)
+    ok = valid.cpu().numpy()  # (B, S)
+    B, S, L = em.shape
+    K = nbest
+    # (B, S-1, L_to, L_from): the transition plus the next step's emission, for every step at once
+    moves = (trans.detach().float().cpu().numpy().T[None, None] + em[:, 1:, :, None])[..., None]
+    scores = np.full((B, L, K), -np.inf, dtype=np.float32)  # best K partial scores ending in each tag
+    scores[:, :, 0] = start.detach().float().cpu().numpy() + em[:, 0]
+    keep = np.broadcast_to(np.arange(L * K).reshape(1, L, K), (B, L, K))  # "the same tag and rank"
+    rows = np.arange(B)[:, None, None]
+    tags = np.arange(L)[None, :, None]
+    pointers = np.empty((B, max(S - 1, 0), L, K), dtype=np.int64)  # flat index prev_tag * K + prev_rank
+    with np.errstate(invalid="ignore"):
+        for s in range(1, S):
+            cand = (scores[:, None, :, :] + moves[:, s - 1]).reshape(B, L, L * K)  # (B, L_to, L_from * K)
+            where = np.argsort(-cand, axis=-1, kind="stable")[..., :K]  # ties: the lower index first
+            best = cand[rows, tags, where]
+            step_valid = ok[:, s, None, None]
+            scores = np.where(step_valid, best, scores)
+            pointers[:, s - 1] = np.where(step_valid, where, keep)
+        final = (scores + end.detach().float().cpu().numpy()[:, :, None]).reshape(B, L * K)
+        order = np.argsort(-final, axis=-1, kind="stable")[:, :K]
+    back = pointers.tolist()
+    out = []
+    for b in range(B):
+        paths = []
+        for flat in order[b].tolist():
+            score = float(final[b, flat])
+            if score == float("-inf"):
+                continue
+            tag, rank = divmod(flat, K)
+            path = [tag]
+            for s in range(S - 1, 0, -1):
+                tag, rank = divmod(back[b][s - 1][tag][rank], K)
+                path.append(tag)
+            paths.append((path[::-1], score))
+        out.append(paths)
+    return out

@@ -16,6 +16,7 @@ one segment (RoBERTa, DistilBERT).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from html import escape
@@ -142,12 +143,15 @@ def word_layout(batch) -> tuple[Tensor, Tensor, Tensor, dict]:
     """
     spans = word_spans(batch)
     B, T = batch.input_ids.shape
-    mask = torch.zeros(B, T, dtype=torch.bool)
     special = batch.meta.get("special_ids", frozenset())
+    rows = []
     for r, sample in enumerate(batch.sample_index):
-        for t, ((start, _), word, seq) in enumerate(zip(batch.offsets[r], batch.word_ids[r], batch.sequence_ids[r])):
-            mask[r, t] = word is not None and seq == 0 and start == spans[(sample, word)][0] and (
-                t == 0 or batch.word_ids[r][t - 1] != word) and int(batch.input_ids[r, t]) not in special
+        ids, word_ids = batch.input_ids[r].tolist(), batch.word_ids[r]
+        row = [word is not None and seq == 0 and start == spans[(sample, word)][0] and (
+               t == 0 or word_ids[t - 1] != word) and ids[t] not in special
+               for t, ((start, _), word, seq) in enumerate(zip(batch.offsets[r], word_ids, batch.sequence_ids[r]))]
+        rows.append(row + [False] * (T - len(row)))
+    mask = torch.tensor(rows, dtype=torch.bool).reshape(B, T)
     samples = batch.sample_index
     begins = torch.tensor([r == 0 or samples[r - 1] != s for r, s in enumerate(samples)])
     ends = torch.tensor([r == len(samples) - 1 or samples[r + 1] != s for r, s in enumerate(samples)])
@@ -191,12 +195,14 @@ def _decoder(head: NerHead, scheme: str) -> CRF:
 def _one_input(i, text, rows, batch, labels, mask, paths, marginals, log_z, emissions, spans, scheme, constrained):
     candidates = []  # (score, first word, last word + 1, type) from every window
     best_row: dict[int, tuple[int, int, int, int]] = {}  # word -> (context, row, position, path index)
+    probs_of = {r: marginals[r].tolist() for r in rows}  # (T, L) as lists: read per word below
+    argmax_of = {r: emissions[r].argmax(-1).tolist() for r in rows}  # (T,)
     for r in rows:
         positions = mask[r].nonzero().squeeze(-1).tolist()
         words = [batch.word_ids[r][t] for t in positions]
         tags = [labels[k] for k in paths[r][0][0]] if paths[r] else ["O"] * len(positions)
         for begin, end, kind in chunks(tags):
-            probs = [float(marginals[r, positions[j], paths[r][0][0][j]]) for j in range(begin, end)]
+            probs = [probs_of[r][positions[j]][paths[r][0][0][j]] for j in range(begin, end)]
             candidates.append((sum(probs) / len(probs), words[begin], words[end - 1] + 1, kind))
         for j, word in enumerate(words):
             context = min(j, len(words) - 1 - j)
@@ -220,7 +226,7 @@ def _one_input(i, text, rows, batch, labels, mask, paths, marginals, log_z, emis
         tag_id = paths[r][0][0][j] if paths[r] else 0
         start, end = spans[(i, word)]
         words_out.append({"word": text[start:end], "start": start, "end": end, "tag": labels[tag_id],
-                          "argmax": labels[int(emissions[r, t].argmax())], "score": round(float(marginals[r, t, tag_id]), 6)})
+                          "argmax": labels[argmax_of[r][t]], "score": round(probs_of[r][t][tag_id], 6)})
     first_row = rows[0]
     nbest = [{"tags": [labels[k] for k in path], "probability": _prob(score - float(log_z[first_row]))}
              for path, score in paths[first_row]]
@@ -236,12 +242,18 @@ def _prob(log_prob: float) -> float:
 
 def is_valid(tags: list[str], labels, scheme: str) -> bool:
     """Whether a tag sequence obeys the scheme's transitions (start and end included)."""
-    allowed, start, end = allowed_transitions(labels, scheme)
+    allowed, start, end = _allowed_lists(tuple(labels), scheme)
     index = {label: k for k, label in enumerate(labels)}
     ids = [index[t] for t in tags]
     if not ids:
         return True
-    return bool(start[ids[0]]) and bool(end[ids[-1]]) and all(bool(allowed[a, b]) for a, b in zip(ids, ids[1:]))
+    return start[ids[0]] and end[ids[-1]] and all(allowed[a][b] for a, b in zip(ids, ids[1:]))
+
+
+@functools.lru_cache(maxsize=64)
+def _allowed_lists(labels: tuple[str, ...], scheme: str) -> tuple[list, list, list]:
+    """allowed_transitions as nested lists of bools, worked out once per label set and scheme (not per request)."""
+    return tuple(t.tolist() for t in allowed_transitions(labels, scheme))
 
 
 def transition_table(head: NerHead, constrained: bool = True) -> dict[str, Any]:
