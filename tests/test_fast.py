@@ -210,6 +210,29 @@ def test_int8_rotation_by_default_on_every_projection_and_closer_to_fp32(minilm_
 
 
 @needs_onednn_int8
+def test_int8_feed_forward_runs_in_row_chunks_with_the_same_output_to_the_bit(minilm_dir):
+    from bert_engine.runtime.fast import FFN_CHUNK_ROWS
+
+    model, tokenizer = load(minilm_dir)
+    batch = tokenizer(SENTENCES * 3).model_inputs()  # padded rows, many more tokens than a chunk of 8
+    quantised = quantize_int8(copy.deepcopy(model))
+    assert {layer.ffn.chunk_rows for layer in quantised.layers} == {FFN_CHUNK_ROWS}
+    assert {layer.ffn.chunk_rows for layer in model.layers} == {None}  # fp32 is left alone
+    whole = _encode(quantised, batch)
+    calls = []
+    quantised.layers[0].ffn.up.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    for layer in quantised.layers:
+        layer.ffn.chunk_rows = 8
+    assert torch.equal(_encode(quantised, batch), whole)
+    assert len(calls) > 3 and max(calls) == 8
+    calls.clear()
+    quantised.train()  # training never chunks
+    with torch.inference_mode():
+        quantised(**batch)
+    assert len(calls) == 1
+
+
+@needs_onednn_int8
 def test_smoothing_moves_an_outlier_channel_into_the_weights():
     # a LayerNorm output with one channel 100x wider than the rest (BERT's LayerNorms have such channels):
     # quantised per token, that channel sets every token's step and the others round coarsely; divided
