@@ -163,6 +163,50 @@ def test_bad_input_is_a_clear_input_error(predictor, text, options, message):
         predictor.predict({"text": text}, **options)
 
 
+def _same_answer(a, b, where="result"):
+    """Equal but for the last digits of scores (a batch pads rows, so sums round in another order)."""
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _same_answer(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_answer(x, y, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-7), where
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "joint", "beam_width": 3}, {"targets": ["paris", "london"]}])
+def test_a_list_is_answered_in_one_batch_as_each_text_alone(predictor, options):
+    """predict_many (files, pipeline lists, a Space's merged requests) pads the texts into one forward
+    pass and reads every mask's logits in one pass of the head: the same answers as one request each."""
+    from bert_engine.runtime.inference import predict_texts
+
+    texts = [*TEXTS, "filler words here . " * 300 + "The capital of France is [MASK]. ", "Short [MASK]."]
+    if "targets" not in options:
+        texts.append("The [MASK] of France is [MASK] and the [MASK] river runs through it.")
+    alone = [predictor.predict({"text": t}, **options)["result"] for t in texts]
+    calls = []
+    head = predictor.model.head
+    original = head.logits
+    head.logits = lambda hidden: calls.append(hidden.shape[0]) or original(hidden)
+    try:
+        batched = predict_texts(predictor, texts, batch_size=len(texts), **options)
+    finally:
+        del head.logits
+    assert len(batched) == len(texts)
+    for one, many in zip(alone, batched):
+        _same_answer(one, many)
+    if not options:  # independent: every text's masks in one pass of the head
+        assert calls == [sum(t.count("[MASK]") for t in texts)]
+    with pytest.raises(InputError, match="fill_mask: input 1: the text has no \\[MASK\\] token"):
+        predict_texts(predictor, [TEXTS[0], "no mask here"], batch_size=2, **options)
+
+
 def test_loads_from_a_hub_id_served_locally(task, checkpoint, fake_hub, tmp_path):
     fake_hub.repos[("owner/mlm", "main")] = checkpoint
     hub = Predictor.load(task, "owner/mlm", endpoint=fake_hub.endpoint, cache_dir=tmp_path / "cache")
