@@ -341,3 +341,31 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
     monkeypatch.setenv("BERT_ENGINE_KERNELS", "fastest")
     with pytest.raises(Exception, match="BERT_ENGINE_KERNELS='fastest' is not one of auto, packed, plain"):
         Predictor.load(task, None, precision="fp32")
+
+
+def test_a_masked_lm_heads_decoder_is_a_kernel_choice_too(tmp_path, monkeypatch):
+    """The fill-mask head's decoder (hidden -> vocabulary) is timed on the rows it sees and packed where
+    oneDNN wins, like the encoder's projections; BERT_ENGINE_KERNELS=plain keeps it plain. A packed copy
+    leaves the word embeddings it was tied to alone, and the candidates stay the same."""
+    from bert_engine.runtime import fast
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.registry import load_registry
+
+    monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    task = load_registry(entry_points=False).task("fill_mask")
+    auto = Predictor.load(task, None, precision="fp32")
+    choice = auto.model.kernel_choice
+    assert set(choice) == set(fast.KERNEL_CHOICES)
+    assert isinstance(auto.model.head.decoder, fast.PackedLinear) == (choice["decoder"]["chose"] == "packed")
+    assert any(key.endswith("x30522|decoder") for key in json.loads((tmp_path / "kernels.json").read_text()))
+    text = {"text": "The capital of France is [MASK]."}
+    answers = {}
+    for kernels in ("packed", "plain"):
+        monkeypatch.setenv("BERT_ENGINE_KERNELS", kernels)
+        predictor = Predictor.load(task, None, precision="fp32")
+        head = predictor.model.head
+        assert isinstance(head.decoder, fast.PackedLinear if kernels == "packed" else nn.Linear)
+        assert predictor.model.encoder.embeddings.word_embeddings.weight.shape == (30522, 384)
+        answers[kernels] = predictor.predict(text)["result"]["predictions"][0]["candidates"]
+    assert [c["token"] for c in answers["packed"]] == [c["token"] for c in answers["plain"]]
+    assert [c["score"] for c in answers["packed"]] == pytest.approx([c["score"] for c in answers["plain"]], abs=1e-5)

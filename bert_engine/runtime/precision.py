@@ -180,8 +180,9 @@ def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = 
             model.kernel_choice = choice
             fast.pack_linear_layers(model, [name for name, c in choice.items() if c["chose"] == "packed"])
         else:
-            model.kernel_choice = {name: {"chose": kernels} for name in fast.PROJECTIONS}
-            fast.pack_linear_layers(model, fast.PROJECTIONS if kernels == "packed" else ())
+            names = fast.KERNEL_CHOICES if fast.mlm_heads(model) else fast.PROJECTIONS
+            model.kernel_choice = {name: {"chose": kernels} for name in names}
+            fast.pack_linear_layers(model, names if kernels == "packed" else ())
     if compile and precision.prepare == "quantize":
         # Inductor cannot lower oneDNN's int8 matmuls: it compiles what feeds them, each projection's quantiser
         if not fast.onednn_int8_available() or not fast.fuse_int8_quantisers(model):
