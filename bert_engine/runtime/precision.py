@@ -189,8 +189,9 @@ def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = 
             logger.warning("compile: this int8 model has no oneDNN int8 projections to fuse; running without compile")
             model.compiled = False
         else:  # what provenance() says: not the whole model, and not every input
-            model.compiled = (f"int8 input quantisers, for batches of {fast.FUSED_MIN_ROWS:,}+ tokens "
-                              "(shorter ones run them eagerly)")
+            model.compiled = (f"int8 input quantisers of the attention projections, for batches of "
+                              f"{fast.FUSED_MIN_ROWS:,}+ tokens (shorter ones, and the feed-forward's "
+                              f"{fast.FFN_CHUNK_ROWS}-row chunks, run them eagerly)")
     elif compile:
         fast.compile_encoder(model)
     return model
