@@ -254,7 +254,7 @@ def fill_mask(folder: Path, data: Path, precision: str, limit: int | None):
     reference = transformers.pipeline("fill-mask", model=str(folder), device=-1, batch_size=BATCH, top_k=1)
     out = {}
 
-    def run_engine():  # the fill-mask task has no batched path (predict_many): one text at a time
+    def run_engine():  # predict_many (batches of BATCH) where the task has one, else one text at a time
         results = (predict_texts(engine, texts, batch_size=BATCH) if task.spec.predict_many is not None
                    else [engine.predict({"text": t})["result"] for t in texts])
         out["engine"] = [r["predictions"][0]["candidates"][0]["token"].lower() for r in results]
