@@ -44,8 +44,9 @@ SETTINGS = {s.name: s for s in (
             "recording it"),
     Setting("BERT_ENGINE_PLUGIN_TIMEOUT", "float", 30.0, "start", "seconds a plugin may take to import (0: no "
             "limit)"),
-    Setting("BERT_ENGINE_KERNELS", "str", "auto", "start", "the CPU's fp32 matmuls: auto (time oneDNN's packed and "
-            "MKL's plain kernels on the model's shapes once per machine, keep the faster), packed, plain"),
+    Setting("BERT_ENGINE_KERNELS", "str", "auto", "start", "the CPU's fp32 and bf16 matmuls (the encoder's "
+            "projections, and a fill-mask head's decoder, int8 models too): auto (time oneDNN's packed and MKL's "
+            "plain kernels on the model's shapes once per machine, keep the faster), packed, plain"),
     Setting("BERT_ENGINE_KERNEL_CACHE", "str", "", "start", "the file those timings are kept in (default "
             "~/.cache/bert_engine/kernels.json)"),
     Setting("BERT_ENGINE_CPU_CAPABILITY", "str", "", "start", "pretend the CPU has only this capability (avx2, "

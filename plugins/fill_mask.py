@@ -79,7 +79,9 @@ def preprocess(inputs, tokenizer, **options):
         try:
             parts.append(_one_text(text, tokenizer, **options))
         except InputError as err:
-            raise InputError(f"fill_mask: input {i}: {str(err).removeprefix('fill_mask: ')}") from None
+            raise InputError.at("fill_mask", i, str(err).removeprefix("fill_mask: ")) from None
+    if not parts:
+        raise InputError("fill_mask: no texts were given")
     return _stacked(parts, tokenizer.pad_token_id)
 
 

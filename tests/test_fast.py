@@ -369,3 +369,23 @@ def test_a_masked_lm_heads_decoder_is_a_kernel_choice_too(tmp_path, monkeypatch)
         answers[kernels] = predictor.predict(text)["result"]["predictions"][0]["candidates"]
     assert [c["token"] for c in answers["packed"]] == [c["token"] for c in answers["plain"]]
     assert [c["score"] for c in answers["packed"]] == pytest.approx([c["score"] for c in answers["plain"]], abs=1e-5)
+    if onednn_int8_available():  # int8 quantises the encoder; the decoder stays fp32 and is still a choice
+        monkeypatch.setenv("BERT_ENGINE_KERNELS", "auto")
+        int8 = Predictor.load(task, None, precision="int8")
+        assert set(int8.model.kernel_choice) == {"decoder"}
+        assert isinstance(int8.model.head.decoder, fast.PackedLinear) == (choice["decoder"]["chose"] == "packed")
+        assert int8.provenance()["kernels"] == {"decoder": choice["decoder"]["chose"]}
+
+
+@needs_onednn_int8
+def test_compiled_int8_says_which_quantisers_it_fuses():
+    """The provenance of int8 + compile: fused on long inputs, eager on short ones and on the feed-forward's
+    row chunks (under the fused floor, so they never reach the compiled quantisers)."""
+    from bert_engine.runtime import fast
+
+    if fast.cpp_compiler() is None:
+        pytest.skip("torch.compile on the CPU needs a C++ compiler; none here")
+    model = BertModel(PRESETS["tiny"]).eval()
+    prepare_for_inference(model, "int8", compile=True)  # torch.compile is lazy: nothing is built here
+    assert model.compiled == (f"int8 input quantisers, for batches of {fast.FUSED_MIN_ROWS:,}+ tokens (shorter "
+                              f"ones, and the feed-forward's {fast.FFN_CHUNK_ROWS}-row chunks, run them eagerly)")

@@ -447,7 +447,12 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
         chunk = order[start:start + batch_size]
         inputs = {f: [items[i].get(f) for i in chunk] for f in fields
                   if any(items[i].get(f) is not None for i in chunk)}
-        batch = spec.preprocess(inputs, predictor.tokenizer, **options)
+        try:
+            batch = spec.preprocess(inputs, predictor.tokenizer, **options)
+        except InputError as err:  # about one input of the chunk: name its place in the caller's list
+            if err.position is None or not 0 <= err.position < len(chunk):
+                raise
+            raise InputError.at(spec.name, chunk[err.position], err.detail) from None
         chunk_results = predictor.run(batch, options)
         for i, result in zip(chunk, chunk_results if len(chunk) > 1 else [chunk_results]):
             results[i] = result

@@ -152,6 +152,21 @@ def kernel_cache() -> Path:
     return Path(settings.get("BERT_ENGINE_KERNEL_CACHE") or Path.home() / ".cache" / "bert_engine" / "kernels.json")
 
 
+def _choose_kernels(model: nn.Module, names: tuple[str, ...]) -> None:
+    """Pack the linear layers `names` (fast.KERNEL_CHOICES) that BERT_ENGINE_KERNELS says to: "auto" the
+    faster of oneDNN (packed) and MKL (plain) on this machine, timed once and cached; the choice is kept
+    in model.kernel_choice (the provenance's "kernels")."""
+    kernels = settings.get("BERT_ENGINE_KERNELS")  # Inductor fuses plain layers its own way: not with compile
+    if kernels not in ("auto", "packed", "plain"):
+        raise PrecisionError(f"BERT_ENGINE_KERNELS={kernels!r} is not one of auto, packed, plain")
+    if kernels == "auto":
+        choice = {name: c for name, c in fast.choose_kernels(model, kernel_cache()).items() if name in names}
+    else:
+        choice = {name: {"chose": kernels} for name in names}
+    model.kernel_choice = choice
+    fast.pack_linear_layers(model, [name for name, c in choice.items() if c["chose"] == "packed"])
+
+
 def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = True,
                           compile: bool = False) -> nn.Module:
     """What the Predictor does to a loaded model: the precision's dtype, then its preparation (int8
@@ -171,27 +186,20 @@ def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = 
             module.padding_free = True  # heads read real tokens only; the padding's share of the work is skipped
     if precision.prepare == "quantize":
         fast.quantize_int8(model)
+        if pack and fast.mlm_heads(model):  # a masked-LM head's decoder stays fp32: packed where that is faster
+            _choose_kernels(model, (fast.DECODER,))
     elif precision.prepare == "pack" and pack and not compile:  # Inductor cannot lower the packed matmuls;
-        kernels = settings.get("BERT_ENGINE_KERNELS")           # it fuses the plain layers its own way
-        if kernels not in ("auto", "packed", "plain"):
-            raise PrecisionError(f"BERT_ENGINE_KERNELS={kernels!r} is not one of auto, packed, plain")
-        if kernels == "auto":  # the faster of oneDNN (packed) and MKL (plain) per projection, on this machine
-            choice = fast.choose_kernels(model, kernel_cache())
-            model.kernel_choice = choice
-            fast.pack_linear_layers(model, [name for name, c in choice.items() if c["chose"] == "packed"])
-        else:
-            names = fast.KERNEL_CHOICES if fast.mlm_heads(model) else fast.PROJECTIONS
-            model.kernel_choice = {name: {"chose": kernels} for name in names}
-            fast.pack_linear_layers(model, names if kernels == "packed" else ())
+        _choose_kernels(model, fast.KERNEL_CHOICES if fast.mlm_heads(model) else fast.PROJECTIONS)
     if compile and precision.prepare == "quantize":
         # Inductor cannot lower oneDNN's int8 matmuls: it compiles what feeds them, each projection's quantiser
         if not fast.onednn_int8_available() or not fast.fuse_int8_quantisers(model):
             logger.warning("compile: this int8 model has no oneDNN int8 projections to fuse; running without compile")
             model.compiled = False
         else:  # what provenance() says: not the whole model, and not every input
-            model.compiled = (f"int8 input quantisers of the attention projections, for batches of "
-                              f"{fast.FUSED_MIN_ROWS:,}+ tokens (shorter ones, and the feed-forward's "
-                              f"{fast.FFN_CHUNK_ROWS}-row chunks, run them eagerly)")
+            chunks = (f", and the feed-forward's {fast.FFN_CHUNK_ROWS}-row chunks,"
+                      if fast.FFN_CHUNK_ROWS < fast.FUSED_MIN_ROWS else "")
+            model.compiled = (f"int8 input quantisers, for batches of {fast.FUSED_MIN_ROWS:,}+ tokens "
+                              f"(shorter ones{chunks} run them eagerly)")
     elif compile:
         fast.compile_encoder(model)
     return model

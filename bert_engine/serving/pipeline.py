@@ -15,6 +15,7 @@ transformers shape of its kind; `raw=True`, or a task without it, gives the engi
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
@@ -92,7 +93,8 @@ class Pipeline:
             for item in items:
                 self.predictor.check_inputs(item, {})
             started = time.perf_counter()
-            results = spec.predict_many(self.predictor, [i[field] for i in items], **options)
+            sized = {"batch_size": self.batch_size} if _takes_batch_size(spec.predict_many) else {}
+            results = spec.predict_many(self.predictor, [i[field] for i in items], **sized, **options)
             each_ms = 1000 * (time.perf_counter() - started) / len(items)  # the batch's time, shared out
             outputs = [{"task": spec.name, "result": r, "provenance": self.predictor.provenance(each_ms)}
                        for r in results]
@@ -101,12 +103,27 @@ class Pipeline:
         return outputs if raw else [self._shape(o["result"], options, single=False) for o in outputs]
 
     def _stream(self, values: Iterator, options: Mapping[str, Any], raw: bool = False) -> Iterator[Any]:
+        done = 0
         while chunk := list(islice(values, self.batch_size)):
-            yield from self._many(chunk, options, raw)
+            try:
+                yield from self._many(chunk, options, raw)
+            except InputError as err:  # numbered within the chunk: renumber within the stream
+                if err.position is None:
+                    raise
+                raise InputError.at(self.task.spec.name, done + err.position, err.detail) from None
+            done += len(chunk)
 
     def _shape(self, result: Any, options: Mapping[str, Any], *, single: bool) -> Any:
         shape = self.task.spec.pipeline_output
         return result if shape is None else shape(result, options, single)
+
+
+def _takes_batch_size(predict_many) -> bool:
+    """Whether a task's predict_many takes `batch_size` (predict_texts does; a plugin's own may not)."""
+    try:
+        return "batch_size" in inspect.signature(predict_many).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
 
 
 def _from_fields(task: str, by_field: Mapping[str, Any]) -> Any:

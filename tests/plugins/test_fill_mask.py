@@ -207,6 +207,22 @@ def test_a_list_is_answered_in_one_batch_as_each_text_alone(predictor, options):
         predict_texts(predictor, [TEXTS[0], "no mask here"], batch_size=2, **options)
 
 
+def test_a_bad_text_in_a_long_list_or_a_stream_is_named_by_its_place_in_the_callers_list(predictor):
+    """Lists longer than a batch are sorted by length and split, streams are cut into batch_size chunks:
+    the error still names the text's own position, not its place in the batch it landed in."""
+    from bert_engine.runtime.inference import predict_texts
+    from bert_engine.serving.pipeline import Pipeline
+
+    texts = [f"{'Some words here. ' * (i % 7)}The capital of France is [MASK]." for i in range(40)]
+    texts[37] = "no mask here"
+    with pytest.raises(InputError, match="^fill_mask: input 37: the text has no \\[MASK\\] token"):
+        predict_texts(predictor, texts, batch_size=8)
+    stream = Pipeline(predictor, batch_size=4)
+    with pytest.raises(InputError, match="^fill_mask: input 37: the text has no \\[MASK\\] token"):
+        list(stream(iter(texts)))
+    assert len(list(stream(iter(texts[:37])))) == 37
+
+
 def test_loads_from_a_hub_id_served_locally(task, checkpoint, fake_hub, tmp_path):
     fake_hub.repos[("owner/mlm", "main")] = checkpoint
     hub = Predictor.load(task, "owner/mlm", endpoint=fake_hub.endpoint, cache_dir=tmp_path / "cache")
