@@ -42,6 +42,27 @@ def test_batched_prediction_equals_one_at_a_time_and_names_bad_positions(sentime
         predict_in_batches(sentiment, [{"text": "fine"}, {"text": " "}, {"text": "ok"}, {"text": None}])
 
 
+def test_one_long_input_does_not_pad_a_short_list_around_it(sentiment, monkeypatch):
+    """A short list (a Space's merged requests) is sorted by length and a much longer input runs in a pass
+    of its own: no row is padded to several times its length. Answers are in the caller's order."""
+    from bert_engine.runtime import inference
+
+    texts = ["good", "a long review " * 120, "bad film", "fine", "quite a nice and long enough sentence here"]
+    widths = []
+    original = sentiment.run
+    monkeypatch.setattr(sentiment, "run", lambda batch, options: widths.append(
+        (len(batch), batch.input_ids.shape[1], int(batch.attention_mask.sum(1).min()))) or original(batch, options))
+    batched = predict_in_batches(sentiment, [{"text": t} for t in texts], batch_size=16)
+    assert len(widths) >= 2 and all(width <= inference.LENGTH_SPREAD * shortest + inference.LENGTH_SLACK
+                                    for _, width, shortest in widths), widths
+    assert sum(rows for rows, _, _ in widths) >= len(texts)
+    for text, result in zip(texts, batched):
+        single = sentiment.predict({"text": text})["result"]
+        assert [r["label"] for r in result["labels"]] == [r["label"] for r in single["labels"]]
+    assert inference.length_groups([5, 500, 7, 12, 40, 30], 32) == [[0, 2, 3], [5, 4], [1]]
+    assert inference.length_groups([10] * 5, 2) == [[0, 1], [2, 3], [4]] and inference.length_groups([], 4) == []
+
+
 def test_a_postprocess_declaring_context_gets_the_tokenizer_and_the_encoder():
     seen = {}
 
