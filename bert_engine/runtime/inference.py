@@ -440,8 +440,9 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
             predictor.check_inputs(item, {})
         options = predictor.check_options(options)
     results: list[Any] = [None] * len(items)
-    for chunk in tqdm(length_groups(_token_lengths(predictor.tokenizer, items, fields), batch_size),
-                      disable=not progress, desc=spec.name, unit="batch"):
+    # One input needs no lengths: skip tokenising it twice.
+    groups = [[0]] if len(items) == 1 else length_groups(_token_lengths(predictor.tokenizer, items, fields), batch_size)
+    for chunk in tqdm(groups, disable=not progress, desc=spec.name, unit="batch"):
         inputs = {f: [items[i].get(f) for i in chunk] for f in fields
                   if any(items[i].get(f) is not None for i in chunk)}
         try:
