@@ -251,14 +251,7 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
             answers: list = [None] * len(chunk)
             good = [k for k, (_, row) in enumerate(chunk) if isinstance(row, dict)]
             if good and can_batch(spec, [chunk[k][1] for k in good]):
-                try:
-                    texts = [chunk[k][1].get(spec.input_fields[0]) for k in good]
-                    for k in good:
-                        predictor.check_inputs(chunk[k][1], {})
-                    for k, result in zip(good, spec.predict_many(predictor, texts, **options)):
-                        answers[k] = {"result": result}
-                except InputError:
-                    answers = [None] * len(chunk)  # answered one by one below
+                _answer_batch(spec, predictor, chunk, good, answers, options)
             for k, (number, row) in enumerate(chunk):
                 if answers[k] is None:
                     try:
@@ -275,6 +268,37 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
                 out.flush()
             bar.update(len(chunk) * world)
     return answered
+
+
+# A batch whose predict_many names a bad line drops that line and runs again, at most this many times; then
+# (or when the error names no line) the rest of the batch is answered line by line.
+BATCH_RETRIES = 3
+
+
+def _answer_batch(spec, predictor, chunk: list, good: list[int], answers: list, options: dict) -> None:
+    """Fill `answers[k]` for the rows `good` of `chunk` through predict_many: a row whose inputs fail the
+    predictor's checks gets its error, one that predict_many names by its position is left out, and the
+    others are answered together. Rows left None are answered one by one by the caller."""
+    from .hookspecs import InputError
+
+    for k in good:
+        try:
+            predictor.check_inputs(chunk[k][1], {})
+        except InputError as err:
+            answers[k] = {"error": str(err)}
+    pending = [k for k in good if answers[k] is None]
+    for _ in range(BATCH_RETRIES + 1):
+        if not pending:
+            return
+        try:
+            texts = [chunk[k][1].get(spec.input_fields[0]) for k in pending]
+            for k, result in zip(pending, spec.predict_many(predictor, texts, **options)):
+                answers[k] = {"result": result}
+            return
+        except InputError as err:
+            if err.position is None or not 0 <= err.position < len(pending):
+                return  # about no one line (an option): each line gets the error on its own
+            pending.pop(err.position)  # left to the caller: alone, it gets the error a line of its own gets
 
 
 def _training_config(args: argparse.Namespace, **fixed) -> TrainConfig:

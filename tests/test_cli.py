@@ -182,3 +182,25 @@ def test_info_on_an_adapter_folder_without_a_head_says_which_task_and_how_to_loa
     assert main(["info", "--model", str(copy)]) == 2
     err = capsys.readouterr().err
     assert "rm -rf" not in err and "`bert-engine predict TASK --model FOLDER`" in err
+
+
+def test_bad_lines_leave_the_rest_of_their_batch_batched(sentiment_checkpoint, tmp_path, capsys, monkeypatch):
+    """Two bad lines in a batch of 32 (one empty, one over the character limit) get their own errors; the 30
+    others still share predict_many's passes, and answer as one text at a time does."""
+    from bert_engine.runtime import inference
+
+    texts = [f"review {i}: {'great' if i % 3 else 'dull'} film" for i in range(32)]
+    texts[5], texts[20] = "   ", "x" * (inference.MAX_INPUT_CHARS + 1)
+    lines = tmp_path / "texts.txt"
+    lines.write_text("\n".join(texts) + "\n")
+    alone = []
+    original = inference.Predictor.predict
+    monkeypatch.setattr(inference.Predictor, "predict", lambda self, inputs, **o: alone.append(inputs) or original(self, inputs, **o))
+    assert main(["predict", "sentiment", "--file", str(lines), "--model", str(sentiment_checkpoint)]) == 1
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [a["line"] for a in answers] == list(range(1, 33))
+    assert [k for k, a in enumerate(answers) if "error" in a] == [5, 20] and alone == [{"text": "   "}]
+    assert "empty" in answers[5]["error"] and "characters" in answers[20]["error"]
+    monkeypatch.setattr(inference.Predictor, "predict", original)
+    assert main(["predict", "sentiment", "--input", f"text={texts[7]}", "--model", str(sentiment_checkpoint)]) == 0
+    assert json.loads(capsys.readouterr().out)["result"] == answers[7]["result"]

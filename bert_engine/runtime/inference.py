@@ -434,7 +434,9 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
            if not isinstance(item, Mapping) or any(not isinstance(item.get(f), str) or not item[f].strip()
                                                    for f in spec.input_fields)]
     if bad:
-        raise InputError(f"{spec.name}: inputs at positions {bad[:10]} are empty or not text")
+        err = InputError(f"{spec.name}: inputs at positions {bad[:10]} are empty or not text")
+        err.position, err.detail = bad[0], "empty or not text"  # the first, for a caller that drops it and goes on
+        raise err
     if not checked:
         for item in items:
             predictor.check_inputs(item, {})
