@@ -622,6 +622,13 @@ def test_config_file_with_flag_overrides(tiny_checkpoint, tmp_path):
     assert json.loads(out.stdout)["steps"] == 3
     saved = json.loads((tmp_path / "run" / "train_config.json").read_text())
     assert saved["batch_size"] == 4 and saved["max_steps"] == 3
+    # only what fine-tuning reads: no pretraining or distillation default beside the settings used
+    assert not {"whole_word_mask", "max_seq_len", "teacher", "alpha_soft"} & set(saved) and "options" in saved
+    again = subprocess.run([sys.executable, "-m", "bert_engine", "train", "sentiment", "--config",
+                            str(tmp_path / "run" / "train_config.json"), "--output-dir", str(tmp_path / "again")],
+                           capture_output=True, text=True)  # the record is a config file that runs again
+    assert again.returncode == 0 and json.loads((tmp_path / "again" / "train_config.json").read_text()) == \
+        {**saved, "output_dir": str(tmp_path / "again")}, again.stderr[-2000:]
     bad = tmp_path / "bad.json"
     bad.write_text('{"learning_rate": 0.1}')
     out = subprocess.run([sys.executable, "-m", "bert_engine", "train", "sentiment", "--config", str(bad)],

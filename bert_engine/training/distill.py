@@ -91,6 +91,8 @@ class DistillJob(TaskJob):
     """Train a student of `cfg.student_layers` layers from the teacher `cfg.teacher` on the task's data;
     evaluation, checkpoints and the best-metric pick are the task fine-tuning's."""
 
+    kind = "distill"
+
     def __init__(self, task: RegisteredTask, cfg: TrainConfig) -> None:
         if not cfg.teacher:
             raise ValueError("teacher (a fine-tuned model folder of the task, or a starter model) is required")

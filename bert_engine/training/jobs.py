@@ -108,6 +108,8 @@ def split_task_options(spec: TaskSpec, options: dict[str, Any]) -> tuple[dict[st
 class TaskJob:
     """Fine-tune a registered task: its head on a checkpoint, optionally with LoRA adapters."""
 
+    kind = "train"  # which settings it reads (train_config.settings_read)
+
     def __init__(self, task: RegisteredTask, cfg: TrainConfig) -> None:
         spec = task.spec
         missing = [name for name in ("read_data", "loss") if getattr(spec, name) is None]
@@ -228,6 +230,8 @@ def _checkpoint_family(name: str) -> str:
 class PretrainJob:
     """Masked-LM pretraining from raw documents, from scratch or from a checkpoint, with the family's
     objective: MLM + NSP (BERT), MLM + SOP (ALBERT), MLM on one segment (RoBERTa, DistilBERT)."""
+
+    kind = "pretrain"  # which settings it reads (train_config.settings_read)
 
     def __init__(self, cfg: TrainConfig) -> None:
         if not cfg.train_file:

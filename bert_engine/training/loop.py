@@ -10,7 +10,6 @@ global batch is split across ranks, only rank 0 logs and saves, and metrics are 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -32,7 +31,7 @@ from tqdm.auto import tqdm
 
 from ..runtime.distributed import Distributed
 from ..runtime.precision import autocast_dtype, cpu_capability, pick_device
-from .train_config import TrainConfig, parse_best_metric
+from .train_config import TrainConfig, parse_best_metric, settings_read
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +272,8 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
     timing = _Timing(total) if cfg.max_minutes and not state.get("planned_steps") else None
     if dist_info.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n", encoding="utf-8")
+        (out / "train_config.json").write_text(json.dumps(settings_read(cfg, getattr(job, "kind", "train")), indent=2) + "\n",
+                                               encoding="utf-8")
         logger.info("training %d examples, %d steps (%d per epoch), global batch %d x %d accumulation on %s%s%s",
                     n, total, steps_per_epoch, global_batch, cfg.grad_accum, device,
                     f" with {dist_info.world} processes" if dist_info.world > 1 else "",

@@ -159,3 +159,13 @@ PRETRAIN_ONLY = ("preset", "max_seq_len", "whole_word_mask", "short_seq_prob", "
 DISTILL_ONLY = ("teacher", "student_layers", "temperature", "alpha_soft", "alpha_task", "alpha_cos")
 NOT_FOR_DISTILL = ("model", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "init_adapter", "merge_lora",
                    "freeze_encoder")
+
+
+def settings_read(cfg: TrainConfig, kind: str) -> dict[str, Any]:
+    """The settings a job of `kind` ("train", "pretrain" or "distill") reads, as train_config.json and a
+    pack's manifest record them: the others are left out, so a fine-tuning record does not show a
+    pretraining default beside the setting that was used (whole_word_mask false beside options.whole_word
+    true, fill-mask's manifest). `TrainConfig.from_file` fills what is left out with the defaults."""
+    skip = {"train": (*PRETRAIN_ONLY, *DISTILL_ONLY), "pretrain": DISTILL_ONLY,
+            "distill": (*PRETRAIN_ONLY, *NOT_FOR_DISTILL)}[kind]
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
