@@ -70,6 +70,29 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @classmethod
+    def stacked(cls, parts: Sequence[Batch], pad_id: int) -> Batch:
+        """The rows of several batches as one, in order, right-padded to the widest (ids with `pad_id`, masks and
+        segments with 0, offsets with (0, 0), the rest with None): inputs tokenised one at a time, then run in
+        one forward pass. Part i's inputs follow part i - 1's in `sample_index`; each part is kept whole in
+        meta["parts"], for a postprocess that answers them one by one."""
+        width = max(part.input_ids.shape[1] for part in parts)
+
+        def padded(name: str, value: int) -> Tensor:
+            return torch.cat([torch.nn.functional.pad(getattr(part, name), (0, width - part.input_ids.shape[1]),
+                                                      value=value) for part in parts])
+
+        def listed(name: str, value: Any) -> list[list[Any]]:
+            return [row + [value] * (width - len(row)) for part in parts for row in getattr(part, name)]
+
+        sample_index, first = [], 0
+        for part in parts:
+            sample_index += [first + i for i in part.sample_index]
+            first += len(part.truncated)
+        return cls(padded("input_ids", pad_id), padded("attention_mask", 0), padded("token_type_ids", 0),
+                   listed("offsets", (0, 0)), listed("sequence_ids", None), listed("word_ids", None), sample_index,
+                   [cut for part in parts for cut in part.truncated], meta={"parts": list(parts)})
+
     def tokens_within(self, row: int, start: int, end: int, sequence: int = 0) -> list[int]:
         """Positions in row `row` of the tokens of text `sequence` (0: the first, 1: the second of a pair)
         whose characters lie in [start, end), e.g. an entity's or an answer's pieces."""

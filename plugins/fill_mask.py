@@ -16,7 +16,6 @@ from html import escape
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -82,23 +81,7 @@ def preprocess(inputs, tokenizer, **options):
             raise InputError.at("fill_mask", i, str(err).removeprefix("fill_mask: ")) from None
     if not parts:
         raise InputError("fill_mask: no texts were given")
-    return _stacked(parts, tokenizer.pad_token_id)
-
-
-def _stacked(parts: list[Batch], pad_id: int) -> Batch:
-    """One-row batches as one batch, right-padded to the widest; each kept whole in meta["parts"]."""
-    width = max(part.input_ids.shape[1] for part in parts)
-
-    def padded(name: str, value: int) -> Tensor:
-        return torch.cat([F.pad(getattr(part, name), (0, width - part.input_ids.shape[1]), value=value)
-                          for part in parts])
-
-    def listed(name: str, value: Any) -> list[list[Any]]:
-        return [getattr(part, name)[0] + [value] * (width - len(getattr(part, name)[0])) for part in parts]
-
-    return Batch(padded("input_ids", pad_id), padded("attention_mask", 0), padded("token_type_ids", 0),
-                 listed("offsets", (0, 0)), listed("sequence_ids", None), listed("word_ids", None),
-                 list(range(len(parts))), [any(part.truncated) for part in parts], meta={"parts": parts})
+    return Batch.stacked(parts, tokenizer.pad_token_id)
 
 
 def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, max_length, subwords):
@@ -191,17 +174,19 @@ def postprocess(output: FillMaskOutput, batch, *, context: TaskContext, **option
             for i, part_logits in zip(shared, found):
                 logits[i] = part_logits
     results = [_one_result(FillMaskOutput(output.hidden_states[i:i + 1, :part.input_ids.shape[1]], output.head,
-                                          output.encoder), part, context=context, logits=logits[i], **options)
+                                          output.encoder), part, context=context, logits=logits[i],
+                           positions=positions[i], **options)
                for i, part in enumerate(parts)]
     return results[0] if len(results) == 1 else results
 
 
 def _one_result(output: FillMaskOutput, batch, *, context: TaskContext, top_k, mode, targets, beam_width, max_masks,
-                max_length, subwords, logits: Tensor | None = None):
-    """One text's result; `logits` (masks, V): the head's at its masks where postprocess has them already."""
+                max_length, subwords, logits: Tensor | None = None, positions: Tensor | None = None):
+    """One text's result; `logits` (masks, V): the head's at its masks, and `positions` the masks' places in the
+    row, where postprocess has them already."""
     tokenizer, text = context.tokenizer, batch.meta["text"]
-    ids = batch.input_ids[0]
-    positions = (ids == tokenizer.mask_token_id).nonzero().squeeze(-1)
+    if positions is None:
+        positions = (batch.input_ids[0] == tokenizer.mask_token_id).nonzero().squeeze(-1)
     spans = [tuple(batch.offsets[0][p]) for p in positions.tolist()]
     head = output.head
     specials = [tokenizer.token_id(n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")]

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from bert_engine import ui
 from bert_engine.heads import SpanHead, SpanOutput
 from bert_engine.hookspecs import ExplainTarget, InputError, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.tokenizer import Batch
 from plugins.qa_answerability import features, no_answer_probability
 from plugins.qa_data import read_data
 from plugins.qa_metric import metric
@@ -183,13 +184,6 @@ def whole_words(text: str, start: int, end: int) -> tuple[int, int]:
     return start, end
 
 
-def _padded(batches: list, name: str, value: int) -> torch.Tensor:
-    """The `name` tensors of several batches, right-padded with `value` to the widest, stacked: (rows, width)."""
-    width = max(b.input_ids.shape[1] for b in batches)
-    return torch.cat([torch.nn.functional.pad(getattr(b, name), (0, width - b.input_ids.shape[1]), value=value)
-                      for b in batches])
-
-
 def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: bool = False, **options) -> list[dict]:
     """Answers for many (question, context) inputs, in order: each is windowed alone, then the windows
     of neighbouring inputs (sorted by length, so padding stays small) share forward passes of up to
@@ -206,15 +200,13 @@ def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: 
             predictor.check_inputs(item, {})
             batches.append(preprocess(item, predictor.tokenizer, **options))
         except InputError as err:
-            raise InputError(f"qa: input {i}: {err}") from None
+            raise InputError.at("qa", i, str(err).removeprefix("qa: ")) from None
     groups = window_groups(batches, max_rows)
     results: list[Any] = [None] * len(items)
     pad = predictor.tokenizer.pad_token_id
     for group in tqdm(groups, disable=not progress, desc="qa", unit="batch"):
         rows = [batches[i] for i in group]
-        inputs = {"input_ids": _padded(rows, "input_ids", pad), "attention_mask": _padded(rows, "attention_mask", 0),
-                  "token_type_ids": _padded(rows, "token_type_ids", 0)}
-        output = predictor.forward_rows(inputs)
+        output = predictor.forward_rows(Batch.stacked(rows, pad).model_inputs())
         starts, ends = output.start_logits.float().cpu(), output.end_logits.float().cpu()  # (rows, width)
         row = 0
         for i in group:

@@ -226,3 +226,21 @@ def test_word_starts_read_the_second_text_of_a_pair(ours):
     starts = batch.word_starts([whitespace_words("Herman Melville wrote it .")], sequence=1)
     assert [w for _, w in starts[0]] == [0, 1, 2, 3, 4]
     assert all(batch.sequence_ids[0][t] == 1 for t, _ in starts[0])
+
+
+def test_stacked_batches_keep_each_part_and_number_the_inputs_in_order(tiny_tokenizer):
+    """Batch.stacked: a windowed input (two rows) and a short one become one padded batch; rows, offsets and
+    sample_index follow the parts in order, and each part is kept whole."""
+    from bert_engine.tokenizer import Batch
+
+    long = tiny_tokenizer("word " * 40, max_length=24, stride=8, return_overflowing=True)
+    short = tiny_tokenizer("a short one")
+    assert len(long) > 1 and long.input_ids.shape[1] > short.input_ids.shape[1]
+    both = Batch.stacked([long, short], tiny_tokenizer.pad_token_id)
+    width = long.input_ids.shape[1]
+    assert both.input_ids.shape == (len(long) + 1, width) and both.meta["parts"] == [long, short]
+    assert both.sample_index == [0] * len(long) + [1] and both.truncated == long.truncated + short.truncated
+    n = short.input_ids.shape[1]
+    assert both.input_ids[-1, :n].tolist() == short.input_ids[0].tolist()
+    assert set(both.input_ids[-1, n:].tolist()) == {tiny_tokenizer.pad_token_id} and both.attention_mask[-1, n:].sum() == 0
+    assert both.offsets[-1] == short.offsets[0] + [(0, 0)] * (width - n) and len(both.word_ids[-1]) == width
