@@ -174,14 +174,17 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
 
     spec = task.spec
     fields, first = spec.input_fields + spec.optional_fields, spec.input_fields[0]
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Excel's UTF-8 export) is not text
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    check_data_file(path)
+    # A byte that is not UTF-8 fails its own line (below), not the file: the rest is answered.
+    text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")  # a byte-order mark (Excel's) is not text
     if path.suffix in (".jsonl", ".json"):
         rows: list[tuple[int, dict | str]] = []
         for number, line in enumerate(text.splitlines(), 1):
+            if not_utf8(line):
+                rows.append((number, not_utf8(line)))
+                continue
             if not line.strip():
+                rows.append((number, "the line is empty"))  # as in a plain-text file: every line is answered
                 continue
             try:
                 value = json.loads(line)
@@ -206,9 +209,39 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
         if missing:
             raise ValueError(f"{path}:1: the header must name the task's fields {', '.join(fields)}; "
                              f"missing {', '.join(missing)}")
-        return [(number, {f: row[f] for f in fields if row.get(f) is not None})
-                for number, row in enumerate(reader, 2)]
-    return [(number, {first: line}) for number, line in enumerate(text.splitlines(), 1)]
+        return [(number, not_utf8("\t".join(str(v) for v in row.values())) or
+                 {f: row[f] for f in fields if row.get(f) is not None}) for number, row in enumerate(reader, 2)]
+    return [(number, not_utf8(line) or {first: line}) for number, line in enumerate(text.splitlines(), 1)]
+
+
+def not_utf8(line: str) -> str:
+    """The error for a line read with errors="surrogateescape" that held bytes that are not UTF-8 ("": none)."""
+    bad = next((i for i, c in enumerate(line) if "\udc80" <= c <= "\udcff"), None)
+    return "" if bad is None else f"not UTF-8 text (byte 0x{ord(line[bad]) - 0xDC00:02x} at character {bad + 1})"
+
+
+def check_data_file(path: Path) -> None:
+    """Refuse, before reading, what is not a regular file (a device such as /dev/zero, a pipe, a folder) or is
+    larger than BERT_ENGINE_MAX_FILE_MB, from the size the file system declares.
+
+    Raises:
+        ValueError: naming the file and the reason.
+    """
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot be read ({err.strerror or err})") from None
+    import stat
+
+    if stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{path}: is a folder; give a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path}: not a regular file (a device or a pipe has no size to check)")
+    limit = settings.get("BERT_ENGINE_MAX_FILE_MB")
+    if info.st_size > limit * 1_000_000:
+        raise ValueError(f"{path}: {info.st_size / 1e6:,.0f} MB; the limit is {limit:,} MB (BERT_ENGINE_MAX_FILE_MB)")
 
 
 def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str | None) -> int:
@@ -354,7 +387,17 @@ def _eval(args: argparse.Namespace) -> dict:
     spec = task.spec
     if spec.read_data is None:
         raise ValueError(f"task {spec.name!r} declares no data reader; it cannot be evaluated from a file")
-    examples = list(islice(spec.read_data(args.data, args.split), args.limit))
+    check_data_file(Path(args.data))
+    try:
+        examples = list(islice(spec.read_data(args.data, args.split), args.limit))
+    except UnicodeDecodeError:
+        data = Path(args.data).read_bytes()  # within BERT_ENGINE_MAX_FILE_MB: checked above
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = data.count(b"\n", 0, err.start) + 1
+            raise ValueError(f"{args.data}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x})") from None
+        raise
     if not examples:
         raise ValueError(f"{args.data}: no {args.split!r} examples for task {spec.name!r}")
     model = args.model or spec.default_checkpoint

@@ -62,6 +62,8 @@ SETTINGS = {s.name: s for s in (
             "over all its sessions (0: no cap); its sessions also share one share of the compute gate"),
     Setting("BERT_ENGINE_MAX_PARAMETERS", "int", 2_000_000_000, "use", "the largest model a config.json may "
             "describe"),
+    Setting("BERT_ENGINE_MAX_FILE_MB", "int", 1024, "use", "the largest input file `predict --file` and `eval "
+            "--data` read, in MB (checked from its size before reading; devices and pipes are refused)"),
 )}
 
 _CONVERT: dict[str, Callable[[str], Any]] = {
