@@ -7,7 +7,6 @@ only once complete). Offline mode (`HF_HUB_OFFLINE=1` or `local_files_only`) use
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -86,8 +85,10 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
             fetch(optional, required=False)
     else:
         if weights.name.endswith(".index.json"):
-            for shard in sorted(set(json.loads(weights.read_text(encoding="utf-8"))["weight_map"].values())):
-                fetch(shard, required=True)
+            from .loading import weight_files  # noqa: PLC0415 - loading imports this module
+
+            for shard in weight_files(weights):  # the index checked: JSON, string names inside the checkpoint
+                fetch(shard.relative_to(weights.parent).as_posix(), required=True)
         fetch.first_of(TOKENIZER_FILES, "tokenizer")
     for optional in (*OPTIONAL_FILES, TASK_OPTIONS):
         fetch(optional, required=False)

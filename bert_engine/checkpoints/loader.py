@@ -68,7 +68,7 @@ def _adapter_needs_a_head(folder: Path) -> str:
     when it has one) and the two ways to load it."""
     try:
         manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         manifest = None
     task = manifest.get("task") if isinstance(manifest, dict) else None
     task = task if isinstance(task, str) and task.isidentifier() else None

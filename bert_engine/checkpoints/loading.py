@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import re
+import warnings
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -278,6 +279,9 @@ def declared_bytes(path: Path) -> int:
             header = json.loads(handle.read(length))
         except (ValueError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{path}: unreadable safetensors file, corrupt header ({err})") from None
+        except RecursionError:  # arrays nested thousands deep: not a header, whatever the decoder thinks
+            raise CheckpointError(f"{path}: unreadable safetensors file, corrupt header (JSON nested too "
+                                  "deeply)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: unreadable safetensors file, corrupt header (not a JSON object)")
     total = 0
@@ -355,7 +359,9 @@ def read_pickle(path: Path) -> dict[str, Tensor]:
     """A .bin state dict, unpickled with weights_only=True after the zip-bomb check."""
     check_not_compressed(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note on a pickle protocol it did not write: the refusal says it
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(
             f"{path}: refused to load; the pickle holds objects other than tensors, which could run code "
@@ -385,7 +391,10 @@ def pickle_refusal_reason(err: Exception) -> str:
     """The line of torch's weights_only refusal that names what was refused (e.g. "unsupported GLOBAL
     posix.system"), without its advice to re-run with weights_only=False."""
     lines = [printable(line) for line in str(err).splitlines()]
-    named = [line.split("WeightsUnpickler error:", 1)[1] for line in lines if "WeightsUnpickler error:" in line]
+    named = [line.split("WeightsUnpickler error:", 1)[1].strip() for line in lines if "WeightsUnpickler error:" in line]
+    if named and not named[0]:  # the reason on a line of its own ("Unsupported operand 149": a plain pickle)
+        after = lines.index(next(line for line in lines if "WeightsUnpickler error:" in line)) + 1
+        named = [line for line in lines[after:] if line][:1]
     reasons = named or [line for line in lines if line and not re.search(
         r"weights_only|Weights only load failed|trust|Check the doc|safe_globals", line)]
     reason = re.split(r"\.? ?Please use|\. ?To allowlist|\. ?Re-running", reasons[0] if reasons else "")[0].strip()

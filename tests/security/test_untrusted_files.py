@@ -150,6 +150,18 @@ def test_the_pickle_refusal_names_the_global_without_terminal_codes_or_bad_advic
     assert message.isprintable(), message
 
 
+def test_a_plain_pickle_is_refused_in_one_message_naming_why(tmp_path, recwarn):
+    """pickle.dump's own format (not torch.save's zip): torch warns about the protocol and puts its reason on a
+    line of its own; the refusal names it ("Unsupported operand 149") and nothing else is printed."""
+    import pickle
+
+    path = tmp_path / "pytorch_model.bin"
+    path.write_bytes(pickle.dumps({"a": _RunsCode()}, protocol=4))
+    with pytest.raises(CheckpointError, match=r"refused to load; .*\(Unsupported operand \d+\)"):
+        read_weights(path)
+    assert not [w for w in recwarn if "pickle protocol" in str(w.message)]
+
+
 class _RunsCode:
     CALLS = {"system": (os.system, ("echo owned",)), "eval": (eval, ("1 + 1",)),
              "torch.load": (torch.load, ("/nonexistent.bin",))}
@@ -222,6 +234,10 @@ def test_a_safetensors_header_with_an_unknown_dtype_or_bad_shape_is_named(tiny):
         path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
         with pytest.raises(CheckpointError, match=message):
             declared_bytes(path)
+    deep = b"[" * 200_000 + b"]" * 200_000  # the decoder recurses per level: a RecursionError, not a ValueError
+    path.write_bytes(len(deep).to_bytes(8, "little") + deep)
+    with pytest.raises(CheckpointError, match="corrupt header \\(JSON nested too deeply\\)"):
+        declared_bytes(path)
 
 
 def _with_normaliser(folder, steps):
