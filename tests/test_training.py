@@ -754,6 +754,17 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
     assert (tmp_path / "packed" / "adapter.safetensors").read_bytes() == adapter
     assert again["run"] == record and again["training"] == manifest["training"]
     assert again["command"] == "bert-engine train sentiment" and again["options"] == {"temperature": temperature}
+    # ... and without --eval-data it keeps how it answers (the tuned temperature, -o max_length) and, the weights
+    # being the same, what it scored; cut to a lower rank its metrics no longer hold and are dropped
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "tuned"), "--to", str(tmp_path / "retuned")]) == 0
+    kept = json.loads((tmp_path / "retuned" / "manifest.json").read_text())
+    assert kept["options"] == tuned["options"] and kept["metrics"] == tuned["metrics"]
+    assert kept["metrics_from"].startswith(f"the pack of {tuned['date']}")
+    assert Predictor.load(task, str(tmp_path / "retuned")).model_options == tuned["options"]
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "tuned"), "--to", str(tmp_path / "cut"),
+                 "--adapter-rank", "2", "-o", "max_length=32"]) == 0
+    cut = json.loads((tmp_path / "cut" / "manifest.json").read_text())
+    assert cut["options"] == {"max_length": 32, "temperature": temperature} and cut["metrics"] == {}
     capsys.readouterr()
     assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "bad"),
                  "-o", "max_lenght=64"]) == 2

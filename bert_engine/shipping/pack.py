@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,8 @@ from ..checkpoints.lora import ADAPTER_CONFIG, read_adapter_config, reduce_rank
 from ..runtime.inference import Predictor
 from ..tasks.evaluation import evaluate_task
 from ..tasks.registry import RegisteredTask
+
+logger = logging.getLogger(__name__)
 
 
 def pack(task: RegisteredTask, run_dir: str | Path, to: str | Path, *, checkpoint: str = "best",
@@ -61,6 +64,9 @@ def pack(task: RegisteredTask, run_dir: str | Path, to: str | Path, *, checkpoin
         earlier = json.loads((run / PACK_MANIFEST).read_text(encoding="utf-8"))
         record = {key: earlier.get(key) for key in ("training", "best_eval_during_training", "run", "command")}
         record.update({key: earlier[key] for key in ("checkpoint", "adapter_rank_reduced") if earlier.get(key)})
+        # how it answers (a tuned temperature, a threshold) and what it scored: kept unless redone here
+        record["earlier"] = {"options": earlier.get("options") or {}, "metrics": earlier.get("metrics") or {},
+                             "date": earlier.get("date"), "adapter_dtype": earlier.get("adapter_dtype", "fp32")}
         source = run
     if not (source / "adapter_config.json").is_file():
         raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
@@ -108,7 +114,12 @@ def _pack_into(target: Path, task: RegisteredTask, source: Path, record: dict[st
     # The task options the model was trained with (`train -o`, e.g. NER's casing) are how it must be
     # served; then the tuned ones (-o here): evaluated with, and the packed model's defaults.
     trained = {k: v for k, v in ((record["training"] or {}).get("options") or {}).items() if k in task.spec.options}
-    options = {**trained, **(options or {})}
+    fixed = {**trained, **(options or {})}
+    # A pack packed again: the options its manifest answered with stay (below those fixed here, and re-tuned
+    # where this pack's evaluation tunes them); re-packing without --eval-data once dropped a tuned temperature.
+    earlier = record.pop("earlier", None) or {}
+    kept = {k: v for k, v in (earlier.get("options") or {}).items() if k in task.spec.options and k not in fixed}
+    options = {**kept, **fixed}
     predictor.check_options(options)
     metrics = {}
     for data, split in zip(eval_data, _eval_splits(eval_data, eval_splits)):
@@ -131,12 +142,20 @@ def _pack_into(target: Path, task: RegisteredTask, source: Path, record: dict[st
     # by default, in the tab and the API (Predictor.model_options). QA on SQuAD 2.0: the cautious
     # no-answer threshold (refusing few answerable questions: qa.cautious_threshold), not best_f1's,
     # which is tuned for a half-unanswerable mix; sentiment: the temperature of its scores.
+    retuned = {}
     for metric_name, option in task.spec.tuned_options.items():  # what the task's evaluation tunes
         tuned = [m[metric_name] for m in metrics.values() if metric_name in m]
-        if tuned and option in task.spec.options and option not in options:
-            manifest["options"] = {**manifest.get("options", {}), option: tuned[0]}
-    if options:
-        manifest["options"] = {**manifest.get("options", {}), **options}
+        if tuned and option in task.spec.options and option not in fixed:
+            retuned[option] = tuned[0]
+    if options or retuned:
+        manifest["options"] = {**kept, **retuned, **fixed}
+    if earlier.get("metrics") and not metrics:
+        if adapter_rank is None and adapter_dtype == earlier.get("adapter_dtype"):  # the same weights: still true
+            manifest["metrics"] = earlier["metrics"]
+            manifest["metrics_from"] = f"the pack of {earlier.get('date')} (the same weights; not evaluated again)"
+        else:
+            logger.warning("%s: the earlier pack's metrics are dropped (its weights changed: %s); pass --eval-data "
+                           "to score it again", target, "rank cut" if adapter_rank is not None else "dtype changed")
     (target / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
 
