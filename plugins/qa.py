@@ -9,6 +9,7 @@ rule), and duplicate spans are merged. The null score comes from [CLS] (SQuAD 2.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -48,8 +49,9 @@ def preprocess(inputs, tokenizer, *, top_k, max_seq_len, doc_stride, max_questio
     for name, value, low, high in (("top_k", top_k, 1, 50), ("max_question_len", max_question_len, 4, 256),
                                    ("max_answer_len", max_answer_len, 1, 512)):
         check_int("qa", name, value, low, high)
-    if null_threshold is not None and (isinstance(null_threshold, bool) or not isinstance(null_threshold, (int, float))):
-        raise InputError(f"qa: null_threshold must be a number or None, got {null_threshold!r}")
+    if null_threshold is not None and (isinstance(null_threshold, bool) or not isinstance(null_threshold, (int, float))
+                                       or not math.isfinite(null_threshold)):
+        raise InputError(f"qa: null_threshold must be a finite number or None, got {null_threshold!r}")
     no_answer_rule(no_answer, answerability)  # refuses a bad choice before any work
     # Cut the question to max_question_len word pieces, at a character boundary of the original.
     question_batch = tokenizer(question, truncation=None)

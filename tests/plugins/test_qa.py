@@ -130,6 +130,8 @@ def test_long_question_is_cut_and_never_answered_from(predictor):
         ({"question": "why?", "context": "text"}, {"doc_stride": 500}, "doc_stride must be an integer in"),
         ({"question": "why?", "context": "text"}, {"max_seq_len": 4096}, "max_seq_len must be an integer in"),
         ({"question": "why?", "context": "word " * 200_000}, {}, "windows of 384 tokens; the limit is 256"),
+        ({"question": "why?", "context": "text"}, {"null_threshold": float("nan")}, "must be a finite number or None, got nan"),
+        ({"question": "why?", "context": "text"}, {"null_threshold": float("-inf")}, "must be a finite number or None, got -inf"),
     ],
 )
 def test_bad_input_is_a_clear_input_error(predictor, inputs, options, message):
