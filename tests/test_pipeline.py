@@ -90,6 +90,29 @@ def test_lists_generators_options_and_errors():
         pipeline("translation")
     with pytest.raises(InputError, match="the text is empty"):
         classify("   ")
+    # a bad input in a stream: the answers before it come first, then its error, numbered in the stream
+    small = pipeline("sentiment", batch_size=4)
+    stream = small(iter([*REVIEWS, "fine", "", "never reached"]))
+    got = [next(stream) for _ in range(4)]
+    assert got == small([*REVIEWS, "fine"])
+    with pytest.raises(InputError, match="input 4: empty or not text"):
+        next(stream)
+    with pytest.raises(TypeError, match="expected text, got bytes; decode it first"):
+        classify(b"hello")
+
+
+def test_a_model_or_device_that_is_not_there_is_named_before_anything_loads():
+    import torch
+
+    with pytest.raises(TypeError, match="the model must be a folder or a Hub id \\(text\\), got int"):
+        pipeline("sentiment", model=123)
+    with pytest.raises(ValueError, match="the model is empty"):
+        pipeline("sentiment", model=" ")
+    with pytest.raises(ValueError, match="'cuda:x' is not a device name"):
+        pipeline("sentiment", device="cuda:x")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda': (this torch is a CPU build|no CUDA GPU is visible)"):
+            pipeline("sentiment", device="cuda")
 
 
 def test_every_task_is_reachable_by_name_and_alias():

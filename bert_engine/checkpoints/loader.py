@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -49,6 +50,10 @@ def load(name_or_path: str | Path, head: str | nn.Module | None = None, *, label
             or the tokenizer's vocabulary is larger than the embedding table.
         ValueError: config.json holds impossible values.
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"the model must be a folder or a Hub id (text), got {type(name_or_path).__name__}")
+    if not str(name_or_path).strip():  # "" would be the current folder
+        raise ValueError("the model is empty: give a checkpoint folder or a Hub id")
     resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
     if (resolved.folder / "adapter_config.json").is_file():
         if head is None or head == "auto":

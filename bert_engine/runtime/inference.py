@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -194,6 +195,11 @@ class Predictor:
                 the CPU instead of the packed linears (Inductor cannot lower them); with int8, each
                 projection's input quantiser (one fused pass; the int8 matmuls stay oneDNN's).
         """
+        if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+            raise TypeError(f"the model must be a folder or a Hub id (text), got {type(checkpoint).__name__}")
+        if checkpoint is not None and not str(checkpoint).strip():  # not "the default" in disguise
+            raise ValueError("the model is empty: give a checkpoint folder or a Hub id, or leave it out for the "
+                             "task's default")
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
         target = pick_device(device)
         # parameter_dtype checks the precision against the device and CPU before anything loads

@@ -99,15 +99,42 @@ def cpu_capability() -> CpuCapability:
     return CpuCapability(isa=isa, bf16=False, fp16=False, amx=False, vnni=False)
 
 
-def pick_device(preference: str | None = None) -> torch.device:
-    """The given device, else CUDA, then Apple MPS, then CPU."""
+def pick_device(preference: str | torch.device | None = None) -> torch.device:
+    """The given device, else CUDA, then Apple MPS, then CPU.
+
+    Raises:
+        ValueError: `preference` names no device, or one this machine (or this build of torch) does not have.
+    """
     if preference:
-        return torch.device(preference)
+        return _present(preference)
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def _present(preference: str | torch.device) -> torch.device:
+    """`preference` as a device, checked to exist here (torch itself fails later with an AssertionError)."""
+    if not isinstance(preference, (str, torch.device)):
+        raise ValueError(f"device must be a name such as 'cpu', 'cuda' or 'cuda:1', got {type(preference).__name__}")
+    try:
+        device = torch.device(preference)
+    except RuntimeError:
+        raise ValueError(f"device {str(preference)[:40]!r} is not a device name (cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {str(preference)!r}: {why}; use 'cpu' or leave the device out")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(preference)!r}: this machine has {torch.cuda.device_count()} CUDA "
+                             f"device(s), numbered from 0")
+    elif device.type == "mps" and not (getattr(torch.backends, "mps", None) is not None
+                                       and torch.backends.mps.is_available()):
+        raise ValueError(f"device {str(preference)!r}: Apple's MPS is not available here; use 'cpu'")
+    elif device.type not in ("cpu", "cuda", "mps", "meta"):
+        raise ValueError(f"device {str(preference)!r}: not a device the engine runs on (cpu, cuda, mps)")
+    return device
 
 
 def resolve(name: str, device: torch.device) -> Precision:

@@ -61,6 +61,9 @@ class Pipeline:
         if isinstance(inputs, (str, Mapping)) or self._is_pair(inputs):
             output = self.predictor.predict(self._item(inputs), **options)
             return output if raw else self._shape(output["result"], options, single=True)
+        if isinstance(inputs, (bytes, bytearray, memoryview)):  # iterable, as numbers: not a stream of texts
+            raise TypeError(f"{spec.name}: expected text, got {type(inputs).__name__}; decode it first "
+                            "(e.g. data.decode('utf-8'))")
         if isinstance(inputs, (list, tuple)):
             return self._many(list(inputs), options, raw)
         if isinstance(inputs, Iterable):
@@ -103,14 +106,19 @@ class Pipeline:
         return outputs if raw else [self._shape(o["result"], options, single=False) for o in outputs]
 
     def _stream(self, values: Iterator, options: Mapping[str, Any], raw: bool = False) -> Iterator[Any]:
+        """Answers in order, a chunk of `batch_size` at a time; a bad input ends the stream with its error
+        (numbered within the stream) after the answers of every input before it."""
         done = 0
         while chunk := list(islice(values, self.batch_size)):
             try:
-                yield from self._many(chunk, options, raw)
+                answers = self._many(chunk, options, raw)
             except InputError as err:  # numbered within the chunk: renumber within the stream
                 if err.position is None:
                     raise
+                if err.position:  # the good inputs before it, answered before the error
+                    yield from self._many(chunk[:err.position], options, raw)
                 raise InputError.at(self.task.spec.name, done + err.position, err.detail) from None
+            yield from answers
             done += len(chunk)
 
     def _shape(self, result: Any, options: Mapping[str, Any], *, single: bool) -> Any:
