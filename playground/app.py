@@ -574,6 +574,9 @@ def family_label(folder: str | Path) -> str:
     return FAMILY_NAMES.get(family, str(family)[:20])
 
 
+MAX_MODEL_CHOICE = 1024  # characters: a long path or Hub id fits; a file name longer than the OS takes does not
+
+
 def check_model_choice(value: str, allowed: list[Path], known: dict[str, str] | None = None) -> str | None:
     """What a user typed or picked in the model picker -> the checkpoint to load (None: the task's default).
 
@@ -586,22 +589,36 @@ def check_model_choice(value: str, allowed: list[Path], known: dict[str, str] | 
         InputError: a local path outside the allowed folders (nothing outside them is touched), or
             one that does not exist.
     """
+    if not isinstance(value, str):
+        raise InputError(f"the model must be a name, a folder or a Hub id, got {type(value).__name__}")
     value = value.strip()
     if not value:
         return None
     if known and value in known:
         value = known[value]
+    if len(value) > MAX_MODEL_CHOICE:  # no folder or Hub id is this long; and the message must not echo it all
+        raise InputError(f"the model name {value[:60]!r}... has {len(value):,} characters; a folder or a Hub id "
+                         f"has at most {MAX_MODEL_CHOICE}")
+    if not value.isprintable():  # a NUL byte is no path (the OS refuses it), control characters no Hub id
+        raise InputError(f"the model name {value[:80]!r} holds control characters")
+    try:
+        return _checked_choice(value, allowed)
+    except OSError as err:  # a name part longer than the file system takes (ENAMETOOLONG), a loop of links
+        raise InputError(f"there is no model folder {value[:200]!r} here ({err.strerror or err})") from None
+
+
+def _checked_choice(value: str, allowed: list[Path]) -> str:
     first = value.replace("\\", "/").split("/")[0]
     local = looks_local(value) or first in {Path(root).name for root in allowed} or (Path.cwd() / first).is_dir()
     if not local:
         return value
     if not inside_any(value, allowed):
-        raise InputError(f"the local folder {value!r} is outside the folders models may be loaded from "
+        raise InputError(f"the local folder {value[:200]!r} is outside the folders models may be loaded from "
                          f"({', '.join(short_path(root) for root in allowed)}); set BERT_ENGINE_MODEL_DIRS to allow "
                          "another")
     resolved, cwd = Path(value).expanduser().resolve(), Path.cwd().resolve()
     if not resolved.is_dir():
-        raise InputError(f"there is no model folder {value!r} here; pick one from the list, or give a Hub id "
+        raise InputError(f"there is no model folder {value[:200]!r} here; pick one from the list, or give a Hub id "
                          "such as owner/name")
     # relative to the working folder where possible, so provenance does not show the server's folders
     return str(resolved.relative_to(cwd)) if resolved.is_relative_to(cwd) else str(resolved)

@@ -430,6 +430,13 @@ def test_local_paths_resolve_inside_the_allowed_folders_only(tmp_path):
                 "../secret", "./x"):
         with pytest.raises(InputError, match="outside the folders"):
             check_model_choice(bad, [allowed])
+    # what the OS refuses (a NUL byte, a name part over 255 bytes) or no name is (100,000 characters) is an
+    # InputError too, and its message does not echo the whole value
+    for hostile, message in ((f"{allowed}/\x00x", "holds control characters"), ("x" * 100_000, "has 100,000 characters"),
+                             (f"{allowed}/{'y' * 300}", "there is no model folder")):
+        with pytest.raises(InputError, match=message) as caught:
+            check_model_choice(hostile, [allowed])
+        assert len(str(caught.value)) < 600
 
 
 def _event(app, api_name):
