@@ -190,15 +190,17 @@ def _one_result(output: FillMaskOutput, batch, *, context: TaskContext, top_k, m
     spans = [tuple(batch.offsets[0][p]) for p in positions.tolist()]
     head = output.head
     specials = [tokenizer.token_id(n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")]
+    shown, shown_spans, cut = _excerpt(text, spans, batch)  # what each candidate's "sequence" fills in
+    excerpt = {"sequence_excerpt": list(cut)} if cut else {}
     if batch.meta["targets"] is not None:
-        return {"mode": "targets", "masks": len(spans),
+        return {"mode": "targets", "masks": len(spans), **excerpt,
                 "candidates": _score_targets(head, context.encode, batch, positions[0], batch.meta["targets"],
-                                              tokenizer, text, spans[0])}
+                                              tokenizer, shown, shown_spans[0])}
     blocked = [] if subwords else word_piece_blocks(tokenizer, text, spans)
     if mode == "joint" and len(spans) > 1:
-        return {"mode": "joint", "masks": len(spans),
-                "candidates": _beam(head, context.encode, batch, positions, spans, tokenizer, text, top_k, beam_width,
-                                   specials, blocked)}
+        return {"mode": "joint", "masks": len(spans), **excerpt,
+                "candidates": _beam(head, context.encode, batch, positions, shown_spans, tokenizer, shown, top_k,
+                                   beam_width, specials, blocked)}
     if logits is None:
         logits = head.logits(output.hidden_states[0, positions.to(output.hidden_states.device)])  # (M, V)
     log_probs = logits.float().log_softmax(-1).cpu()  # (M, V)
@@ -209,9 +211,28 @@ def _one_result(output: FillMaskOutput, batch, *, context: TaskContext, top_k, m
     for m, span in enumerate(spans):
         scores, token_ids = log_probs[m].topk(top_k)
         per_mask.append({"mask": m, "start": span[0], "end": span[1], "field": "text", "text": text[span[0]:span[1]],
-                         "candidates": [_candidate(tokenizer, t, s.exp(), text, spans, m) for t, s in zip(token_ids.tolist(), scores)]})
-    return {"mode": "independent", "masks": len(spans), "windowed": batch.meta["windowed"],
+                         "candidates": [_candidate(tokenizer, t, s.exp(), shown, shown_spans, m)
+                                        for t, s in zip(token_ids.tolist(), scores)]})
+    return {"mode": "independent", "masks": len(spans), "windowed": batch.meta["windowed"], **excerpt,
             "predictions": per_mask}
+
+
+# A candidate's "sequence" repeats the text with the word filled in: for a long text, top_k x the text per
+# request (a 500 KB text at top_k 100 answered 50 MB). Over this many characters it shows an excerpt instead:
+# the part of the window the model read that lies within EXCERPT_CHARS of the masks, "…" marking the cuts.
+EXCERPT_CHARS = 2000
+
+
+def _excerpt(text: str, spans: list[tuple[int, int]], batch) -> tuple[str, list[tuple[int, int]], tuple[int, int] | None]:
+    """(the text the sequences fill in, the masks' spans in it, the excerpt's (start, end) in `text` or None)."""
+    if len(text) <= EXCERPT_CHARS:
+        return text, spans, None
+    read = [o for o, sid in zip(batch.offsets[0], batch.sequence_ids[0]) if sid is not None]
+    start = max(min(o[0] for o in read), spans[0][0] - EXCERPT_CHARS // 2)
+    end = min(max(o[1] for o in read), spans[-1][1] + EXCERPT_CHARS // 2)
+    lead, tail = ("…" if start > 0 else ""), ("…" if end < len(text) else "")
+    shift = len(lead) - start
+    return lead + text[start:end] + tail, [(a + shift, b + shift) for a, b in spans], (start, end)
 
 
 def _candidate(tokenizer, token_id: int, score: Tensor, text: str, spans, mask_index: int) -> dict[str, Any]:

@@ -144,6 +144,17 @@ def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):
     assert result["windowed"] is True
     mask = result["predictions"][0]
     assert text[mask["start"]:mask["end"]] == "[MASK]"
+    # each candidate's sequence is an excerpt around the mask, not the 8,700-character text again per candidate
+    start, end = result["sequence_excerpt"]
+    best = mask["candidates"][0]
+    assert 0 < start < mask["start"] < mask["end"] < end < len(text) and end - start <= 2 * 2000 + 6
+    assert best["sequence"] == "…" + text[start:mask["start"]] + best["token"] + text[mask["end"]:end] + "…"
+    for options in ({"targets": ["paris"]}, {"mode": "joint"}):
+        other = predictor.predict({"text": text}, **options)["result"]
+        sequences = [c["sequence"] for c in other["candidates"]] if "candidates" in other else []
+        assert other["sequence_excerpt"] == [start, end] and all(len(q) < end - start + 20 for q in sequences)
+    short = predictor.predict({"text": "The capital of France is [MASK]."})["result"]
+    assert "sequence_excerpt" not in short and short["predictions"][0]["candidates"][0]["sequence"].startswith("The ")
 
 
 @pytest.mark.parametrize(
