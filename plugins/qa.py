@@ -281,7 +281,7 @@ def loss(output, targets: list[tuple[int, int]]):
 
 
 NO_ANSWER_LABELS = {  # the tab's words for NO_ANSWER_CHOICES (scripts/qa_calibrate.py sets each threshold)
-    "eager": "Answer unless clearly not in the text (refuses about 5-7 % of answerable questions)",
+    "eager": "Answer most readily (still refuses about 5-7 % of answerable questions)",
     "balanced": "Balanced (refuses about 15 %)",
     "cautious": "Cautious: “no answer” when in doubt (best on SQuAD 2.0, refuses about 40 %)",
     "never": "Never say “no answer”: always show the best span",
