@@ -12,7 +12,8 @@ Two rules keep the others' share:
   otherwise turn its share into a flood of refusals, each a trip through the server.
 - **Least recent compute first.** Every forward pass goes through one `ComputeGate`, in chunks of
   about `chunk_flops()` of work (BERT_ENGINE_CHUNK_GFLOP). When the gate frees, the waiting chunk whose visitor has used the
-  least compute recently (FLOPs, decaying with a half-life of `HALF_LIFE_S`) goes next. A visitor
+  least compute recently (FLOPs, decaying with a half-life of `HALF_LIFE_S`) goes next (an address's
+  sessions are one visitor there; among them, the session with least compute goes first). A visitor
   asking for a sentence waits for at most one chunk of a visitor summarising a book; the book's
   chunks run when nobody lighter waits. Without a visitor (the CLI, Python), each request counts
   as its own visitor, which is plain least-attained-service scheduling.
@@ -189,10 +190,10 @@ def _decrement(counts: dict[str, int], key: str) -> None:
 
 
 class _Waiter:
-    __slots__ = ("key", "seq")
+    __slots__ = ("key", "member", "seq")
 
-    def __init__(self, key: object, seq: int) -> None:
-        self.key, self.seq = key, seq
+    def __init__(self, key: object, member: object, seq: int) -> None:
+        self.key, self.member, self.seq = key, member, seq
 
 
 class Turn:
@@ -200,8 +201,8 @@ class Turn:
     least lately go first, and returns when this key's turn comes again (a row too long for one turn
     hands it back between the encoder's layers: runtime/inference.py)."""
 
-    def __init__(self, gate: ComputeGate, key: object) -> None:
-        self.gate, self.key, self.charged = gate, key, 0.0
+    def __init__(self, gate: ComputeGate, key: object, member: object = None) -> None:
+        self.gate, self.key, self.member, self.charged = gate, key, member, 0.0
         self.behind = False  # set when the turn starts: lighter visitors share the machine (see `threads`)
 
     def threads(self) -> int:
@@ -211,14 +212,27 @@ class Turn:
         return max(1, total // 2) if self.behind and total > 1 else total
 
     def hand_back(self, cost: float) -> None:
-        self.gate._release(self.key, cost)
+        self.gate._release(self.key, cost, self.member)
         self.charged += cost
-        self.gate._acquire(self.key)
+        self.gate._acquire(self.key, self.member)
+
+
+def _accounts(key: object | None) -> tuple[object, object]:
+    """(the account a turn is charged to, the member of it that asks): an explicit `key` is its own account;
+    else the address (GROUP) with the session (VISITOR) as its member, else the session, else this one call."""
+    if key is not None:
+        return key, None
+    group, visitor = GROUP.get(), VISITOR.get()
+    if group is not None:
+        return group, ("member", group, visitor) if visitor is not None else None
+    return (visitor if visitor is not None else object()), None
 
 
 class ComputeGate:
-    """`slots` forward chunks at a time; the next slot goes to the waiter whose visitor has the least
-    recent compute (ties: first come). Waiting polls, so a request's cancellation reaches it."""
+    """`slots` forward chunks at a time; the next slot goes to the waiter whose account (its address) has the
+    least recent compute, then, within an address, whose session has (ties: first come): sessions behind one
+    address (an office, a phone carrier) share the address's one share, but a short request of one does not
+    wait behind another's long one. Waiting polls, so a request's cancellation reaches it."""
 
     def __init__(self, slots: int = 1, half_life_s: float = HALF_LIFE_S) -> None:
         self.slots = slots
@@ -226,11 +240,14 @@ class ComputeGate:
         self._cond = threading.Condition()
         self._holders: list[threading.Thread] = []
         self._waiting: list[_Waiter] = []
-        self._usage: dict[object, tuple[float, float]] = {}  # key -> (tokens, when)
+        self._usage: dict[object, tuple[float, float]] = {}  # account or member -> (FLOPs, when)
+        self._seen: dict[tuple[object, object], float] = {}  # (account, member) -> when it last used the gate
         self._seq = 0
 
     def usage(self, key: object, now: float | None = None) -> float:
         """The key's recent compute (FLOPs, as charged), decayed to now."""
+        if key is None:
+            return 0.0
         tokens, when = self._usage.get(key, (0.0, 0.0))
         now = time.monotonic() if now is None else now
         return tokens * math.exp(-self.decay * (now - when))
@@ -241,42 +258,45 @@ class ComputeGate:
         chunk cannot be interrupted, so a light visitor arriving behind a heavy one waits for at most
         one short chunk (12.5 GFLOP: one 512-token MiniLM row, 77 ms on the 2-core AVX-512 EPYC by
         benchmarks.encoder, against ~0.6 s for 100 GFLOP); alone, a long request keeps big, efficient chunks."""
-        key = key if key is not None else GROUP.get() or VISITOR.get()
-        return chunk_flops() / SHARED_CHUNK_SHARE if self._others_around(key) else chunk_flops()
+        return chunk_flops() / SHARED_CHUNK_SHARE if self._others_around(*_accounts(key)) else chunk_flops()
 
     @contextmanager
     def turn(self, cost: float, key: object | None = None) -> Iterator[Turn]:
         """Wait for a slot, run the block, then charge `cost` (its FLOPs: BertConfig.forward_flops) to
         `key` (default: the current GROUP, else VISITOR, else a key for this one call). The block gets
         the Turn, which it may hand back and take again mid-work (`Turn.hand_back`)."""
-        key = key if key is not None else GROUP.get() or VISITOR.get() or object()
-        turn = Turn(self, key)
-        self._acquire(key)
-        turn.behind = self.behind_others(key)
+        key, member = _accounts(key)
+        turn = Turn(self, key, member)
+        self._acquire(key, member)
+        turn.behind = self.behind_others(key, member)
         try:
             yield turn
         finally:
-            self._release(key, max(0.0, cost - turn.charged))
+            self._release(key, max(0.0, cost - turn.charged), member)
 
-    def behind_others(self, key: object) -> bool:
-        """Whether a visitor with less recent compute than `key` waits, or used the gate in the last SHARED_S
-        seconds: `key` is the heavier one on a shared machine."""
-        return self._others_around(key, lighter=True)
+    def behind_others(self, key: object, member: object = None) -> bool:
+        """Whether a visitor with less recent compute than `key` (and, within its address, than `member`)
+        waits, or used the gate in the last SHARED_S seconds: `key` is the heavier one on a shared machine."""
+        return self._others_around(key, member, lighter=True)
 
-    def _others_around(self, key: object, lighter: bool = False) -> bool:
-        """Whether another account waits at the gate or used it in the last SHARED_S seconds (`lighter`: one
-        with less recent compute than `key`)."""
+    def _rank(self, key: object, member: object, now: float) -> tuple[float, float]:
+        return self.usage(key, now), self.usage(member, now)
+
+    def _others_around(self, key: object, member: object = None, lighter: bool = False) -> bool:
+        """Whether another account, or another session of the same address, waits at the gate or used it in
+        the last SHARED_S seconds (`lighter`: one with less recent compute than this one)."""
         now = time.monotonic()
         with self._cond:
-            mine = self.usage(key, now) if lighter else math.inf
-            others = {w.key for w in self._waiting} | {k for k, (_, when) in self._usage.items() if now - when < SHARED_S}
-            return any(k != key and self.usage(k, now) < mine for k in others)
+            mine = self._rank(key, member, now) if lighter else (math.inf, math.inf)
+            others = {(w.key, w.member) for w in self._waiting} | {
+                pair for pair, when in self._seen.items() if now - when < SHARED_S}
+            return any(pair != (key, member) and self._rank(*pair, now) < mine for pair in others)
 
-    def _acquire(self, key: object) -> None:
+    def _acquire(self, key: object, member: object = None) -> None:
         waited = WAITED.get()
         with self._cond:
             self._seq += 1
-            waiter = _Waiter(key, self._seq)
+            waiter = _Waiter(key, member, self._seq)
             self._waiting.append(waiter)
             if waited is not None:
                 waited.start()
@@ -289,15 +309,19 @@ class ComputeGate:
                     waited.stop()
             self._holders.append(threading.current_thread())
 
-    def _release(self, key: object, cost: float) -> None:
+    def _release(self, key: object, cost: float, member: object = None) -> None:
         with self._cond:
             me = threading.current_thread()
             if me in self._holders:
                 self._holders.remove(me)
             now = time.monotonic()
-            self._usage[key] = (self.usage(key, now) + cost, now)
+            for charged in (key, member) if member is not None else (key,):
+                self._usage[charged] = (self.usage(charged, now) + cost, now)
+            self._seen[(key, member)] = now
             if len(self._usage) > 4096:  # forget the visitors whose compute has decayed away
                 self._usage = {k: v for k, v in self._usage.items() if self.usage(k, now) > 1.0}
+            if len(self._seen) > 4096:
+                self._seen = {k: when for k, when in self._seen.items() if now - when < SHARED_S}
             self._cond.notify_all()
 
     def _my_turn(self, waiter: _Waiter) -> bool:
@@ -305,7 +329,7 @@ class ComputeGate:
         if len(self._holders) >= self.slots:
             return False
         now = time.monotonic()
-        best = min(self._waiting, key=lambda w: (self.usage(w.key, now), w.seq))
+        best = min(self._waiting, key=lambda w: (*self._rank(w.key, w.member, now), w.seq))
         return best is waiter
 
 

@@ -57,6 +57,40 @@ def test_the_next_chunk_goes_to_the_visitor_with_least_recent_compute():
     assert gate.usage("heavy") > 50_000 > gate.usage("light") > 0
 
 
+def test_sessions_behind_one_address_share_its_share_but_a_light_one_goes_first_within_it():
+    """Two sessions from one address (an office's NAT): the address is charged as one account against other
+    addresses, but among its own waiters the session with less recent compute goes first, and the heavy one's
+    chunks are short while the other is around (a visitor's short request waited 1-3 s behind a heavy session
+    of its own address, 0.17 s behind one of another address)."""
+    import bert_engine.runtime.fairness as fairness
+
+    gate = ComputeGate(slots=1)
+    with visitor_scope("heavy-session", "ip:1"), gate.turn(50_000):
+        pass
+    with visitor_scope("other-address", "ip:2"), gate.turn(60_000):  # another address, heavier still
+        pass
+    order = []
+
+    def waiter(session, address):
+        with visitor_scope(session, address), gate.turn(10):
+            order.append(session)
+
+    holder, release = _hold(gate, "someone", 1)
+    threads = [holder]
+    for session, address in (("heavy-session", "ip:1"), ("other-address", "ip:2"), ("light-session", "ip:1")):
+        threads.append(threading.Thread(target=waiter, args=(session, address)))
+        threads[-1].start()
+        queued = len(threads) - 1
+        _wait_until(lambda queued=queued: len(gate._waiting) == queued)
+    with visitor_scope("heavy-session", "ip:1"):  # a session of its own address waits: the heavy one's chunks shrink
+        assert gate.chunk_budget() == fairness.chunk_flops() / fairness.SHARED_CHUNK_SHARE
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert order == ["light-session", "heavy-session", "other-address"]  # the address first, then within it
+    assert gate.usage("ip:1") == pytest.approx(50_020, rel=0.01)  # one account for the address
+
+
 def test_a_cancelled_holder_stuck_in_native_code_does_not_block_the_gate(monkeypatch):
     import bert_engine.runtime.fairness as fairness
 
@@ -329,8 +363,8 @@ def test_a_row_that_is_more_than_a_turn_hands_the_turn_back_between_layers(tiny_
     per_row = row_flops(model, 32)
     gate, turns, charges = ComputeGate(slots=1), [], []
     acquire, release = gate._acquire, gate._release
-    gate._acquire = lambda key: (turns.append(key), acquire(key))[1]
-    gate._release = lambda key, cost: (charges.append(cost), release(key, cost))[1]
+    gate._acquire = lambda key, member=None: (turns.append(key), acquire(key, member))[1]
+    gate._release = lambda key, cost, member=None: (charges.append(cost), release(key, cost, member))[1]
     with torch.inference_mode(), visitor_scope("heavy"):
         whole = model(**inputs).last_hidden_state
         chunked = forward_in_chunks(model, inputs, 32, max_flops=per_row / 4, gate=gate).last_hidden_state
