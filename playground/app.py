@@ -947,17 +947,24 @@ def _build_plugins_tab(gr, registry: Registry, endpoints: dict[str, Any]):
     gr.Markdown("Task plugins: the built-ins and installed packages (entry-point group `bert_engine`). "
                 "A plugin that failed to load is listed with its reason, as is a task whose code failed or "
                 "hung while answering a request; the others work.")
-    table = gr.Dataframe(value=plugin_rows(registry), headers=["plugin", "version", "source", "tasks", "status", "reason"],
+    table = gr.Dataframe(value=plugin_rows(registry), headers=list(PLUGIN_COLUMNS),
                          interactive=False, wrap=True, label="Plugins", show_label=False)
     refresh = gr.Button("Refresh", size="sm")
+    refresh.click(lambda: plugin_rows(registry), None, table, api_visibility="private")
 
-    def plugins() -> list[list[str]]:
-        """The task plugins: name, version, source, tasks and status (failures with their reason)."""
-        return plugin_rows(registry)
+    def plugins() -> str:
+        """The task plugins, as JSON text: a list of {plugin, version, source, tasks, status, reason} (loaded
+        ones, then failures with their stage and reason)."""
+        return json.dumps([dict(zip(PLUGIN_COLUMNS, row)) for row in plugin_rows(registry)], ensure_ascii=False)
 
-    refresh.click(plugins, None, table, api_name="plugins")  # no visitor state: served as it is
+    with gr.Group(visible=False):  # the API endpoint and MCP tool: JSON text, as every other tool answers
+        listed, ask = gr.Textbox(label="plugins (JSON)"), gr.Button("plugins")
+    ask.click(plugins, None, listed, api_name="plugins")  # no visitor state: served as it is
     endpoints["plugins"] = plugins
     return table
+
+
+PLUGIN_COLUMNS = ("plugin", "version", "source", "tasks", "status", "reason")
 
 
 MAX_LAYER_INDEX, MAX_HEAD_INDEX = 255, 127  # the sliders' build-time bounds: config.MAX_APPLIED_LAYERS; any head count

@@ -189,10 +189,11 @@ def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
                 refused = await session.call_tool("ner", {"text": "   "})
                 explained = await session.call_tool("explain", {
                     "task": "sentiment", "inputs": json.dumps({"text": "A gorgeous, witty movie."}), "steps": 8})
-                return tools, answer, refused, explained
+                plugins = await session.call_tool("plugins", {})
+                return tools, answer, refused, explained, plugins
 
     try:
-        tools, answer, refused, explained = asyncio.run(session_calls())
+        tools, answer, refused, explained, plugins = asyncio.run(session_calls())
     finally:
         app.close()
     tasks = {name for name in app.predictors if name != "broken_tab"}
@@ -212,6 +213,8 @@ def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
     text = " ".join(part.text for part in answer.content if part.type == "text")
     assert not answer.isError and json.loads(text)["result"]["label"] == "POSITIVE"  # JSON, not the page's HTML
     assert refused.isError and "the text is empty" in " ".join(p.text for p in refused.content if p.type == "text")
+    listed = json.loads(" ".join(part.text for part in plugins.content if part.type == "text"))  # JSON, not a repr
+    assert not plugins.isError and {"sentiment", "qa"} <= {row["plugin"] for row in listed}
 
 
 def test_all_tasks_takes_the_single_text_tasks(registry):
@@ -581,8 +584,9 @@ def test_a_task_that_raises_or_hangs_at_request_time_is_cut_off_and_listed(tmp_p
                                                 ("fails-late", "failing at request time (time limit)")]
         assert "RuntimeError: postprocess exploded" in rows[0][5] and "[tests/test_playground.py:" in rows[0][5]
         assert "cut off" in rows[1][5]
-        table = app.endpoints["plugins"]()
-        assert len([r for r in table if r[4].startswith("failing at request time")]) == 2
+        table = json.loads(app.endpoints["plugins"]())  # JSON text, as every API endpoint and MCP tool answers
+        assert len([r for r in table if r["status"].startswith("failing at request time")]) == 2
+        assert set(table[0]) == {"plugin", "version", "source", "tasks", "status", "reason"}
     finally:
         RELEASE.set()
 
