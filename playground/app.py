@@ -1045,8 +1045,8 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
         tokens, weights, notice = attention.cut(tokens, weights, int(from_token or 0))
         matrix = attention.head_matrix(weights, layer_index, None if mean else head_index)
         which = "the mean of its heads" if mean else f"head {head_index} of {num_heads}"
-        text = (f"Layer {layer_index} of {num_layers}, {which}; {len(tokens)} tokens. "
-                "Darker blue is more attention (each row sums to 100 %). " + notice)
+        text = (f"**{registry.tasks[task_name].spec.title}**, your last input: layer {layer_index} of {num_layers}, "
+                f"{which}; {len(tokens)} tokens. Darker blue is more attention (each row sums to 100 %). " + notice)
         return (text, attention.heatmap_image(tokens, matrix), attention.head_grid_image(weights, layer_index),
                 attention.strongest_links(tokens, matrix))
 
@@ -1059,13 +1059,15 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
 
     served_ranges, served_redraw = with_request(gr, ranges), with_request(gr, redraw)  # who asks: current_visitor
+    # another task: the picture of the one before goes (it stayed, captioned as the new one, when that had no input)
+    task.change(lambda: ("", None, None, ""), None, [caption, heatmap, grid, links], api_visibility="private")
     task.change(served_ranges, [task, layer, head], [layer, head], api_visibility="private")
     # "your last input" means a browser session's: not documented, and not an MCP tool (MCP calls share a session)
     show.click(with_request(gr, render), [task, layer, head, average, start], [caption, heatmap, grid, links],
                api_name="attention", api_visibility="undocumented")
-    for control in (layer, head, start):
-        control.release(served_redraw, [task, layer, head, average, start], [caption, heatmap, grid, links],
-                        api_visibility="private")
+    for control in (layer, head, start):  # a drag's end, or a number typed in the box (Enter or leaving it)
+        control.change(served_redraw, [task, layer, head, average, start], [caption, heatmap, grid, links],
+                       api_visibility="private", trigger_mode="always_last")
     average.change(served_redraw, [task, layer, head, average, start], [caption, heatmap, grid, links],
                    api_visibility="private")
     return served_ranges, [task], [layer, head]

@@ -210,7 +210,8 @@ def test_attention_tab_shows_the_last_input(browser_page):
     sliders = panel.locator("input[type=range]")
     assert [sliders.nth(i).get_attribute("max") for i in range(2)] == ["5", "11"]  # MiniLM: 6 layers, 12 heads
     panel.get_by_role("button", name="Show attention").click()
-    panel.get_by_text("Layer 0 of 6").wait_for(timeout=30_000)
+    panel.get_by_text("layer 0 of 6").wait_for(timeout=30_000)
+    assert panel.get_by_text("Sentiment, your last input").count() >= 1  # the picture names its task
     images = panel.locator(".attention-image img")
     images.nth(1).wait_for(timeout=30_000)
     for i in range(2):
@@ -223,12 +224,20 @@ def test_attention_tab_shows_the_last_input(browser_page):
     browser_page.mouse.click(box["x"] + box["width"] * 0.7, box["y"] + box["height"] / 2)
     import re
 
-    panel.get_by_text(re.compile(r"^Layer [1-5] of 6")).first.wait_for(timeout=30_000)
+    panel.get_by_text(re.compile(r"layer [1-5] of 6")).first.wait_for(timeout=30_000)
+    head_box = panel.locator("input[type=number]").nth(1)  # a number typed in the head's box, then Enter: redrawn
+    head_box.fill("3")
+    head_box.press("Enter")
+    panel.get_by_text(re.compile(r"head 3 of 12")).first.wait_for(timeout=30_000)
     panel.get_by_text("Strongest links of each token").click()  # on a touch screen: tap, read, no hovering
     links = panel.locator(".attention-links")
     links.wait_for()
     assert "luminous" in links.inner_text() and "%" in links.inner_text()
     _shot(browser_page, "attention")
+    panel.get_by_label("Last input of").click()  # another task: the sentiment picture goes, not relabelled
+    browser_page.get_by_role("option", name="Question answering").click()
+    images.first.wait_for(state="detached", timeout=30_000)
+    assert panel.get_by_text("Sentiment, your last input").count() == 0
 
 
 def test_a_failed_run_keeps_the_last_result_visible(browser_page):

@@ -305,7 +305,7 @@ def test_the_attention_view_shows_each_visitor_only_their_own_input(served):
     assert "diary" in alice.predict("sentiment", 0, 0, True, 0, api_name="/attention")[3]
     # the model's whole range through the API (MiniLM: 6 layers of 12 heads), and a clear refusal past it
     caption = alice.predict("sentiment", 5, 11, False, 0, api_name="/attention")[0]
-    assert "Layer 5 of 6, head 11 of 12" in caption
+    assert "layer 5 of 6, head 11 of 12" in caption and "Sentiment" in caption
     with pytest.raises(Exception, match=r"layer 6 does not exist; the model has layers 0\.\.5"):
         alice.predict("sentiment", 6, 0, False, 0, api_name="/attention")
 
