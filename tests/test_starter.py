@@ -112,3 +112,13 @@ def test_the_fill_mask_tabs_one_mask_examples_are_answered_right_by_the_starter(
             first = predictor.predict(example)["result"]["predictions"][0]["candidates"][0]["token"]
             assert first == expected[example["text"]], (example, first)
     assert "all-MiniLM-L6-v2" in STARTER_NOTE
+
+
+def test_another_tasks_starter_is_refused_naming_the_task_it_is_for(registry):
+    """An NER adapter picked for sentiment (a visitor's model picker): the refusal says which task the folder is
+    for, not only which tensors are missing or unexpected."""
+    from bert_engine.checkpoints.loading import CheckpointError
+
+    with pytest.raises(CheckpointError, match="it is a model of task 'ner' \\(its manifest.json\\): load it with "
+                                              "that task"):
+        Predictor.load(registry.task("sentiment"), str(STARTER_ROOT / "ner"))

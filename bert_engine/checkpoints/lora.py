@@ -253,6 +253,15 @@ def looks_local(name: str) -> bool:
     return name.startswith(("/", "~", ".")) or "\\" in name or ".." in parts or len(parts) > 2 or Path(name).exists()
 
 
+def _manifest_task(folder: Path) -> str | None:
+    """The task a packed folder's manifest.json names, when it is a plain name (None: no manifest, or not one)."""
+    try:
+        task = json.loads((folder / "manifest.json").read_text(encoding="utf-8")).get("task")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    return task if isinstance(task, str) and task.isidentifier() else None
+
+
 def check_local_base(base: str, adapter_folder, allowed_dirs) -> None:
     """An adapter's base_model that is a local folder must lie inside `allowed_dirs` (None: anywhere);
     checked before anything is opened, so the error says nothing of what exists on the server."""
@@ -287,6 +296,11 @@ def copy_adapter_weights(model: nn.Module, folder, *, grow: bool = False, b_scal
     unexpected = sorted(set(weights) - set(own))
     missing = sorted(set(lora_state(model)) - set(weights))
     if unexpected or missing:
+        task = _manifest_task(Path(folder))
+        if task is not None:  # the usual reason: another task's head (an NER adapter picked in the sentiment tab)
+            raise CheckpointError(f"{Path(folder).name}: does not fit this model; it is a model of task {task!r} (its "
+                                  f"manifest.json): load it with that task (missing {missing[:3]}, unexpected "
+                                  f"{unexpected[:3]})")
         raise CheckpointError(f"{path}: does not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}")
     slots = {}
     for name, tensor in weights.items():
