@@ -468,9 +468,9 @@ def _task_failure(task: str, registry: Registry, err: BaseException) -> str:
     if not isinstance(err, MemoryError):  # the traceback, for the operator; err itself is not kept in a record
         logger.error("task %s failed at %s", task, failure.stage, exc_info=(type(err), err, err.__traceback__))
     if isinstance(err, MemoryError):
-        return f"{task} ran out of memory on this input; try a shorter one. The other tabs still work."
+        return f"{task} ran out of memory on this input; try a shorter one. Other tasks are not affected."
     return (f"{task} failed in {failure.stage} ({failure.message}); this is a bug in plugin {failure.plugin}, "
-            "not in your input. The other tabs still work.")
+            "not in your input. Other tasks are not affected.")
 
 
 def gpu_seconds(inputs: Any, loaded: bool = True, limit_s: float | None = DEFAULT_TIMEOUT_S) -> int:
