@@ -136,6 +136,15 @@ def _first(fn: Callable[..., Any], width: int, inputs: Sequence[Any]) -> Callabl
     return first
 
 
+def whole(value: Any) -> Any:
+    """A tab's number (Gradio hands a slider's value over as a float) as an int when it is a whole number;
+    otherwise the value as it came, for the task's own check to refuse by name (2.5 n-best paths was
+    silently read as 2)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def empty_state(text: str) -> str:
     """An output's content before the first run: what will appear there, in the theme's own text colour."""
     return f'<p class="be-empty"><em>{html.escape(text)}</em></p>'

@@ -380,7 +380,7 @@ def build_tab(predictor) -> None:
             targets: optional comma-separated words to score instead of the model's own guesses.
         """
         words = [w.strip() for w in (targets or "").split(",") if w.strip()] or None  # API clients may send null
-        output = predictor.predict({"text": text}, top_k=int(top_k), mode=mode, targets=words)
+        output = predictor.predict({"text": text}, top_k=ui.whole(top_k), mode=mode, targets=words)
         return candidate_bars(output["result"]), output
 
     ui.wire(gr, button, run, [text, top_k, mode, targets], [view, details], api_name="fill_mask",

@@ -448,7 +448,7 @@ def build_tab(predictor) -> None:
         if read_capitals not in CASING_CHOICES:
             raise InputError(f"ner: read_capitals must be one of {list(CASING_CHOICES)}, got {read_capitals!r}")
         chosen = {} if CASING_CHOICES[read_capitals] is None else {"casing": CASING_CHOICES[read_capitals]}
-        output = predictor.predict({"text": text}, constrained=bool(constrained), nbest=int(nbest), **chosen)
+        output = predictor.predict({"text": text}, constrained=bool(constrained), nbest=ui.whole(nbest), **chosen)
         result = output["result"]
         table = transition_table(predictor.get().model.head, bool(constrained))
         return (render_entities(text, result["entities"]),

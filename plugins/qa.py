@@ -315,7 +315,7 @@ def build_tab(predictor) -> None:
             no_answer: how readily to answer "no answer": "eager" (rarely), "balanced", "cautious" (when in
                 doubt) or "never".
         """
-        output = predictor.predict({"question": question, "context": context}, top_k=int(top_k), no_answer=no_answer)
+        output = predictor.predict({"question": question, "context": context}, top_k=ui.whole(top_k), no_answer=no_answer)
         result = output["result"]
         return answer_view(context, result), candidate_scores(result), output
 

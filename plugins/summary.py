@@ -516,7 +516,7 @@ def build_tab(predictor) -> None:
         if length not in LENGTHS:
             raise InputError(f"summary: length must be one of {', '.join(map(repr, LENGTHS))}, got {length!r}")
         count, ratio = LENGTHS[length]
-        output = predictor.predict({"text": text}, num_sentences=count, ratio=ratio, min_words=int(min_words), mode=mode)
+        output = predictor.predict({"text": text}, num_sentences=count, ratio=ratio, min_words=ui.whole(min_words), mode=mode)
         result = output["result"]
         return (result["summary"] or result.get("explanation", ""), render(text, result),
                 [[item["text"], item["reason"]] for item in result["dropped"]], output)

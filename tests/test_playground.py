@@ -116,6 +116,9 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
     assert answer["task"] == "sentiment" and answer["result"]["label"] == "POSITIVE" and answer["provenance"]["model"]
     answer = json.loads(client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", 2, api_name="/qa"))
     assert answer["result"]["answer"] == "Herman Melville"
+    with pytest.raises(Exception, match="nbest must be an integer in \\[1, 20\\], got 2.5"):  # not read as 2
+        client.predict("Angela Merkel visited Paris.", True, 2.5, "model", api_name="/ner")
+    assert json.loads(client.predict("Angela Merkel visited Paris.", True, 2.0, "model", api_name="/ner"))["result"]
     every = json.loads(client.predict("Angela Merkel visited Paris.", api_name="/all_tasks"))
     assert {"sentiment", "ner", "summary"} <= set(every) and every["ner"]["result"]["entities"]
     label, output = client.predict("A man is playing a guitar.", "Someone plays an instrument.", api_name="/similarity_view")
