@@ -404,8 +404,10 @@ def candidate_bars(result: dict[str, Any]) -> str:
     parts = []
     for title, candidates, sentence in groups:
         bars = "".join(ui.bar(score, label) for label, score in candidates)
-        best = f'<p class="fm-sentence">{escape(sentence)}</p>' if sentence else ""
-        parts.append(f'<section class="fm-mask"><h4>{escape(title)}</h4>{best}{bars}</section>')
+        # under the bars, in a box of its own height: a long text's filling must not push the answer off screen
+        best = (f'<p class="fm-sentence" style="max-height: 6.5em; overflow-y: auto; opacity: .85">'
+                f'{escape(sentence)}</p>') if sentence else ""
+        parts.append(f'<section class="fm-mask"><h4>{escape(title)}</h4>{bars}{best}</section>')
     return '<div class="fill-mask">' + "".join(parts) + "</div>"
 
 

@@ -136,6 +136,7 @@ def test_joint_beam_ranks_by_joint_probability(predictor):
     view = candidate_bars({"mode": "joint", "candidates": candidates})  # the tab: one bar per filling, best first
     assert "All masks together" in view and view.count('class="be-bar"') == 4
     assert view.index(" + ".join(candidates[0]["tokens"])) < view.index(" + ".join(candidates[1]["tokens"]))
+    assert view.index('class="be-bar"') < view.index('class="fm-sentence"')  # the answer first, the filling after
 
 
 def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):
