@@ -159,9 +159,11 @@ def percent(score: float) -> str:
 
 
 def bar(score: float, label: str = "") -> str:
-    """One HTML row: the label, a bar as long as the score and the score in percent (escaped)."""
+    """One HTML row: the label, a bar as long as the score and the score in percent (escaped). Without a
+    label the row has no label column (a table cell's bar: 6em of nothing pushed a phone's table wide)."""
     width = max(0.0, min(1.0, float(score))) * 100
-    return (f'<div class="be-bar"><span class="be-bar-label">{html.escape(label)}</span>'
+    head = f'<span class="be-bar-label">{html.escape(label)}</span>' if label else ""
+    return (f'<div class="be-bar{"" if label else " be-bar-bare"}">{head}'
             f'<span class="be-bar-track"><span class="be-bar-fill" style="width:{width:.1f}%"></span></span>'
             f'<span class="be-bar-value">{percent(score)}</span></div>')
 
@@ -193,6 +195,7 @@ HIGHLIGHT_TEXT = "#111827"
 CSS = f"""
 .be-bar {{ display: grid; grid-template-columns: minmax(6em, 14em) 1fr 4.5em; gap: .5em; align-items: center;
           margin: .15em 0; }}
+.be-bar-bare {{ grid-template-columns: minmax(2em, 1fr) 4.5em; }}
 .be-bar-label {{ overflow-wrap: anywhere; }}
 .be-bar-track {{ background: rgba(127, 127, 127, .2); border-radius: 3px; height: .8em; }}
 .be-bar-fill {{ display: block; height: 100%; background: #2563eb; border-radius: 3px; }}

@@ -122,8 +122,9 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
             _build_tabs(gr, app, registry, predictors, statuses, endpoints, (wrap, publish), model_dirs, precisions,
                         timeout_s)
         _build_insight_api(gr, registry, predictors, endpoints, model_dirs, precisions)
-        menu.change(lambda chosen: gr.Tabs(selected=chosen) if chosen else gr.skip(), menu, tabs,
-                    api_visibility="private")
+        # the menu empties after each jump, so choosing the same entry again (after tapping another tab) jumps again
+        menu.change(lambda chosen: (gr.Tabs(selected=chosen), None) if chosen else (gr.skip(), gr.skip()), menu,
+                    [tabs, menu], api_visibility="private")
     return app
 
 

@@ -381,7 +381,8 @@ def render_entities(text: str, entities: list[dict]) -> str:
     rows = "".join(f"<tr><td>{escape(e['text'])}</td><td>{escape(e['type'])}</td><td>{ui.bar(e['score'])}</td></tr>"
                    for e in entities)
     return (marked + f'<p class="ner-legend">{legend}</p>'
-            f'<table class="ner-entities"><tr><th>entity</th><th>type</th><th>score</th></tr>{rows}</table>'
+            f'<div style="max-width: 100%; overflow-x: auto"><table class="ner-entities" style="width: 100%">'
+            f'<tr><th>entity</th><th>type</th><th>score</th></tr>{rows}</table></div>'
             ).replace("<th>", f'<th style="color:{ui.HIGHLIGHT_TEXT};background:#f3f4f6;white-space:nowrap">')
 
 

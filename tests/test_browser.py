@@ -453,6 +453,11 @@ def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page
         from playwright.sync_api import expect
 
         expect(selected.first).to_contain_text(title, timeout=30_000)
+    _reach(page, TITLES[0])  # a tab tapped on the bar, then the menu's last choice again: it jumps again
+    menu.locator("input").click()
+    page.get_by_role("option", name=TITLES[-1], exact=True).click()
+    expect(page.locator("[role=tablist] [aria-selected=true], .overflow-dropdown .selected").first).to_contain_text(
+        TITLES[-1], timeout=30_000)
     for title in TITLES:  # each tab is on the bar, or one tap away behind the labelled "More tabs" button
         _reach(page, title)
         selected = page.locator("[role=tablist] [aria-selected=true], .overflow-dropdown .selected")
@@ -483,6 +488,9 @@ def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page
         return [th.innerText.trim(), tops.size]; })""")
     assert lines and all(count == 1 for _, count in lines), lines
     assert page.evaluate("document.documentElement.scrollWidth") <= 390 + 1  # tables scroll inside their box
+    entities = panel.locator("table.ner-entities").first  # the entity table fits its box: no edge cut off
+    fits = entities.evaluate("t => t.getBoundingClientRect().right <= t.parentElement.getBoundingClientRect().right + 1")
+    assert fits, entities.evaluate("t => [t.getBoundingClientRect().width, t.parentElement.getBoundingClientRect().width]")
     _shot(page, "phone_ner_tables")
     _reach(page, "Attention")  # the pictures carry no label over their top-left corner
     panel = page.locator("[role=tabpanel]:visible").first
