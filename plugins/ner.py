@@ -391,7 +391,7 @@ def transition_heatmap(table: dict[str, Any]) -> str:
     the moves the tag scheme forbids; from-tag rows, to-tag columns, the score in each cell."""
     values = [v for row in table["transitions"] for v in row if v > -1e3]
     peak = max((abs(v) for v in values), default=1.0) or 1.0
-    th = f'<th style="color:{ui.HIGHLIGHT_TEXT};background:#f9fafb">'  # inline: the dark theme's table CSS loses to it
+    th = f'<th style="color:{ui.HIGHLIGHT_TEXT};background:#f9fafb;font-variant:normal;text-transform:none">'  # inline: the theme's table CSS loses to it
     header = "".join(f"{th}{escape(label)}</th>" for label in table["labels"])
     body = []
     for label, row in zip(table["labels"], table["transitions"]):
@@ -409,8 +409,13 @@ def transition_heatmap(table: dict[str, Any]) -> str:
             cells.append(f'<td style="background:{colour};color:{text}">{v:.2f}</td>')
         body.append(f"<tr>{th}{escape(label)}</th>{''.join(cells)}</tr>")
     note = "" if table.get("trained") else "<p>This CRF is untrained: every allowed move scores 0.</p>"
+    note += ('<p class="ner-key" style="font-size:0.85em;opacity:.85">How likely the CRF finds one tag after another: '
+             "the row is the tag of a word, the column the tag of the next word. Each number is the learned score "
+             "of that move (blue above 0: favoured; red below 0: avoided); × is a move the tag scheme forbids "
+             "(e.g. I-PER right after O).</p>")
     return (f'{note}<div style="overflow-x:auto"><table class="ner-transitions" style="background:#f9fafb;'
-            f'color:#111827;font-size:12px"><tr>{th}from \\ to</th>{header}</tr>{"".join(body)}</table></div>')
+            f'color:#111827;font-size:12px;font-variant:normal"><tr>{th}from \\ to</th>{header}</tr>{"".join(body)}'
+            '</table></div>')
 
 
 def build_tab(predictor) -> None:

@@ -474,7 +474,11 @@ def render(text: str, result: dict) -> str:
                      f'<sub style="color:inherit;font-size:0.75em"> {sentence["score"]:.2f}</sub></span>')
         cursor = sentence["end"]
     parts.append(escape(text[cursor:]))
-    return '<div class="summary-doc" style="white-space:pre-wrap;line-height:1.7">' + "".join(parts) + "</div>"
+    # the small numbers explained on the page itself: a touch screen shows no hover title
+    key = ('<p class="summary-key" style="font-size:0.85em;opacity:.85">Highlighted: the sentences chosen. The small '
+           "number after each sentence is its score (higher: more central to the document); struck through: "
+           "dropped by the length filter.</p>")
+    return key + '<div class="summary-doc" style="white-space:pre-wrap;line-height:1.7">' + "".join(parts) + "</div>"
 
 
 # The tab's one length control: a number of sentences, or a share of the document's for long texts.
@@ -492,7 +496,8 @@ def build_tab(predictor) -> None:
         min_words = gr.Slider(0, 20, value=OPTIONS["min_words"], step=1, label="Drop sentences shorter than (words)")
         # "auto": hybrid with a trained scorer (the starter's: best on BBC News, MODEL_CARD.md), else centroid.
         mode = gr.Radio(list(MODES), value="auto", label="Mode",
-                        info="hybrid: the trained scorer and the centroid together; centroid: unsupervised; "
+                        info="auto: hybrid when the model has a trained scorer (the starter has), else centroid; "
+                             "hybrid: the trained scorer and the centroid together; centroid: unsupervised; "
                              "supervised: the scorer alone")
     button = ui.run_button(gr, "Summarise")
     summary = gr.Textbox(label="Summary", lines=4)
@@ -518,8 +523,9 @@ def build_tab(predictor) -> None:
         count, ratio = LENGTHS[length]
         output = predictor.predict({"text": text}, num_sentences=count, ratio=ratio, min_words=ui.whole(min_words), mode=mode)
         result = output["result"]
+        dropped_rows = [[item["text"], item["reason"]] for item in result["dropped"]]
         return (result["summary"] or result.get("explanation", ""), render(text, result),
-                [[item["text"], item["reason"]] for item in result["dropped"]], output)
+                dropped_rows or [["(none: every sentence was long enough)", ""]], output)
 
     ui.wire(gr, button, run, [text, length, min_words, mode], [summary, document, dropped, details],
             api_name="summary", examples=[[e["text"]] for e in EXAMPLES])
