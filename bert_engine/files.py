@@ -6,6 +6,7 @@ A leaf module (it imports nothing of the package), so both checkpoints/loading.p
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -50,3 +51,22 @@ def metadata_file(folder: Path, name: str, limit: int = MAX_METADATA_BYTES) -> P
         raise CheckpointError(f"{Path(folder).name}/{name}: {size:,} bytes; a file of this kind over "
                               f"{limit:,} bytes is refused unread")
     return path
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The files a weights path stands for: itself, or for an index .json its shards (each checked
+    to lie inside the checkpoint).
+
+    Raises:
+        CheckpointError: an index that is not JSON with a weight_map of string names, or a shard outside.
+    """
+    if not path.name.endswith(".index.json"):
+        return [path]
+    try:
+        shards = sorted(set(json.loads(metadata_file(path.parent, path.name).read_text(encoding="utf-8"))
+                            ["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        raise CheckpointError(f"{path.name}: not a valid checkpoint index ({type(err).__name__})") from None
+    if not all(isinstance(shard, str) for shard in shards):
+        raise CheckpointError(f"{path.name}: shard names must be strings")
+    return [contained(path.parent, shard) for shard in shards]

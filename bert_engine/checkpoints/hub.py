@@ -16,6 +16,8 @@ from pathlib import Path
 import huggingface_hub
 from huggingface_hub import errors as hub_errors
 
+from ..files import weight_files
+
 logger = logging.getLogger(__name__)
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
@@ -85,8 +87,6 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
             fetch(optional, required=False)
     else:
         if weights.name.endswith(".index.json"):
-            from .loading import weight_files  # noqa: PLC0415 - loading imports this module
-
             for shard in weight_files(weights):  # the index checked: JSON, string names inside the checkpoint
                 fetch(shard.relative_to(weights.parent).as_posix(), required=True)
         fetch.first_of(TOKENIZER_FILES, "tokenizer")

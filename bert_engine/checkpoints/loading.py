@@ -34,6 +34,7 @@ from ..files import (  # noqa: F401  (re-exported: loading is where callers look
     contained,
     inside_any,
     metadata_file,
+    weight_files,
 )
 from ..heads import BertWithHead
 from ..model import BertModel, encoder_of
@@ -239,20 +240,6 @@ def find_weights(folder: Path) -> Path:
             contained(folder, name)
             return folder / name
     raise CheckpointError(f"{folder}: no weights file found (looked for {', '.join(WEIGHT_FILES)})")
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The files a weights path stands for: itself, or for an index .json its shards (each checked
-    to lie inside the checkpoint)."""
-    if not path.name.endswith(".index.json"):
-        return [path]
-    try:
-        shards = sorted(set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
-        raise CheckpointError(f"{path.name}: not a valid checkpoint index ({type(err).__name__})") from None
-    if not all(isinstance(shard, str) for shard in shards):
-        raise CheckpointError(f"{path.name}: shard names must be strings")
-    return [contained(path.parent, shard) for shard in shards]
 
 
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
