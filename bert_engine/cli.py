@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import sys
 from itertools import islice
 from pathlib import Path
@@ -220,9 +221,10 @@ def not_utf8(line: str) -> str:
     return "" if bad is None else f"not UTF-8 text (byte 0x{ord(line[bad]) - 0xDC00:02x} at character {bad + 1})"
 
 
-def check_data_file(path: Path) -> None:
-    """Refuse, before reading, what is not a regular file (a device such as /dev/zero, a pipe, a folder) or is
-    larger than BERT_ENGINE_MAX_FILE_MB, from the size the file system declares.
+def check_data_file(path: Path, *, folder_ok: bool = False) -> None:
+    """Refuse, before reading, what is not a regular file (a device such as /dev/zero, a pipe, a folder unless
+    `folder_ok`: some tasks read a folder of texts) or is larger than BERT_ENGINE_MAX_FILE_MB, from the size
+    the file system declares.
 
     Raises:
         ValueError: naming the file and the reason.
@@ -233,9 +235,9 @@ def check_data_file(path: Path) -> None:
         raise ValueError(f"{path}: no such file") from None
     except OSError as err:
         raise ValueError(f"{path}: cannot be read ({err.strerror or err})") from None
-    import stat
-
     if stat.S_ISDIR(info.st_mode):
+        if folder_ok:
+            return
         raise ValueError(f"{path}: is a folder; give a file")
     if not stat.S_ISREG(info.st_mode):
         raise ValueError(f"{path}: not a regular file (a device or a pipe has no size to check)")
@@ -387,10 +389,12 @@ def _eval(args: argparse.Namespace) -> dict:
     spec = task.spec
     if spec.read_data is None:
         raise ValueError(f"task {spec.name!r} declares no data reader; it cannot be evaluated from a file")
-    check_data_file(Path(args.data))
+    check_data_file(Path(args.data), folder_ok=True)  # a task's reader may take a folder of texts
     try:
         examples = list(islice(spec.read_data(args.data, args.split), args.limit))
-    except UnicodeDecodeError:
+    except UnicodeDecodeError as err:
+        if Path(args.data).is_dir():
+            raise ValueError(f"{args.data}: a file in it is not UTF-8 text ({err.reason})") from None
         data = Path(args.data).read_bytes()  # within BERT_ENGINE_MAX_FILE_MB: checked above
         try:
             data.decode("utf-8")

@@ -245,3 +245,12 @@ def test_input_files_are_checked_before_reading_and_bad_bytes_fail_their_line_on
     tsv.write_bytes(b"sentence\tlabel\na fine film\t1\nbad \xff\t0\n")
     assert main(["eval", "sentiment", "--data", str(tsv), *args]) == 2
     assert "dev.tsv:3: not UTF-8 text (byte 0xff)" in capsys.readouterr().err
+
+
+def test_eval_still_reads_a_folder_of_texts(tmp_path, capsys):
+    """fill-mask's reader takes a folder of plain text: the input-file checks let a folder through for eval."""
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "a.txt").write_text(("The old man walked to the market every morning and bought bread. " * 20 + "\n\n") * 3)
+    assert main(["eval", "fill_mask", "--data", str(books), "--split", "all", "--limit", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["examples"] == 2
