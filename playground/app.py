@@ -827,7 +827,10 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
         inputs = gr.Textbox(label="inputs")
         method = gr.Textbox(label="method", value="integrated_gradients")
         steps = gr.Number(label="steps", value=DEFAULT_STEPS)
-        models = [gr.Textbox(label=label) for label in ("model_b", "precision_b", "model_a", "precision_a")]
+        # with their defaults, so the API and MCP schemas list them as optional ("": the task's default model)
+        models = [gr.Textbox(label=label, value=value) for label, value in
+                  (("model_b", ""), ("precision_b", "int8" if "int8" in precisions else precisions[0]),
+                   ("model_a", ""), ("precision_a", "fp32" if "fp32" in precisions else precisions[0]))]
         result = gr.Textbox(label="result (JSON)")
         explain_button, compare_button = gr.Button("explain"), gr.Button("compare")
     explain_button.click(host_handler(gr, endpoints, explain, "explain"), [task, inputs, method, steps], result,

@@ -208,6 +208,7 @@ def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
         assert not any(key.endswith("_value") for key in properties), (name, list(properties))
         assert all(p.get("description") for p in properties.values()), (name, properties)
     assert set(tools["qa"].inputSchema["properties"]) == {"question", "context", "top_k", "no_answer"}
+    assert set(tools["compare"].inputSchema.get("required", [])) <= {"task", "inputs"}  # "" models: the defaults
     for name in ("explain", "compare"):  # the why and compare tools: every input described
         properties = tools[name].inputSchema["properties"]
         assert {"task", "inputs"} <= set(properties) and all(p.get("description") for p in properties.values())
