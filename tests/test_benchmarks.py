@@ -67,3 +67,16 @@ def test_int8_fused_benchmark_times_both_int8_models_in_turn(tmp_path):
     assert row == result["rows"][0] and row["shape"] == "1x8" and row["rows"] == 8
     assert row["eager_ms"] > 0 and row["fused_ms"] > 0 and row["max_abs_diff"] == 0.0  # 8 rows: the eager quantiser
     assert "command" in json.loads(out.read_text())  # the file says how it was made
+
+
+def test_onednn_graph_benchmark_times_each_variant_in_its_own_process(tmp_path):
+    """The tried-and-not-shipped TorchScript + oneDNN Graph path (benchmarks/README.md): each variant in a
+    process of its own, the fused outputs within float rounding of the eager layers'."""
+    from benchmarks import onednn_graph
+
+    out = tmp_path / "graph.json"
+    result = onednn_graph.main(["--lengths", "6,9", "--calls", "3", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == result["rows"] and [r["length"] for r in rows] == [6, 9]
+    assert all(r["eager_ms"] > 0 and r["onednn_graph_ms"] > 0 and r["fused_max_abs_diff"] < 1e-3 for r in rows)
+    assert result["fused_back_to_a_seen_length_ms"] > 0
