@@ -61,6 +61,9 @@ def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
         return ImageFont.load_default()
 
 
+BUTTONS_PX = 64
+
+
 def heatmap_image(tokens: list[str], matrix: torch.Tensor) -> Image.Image:
     """The (T, T) matrix as a heatmap with the tokens along both sides: rows are the tokens attending
     (queries), columns the tokens they attend to (keys); white is 0, full blue the matrix's peak."""
@@ -70,7 +73,9 @@ def heatmap_image(tokens: list[str], matrix: torch.Tensor) -> Image.Image:
     labels = [_label(t) for t in tokens]
     margin = max(int(font.getlength(label)) for label in labels) + 8 if labels else 8
     plot = _cells(matrix, cell)
-    image = Image.new("RGB", (margin + plot.width + 4, margin + plot.height + 4), "white")
+    # white on the right: Gradio's download and fullscreen buttons sit over the top-right corner, where the
+    # last column's label ([SEP]) would be
+    image = Image.new("RGB", (margin + plot.width + BUTTONS_PX, margin + plot.height + 4), "white")
     image.paste(plot, (margin, margin))
     draw = ImageDraw.Draw(image)
     top = Image.new("RGB", (margin, plot.width), "white")  # the column labels, drawn then turned upright

@@ -81,6 +81,8 @@ def test_attention_pictures_follow_the_input_and_links_read_as_text():
     assert later[0] == "token72" and "tokens 72-119 of 120" in notice  # the window stays inside the input
     big = attention.heatmap_image(cut_tokens, cut_weights[0][0])
     assert small.width < big.width <= 800 and big.height <= 800  # cells shrink as the input grows
+    corner = small.crop((small.width - attention.BUTTONS_PX + 2, 0, small.width, small.height // 2))
+    assert corner.getextrema() == ((255, 255), (255, 255), (255, 255))  # under the image's buttons: no label
     assert attention.PLOT_PX // attention.MAX_TOKENS >= 13  # labels of 11 px or more at the most tokens shown
     grid = attention.head_grid_image(cut_weights, 0)
     assert grid.width <= 700 and grid.height <= 700  # 12 heads, 4 to a row
