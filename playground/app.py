@@ -28,7 +28,7 @@ from bert_engine.checkpoints.loading import CheckpointError, inside_any
 from bert_engine.checkpoints.lora import looks_local
 from bert_engine.hookspecs import InputError
 from bert_engine.runtime.cancel import PredictionTimeout, call_with_timeout
-from bert_engine.runtime.explain import DEFAULT_STEPS, MAX_STEPS
+from bert_engine.runtime.explain import DEFAULT_STEPS, MAX_STEPS, checked_method
 from bert_engine.runtime.explain import explain as explain_prediction
 from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
 from bert_engine.runtime.precision import NAMES as PRECISIONS
@@ -795,6 +795,7 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
         spec = task_of(task)
         if spec.spec.explain is None:
             raise InputError(f"{task}: this task does not say what to explain; tasks that do: {', '.join(names)}")
+        checked_method(task, method, steps)  # before the inputs: a bad JSON must not hide a bad method
         with visitor_scope(current_visitor(), current_group()):  # explain() reads a whole float as its integer
             explained, _ = predictors[task].explain(_parse_inputs(spec, inputs), method=method, steps=steps)
         return json.dumps(explained, ensure_ascii=False)  # JSON text: what an MCP client reads

@@ -56,6 +56,22 @@ BASELINE = ("every text token's word embedding replaced by the padding token's; 
 _COPY_LOCK = threading.Lock()
 
 
+def checked_method(task: str, method: Any, steps: Any) -> int:
+    """The steps an explanation by `method` takes (1 for gradient x input), after checking both; a caller
+    checks them before the inputs, so one error does not hide another.
+
+    Raises:
+        InputError: an unknown method, or steps not an integer in [1, MAX_STEPS].
+    """
+    if method not in METHODS:
+        raise InputError(f"{task}: method {method!r} is not one of {', '.join(METHODS)}")
+    if isinstance(steps, float) and steps.is_integer():
+        steps = int(steps)  # a slider's value
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
+        raise InputError(f"{task}: steps must be an integer in [1, {MAX_STEPS}], got {steps!r}")
+    return steps if method == "integrated_gradients" else 1
+
+
 def gauss_legendre(steps: int) -> tuple[np.ndarray, np.ndarray]:
     """`steps` nodes in (0, 1) and weights summing to 1: the integral over [0, 1] of f is about sum(w * f(a))."""
     nodes, weights = np.polynomial.legendre.leggauss(steps)
@@ -120,13 +136,7 @@ def explain(predictor: Predictor, inputs: Mapping[str, Any], *, method: str = "i
     spec = predictor.task.spec
     if spec.explain is None:
         raise InputError(f"{spec.name}: this task does not say what to explain (its TaskSpec has no `explain`)")
-    if method not in METHODS:
-        raise InputError(f"{spec.name}: method {method!r} is not one of {', '.join(METHODS)}")
-    if isinstance(steps, float) and steps.is_integer():
-        steps = int(steps)  # a slider's value
-    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
-        raise InputError(f"{spec.name}: steps must be an integer in [1, {MAX_STEPS}], got {steps!r}")
-    steps = steps if method == "integrated_gradients" else 1
+    steps = checked_method(spec.name, method, steps)
     checked = predictor.check_inputs(inputs, options)
     start = time.perf_counter()
     with request_stage("preprocess"):
