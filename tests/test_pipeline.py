@@ -68,6 +68,11 @@ def test_question_answering_has_the_v4_pipeline_shape():
     assert isinstance(several, list) and len(several) == 2
     batch = qa(question=["Who wrote it?", "What was written?"], context=[context, context])
     assert len(batch) == 2 and all(set(a) == {"score", "start", "end", "answer"} for a in batch)
+    stream = qa(iter([{"question": "Who wrote it?", "context": context}, {"question": " ", "context": context}]))
+    assert next(stream)["answer"]  # a task answered one input at a time names a bad one's place too
+    with pytest.raises(InputError, match="qa: input 1: the question is empty") as caught:
+        next(stream)
+    assert caught.value.position == 1
 
 
 def test_lists_generators_options_and_errors():
@@ -99,6 +104,16 @@ def test_lists_generators_options_and_errors():
         next(stream)
     with pytest.raises(TypeError, match="expected text, got bytes; decode it first"):
         classify(b"hello")
+    # whichever check finds it (the type, the length limit, a missing field), the stream names its place
+    from bert_engine.runtime.inference import MAX_INPUT_CHARS
+
+    for bad, detail in ((5, "each input must be a text"), ("x" * (MAX_INPUT_CHARS + 1), "characters; the limit"),
+                        ({"txt": "a"}, "input 'text' is missing")):
+        stream = small(iter([*REVIEWS, "fine", "good", "bad", bad, "never reached"]))
+        assert len([next(stream) for _ in range(6)]) == 6
+        with pytest.raises(InputError, match=f"input 6: .*{detail}") as caught:
+            next(stream)
+        assert caught.value.position == 6
 
 
 def test_a_model_or_device_that_is_not_there_is_named_before_anything_loads():
@@ -113,6 +128,9 @@ def test_a_model_or_device_that_is_not_there_is_named_before_anything_loads():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device 'cuda': (this torch is a CPU build|no CUDA GPU is visible)"):
             pipeline("sentiment", device="cuda")
+        with pytest.raises(ValueError, match="device 'cuda:0'"):  # 0 is a device, not "pick one"
+            pipeline("sentiment", device=0)
+    assert pipeline("sentiment", device=-1).predictor.device.type == "cpu"  # transformers' CPU
 
 
 def test_every_task_is_reachable_by_name_and_alias():

@@ -105,7 +105,7 @@ def pick_device(preference: str | torch.device | None = None) -> torch.device:
     Raises:
         ValueError: `preference` names no device, or one this machine (or this build of torch) does not have.
     """
-    if preference:
+    if preference is not None and preference != "":  # 0 is a device (cuda:0), not "pick one"
         return _present(preference)
     if torch.cuda.is_available():
         return torch.device("cuda")
@@ -116,6 +116,8 @@ def pick_device(preference: str | torch.device | None = None) -> torch.device:
 
 def _present(preference: str | torch.device) -> torch.device:
     """`preference` as a device, checked to exist here (torch itself fails later with an AssertionError)."""
+    if isinstance(preference, int) and not isinstance(preference, bool):
+        preference = "cpu" if preference == -1 else f"cuda:{preference}"  # transformers' integers: -1 the CPU
     if not isinstance(preference, (str, torch.device)):
         raise ValueError(f"device must be a name such as 'cpu', 'cuda' or 'cuda:1', got {type(preference).__name__}")
     try:

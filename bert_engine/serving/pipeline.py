@@ -15,6 +15,7 @@ transformers shape of its kind; `raw=True`, or a task without it, gives the engi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -89,12 +90,16 @@ class Pipeline:
                         f"{', '.join(self.task.spec.input_fields)}, got {type(value).__name__}")
 
     def _many(self, values: list, options: Mapping[str, Any], raw: bool = False) -> list[Any]:
+        """Answers for a list, in order. A bad input raises InputError.at its place in `values`, whichever
+        check finds it (its type, the predictor's checks, the task's preprocess), so a stream can name it."""
         spec = self.task.spec
-        items = [self._item(v) for v in values]
+        items = []
+        for i, value in enumerate(values):
+            with self._at(i, not_text=True):
+                items.append(self._item(value))
+                self.predictor.check_inputs(items[-1], {})
         if items and can_batch(spec, items):
             field = spec.input_fields[0]
-            for item in items:
-                self.predictor.check_inputs(item, {})
             started = time.perf_counter()
             sized = {"batch_size": self.batch_size} if _takes_batch_size(spec.predict_many) else {}
             results = spec.predict_many(self.predictor, [i[field] for i in items], **sized, **options)
@@ -102,8 +107,27 @@ class Pipeline:
             outputs = [{"task": spec.name, "result": r, "provenance": self.predictor.provenance(each_ms)}
                        for r in results]
         else:
-            outputs = [self.predictor.predict(i, **options) for i in items]
+            outputs = []
+            for i, item in enumerate(items):
+                with self._at(i):
+                    outputs.append(self.predictor.predict(item, **options))
         return outputs if raw else [self._shape(o["result"], options, single=False) for o in outputs]
+
+    @contextlib.contextmanager
+    def _at(self, position: int, not_text: bool = False):
+        """An InputError about one input (with `not_text`, also _item's TypeError: the input is not a text or a
+        mapping) as InputError.at its position."""
+        name = self.task.spec.name
+        try:
+            yield
+        except InputError as err:
+            if err.position is not None:
+                raise
+            raise InputError.at(name, position, str(err).removeprefix(f"{name}: ")) from None
+        except TypeError as err:
+            if not not_text:
+                raise
+            raise InputError.at(name, position, str(err).removeprefix(f"{name}: ")) from None
 
     def _stream(self, values: Iterator, options: Mapping[str, Any], raw: bool = False) -> Iterator[Any]:
         """Answers in order, a chunk of `batch_size` at a time; a bad input ends the stream with its error
