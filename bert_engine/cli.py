@@ -178,9 +178,14 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
     check_data_file(path)
     # A byte that is not UTF-8 fails its own line (below), not the file: the rest is answered.
     text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")  # a byte-order mark (Excel's) is not text
+    # Lines end at "\n" (or "\r\n") only: str.splitlines also splits at U+2028, form feeds and the like, which
+    # JSON and text hold inside a line (a JSON Lines line with a raw U+2028 became two bad lines, numbers drifted)
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
     if path.suffix in (".jsonl", ".json"):
         rows: list[tuple[int, dict | str]] = []
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(lines, 1):
             if not_utf8(line):
                 rows.append((number, not_utf8(line)))
                 continue
@@ -205,14 +210,20 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
                         if unknown else (number, value))
         return rows
     if path.suffix == ".tsv":
-        reader = csv.DictReader(text.splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE)
-        missing = [f for f in spec.input_fields if f not in (reader.fieldnames or ())]
+        header = next(csv.reader(lines[:1], delimiter="\t", quoting=csv.QUOTE_NONE), [])
+        missing = [f for f in spec.input_fields if f not in header]
         if missing:
             raise ValueError(f"{path}:1: the header must name the task's fields {', '.join(fields)}; "
                              f"missing {', '.join(missing)}")
-        return [(number, not_utf8("\t".join(str(v) for v in row.values())) or
-                 {f: row[f] for f in fields if row.get(f) is not None}) for number, row in enumerate(reader, 2)]
-    return [(number, not_utf8(line) or {first: line}) for number, line in enumerate(text.splitlines(), 1)]
+        rows = []
+        for number, line in enumerate(lines[1:], 2):  # one row per line (no quoting): its number is its line's
+            if not_utf8(line) or not line.strip():
+                rows.append((number, not_utf8(line) or "the line is empty"))
+                continue
+            row = dict(zip(header, next(csv.reader([line], delimiter="\t", quoting=csv.QUOTE_NONE))))
+            rows.append((number, {f: row[f] for f in fields if row.get(f) is not None}))
+        return rows
+    return [(number, not_utf8(line) or {first: line}) for number, line in enumerate(lines, 1)]
 
 
 def not_utf8(line: str) -> str:
@@ -235,13 +246,26 @@ def check_data_file(path: Path, *, folder_ok: bool = False) -> None:
         raise ValueError(f"{path}: no such file") from None
     except OSError as err:
         raise ValueError(f"{path}: cannot be read ({err.strerror or err})") from None
+    limit = settings.get("BERT_ENGINE_MAX_FILE_MB")
     if stat.S_ISDIR(info.st_mode):
-        if folder_ok:
-            return
-        raise ValueError(f"{path}: is a folder; give a file")
+        if not folder_ok:
+            raise ValueError(f"{path}: is a folder; give a file")
+        total = 0  # a folder's files, all of them: what its reader may read
+        for entry in path.rglob("*"):
+            try:
+                mode, size = (found := entry.stat()).st_mode, found.st_size
+            except OSError as err:
+                raise ValueError(f"{entry}: cannot be read ({err.strerror or err})") from None
+            if stat.S_ISDIR(mode):
+                continue
+            if not stat.S_ISREG(mode):
+                raise ValueError(f"{entry}: not a regular file (a device or a pipe has no size to check)")
+            total += size
+            if total > limit * 1_000_000:
+                raise ValueError(f"{path}: its files hold more than {limit:,} MB (BERT_ENGINE_MAX_FILE_MB)")
+        return
     if not stat.S_ISREG(info.st_mode):
         raise ValueError(f"{path}: not a regular file (a device or a pipe has no size to check)")
-    limit = settings.get("BERT_ENGINE_MAX_FILE_MB")
     if info.st_size > limit * 1_000_000:
         raise ValueError(f"{path}: {info.st_size / 1e6:,.0f} MB; the limit is {limit:,} MB (BERT_ENGINE_MAX_FILE_MB)")
 
@@ -321,12 +345,16 @@ def _answer_batch(spec, predictor, chunk: list, good: list[int], answers: list, 
             predictor.check_inputs(chunk[k][1], {})
         except InputError as err:
             answers[k] = {"error": str(err)}
-    pending = [k for k in good if answers[k] is None]
+    field = spec.input_fields[0]
+    # an empty line cannot join a batch (predict_in_batches refuses it): left to the caller from the start, so
+    # five blank lines do not use up the retries
+    pending = [k for k in good if answers[k] is None and isinstance(chunk[k][1].get(field), str)
+               and chunk[k][1][field].strip()]
     for _ in range(BATCH_RETRIES + 1):
         if not pending:
             return
         try:
-            texts = [chunk[k][1].get(spec.input_fields[0]) for k in pending]
+            texts = [chunk[k][1][field] for k in pending]
             for k, result in zip(pending, spec.predict_many(predictor, texts, **options)):
                 answers[k] = {"result": result}
             return
@@ -392,6 +420,8 @@ def _eval(args: argparse.Namespace) -> dict:
     check_data_file(Path(args.data), folder_ok=True)  # a task's reader may take a folder of texts
     try:
         examples = list(islice(spec.read_data(args.data, args.split), args.limit))
+    except IsADirectoryError:
+        raise ValueError(f"{args.data}: is a folder; task {spec.name!r} reads its data from a file") from None
     except UnicodeDecodeError as err:
         if Path(args.data).is_dir():
             raise ValueError(f"{args.data}: a file in it is not UTF-8 text ({err.reason})") from None

@@ -191,6 +191,7 @@ def test_bad_lines_leave_the_rest_of_their_batch_batched(sentiment_checkpoint, t
 
     texts = [f"review {i}: {'great' if i % 3 else 'dull'} film" for i in range(32)]
     texts[5], texts[20] = "   ", "x" * (inference.MAX_INPUT_CHARS + 1)
+    texts[9] = texts[11] = texts[13] = texts[15] = " "  # more blank lines than the retries: still one batch
     lines = tmp_path / "texts.txt"
     lines.write_text("\n".join(texts) + "\n")
     alone = []
@@ -199,7 +200,8 @@ def test_bad_lines_leave_the_rest_of_their_batch_batched(sentiment_checkpoint, t
     assert main(["predict", "sentiment", "--file", str(lines), "--model", str(sentiment_checkpoint)]) == 1
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [a["line"] for a in answers] == list(range(1, 33))
-    assert [k for k, a in enumerate(answers) if "error" in a] == [5, 20] and alone == [{"text": "   "}]
+    assert [k for k, a in enumerate(answers) if "error" in a] == [5, 9, 11, 13, 15, 20]
+    assert alone == [{"text": "   "}] + [{"text": " "}] * 4  # only the empty lines went one by one
     assert "empty" in answers[5]["error"] and "characters" in answers[20]["error"]
     monkeypatch.setattr(inference.Predictor, "predict", original)
     assert main(["predict", "sentiment", "--input", f"text={texts[7]}", "--model", str(sentiment_checkpoint)]) == 0
@@ -254,3 +256,28 @@ def test_eval_still_reads_a_folder_of_texts(tmp_path, capsys):
     (books / "a.txt").write_text(("The old man walked to the market every morning and bought bread. " * 20 + "\n\n") * 3)
     assert main(["eval", "fill_mask", "--data", str(books), "--split", "all", "--limit", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["examples"] == 2
+    # ... but not for a task that reads a file, and a folder's files count against BERT_ENGINE_MAX_FILE_MB
+    assert main(["eval", "sentiment", "--data", str(books)]) == 2
+    assert "is a folder; task 'sentiment' reads its data from a file" in capsys.readouterr().err
+    with open(books / "sparse.txt", "wb") as handle:  # 3 GB declared, nothing written
+        handle.truncate(3_000_000_000)
+    assert main(["eval", "fill_mask", "--data", str(books), "--split", "all"]) == 2
+    assert "its files hold more than 1,024 MB" in capsys.readouterr().err
+
+
+def test_lines_end_at_newlines_only_and_keep_their_numbers(sentiment_checkpoint, tmp_path, capsys):
+    """A raw U+2028 inside a JSON string, a form feed inside a text line and a blank TSV row: each line is one
+    input with its own number (str.splitlines split the first two; csv skipped the blank row silently)."""
+    args = ["--model", str(sentiment_checkpoint)]
+    cases = {"a.jsonl": ('{"text": "good film\u2028really"}\n"awful"\n', [True, True]),
+             "b.txt": ("good\x0cfilm\r\nbad film\nawful\n", [True, True, True]),
+             "c.tsv": ("text\nfine film\n\nbad film\n", [True, False, True])}
+    for name, (content, answered) in cases.items():
+        path = tmp_path / name
+        path.write_text(content, encoding="utf-8", newline="")
+        main(["predict", "sentiment", "--file", str(path), *args])
+        answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert ["result" in a for a in answers] == answered, (name, answers)
+        first = 2 if name.endswith(".tsv") else 1
+        assert [a["line"] for a in answers] == list(range(first, first + len(answered))), name
+    assert answers[1]["error"] == "the line is empty"
