@@ -765,6 +765,14 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
                  "--adapter-rank", "2", "-o", "max_length=32"]) == 0
     cut = json.loads((tmp_path / "cut" / "manifest.json").read_text())
     assert cut["options"] == {"max_length": 32, "temperature": temperature} and cut["metrics"] == {}
+    # an fp16 pack packed again as it is stays fp16 (the manifest says so) and keeps its metrics; a pack of that
+    # pack still names the pack that evaluated it
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "half"), "--to", str(tmp_path / "half2")]) == 0
+    half2 = json.loads((tmp_path / "half2" / "manifest.json").read_text())
+    assert half2["adapter_dtype"] == "fp16" and half2["metrics"] == half["metrics"]
+    assert main(["pack", "sentiment", "--run", str(tmp_path / "half2"), "--to", str(tmp_path / "half3")]) == 0
+    half3 = json.loads((tmp_path / "half3" / "manifest.json").read_text())
+    assert half3["metrics_from"] == half2["metrics_from"] == f"the pack of {half['date']} (the same weights; not evaluated again)"
     capsys.readouterr()
     assert main(["pack", "sentiment", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "bad"),
                  "-o", "max_lenght=64"]) == 2

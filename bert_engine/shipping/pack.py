@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..checkpoints.hub import ADAPTER_WEIGHTS, DEFAULT_BACKBONE_ID, PACK_MANIFEST
@@ -66,7 +67,8 @@ def pack(task: RegisteredTask, run_dir: str | Path, to: str | Path, *, checkpoin
         record.update({key: earlier[key] for key in ("checkpoint", "adapter_rank_reduced") if earlier.get(key)})
         # how it answers (a tuned temperature, a threshold) and what it scored: kept unless redone here
         record["earlier"] = {"options": earlier.get("options") or {}, "metrics": earlier.get("metrics") or {},
-                             "date": earlier.get("date"), "adapter_dtype": earlier.get("adapter_dtype", "fp32")}
+                             "metrics_from": earlier.get("metrics_from") or f"the pack of {earlier.get('date')}",
+                             "adapter_dtype": stored_dtype(run / ADAPTER_WEIGHTS)}
         source = run
     if not (source / "adapter_config.json").is_file():
         raise ValueError(f"{source}: no adapter_config.json; train with --lora-rank to get a small starter model")
@@ -89,7 +91,7 @@ def pack(task: RegisteredTask, run_dir: str | Path, to: str | Path, *, checkpoin
     staging.mkdir(parents=True)
     try:
         manifest = _pack_into(staging, task, source, record, adapter_rank, adapter_dtype, options, eval_data,
-                              eval_splits, eval_limit, command_line)
+                              eval_splits, eval_limit, command_line, shown=target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -102,7 +104,8 @@ def pack(task: RegisteredTask, run_dir: str | Path, to: str | Path, *, checkpoin
 
 def _pack_into(target: Path, task: RegisteredTask, source: Path, record: dict[str, Any], adapter_rank: int | None,
                adapter_dtype: str, options: Mapping[str, Any] | None, eval_data: Sequence[str],
-               eval_splits: Sequence[str], eval_limit: int | None, command_line: str) -> dict[str, Any]:
+               eval_splits: Sequence[str], eval_limit: int | None, command_line: str, *,
+               shown: Path | None = None) -> dict[str, Any]:
     """pack()'s work in the (empty) folder `target`: the adapter, its evaluation and the manifest."""
     for name in ("adapter.safetensors", "adapter_config.json", "config.json"):
         shutil.copy(source / name, target / name)
@@ -134,7 +137,7 @@ def _pack_into(target: Path, task: RegisteredTask, source: Path, record: dict[st
         "labels": list(getattr(head, "labels", ()) or ()),
         "lora": {k: adapter[k] for k in ("rank", "alpha", "targets")},
         **record, "metrics": metrics, "command": command_line or record["command"],
-        "adapter_dtype": adapter_dtype,
+        "adapter_dtype": stored_dtype(target / ADAPTER_WEIGHTS),  # as stored: a pack of an fp16 pack stays fp16
         "date": datetime.date.today().isoformat(),
         "files": {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.name != "manifest.json"},
     }
@@ -150,14 +153,23 @@ def _pack_into(target: Path, task: RegisteredTask, source: Path, record: dict[st
     if options or retuned:
         manifest["options"] = {**kept, **retuned, **fixed}
     if earlier.get("metrics") and not metrics:
-        if adapter_rank is None and adapter_dtype == earlier.get("adapter_dtype"):  # the same weights: still true
+        if adapter_rank is None and manifest["adapter_dtype"] == earlier.get("adapter_dtype"):  # the same weights
             manifest["metrics"] = earlier["metrics"]
-            manifest["metrics_from"] = f"the pack of {earlier.get('date')} (the same weights; not evaluated again)"
+            manifest["metrics_from"] = earlier["metrics_from"].removesuffix(
+                " (the same weights; not evaluated again)") + " (the same weights; not evaluated again)"
         else:
             logger.warning("%s: the earlier pack's metrics are dropped (its weights changed: %s); pass --eval-data "
-                           "to score it again", target, "rank cut" if adapter_rank is not None else "dtype changed")
+                           "to score it again", shown or target,
+                           "rank cut" if adapter_rank is not None else "dtype changed")
     (target / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
+
+
+def stored_dtype(path: Path) -> str:
+    """"fp16" where an adapter file's floating tensors are float16, else "fp32" (read from its header)."""
+    with safe_open(str(path), "pt") as handle:
+        kinds = {handle.get_slice(name).get_dtype() for name in handle.keys()}
+    return "fp16" if "F16" in kinds and "F32" not in kinds else "fp32"
 
 
 def _halve_adapter(path: Path) -> None:
