@@ -776,6 +776,9 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
     """The API endpoints and MCP tools `explain` and `compare`: any task, inputs given in the call (the
     tabs' buttons use the visitor's last input instead). Their components are not shown."""
     names = [n for n, t in registry.tasks.items() if t.spec.explain is not None]
+    # "" or a missing precision means these, in the schema and in the call alike
+    default_b = "int8" if "int8" in precisions else precisions[0]
+    default_a = "fp32" if "fp32" in precisions else precisions[0]
 
     def task_of(task: str):
         if task not in predictors:
@@ -818,8 +821,8 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
         spec = task_of(task)
         with visitor_scope(current_visitor(), current_group()), visitor_message():
             known = find_checkpoints(model_dirs, task)
-            a = (check_model_choice(model_a or "", model_dirs, known), checked_precision(precision_a or "fp32", precisions))
-            b = (check_model_choice(model_b or "", model_dirs, known), checked_precision(precision_b or "fp32", precisions))
+            a = (check_model_choice(model_a or "", model_dirs, known), checked_precision(precision_a or default_a, precisions))
+            b = (check_model_choice(model_b or "", model_dirs, known), checked_precision(precision_b or default_b, precisions))
             compared, _ = predictors[task].compare(_parse_inputs(spec, inputs), this=a, other=b)
         return json.dumps(compared, ensure_ascii=False)
 
@@ -830,8 +833,7 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
         steps = gr.Number(label="steps", value=DEFAULT_STEPS)
         # with their defaults, so the API and MCP schemas list them as optional ("": the task's default model)
         models = [gr.Textbox(label=label, value=value) for label, value in
-                  (("model_b", ""), ("precision_b", "int8" if "int8" in precisions else precisions[0]),
-                   ("model_a", ""), ("precision_a", "fp32" if "fp32" in precisions else precisions[0]))]
+                  (("model_b", ""), ("precision_b", default_b), ("model_a", ""), ("precision_a", default_a))]
         result = gr.Textbox(label="result (JSON)")
         explain_button, compare_button = gr.Button("explain"), gr.Button("compare")
     explain_button.click(host_handler(gr, endpoints, explain, "explain"), [task, inputs, method, steps], result,
@@ -1064,9 +1066,11 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
 
     served_ranges, served_redraw = with_request(gr, ranges), with_request(gr, redraw)  # who asks: current_visitor
-    # another task: the picture of the one before goes (it stayed, captioned as the new one, when that had no input)
-    task.change(lambda: ("", None, None, ""), None, [caption, heatmap, grid, links], api_visibility="private")
-    task.change(served_ranges, [task, layer, head], [layer, head], api_visibility="private")
+    # another task: the picture of the one before goes (it stayed, captioned as the new one, when that had no
+    # input), the sliders take the new model's ranges, and the new task's last input is drawn where there is one
+    task.change(lambda: ("", None, None, ""), None, [caption, heatmap, grid, links], api_visibility="private").then(
+        served_ranges, [task, layer, head], [layer, head], api_visibility="private").then(
+        served_redraw, [task, layer, head, average, start], [caption, heatmap, grid, links], api_visibility="private")
     # "your last input" means a browser session's: not documented, and not an MCP tool (MCP calls share a session)
     show.click(with_request(gr, render), [task, layer, head, average, start], [caption, heatmap, grid, links],
                api_name="attention", api_visibility="undocumented")

@@ -387,6 +387,20 @@ def build_tab(predictor) -> None:
             examples=[[e["text"]] for e in EXAMPLES])
 
 
+CARD_CHARS = 240  # the card shows the filled word with this much of its text on each side
+
+
+def _around(sequence: str, prediction: dict[str, Any], result: dict[str, Any]) -> str:
+    """The part of a long text's filled sequence around the filled word (the card's line: a 2,000-character
+    excerpt opened at its top, the word out of sight at its bottom)."""
+    if len(sequence) <= 2 * CARD_CHARS:
+        return sequence
+    start, _ = result.get("sequence_excerpt") or (0, 0)
+    at = prediction["start"] - start + (1 if start > 0 else 0)  # after the excerpt's leading "…"
+    lo, hi = max(0, at - CARD_CHARS), min(len(sequence), at + CARD_CHARS)
+    return ("…" if lo > 0 else "") + sequence[lo:hi].strip("…") + ("…" if hi < len(sequence) else "")
+
+
 def candidate_bars(result: dict[str, Any]) -> str:
     """Per mask (or per joint filling), each candidate with a bar and its probability in percent, and
     the completed sentence of the best one."""
@@ -394,7 +408,7 @@ def candidate_bars(result: dict[str, Any]) -> str:
     if result["mode"] == "independent":
         for p in result["predictions"]:
             groups.append((f"[MASK] {p['mask'] + 1}", [(c["token"], c["score"]) for c in p["candidates"]],
-                           p["candidates"][0]["sequence"] if p["candidates"] else ""))
+                           _around(p["candidates"][0]["sequence"], p, result) if p["candidates"] else ""))
     elif result["mode"] == "joint":
         groups.append(("All masks together", [(" + ".join(c["tokens"]), c["score"]) for c in result["candidates"]],
                        result["candidates"][0]["sequence"] if result["candidates"] else ""))

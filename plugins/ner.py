@@ -372,14 +372,16 @@ def render_entities(text: str, entities: list[dict]) -> str:
                      f'{escape(e["type"])}</sup></mark>')
         cursor = e["end"]
     parts.append(escape(text[cursor:]))
-    marked = '<div class="ner-text" style="white-space:pre-wrap;line-height:1.9">' + "".join(parts) + "</div>"
+    # an unbroken long word (a Welsh place name, a URL) wraps instead of pushing the page sideways on a phone
+    marked = ('<div class="ner-text" style="white-space:pre-wrap;line-height:1.9;overflow-wrap:anywhere">'
+              + "".join(parts) + "</div>")
     if not entities:
         return marked + '<p class="ner-empty">No entities found in this text.</p>'
     types = sorted({e["type"] for e in entities} | set(COLOURS))
     legend = "".join(f'<span class="be-mark" style="background:{COLOURS.get(t, OTHER_COLOUR)};color:{ui.HIGHLIGHT_TEXT};'
                      f'padding:0 4px;border-radius:3px;margin-right:6px">{escape(t)}</span>' for t in types)
-    rows = "".join(f"<tr><td>{escape(e['text'])}</td><td>{escape(e['type'])}</td><td>{ui.bar(e['score'])}</td></tr>"
-                   for e in entities)
+    rows = "".join(f'<tr><td style="overflow-wrap:anywhere">{escape(e["text"])}</td><td>{escape(e["type"])}</td>'
+                   f"<td>{ui.bar(e['score'])}</td></tr>" for e in entities)
     return (marked + f'<p class="ner-legend">{legend}</p>'
             f'<div style="max-width: 100%; overflow-x: auto"><table class="ner-entities" style="width: 100%">'
             f'<tr><th>entity</th><th>type</th><th>score</th></tr>{rows}</table></div>'
@@ -424,7 +426,7 @@ def build_tab(predictor) -> None:
     text = gr.Textbox(label="Text", lines=4, value=EXAMPLES[0]["text"])
     with gr.Accordion("Options", open=False), gr.Row():
         constrained = gr.Checkbox(value=OPTIONS["constrained"], label="Scheme constraints in decoding")
-        nbest = gr.Slider(1, 10, value=OPTIONS["nbest"], step=1, label="n-best paths")
+        nbest = gr.Slider(1, MAX_NBEST, value=OPTIONS["nbest"], step=1, label="n-best paths")
         # "model" keeps whatever the chosen model was trained with (a casing model reads capitals)
         casing = gr.Radio(list(CASING_CHOICES), value="model", label="Read capital letters",
                           info="model: as the model was trained (the starter reads them); on / off to compare")
@@ -448,7 +450,7 @@ def build_tab(predictor) -> None:
         Args:
             text: the text to tag.
             constrained: keep every tag sequence valid for the tag scheme (true) or decode freely (false).
-            nbest: how many of the best tag sequences to return (1-10).
+            nbest: how many of the best tag sequences to return (1-20).
             read_capitals: "model" (as the model was trained), "on" or "off": whether capital letters are read.
         """
         if read_capitals not in CASING_CHOICES:

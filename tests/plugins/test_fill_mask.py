@@ -154,6 +154,9 @@ def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):
         other = predictor.predict({"text": text}, **options)["result"]
         sequences = [c["sequence"] for c in other["candidates"]] if "candidates" in other else []
         assert other["sequence_excerpt"] == [start, end] and all(len(q) < end - start + 20 for q in sequences)
+    card = candidate_bars(result)  # the tab shows the filled word with a few hundred characters around it
+    shown = card.split('class="fm-sentence"')[1].split(">", 1)[1].split("</p>")[0]
+    assert "The capital of France is " + best["token"] in shown and len(shown) < 2 * 240 + 10
     short = predictor.predict({"text": "The capital of France is [MASK]."})["result"]
     assert "sequence_excerpt" not in short and short["predictions"][0]["candidates"][0]["sequence"].startswith("The ")
 
