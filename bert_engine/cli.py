@@ -186,8 +186,8 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
     if path.suffix in (".jsonl", ".json"):
         rows: list[tuple[int, dict | str]] = []
         for number, line in enumerate(lines, 1):
-            if not_utf8(line):
-                rows.append((number, not_utf8(line)))
+            if bad := not_utf8(line):
+                rows.append((number, bad))
                 continue
             if not line.strip():
                 rows.append((number, "the line is empty"))  # as in a plain-text file: every line is answered
@@ -217,8 +217,8 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
                              f"missing {', '.join(missing)}")
         rows = []
         for number, line in enumerate(lines[1:], 2):  # one row per line (no quoting): its number is its line's
-            if not_utf8(line) or not line.strip():
-                rows.append((number, not_utf8(line) or "the line is empty"))
+            if (bad := not_utf8(line)) or not line.strip():
+                rows.append((number, bad or "the line is empty"))
                 continue
             row = dict(zip(header, next(csv.reader([line], delimiter="\t", quoting=csv.QUOTE_NONE))))
             rows.append((number, {f: row[f] for f in fields if row.get(f) is not None}))

@@ -109,8 +109,8 @@ class Pipeline:
         else:
             outputs = []
             for i, item in enumerate(items):
-                with self._at(i):
-                    outputs.append(self.predictor.predict(item, **options))
+                with self._at(i):  # checked above; `options` are merged with the defaults already (__call__)
+                    outputs.append(self.predictor.predict_checked(item, options))
         return outputs if raw else [self._shape(o["result"], options, single=False) for o in outputs]
 
     @contextlib.contextmanager

@@ -65,6 +65,7 @@ def test_sessions_behind_one_address_share_its_share_but_a_light_one_goes_first_
     import bert_engine.runtime.fairness as fairness
 
     gate = ComputeGate(slots=1)
+    # each turn charges its cost when it ends: the recent use each account and session starts with
     with visitor_scope("heavy-session", "ip:1"), gate.turn(50_000):
         pass
     with visitor_scope("other-address", "ip:2"), gate.turn(60_000):  # another address, heavier still
