@@ -27,7 +27,7 @@ from bert_engine.checkpoints.hub import ADAPTER_WEIGHTS, WEIGHT_FILES, HubError
 from bert_engine.checkpoints.loading import CheckpointError, inside_any
 from bert_engine.checkpoints.lora import looks_local
 from bert_engine.hookspecs import InputError
-from bert_engine.runtime.cancel import PredictionTimeout, call_with_timeout
+from bert_engine.runtime.cancel import STUCK_AFTER_S, PredictionTimeout, call_with_timeout
 from bert_engine.runtime.explain import DEFAULT_STEPS, MAX_STEPS, checked_method
 from bert_engine.runtime.explain import explain as explain_prediction
 from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
@@ -94,9 +94,10 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     checkpoints = checkpoints or {}
     model_dirs = allowed_model_dirs()  # a list the picker reads at each use (tests may extend it)
     in_flight = InFlight()  # per visitor, across the tabs (bert_engine.runtime.fairness)
+    stuck = StuckTasks(registry)  # tasks whose cut-off request would not stop: off until it does
 
     def serve(predict, predictor: LazyPredictor, name: str):
-        return guarded(on_gpu(predict, predictor, timeout_s), name, registry, timeout_s, in_flight)
+        return guarded(on_gpu(predict, predictor, timeout_s), name, registry, timeout_s, in_flight, stuck)
 
     # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor); each request
     # is admitted, timed and contained by `guarded` (ServedPredictor).
@@ -410,16 +411,57 @@ def current_group() -> str | None:
     return f"ip:{str(host)[:64]}" if host else None
 
 
-def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_flight: InFlight | None = None):
+class StuckTasks:
+    """Tasks with a request that still runs after it was cut off and cancelled for STUCK_AFTER_S (a loop
+    that catches BaseException, a native call that never returns: Python cannot kill a thread). Such a
+    task answers no more requests until that thread ends, so visitors cannot pile up spinning threads
+    that slow everyone; the failure is recorded for the Plugins tab."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._threads: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def holds(self, task: str) -> bool:
+        with self._lock:
+            return self._threads.get(task, 0) > 0
+
+    def callbacks(self, task: str) -> dict[str, Any]:
+        """call_with_timeout's on_stuck and on_stopped for one request of `task`."""
+        def on_stuck() -> None:
+            with self._lock:
+                self._threads[task] = self._threads.get(task, 0) + 1
+            self.registry.record_request_failure(
+                task, f"a request still ran {STUCK_AFTER_S:g} s after it was cut off (a loop that catches "
+                "BaseException, or a call that never returns); the task takes no requests until it ends",
+                stage="time limit")
+
+        def on_stopped() -> None:
+            with self._lock:
+                self._threads[task] = max(0, self._threads.get(task, 0) - 1)
+
+        return {"on_stuck": on_stuck, "on_stopped": on_stopped}
+
+
+def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_flight: InFlight | None = None,
+            stuck: StuckTasks | None = None):
     """`predict` with a time limit (cut off and cancelled, see bert_engine.runtime.cancel), and a task's own
     failures turned into a clear message in the UI (recorded for the Plugins tab) instead of a stack
     trace; bad input stays the task's InputError. Contains every BaseException a task can raise
-    (SystemExit, KeyboardInterrupt, a native library's panic): the server keeps answering."""
+    (SystemExit, KeyboardInterrupt, a native library's panic): the server keeps answering. A task with a
+    request that would not stop after its cut-off (`stuck`) is refused until that request ends."""
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     in_flight = in_flight or InFlight()
+    stuck = stuck or StuckTasks(registry)
 
     def call(*args, **kwargs):
+        if stuck.holds(task):
+            registered = registry.tasks.get(task)
+            raise shown_error(gr, public_message(
+                f"{task} is off for now: one of its requests still runs after it was cut off; this is a bug in "
+                f"plugin {registered.plugin if registered else task}, not in your input. Other tasks are not "
+                "affected."))
         visitor, group = current_visitor(), current_group()
         waited = Waited()
         token = WAITED.set(waited)  # the request's thread adds its time at the compute gate
@@ -429,7 +471,8 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
             with in_flight.admit(visitor, group, wait_s=timeout_s or DEFAULT_TIMEOUT_S), \
                     visitor_scope(visitor, group):  # its share of the gate (fairness.py)
                 others, admitted = in_flight.total() - (visitor is not None), in_flight.admitted
-                return call_with_timeout(predict, timeout_s, *args, what=f"task {task!r}", **kwargs)
+                return call_with_timeout(predict, timeout_s, *args, what=f"task {task!r}", **stuck.callbacks(task),
+                                         **kwargs)
         except (InputError, gr.Error):
             raise
         except TooManyRequests as err:

@@ -7,6 +7,11 @@ loop, a chunked forward pass between chunks, a `with` block that then releases i
 BaseException, so a task's `except Exception` cannot swallow it. A thread inside one native call
 (a matmul, a sleep, a read) stops when that call returns; `ModelLock` keeps such a thread from
 holding its model: once it has been cancelled for `grace_s`, the waiters take a fresh lock.
+
+Python cannot kill a thread. A loop that catches BaseException (`except:`) and goes round again takes
+each cancellation inside its `try` and runs on; so does one endless native call. The caller hears of such
+a thread through `on_stuck` once it has outlived STUCK_AFTER_S of cancellations, and through `on_stopped`
+if it ever ends: the app then refuses the task's further requests, so one stuck thread cannot become many.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 REINJECT_EVERY_S = 0.5   # a task that catches BaseException gets the cancellation again
 GIVE_UP_AFTER_S = 60.0   # then the thread is left alone (logged); its model lock was abandoned long before
+STUCK_AFTER_S = 10.0     # a cancelled thread still running this long is reported stuck (on_stuck)
+WATCH_STUCK_EVERY_S = 5.0  # how often a stuck thread, no longer cancelled, is looked at to report its end
 
 
 class Cancelled(BaseException):
@@ -50,17 +57,30 @@ def _inject(thread: threading.Thread) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Cancelled))
 
 
-def cancel(thread: threading.Thread, what: str = "a request") -> threading.Thread:
-    """Raise Cancelled in `thread` now and every REINJECT_EVERY_S until it ends; returns the watcher thread."""
+def cancel(thread: threading.Thread, what: str = "a request", *, on_stuck: Callable[[], None] | None = None,
+           on_stopped: Callable[[], None] | None = None) -> threading.Thread:
+    """Raise Cancelled in `thread` now and every REINJECT_EVERY_S until it ends; returns the watcher thread.
+    `on_stuck()` is called (from the watcher) once the thread has outlived STUCK_AFTER_S of cancellations,
+    and then `on_stopped()` when it ends, however late."""
     start = time.monotonic()
     with _cancelled_guard:
         _cancelled_at[thread.ident] = start
+    stuck = False
+
+    def report_stuck() -> None:
+        nonlocal stuck
+        if not stuck and on_stuck is not None and thread.is_alive() and time.monotonic() - start >= STUCK_AFTER_S:
+            stuck = True
+            logger.error("%s still runs %.0f s after it was cancelled (a loop that catches BaseException, or "
+                         "a native call that does not return)", what, time.monotonic() - start)
+            on_stuck()
 
     def watch() -> None:
         try:
             while thread.is_alive() and time.monotonic() - start < GIVE_UP_AFTER_S:
                 _inject(thread)
                 thread.join(REINJECT_EVERY_S)
+                report_stuck()
             if thread.is_alive():
                 logger.error("%s still runs %.0f s after it was cancelled (inside a native call?); "
                              "it no longer holds its model", what, GIVE_UP_AFTER_S)
@@ -69,6 +89,12 @@ def cancel(thread: threading.Thread, what: str = "a request") -> threading.Threa
         finally:
             with _cancelled_guard:
                 _cancelled_at.pop(thread.ident, None)
+        if stuck:
+            while thread.is_alive():
+                thread.join(WATCH_STUCK_EVERY_S)
+            logger.warning("%s, stuck since it was cancelled, ended %.0f s later", what, time.monotonic() - start)
+            if on_stopped is not None:
+                on_stopped()
 
     watcher = threading.Thread(target=watch, name="bert-engine-cancel", daemon=True)
     watcher.start()
@@ -76,10 +102,12 @@ def cancel(thread: threading.Thread, what: str = "a request") -> threading.Threa
 
 
 def call_with_timeout(function: Callable[..., Any], timeout_s: float | None, *args: Any,
-                      what: str = "the prediction", **kwargs: Any) -> Any:
+                      what: str = "the prediction", on_stuck: Callable[[], None] | None = None,
+                      on_stopped: Callable[[], None] | None = None, **kwargs: Any) -> Any:
     """`function(*args, **kwargs)`, or PredictionTimeout after `timeout_s` seconds (None: no limit),
-    with the call cancelled (see the module docstring). Any exception of the call, BaseExceptions
-    such as SystemExit or a native library's panic included, is raised here in the caller."""
+    with the call cancelled (see the module docstring; `on_stuck`, `on_stopped`: as `cancel` takes them).
+    Any exception of the call, BaseExceptions such as SystemExit or a native library's panic included,
+    is raised here in the caller."""
     if timeout_s is None:
         return function(*args, **kwargs)
     box: dict[str, Any] = {}
@@ -102,10 +130,10 @@ def call_with_timeout(function: Callable[..., Any], timeout_s: float | None, *ar
     try:
         finished = done.wait(timeout_s)
     except BaseException:  # the caller itself was interrupted (a real Ctrl-C): stop the call as well
-        cancel(thread, what)
+        cancel(thread, what, on_stuck=on_stuck, on_stopped=on_stopped)
         raise
     if not finished:
-        cancel(thread, what)
+        cancel(thread, what, on_stuck=on_stuck, on_stopped=on_stopped)
         raise PredictionTimeout(f"{what} did not finish within {timeout_s:g} s and was cut off")
     if "error" in box:
         error = box.pop("error")

@@ -5,6 +5,7 @@ native panic's BaseException) at import, in the hook and at request time; a plug
 sleeps forever; a MemoryError whose frames would keep gigabytes alive.
 """
 
+import threading
 import time
 import weakref
 
@@ -100,6 +101,7 @@ def test_plugins_command_exits_1_with_a_failure_and_names_an_uninstalled_selecti
 # -- request time ----------------------------------------------------------------------------------
 
 FREED: list = []
+RELEASE = threading.Event()  # ends the catch-all loop below
 
 
 def _postprocess(behaviour):
@@ -116,6 +118,12 @@ def _postprocess(behaviour):
                     sum(range(1000))
                 except Exception:
                     pass  # the attack: swallow whatever reaches it
+        if behaviour == "spin-catch-all":
+            while not RELEASE.is_set():  # a careless loop whose `except BaseException` takes every cancellation
+                try:
+                    sum(range(1000))
+                except BaseException:
+                    pass
         if behaviour == "sleep":
             time.sleep(30)
         if behaviour == "memory":
@@ -169,6 +177,42 @@ def test_a_cut_off_request_frees_its_model_and_the_cpu(behaviour):
     assert waited < 5, f"the model's lock was held {waited:.1f} s after the time limit"
     if behaviour == "spin":
         assert_cpu_goes_quiet()
+
+
+def test_a_request_that_will_not_stop_takes_its_task_off_until_it_ends(monkeypatch):
+    """A loop catching BaseException survives every cancellation (Python cannot kill a thread): once it has
+    outlived STUCK_AFTER_S, its task refuses further requests, so visitors cannot pile up spinning threads,
+    and answers again when the thread ends."""
+    from bert_engine.runtime import cancel
+
+    monkeypatch.setattr(cancel, "STUCK_AFTER_S", 0.5)
+    monkeypatch.setattr(cancel, "WATCH_STUCK_EVERY_S", 0.1)
+    RELEASE.clear()
+    registry, _, call = _serve("spin-catch-all", timeout_s=0.3)
+    try:
+        with pytest.raises(gr.Error, match="did not finish within 0.3 s and was cut off"):
+            call({"text": "hello"})
+        deadline = time.monotonic() + 10
+        while not any("still ran" in f.message for f in registry.failures) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (stuck,) = [f for f in registry.failures if "still ran" in f.message]
+        assert stuck.stage == "time limit" and stuck.plugin == "hostile-plugin"
+        started = time.monotonic()
+        with pytest.raises(gr.Error, match="hostile is off for now: one of its requests still runs after it was "
+                                           "cut off; this is a bug in plugin hostile-plugin"):
+            call({"text": "hello"})
+        assert time.monotonic() - started < 0.2  # refused at once, no second thread started
+    finally:
+        RELEASE.set()  # the loop ends; the task answers again
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            assert call({"text": "hello"})["result"] == {"ok": True}
+            break
+        except gr.Error:
+            time.sleep(0.1)
+    else:
+        pytest.fail("the task stayed off after its stuck request ended")
 
 
 def test_memory_of_a_failed_request_is_released():
