@@ -139,10 +139,51 @@ def _plugin_check(args: argparse.Namespace) -> dict:
     return report
 
 
-def _predict(args: argparse.Namespace) -> dict:
-    from .runtime.inference import Predictor
+class TaskFailed(Exception):
+    """A task's own code failed, or answered what JSON cannot hold: one line naming the plugin, exit 1."""
 
+
+def failed_task_message(task, err: BaseException) -> str:
+    """What failed where, for an exception a task's code raised (`request_stage` noted by the Predictor)."""
+    stage = getattr(err, "request_stage", None) or "request"
+    text = " ".join(str(err).split())[:300]
+    return (f"task {task.spec.name} failed in {stage} ({type(err).__name__}{': ' + text if text else ''}); "
+            f"this is a bug in plugin {task.plugin}, not in your input")
+
+
+@contextlib.contextmanager
+def _task_code(task):
+    """Turns a failure of the task's own code (an exception its preprocess, head or postprocess raised, which
+    the Predictor marks with `request_stage`) into TaskFailed; bad input stays the InputError it is."""
+    from .hookspecs import InputError
+
+    try:
+        yield
+    except InputError:
+        raise
+    except (Exception, SystemExit) as err:
+        if getattr(err, "request_stage", None) is None:
+            raise
+        raise TaskFailed(failed_task_message(task, err)) from None
+
+
+_STDOUT: list = []  # the process's stdout while a command runs (main sends everything else to stderr)
+
+
+def _answers_out():
+    """Where a command's answers go: the real stdout, whatever a plugin's code printed meanwhile."""
+    return _STDOUT[-1] if _STDOUT else sys.stdout
+
+
+def _predict(args: argparse.Namespace) -> dict:
     task = _task(args.task)
+    with _task_code(task):
+        return _predict_task(args, task)
+
+
+def _predict_task(args: argparse.Namespace, task) -> dict:
+    from .runtime.inference import Predictor, check_json_result
+
     fields = task.spec.input_fields + task.spec.optional_fields
     inputs = {}
     for item in args.input:
@@ -154,7 +195,9 @@ def _predict(args: argparse.Namespace) -> dict:
     rows = _read_rows(Path(args.file), task) if args.file else None  # a bad file fails before the model loads
     predictor = Predictor.load(task, args.model, revision=args.revision, precision=args.precision or settings.get("BERT_ENGINE_PRECISION"))
     if rows is None:
-        return predictor.predict(inputs, **options)
+        output = predictor.predict(inputs, **options)
+        check_json_result(task.spec.name, output["result"])  # what a script reads must be JSON
+        return output
     failed = _predict_rows(task, predictor, rows, inputs, predictor.check_options(options), args.output)
     if failed:
         args.exit_code = 1
@@ -284,7 +327,7 @@ def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str
             return sum("error" in a for a in answers)
         every = sorted((a for part in gather_objects(answers, dist_info) for a in part), key=lambda a: a["line"])
         if dist_info.is_main:
-            with open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(sys.stdout) as out:
+            with open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(_answers_out()) as out:
                 out.writelines(json.dumps(a, ensure_ascii=False, allow_nan=False) + "\n" for a in every)
         return sum("error" in a for a in every)
 
@@ -298,12 +341,12 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
     from tqdm.auto import tqdm
 
     from .hookspecs import InputError
-    from .runtime.inference import can_batch
+    from .runtime.inference import ResultNotJSON, can_batch, check_json_result
 
     spec, answered = task.spec, []
     batches = [rows[i:i + 32] for i in range(0, len(rows), 32)][rank::world]
     stream = world == 1
-    with (open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(sys.stdout)) as out, \
+    with (open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(_answers_out())) as out, \
             tqdm(total=len(rows), file=sys.stderr, unit="line", desc=spec.name, disable=not progress) as bar:
         for lines in batches:
             chunk = [(n, {**fixed, **row} if isinstance(row, dict) else row) for n, row in lines]
@@ -319,6 +362,11 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
                         answers[k] = {"result": predictor.predict(row, **options)["result"]}
                     except InputError as err:
                         answers[k] = {"error": str(err)}
+                if "result" in answers[k]:
+                    try:
+                        check_json_result(spec.name, answers[k]["result"])
+                    except ResultNotJSON as err:  # the plugin's fault, on this line: said there, the rest go on
+                        answers[k] = {"error": failed_task_message(task, err)}
                 answer = {"line": number, **answers[k]}
                 answered.append(answer)
                 if stream:
@@ -628,11 +676,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "model", "unset") is None and args.command in ("info", "encode"):
         args.model = default_backbone()
+    # While the command runs, whatever code prints (a plugin's print, a library's banner) goes to stderr:
+    # stdout carries the command's JSON alone, which scripts parse.
+    _STDOUT.append(sys.stdout)
     try:
-        result = args.run(args)
+        with contextlib.redirect_stdout(sys.stderr):
+            result = args.run(args)
+    except TaskFailed as err:
+        print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
+        return 1
     except (HubError, CheckpointError, ValueError, TypeError, FileNotFoundError) as err:
         print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        _STDOUT.pop()
     if os.environ.get("RANK", "0") != "0" or result is None:  # torchrun: the first process reports; None:
         return getattr(args, "exit_code", 0)                      # the command wrote its own output
     try:

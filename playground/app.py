@@ -31,6 +31,7 @@ from bert_engine.runtime.cancel import STUCK_AFTER_S, PredictionTimeout, call_wi
 from bert_engine.runtime.explain import DEFAULT_STEPS, MAX_STEPS, checked_method
 from bert_engine.runtime.explain import explain as explain_prediction
 from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
+from bert_engine.runtime.inference import check_json_result
 from bert_engine.runtime.precision import NAMES as PRECISIONS
 from bert_engine.runtime.precision import PrecisionError, pick_device
 from bert_engine.runtime.precision import resolve as resolve_precision
@@ -171,7 +172,8 @@ class ServedPredictor(BatchingPredictor):
 
     def _answer(self, inputs, **options: Any) -> dict[str, Any]:
         output = super().predict(inputs, **options)
-        self.remember_request(inputs, options)
+        check_json_result(self.task.spec.name, output["result"])  # the API answers JSON: a task's NaN, set or
+        self.remember_request(inputs, options)                     # array is its failure, not a string
         return output
 
     def predict(self, inputs, **options: Any) -> dict[str, Any]:
@@ -359,7 +361,12 @@ def publish_json(gr, function, inputs: list[Any], api_name: str, description: st
     handler, answering with JSON text (the task's result and provenance; for All tasks, each task's),
     not the page's components. The button's own event stays the page's (`{api_name}_view`)."""
     def answer(*args, **kwargs):
-        return json.dumps(json_answer(function(*args, **kwargs)), ensure_ascii=False, default=str)
+        answer = json_answer(function(*args, **kwargs))
+        try:  # predictions were checked (ServedPredictor._answer); a tab's other outputs may be page values
+            return json.dumps(answer, ensure_ascii=False, default=str, allow_nan=False)
+        except ValueError:  # NaN or infinity is not JSON: a browser's or MCP client's parser would refuse it
+            raise shown_error(gr, f"{api_name}: the tab answered NaN or infinity, which JSON cannot hold; this is a "
+                                  "bug in the task's tab, not in your input") from None
 
     functools.update_wrapper(answer, function)  # the inputs' names and the docstring the tool describes
     answer.__signature__ = inspect.signature(function).replace(return_annotation=str)

@@ -597,6 +597,38 @@ def test_a_task_that_raises_or_hangs_at_request_time_is_cut_off_and_listed(tmp_p
         RELEASE.set()
 
 
+class SloppyResultsPlugin:
+    """Tasks answering what JSON cannot hold: NaN, a set, a numpy number."""
+
+    @hookimpl
+    def register_tasks(self, register):
+        import numpy as np
+
+        answers = {"nan": {"score": float("nan")}, "set": {"labels": {"a"}}, "numpy": {"score": np.float32(0.5)}}
+        for name, answer in answers.items():
+            register(TaskSpec(name=f"gives-{name}", title=name, build_head=lambda c: torch.nn.Identity(),
+                              preprocess=lambda i, t, **o: t(i["text"]),
+                              postprocess=lambda output, batch, answer=answer, **o: answer))
+
+
+def test_a_result_json_cannot_hold_is_the_tasks_failure_not_a_string_or_a_nan(tmp_path):
+    """The API answers JSON text: a NaN would make it unparseable (a browser's JSON.parse, an MCP client),
+    and a numpy number or set was silently turned into a string. Each is the plugin's recorded failure."""
+    from conftest import reference_checkpoint
+
+    registry = load_registry(entry_points=False)
+    registry.load_plugin("sloppy", "0.1", "test", SloppyResultsPlugin)
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
+    names = ("gives-nan", "gives-set", "gives-numpy")
+    app = build_app(registry, checkpoints=dict.fromkeys(names, tiny))
+    for name, why in zip(names, ("holds NaN or infinity", "not JSON data \\(Object of type set",
+                                 "not JSON data \\(Object of type float32")):
+        with pytest.raises(gr.Error, match=f"{name} failed in postprocess .*{why}.*bug in plugin sloppy"):
+            app.predictors[name].predict({"text": "hello"})
+    stages = {f.message.split(":")[0]: f.stage for f in registry.failures}
+    assert stages == {f"task {name}": "postprocess" for name in names}
+
+
 def test_a_request_cut_off_while_waiting_for_others_is_not_the_plugins_fault(tmp_path):
     """The gate is busy with another visitor's work past the time limit: the visitor is told the machine
     is busy, and the plugin is not listed as failing."""

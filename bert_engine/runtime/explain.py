@@ -140,7 +140,7 @@ def explain(predictor: Predictor, inputs: Mapping[str, Any], *, method: str = "i
     checked = predictor.check_inputs(inputs, options)
     start = time.perf_counter()
     with request_stage("preprocess"):
-        batch = spec.preprocess(inputs, predictor.tokenizer, **checked)
+        batch = spec.preprocess(dict(inputs), predictor.tokenizer, **checked)  # a copy: the caller's stays
     result = predictor.run(batch, checked)
     with request_stage("explain"):
         extra = {"context": predictor.context()} if takes_context(spec.explain) else {}

@@ -28,7 +28,7 @@ from .. import settings
 from ..checkpoints.hub import default_backbone
 from ..checkpoints.loader import load
 from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
-from ..hookspecs import InputError, TaskContext
+from ..hookspecs import InputError, PluginError, TaskContext
 from ..model import BETWEEN_LAYERS, encoder_of
 from ..tokenizer import Batch, Tokenizer
 from .cancel import ModelLock
@@ -70,6 +70,26 @@ def check_request_cost(task: str, batch: Batch, limit: int | None = None) -> Non
             raise InputError(f"{task}: {which} needs {len(rows):,} window(s) with {tokens:,} tokens in all; the "
                              f"limit per request is {limit:,} tokens (roughly {limit * 4:,} characters of English). "
                              "Shorten the text, or truncate it if the task offers that")
+
+
+class ResultNotJSON(PluginError):
+    """A task answered a value JSON cannot hold (NaN or infinity, a set, an array, an object): the CLI and
+    the playground's API answer JSON, so they refuse it as the task's fault (stage "postprocess")."""
+
+
+def check_json_result(task: str, result: Any) -> Any:
+    """`result` if JSON holds it as it is (dicts with string keys, lists, strings, finite numbers, None);
+    else ResultNotJSON naming what is wrong."""
+    try:
+        json.dumps(result, allow_nan=False)
+        return result
+    except ValueError:
+        err = ResultNotJSON(f"{task}: the result holds NaN or infinity (from the task's postprocess, or a model "
+                            "that overflowed at this precision)")
+    except (TypeError, RecursionError) as caught:
+        err = ResultNotJSON(f"{task}: the result is not JSON data ({' '.join(str(caught).split())[:200]})")
+    err.request_stage = "postprocess"
+    raise err
 
 
 @contextmanager
@@ -295,7 +315,7 @@ class Predictor:
         spec = self.task.spec
         start = time.perf_counter()
         with request_stage("preprocess"):
-            batch = spec.preprocess(inputs, self.tokenizer, **options)
+            batch = spec.preprocess(dict(inputs), self.tokenizer, **options)  # a copy: the caller's stays as it was
         result = self.run(batch, options)
         latency_ms = (time.perf_counter() - start) * 1000
         if on_batch is not None:
@@ -454,7 +474,8 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
         inputs = {f: [items[i].get(f) for i in chunk] for f in fields
                   if any(items[i].get(f) is not None for i in chunk)}
         try:
-            batch = spec.preprocess(inputs, predictor.tokenizer, **options)
+            with request_stage("preprocess"):
+                batch = spec.preprocess(inputs, predictor.tokenizer, **options)
         except InputError as err:  # about one input of the chunk: name its place in the caller's list
             if err.position is None or not 0 <= err.position < len(chunk):
                 raise

@@ -5,6 +5,7 @@ native panic's BaseException) at import, in the hook and at request time; a plug
 sleeps forever; a MemoryError whose frames would keep gigabytes alive.
 """
 
+import json
 import threading
 import time
 import weakref
@@ -96,6 +97,88 @@ def test_plugins_command_exits_1_with_a_failure_and_names_an_uninstalled_selecti
     assert failure.stage == "select"
     assert "BERT_ENGINE_PLUGINS names 'not-installed', which is not installed" in failure.message
     assert "good-plugin" in failure.message and "hostile" in failure.message
+
+
+SLOPPY = """
+    import math, os
+    import torch
+    from bert_engine.hookspecs import TaskSpec, hookimpl
+
+    print("sloppy prints at import")
+
+    def pre(inputs, tokenizer, **options):
+        if os.environ.get("SLOPPY") == "value":
+            raise ValueError("pre boom")
+        inputs["text"] = "MUTATED"  # the caller's dict, were it handed over
+        return tokenizer(inputs["text"])
+
+    def post(output, batch, **options):
+        print("sloppy prints in postprocess")
+        mode = os.environ.get("SLOPPY")
+        if mode == "nan":
+            return {"score": math.nan}
+        if mode == "set":
+            return {"labels": {"a"}}
+        if mode == "raise":
+            raise RuntimeError("post boom")
+        return {"ok": True}
+
+    @hookimpl
+    def register_tasks(register):
+        print("sloppy prints in its hook")
+        register(TaskSpec(name="sloppy", title="Sloppy", build_head=lambda c: torch.nn.Identity(),
+                          preprocess=pre, postprocess=post))
+"""
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("nan", "task sloppy failed in postprocess (ResultNotJSON: sloppy: the result holds NaN or infinity"),
+    ("set", "task sloppy failed in postprocess (ResultNotJSON: sloppy: the result is not JSON data (Object of type set"),
+    ("raise", "task sloppy failed in postprocess (RuntimeError: post boom)"),
+    ("value", "task sloppy failed in preprocess (ValueError: pre boom)"),  # not the user's input error (exit 2)
+])
+def test_the_cli_says_in_one_line_which_plugin_failed_where(site, monkeypatch, capsys, mode, message):
+    install_dist(site, "sloppy", SLOPPY)
+    monkeypatch.setenv("SLOPPY", mode)
+    assert cli_main(["predict", "sloppy", "-i", "text=hello"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    (line,) = [x for x in err.splitlines() if x.startswith("bert-engine predict: error:")]
+    assert message in line and line.endswith("this is a bug in plugin sloppy, not in your input")
+    assert "Traceback" not in err
+
+
+def test_a_plugin_that_prints_cannot_break_the_clis_json(site, monkeypatch, capsys, tmp_path):
+    install_dist(site, "sloppy", SLOPPY)
+    assert cli_main(["plugins"]) == 0
+    out, err = capsys.readouterr()
+    assert "sloppy" in [p["name"] for p in json.loads(out)["plugins"]]  # stdout is the JSON alone
+    assert "sloppy prints at import" in err and "sloppy prints in its hook" in err
+    assert cli_main(["predict", "sloppy", "-i", "text=hello"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["result"] == {"ok": True} and "sloppy prints in postprocess" in err
+    lines = tmp_path / "in.txt"
+    lines.write_text("one\ntwo\n")
+    monkeypatch.setenv("SLOPPY", "nan")
+    assert cli_main(["predict", "sloppy", "--file", str(lines)]) == 1  # every line failed, each says why
+    out, _ = capsys.readouterr()
+    answers = [json.loads(x) for x in out.splitlines()]
+    assert [a["line"] for a in answers] == [1, 2]
+    assert all("the result holds NaN or infinity" in a["error"] and "bug in plugin sloppy" in a["error"]
+               for a in answers)
+
+
+def test_a_plugin_cannot_change_the_callers_inputs(site):
+    from bert_engine import pipeline
+    from bert_engine.runtime.inference import Predictor
+
+    install_dist(site, "sloppy", SLOPPY)
+    task = load_registry(builtins=()).task("sloppy")
+    inputs = {"text": "hello"}
+    Predictor.load(task).predict(inputs)
+    assert inputs == {"text": "hello"}
+    pipeline("sloppy")(inputs)
+    assert inputs == {"text": "hello"}
 
 
 # -- request time ----------------------------------------------------------------------------------
