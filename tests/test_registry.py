@@ -375,3 +375,67 @@ def test_without_installed_built_ins_a_missing_task_says_why(monkeypatch):
     assert registry.tasks == {}
     message = registry.missing("sentiment", "known: none")
     assert "none are installed (entry-point group bert_engine.builtins)" in message and "pip install -e ." in message
+
+
+def test_two_distributions_with_one_entry_point_name_load_one_and_record_the_other(site):
+    install_dist(site, "twin-one", GOOD_PLUGIN.format(task="twin_one"), entry_point="twin")
+    install_dist(site, "twin-two", GOOD_PLUGIN.format(task="twin_two"), entry_point="twin")
+    registry = load_registry(builtins=())
+    (loaded,) = [p for p in registry.plugins if p.name == "twin"]
+    (failure,) = registry.failures  # was: the second dropped without a word
+    other = "twin-two" if loaded.tasks == ("twin_one",) else "twin-one"
+    assert failure.stage == "duplicate" and failure.plugin == f"twin ({other})"
+    assert f"entry point 'twin' of {other} 0.3" in failure.message and "has the name of the plugin of twin-" in failure.message
+
+
+def test_an_entry_point_named_like_a_built_in_is_refused_naming_its_distribution(site, capsys):
+    install_dist(site, "evil-three", GOOD_PLUGIN.format(task="twin_three"), entry_point="sentiment")
+    registry = load_registry()
+    (failure,) = [f for f in registry.failures if f.stage == "duplicate"]
+    assert failure.plugin == "sentiment (evil-three)" and "the built-in plugin 'sentiment'" in failure.message
+    assert "twin_three" not in registry.tasks and "sentiment" in registry.tasks  # the built-in stays
+    assert cli_main(["plugin", "check", "sentiment"]) == 1  # was: ok, having checked the built-in
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and report["failures"][0]["plugin"] == "sentiment (evil-three)"
+
+
+@pytest.mark.parametrize("specs, message", [
+    ((_spec("aa"), _spec("bb", aliases=("aa",))), "task 'bb': the name(s) ['aa'] are already taken by another task "
+                                                  "of the same plugin"),
+    ((_spec("dd", aliases=("x",)), _spec("ee", aliases=("x",))), "the name(s) ['x'] are already taken"),
+    ((_spec("ff", aliases=("Hello World!",)),), "aliases must be a tuple of lowercase slugs"),
+    ((_spec("gg", aliases=("g", "g")),), "repeat a name"),
+    ((_spec("hh", aliases=("hh",)),), "repeat a name"),
+])
+def test_aliases_are_checked_within_one_plugin_too(specs, message):
+    registry = Registry()
+    assert not _load(registry, "aliased", ToyPlugin(*specs))
+    (failure,) = registry.failures
+    assert message in failure.message and not registry.tasks
+
+
+def test_the_registry_keeps_its_own_copy_of_a_tasks_defaults():
+    defaults = {"top_k": 3}
+    registry = Registry()
+    assert _load(registry, "toy", ToyPlugin(_spec(options=defaults)))
+    defaults.clear()  # the plugin's module dict, changed later (a careless OPTIONS.update or clear)
+    assert registry.task("toy").spec.options == {"top_k": 3}
+
+
+def test_the_kit_reports_a_head_that_cannot_be_built(site, capsys):
+    install_dist(site, "nohead", """
+        import torch
+        from bert_engine.hookspecs import TaskSpec, hookimpl
+
+        def head(config):
+            raise RuntimeError("head boom")
+
+        @hookimpl
+        def register_tasks(register):
+            register(TaskSpec(name="nohead", title="No head", build_head=head,
+                              preprocess=lambda i, t, **o: t(i["text"]), postprocess=lambda o, b, **k: {}))
+    """)
+    assert cli_main(["plugin", "check", "nohead"]) == 1  # was: a traceback, no JSON
+    report = json.loads(capsys.readouterr().out)
+    assert report["tasks"]["nohead"]["violations"] == [
+        "[nohead] build_head: crash: build_head raised RuntimeError: head boom (on the tiny model's config)"]

@@ -153,7 +153,12 @@ def check_task(task: RegisteredTask, predictor: Predictor | None = None, *, buil
                case_timeout_s: float = CASE_TIMEOUT_S) -> list[Violation]:
     """Run the task on every golden case (and its examples), its tab's event, and with `data` (a small
     file in read_data's format) the training side; return the violations found."""
-    predictor = predictor or tiny_predictor(task)
+    if predictor is None:
+        try:
+            predictor = tiny_predictor(task)
+        except (Exception, SystemExit) as err:  # nothing else can run without a model: the one violation
+            return [Violation(task.spec.name, "build_head", "crash",
+                              f"build_head raised {type(err).__name__}: {str(err)[:200]} (on the tiny model's config)")]
     head = getattr(predictor.model, "head", None)
     labels = set(getattr(head, "labels", None) or predictor.model.config.id2label.values()) or None
     violations = _check_labels(task, predictor)
@@ -381,6 +386,11 @@ def check_plugin(name: str, *, data: str | Path | None = None, split: str | None
     the full registry as the app would, and name any of its tasks another plugin already registers
     (the registry would refuse the whole plugin). `data` feeds the training check (one task)."""
     builtins = tuple(m for m in builtin_plugins() if m.rsplit(".", 1)[-1] == name)
+    if builtins:  # an installed entry point of a built-in's name never loads: that is its failure, not a pass
+        full = load_registry(entry_points=True, selected={name}, strict=False)
+        clashes = [dataclasses.asdict(f) for f in full.failures if f.stage == "duplicate" and f.source == "entry point"]
+        if clashes:
+            return {"plugin": name, "ok": False, "failures": clashes, "tasks": {}}
     registry = load_registry(builtins=builtins, entry_points=not builtins, selected={name}, strict=False)
     if registry.failures:
         failure = registry.failures[0]

@@ -10,6 +10,7 @@ BERT_ENGINE_STRICT_PLUGINS=1 re-raises the first failure, for plugin authors and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -245,8 +246,11 @@ class Registry:
             problems.append(f"labels must be None or a non-empty tuple of distinct names, got {labels!r:.80}")
         if spec.best_metric is not None and not isinstance(spec.best_metric, str):
             problems.append(f"best_metric must be a metric's name or None, got {spec.best_metric!r}")
-        if not isinstance(spec.aliases, tuple) or not all(isinstance(a, str) and a for a in spec.aliases):
-            problems.append(f"aliases must be a tuple of names, got {spec.aliases!r:.80}")
+        if not isinstance(spec.aliases, tuple) or not all(isinstance(a, str) and SLUG.match(a) for a in spec.aliases):
+            problems.append(f"aliases must be a tuple of lowercase slugs (a-z, 0-9, '_', '-'; max 40), "
+                            f"got {spec.aliases!r:.80}")
+        elif len(set(spec.aliases)) != len(spec.aliases) or spec.name in spec.aliases:
+            problems.append(f"aliases {spec.aliases!r:.80} repeat a name (the task's own, or one another)")
         for hook in ("pipeline_output", "brief", "explain"):
             value = getattr(spec, hook)
             if value is not None and not callable(value):
@@ -263,7 +267,12 @@ class Registry:
         if owner is not None or any(s.name == spec.name for s in pending):
             by = f"plugin {owner.plugin!r}" if owner else "the same plugin"
             raise _Violation("duplicate", f"task name {spec.name!r} is already registered by {by}")
-        return spec
+        mine = sorted(names & {n for s in pending for n in (s.name, *s.aliases)})
+        if mine:
+            raise _Violation("duplicate", f"task {spec.name!r}: the name(s) {mine} are already taken by another task "
+                                          "of the same plugin")
+        # The registry's own copy of the defaults: the plugin's module dict may change later without changing them.
+        return dataclasses.replace(spec, options=dict(spec.options))
 
 
 def _message(err: BaseException) -> str:
@@ -315,13 +324,24 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
         return registry
     if selected is None and settings.get("BERT_ENGINE_PLUGINS") is not None:
         selected = set(settings.get("BERT_ENGINE_PLUGINS"))
-    seen = set()
+    seen: dict[str, str] = {}  # entry-point name -> where the loaded one comes from
+    builtin_names = {module.rsplit(".", 1)[-1] for module in builtins}
     installed = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
     for ep in installed:
-        if ep.name in seen or (selected is not None and ep.name not in selected) or ep.name in (excluded or ()):
+        if (selected is not None and ep.name not in selected) or ep.name in (excluded or ()):
             continue
-        seen.add(ep.name)
         version = ep.dist.version if ep.dist is not None else "unknown"
+        origin = f"{ep.dist.name if ep.dist is not None else 'an unknown distribution'} {version} ({ep.value})"
+        if seen.get(ep.name) == origin:
+            continue  # the same distribution found twice on the path (an editable install beside a copy)
+        clash = (f"the plugin of {seen[ep.name]}" if ep.name in seen
+                 else f"the built-in plugin {ep.name!r}" if ep.name in builtin_names else None)
+        if clash is not None:  # named after the distribution, so the Plugins tab says whose package to fix
+            registry.record_failure(PluginFailure(
+                f"{ep.name} ({origin.split(' ')[0]})", version, "duplicate", f"entry point {ep.name!r} of {origin} "
+                f"has the name of {clash}; rename the entry point (only one plugin of a name loads)", "entry point"))
+            continue
+        seen[ep.name] = origin
         registry.load_plugin(ep.name, version, "entry point", ep.load)
     for name in sorted((selected or set()) - {ep.name for ep in installed}):
         names = ", ".join(ep.name for ep in installed) or "none"
