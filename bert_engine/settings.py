@@ -28,8 +28,9 @@ SETTINGS = {s.name: s for s in (
             "then MPS, then the CPU"),
     Setting("BERT_ENGINE_PRECISION", "str", "auto", "start", "auto, fp32, bf16, fp16 or int8, for the app and "
             "every CLI command that predicts (their --precision wins)"),
-    Setting("BERT_ENGINE_TIMEOUT", "float", 120.0, "start", "seconds a request may take before it is cut off and "
-            "stopped (0: no limit)"),
+    Setting("BERT_ENGINE_TIMEOUT", "float", 120.0, "start", "seconds a playground request (browser, API, MCP) may "
+            "take before it is cut off and stopped (0: no limit); the CLI and `pipeline()` run in the caller's process "
+            "without a limit"),
     Setting("BERT_ENGINE_CONCURRENCY", "int", 64, "start", "requests per event Gradio hands to the fairness gate at "
             "once (the gate decides who runs next)"),
     Setting("BERT_ENGINE_TUNE_MALLOC", "bool", True, "start", "app.py caps glibc's malloc arenas at 2 and mmaps "
