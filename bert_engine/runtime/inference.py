@@ -316,6 +316,9 @@ class Predictor:
         start = time.perf_counter()
         with request_stage("preprocess"):
             batch = spec.preprocess(dict(inputs), self.tokenizer, **options)  # a copy: the caller's stays as it was
+            if not isinstance(batch, Batch):
+                raise PluginError(f"{spec.name}: preprocess returned {type(batch).__name__}, not the Batch the "
+                                  "tokenizer gives (return tokenizer(...))")
         result = self.run(batch, options)
         latency_ms = (time.perf_counter() - start) * 1000
         if on_batch is not None:

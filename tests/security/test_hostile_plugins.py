@@ -109,6 +109,8 @@ SLOPPY = """
     def pre(inputs, tokenizer, **options):
         if os.environ.get("SLOPPY") == "value":
             raise ValueError("pre boom")
+        if os.environ.get("SLOPPY") == "none":
+            return None
         inputs["text"] = "MUTATED"  # the caller's dict, were it handed over
         return tokenizer(inputs["text"])
 
@@ -136,6 +138,7 @@ SLOPPY = """
     ("set", "task sloppy failed in postprocess (ResultNotJSON: sloppy: the result is not JSON data (Object of type set"),
     ("raise", "task sloppy failed in postprocess (RuntimeError: post boom)"),
     ("value", "task sloppy failed in preprocess (ValueError: pre boom)"),  # not the user's input error (exit 2)
+    ("none", "task sloppy failed in preprocess (PluginError: sloppy: preprocess returned NoneType, not the Batch"),
 ])
 def test_the_cli_says_in_one_line_which_plugin_failed_where(site, monkeypatch, capsys, mode, message):
     install_dist(site, "sloppy", SLOPPY)
