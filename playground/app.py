@@ -245,6 +245,13 @@ def playground_class(gr):
             self.endpoints = endpoints  # API name -> the function behind it, callable from Python
             self.max_threads = 40  # Gradio's default
 
+        async def preprocess_data(self, block_fn, inputs: list[Any], state, explicit_call: bool = False):
+            # An API or MCP caller may send a slider's number as text, or null: Gradio's slider would fail
+            # comparing it with its bounds, and the caller read only "the upstream app raised an exception".
+            inputs = [numeric_input(gr, block, value) for block, value in zip(block_fn.inputs, inputs)] \
+                + list(inputs[len(block_fn.inputs):])
+            return await super().preprocess_data(block_fn, inputs, state, explicit_call)
+
         def launch(self, *args: Any, **kwargs: Any):
             kwargs.setdefault("theme", page_theme(gr))
             kwargs.setdefault("css", ui.CSS + PAGE_CSS)
@@ -253,6 +260,24 @@ def playground_class(gr):
             return super().launch(*args, **kwargs)
 
     return Playground
+
+
+def numeric_input(gr, block: Any, value: Any) -> Any:
+    """A value sent for a slider or number box as the component takes it: null is its default, text that
+    reads as a finite number is that number; anything else is the caller's error, naming the value."""
+    if not isinstance(block, (gr.Slider, gr.Number)) or isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    if value is None:
+        return block.value
+    try:
+        number = float(value) if isinstance(value, str) else None
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number):
+        label = block.label or "a number input"
+        bounds = f" from {block.minimum:g} to {block.maximum:g}" if isinstance(block, gr.Slider) else ""
+        raise shown_error(gr, f"{label}: expected a number{bounds}, got {str(value)[:80]!r}")
+    return number
 
 
 def page_theme(gr):

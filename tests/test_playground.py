@@ -121,6 +121,14 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
     with pytest.raises(Exception, match="nbest must be an integer in \\[1, 20\\], got 2.5"):  # not read as 2
         client.predict("Angela Merkel visited Paris.", True, 2.5, "model", api_name="/ner")
     assert json.loads(client.predict("Angela Merkel visited Paris.", True, 2.0, "model", api_name="/ner"))["result"]
+    # a slider's number sent as text or null (an API or MCP caller): read as the number or the default, and
+    # anything else is named (Gradio's slider had failed with "the upstream Gradio app has raised an exception")
+    assert json.loads(client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", "2",
+                                     api_name="/qa"))["result"]["answers"][1]
+    assert json.loads(client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", None,
+                                     api_name="/qa"))["result"]["answer"] == "Herman Melville"
+    with pytest.raises(Exception, match="Candidates \\(top-k\\): expected a number from 1 to 10, got 'many'"):
+        client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", "many", api_name="/qa")
     every = json.loads(client.predict("Angela Merkel visited Paris.", api_name="/all_tasks"))
     assert {"sentiment", "ner", "summary"} <= set(every) and every["ner"]["result"]["entities"]
     label, output = client.predict("A man is playing a guitar.", "Someone plays an instrument.", api_name="/similarity_view")
