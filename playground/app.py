@@ -972,18 +972,18 @@ def _build_all_tasks_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
     names = single_text_tasks(registry)
     gr.Markdown("One text, every task that takes a single text: " +
                 ", ".join(registry.tasks[n].spec.title for n in names) + ". Add `[MASK]` for fill-mask.")
-    text = gr.Textbox(label="Text", lines=3, placeholder="Type a sentence; put [MASK] where a word is missing")
+    text_box = gr.Textbox(label="Text", lines=3, placeholder="Type a sentence; put [MASK] where a word is missing")
     button = ui.run_button(gr, "Run every task")
     cards = gr.HTML(label="Answers")
     details = ui.details(gr)
 
-    def all_tasks(text_value: str):
+    def all_tasks(text: str):
         """Run one text through every task that takes a single text; each task's answer in a line.
 
         Args:
-            text_value: the text (add [MASK] where a word is missing, for fill-mask)
+            text: the text (add [MASK] where a word is missing, for fill-mask)
         """
-        if not (text_value or "").strip():
+        if not (text or "").strip():
             raise shown_error(gr, "all tasks: the text is empty; type a sentence")
         deadline = time.monotonic() + timeout_s if timeout_s else None
         answers: list[tuple[str, str, str]] = []  # (task title, line, state)
@@ -994,7 +994,7 @@ def _build_all_tasks_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
                 answers.append((title, f"skipped: the {timeout_s:g} s limit for all tasks was reached", "skipped"))
                 continue
             try:
-                output = predictors[name].predict({"text": text_value})
+                output = predictors[name].predict({"text": text})
             except (InputError, gr.Error) as err:  # the task's own message (bad input, time-out, a bug)
                 answers.append((title, getattr(err, "message", None) or str(err), "error"))
                 continue
@@ -1002,7 +1002,7 @@ def _build_all_tasks_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
             answers.append((title, brief_answer(registry.tasks[name], output["result"]), "ok"))
         return answer_cards(answers), outputs
 
-    ui.wire(gr, button, all_tasks, [text], [cards, details], api_name="all_tasks",
+    ui.wire(gr, button, all_tasks, [text_box], [cards, details], api_name="all_tasks",
             examples=[[example] for example in ALL_TASKS_EXAMPLES])
 
 
