@@ -362,6 +362,10 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
                         answers[k] = {"result": predictor.predict(row, **options)["result"]}
                     except InputError as err:
                         answers[k] = {"error": str(err)}
+                    except (Exception, SystemExit) as err:  # the task's own code failed on this line
+                        if getattr(err, "request_stage", None) is None:
+                            raise
+                        answers[k] = {"error": failed_task_message(task, err)}
                 if "result" in answers[k]:
                     try:
                         check_json_result(spec.name, answers[k]["result"])
@@ -410,6 +414,10 @@ def _answer_batch(spec, predictor, chunk: list, good: list[int], answers: list, 
             if err.position is None or not 0 <= err.position < len(pending):
                 return  # about no one line (an option): each line gets the error on its own
             pending.pop(err.position)  # left to the caller: alone, it gets the error a line of its own gets
+        except (Exception, SystemExit) as err:  # the task's own code failed: each line says so on its own
+            if getattr(err, "request_stage", None) is None:
+                raise
+            return
 
 
 def _training_config(args: argparse.Namespace, **fixed) -> TrainConfig:

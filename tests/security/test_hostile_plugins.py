@@ -103,6 +103,7 @@ SLOPPY = """
     import math, os
     import torch
     from bert_engine.hookspecs import TaskSpec, hookimpl
+    from bert_engine.runtime.inference import predict_texts
 
     print("sloppy prints at import")
 
@@ -111,11 +112,11 @@ SLOPPY = """
             raise ValueError("pre boom")
         if os.environ.get("SLOPPY") == "none":
             return None
-        inputs["text"] = "MUTATED"  # the caller's dict, were it handed over
-        return tokenizer(inputs["text"])
+        text = inputs["text"]
+        inputs["text"], inputs["extra"] = "MUTATED", 1  # the caller's dict, were it handed over
+        return tokenizer(text)
 
-    def post(output, batch, **options):
-        print("sloppy prints in postprocess")
+    def answer():
         mode = os.environ.get("SLOPPY")
         if mode == "nan":
             return {"score": math.nan}
@@ -125,11 +126,16 @@ SLOPPY = """
             raise RuntimeError("post boom")
         return {"ok": True}
 
+    def post(output, batch, **options):
+        print("sloppy prints in postprocess")
+        rows = len(batch)
+        return [answer() for _ in range(rows)] if rows > 1 else answer()  # a batch: one result per row
+
     @hookimpl
     def register_tasks(register):
         print("sloppy prints in its hook")
         register(TaskSpec(name="sloppy", title="Sloppy", build_head=lambda c: torch.nn.Identity(),
-                          preprocess=pre, postprocess=post))
+                          preprocess=pre, postprocess=post, predict_many=predict_texts))  # files: batched
 """
 
 
@@ -169,6 +175,11 @@ def test_a_plugin_that_prints_cannot_break_the_clis_json(site, monkeypatch, caps
     assert [a["line"] for a in answers] == [1, 2]
     assert all("the result holds NaN or infinity" in a["error"] and "bug in plugin sloppy" in a["error"]
                for a in answers)
+    monkeypatch.setenv("SLOPPY", "raise")  # an exception: each line says so too, the file is read to its end
+    assert cli_main(["predict", "sloppy", "--file", str(lines)]) == 1
+    answers = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [a["line"] for a in answers] == [1, 2]
+    assert all("task sloppy failed in postprocess (RuntimeError: post boom)" in a["error"] for a in answers)
 
 
 def test_a_plugin_cannot_change_the_callers_inputs(site):
