@@ -8,6 +8,7 @@ Serving many callers (lazy loading, merging concurrent requests, time limits) is
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -264,7 +265,9 @@ class Predictor:
             for text in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(text, str):
                     check_unicode(spec.name, name, text)
-        return {**spec.options, **self.model_options, **options}
+        # The defaults copied for this request: a task that changes a list or dict option in place (careless, or
+        # hostile) must not carry one visitor's request into every later visitor's defaults.
+        return {**copy.deepcopy({**spec.options, **self.model_options}), **options}
 
     def get(self) -> Predictor:
         """Itself: the same call as LazyPredictor.get, so callers need not know which they hold."""

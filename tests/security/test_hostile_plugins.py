@@ -319,3 +319,24 @@ def test_memory_of_a_failed_request_is_released():
         call({"text": "hello"})
     assert caught.value.__context__ is None and caught.value.__cause__ is None
     assert FREED and FREED[0]() is None, "the 200 MB tensor of the failed call is still alive (without a gc pass)"
+
+
+def test_a_task_that_changes_a_default_in_place_cannot_carry_one_request_into_the_next():
+    """A list default appended to by preprocess: each request starts from the declared default, so one
+    visitor's request never reaches another's (the defaults are copied per request)."""
+    class Plugin:
+        @hookimpl
+        def register_tasks(self, register):
+            def pre(inputs, tokenizer, *, tags):
+                tags.append(inputs["text"])  # careless: the default list itself
+                return tokenizer(inputs["text"])
+
+            register(TaskSpec(name="appends", title="Appends", build_head=lambda c: torch.nn.Identity(),
+                              options={"tags": ["a"]}, preprocess=pre,
+                              postprocess=lambda output, batch, *, tags: {"tags": list(tags)}))
+
+    registry = Registry()
+    assert registry.load_plugin("appends", "0.1", "test", lambda: Plugin())
+    predictor = tiny_predictor(registry.task("appends"))
+    assert [predictor.predict({"text": t})["result"]["tags"] for t in ("x", "y")] == [["a", "x"], ["a", "y"]]
+    assert registry.task("appends").spec.options == {"tags": ["a"]}
