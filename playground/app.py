@@ -37,7 +37,15 @@ from bert_engine.runtime.precision import PrecisionError, pick_device
 from bert_engine.runtime.precision import resolve as resolve_precision
 from bert_engine.serving import memory
 from bert_engine.serving.predictors import BatchingPredictor, LazyPredictor, ModelShelf
-from bert_engine.tasks.registry import REQUEST_STAGES, PluginFailure, Registry, failure_location, load_registry
+from bert_engine.tasks.registry import (
+    HOST_ENDPOINTS,
+    HOST_SUFFIXES,
+    REQUEST_STAGES,
+    PluginFailure,
+    Registry,
+    failure_location,
+    load_registry,
+)
 from playground import attention, insight
 from plugins.starter import STARTER_ROOT
 
@@ -775,6 +783,8 @@ def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry, wrap
     if task.spec.build_tab is None:
         gr.Markdown(f"Task `{task.spec.name}` has no tab; use it through the Python API.")
         return
+    app = gr.context.Context.root_block
+    before = set(app.fns) if app is not None else set()
     try:
         with ui.wiring(wrap, task.spec.description, publish=publish):
             task.spec.build_tab(predictor)
@@ -784,6 +794,30 @@ def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry, wrap
                                               location=failure_location(err)))
         gr.Markdown(f"**The tab of `{task.spec.name}` (plugin {task.plugin} {task.plugin_version}) "
                     f"failed to build:** `{html.escape(str(err))}`")
+    if app is not None:
+        keep_endpoints_to_the_task(app, [app.fns[i] for i in set(app.fns) - before], task, registry)
+
+
+def keep_endpoints_to_the_task(app, fns: list, task, registry: Registry) -> None:
+    """A tab's event may not take an endpoint name the host or another task serves (/plugins, /explain,
+    /<task>_why, /ner, ...: Gradio would give the later one, the host's, a "_1" name). Such an event
+    stays the page's (private) and the tab is listed with a `tab` failure."""
+    own = {task.spec.name, f"{task.spec.name}_view"}
+    taken = HOST_ENDPOINTS | {n for t in registry.tasks.values() for n in (t.spec.name, *t.spec.aliases)}
+
+    def hostile(name: str) -> bool:
+        return name not in own and (name in taken or name.endswith(HOST_SUFFIXES))
+
+    stray = [fn for fn in fns if fn.api_name and fn.api_visibility != "private" and hostile(fn.api_name)]
+    names = sorted(fn.api_name for fn in stray)
+    for i, fn in enumerate(stray):
+        logger.warning("task %s: its tab's event %r is served to the page only", task.spec.name, fn.api_name)
+        fn.api_name, fn.api_visibility = f"{task.spec.name}_private_{i}", "private"
+    if stray:
+        registry.record_failure(PluginFailure(task.plugin, task.plugin_version, "tab", (
+            f"task {task.spec.name}: its tab wires API endpoints {names}"
+            f" beside its own /{task.spec.name}; they are served to the page only (use ui.wire with "
+            f"api_name={task.spec.name!r}, and api_visibility='private' for other events)")))
 
 
 def _build_insight(gr, task, predictor: ServedPredictor, model_dirs: list[Path], precisions: list[str]) -> None:

@@ -943,3 +943,48 @@ def test_why_and_compare_answer_for_every_built_in_task(served):
         compared = json.loads(client.predict(name, example, "", "int8", "", "fp32", api_name="/compare"))
         assert compared["a"]["precision"] == "float32" and compared["b"]["precision"] == "int8", name
         assert compared["a"]["brief"] and compared["agree"] == (not compared["disagreements"]), name
+
+
+class EndpointGrabberPlugin:
+    """A tab wiring extra events under names the host or another task serves."""
+
+    @hookimpl
+    def register_tasks(self, register):
+        def build_tab(predictor):
+            text, out = gr.Textbox(label="Text"), gr.JSON(label="Result")
+            button = ui.run_button(gr, "Run")
+            ui.wire(gr, button, lambda t: predictor.predict({"text": t}), [text], [out], api_name="grabber")
+            button.click(lambda t: {"grabbed": t}, text, out, api_name="plugins")
+            ui.wire(gr, button, lambda t: {"grabbed": t}, [text], [out], api_name="explain")
+
+        register(TaskSpec(name="grabber", title="Grabber", build_head=lambda c: torch.nn.Identity(),
+                          preprocess=lambda i, t, **o: t(i["text"]), postprocess=lambda o, b, **k: {"ok": True},
+                          build_tab=build_tab))
+
+
+def test_a_tab_cannot_take_the_hosts_endpoints():
+    """Gradio names a second event of a taken name `<name>_1`: a plugin's tab wiring /plugins or /explain
+    before the host had moved the host's own endpoints. Its stray events stay the page's, and it is listed."""
+    registry = load_registry(entry_points=False)
+    assert registry.load_plugin("grabber", "0.1", "test", EndpointGrabberPlugin)
+    app = build_app(registry)
+    endpoints = app.get_api_info()["named_endpoints"]
+    assert {"/plugins", "/explain", "/grabber"} <= set(endpoints)
+    assert not [e for e in endpoints if e.endswith("_1")]
+    assert any(row["plugin"] == "grabber" for row in json.loads(app.endpoints["plugins"]()))  # the host's table
+    (failure,) = [f for f in registry.failures if f.plugin == "grabber"]
+    assert failure.stage == "tab" and "wires API endpoints ['explain', 'explain_view', 'plugins']" in failure.message
+
+
+@pytest.mark.parametrize("name", ["plugins", "explain", "all_tasks", "sentiment_view", "mine_why"])
+def test_a_task_may_not_be_named_like_the_hosts_endpoints(name):
+    registry = load_registry(entry_points=False)
+
+    class Plugin:
+        @hookimpl
+        def register_tasks(self, register):
+            register(TaskSpec(name=name, title="X", build_head=lambda c: torch.nn.Identity(),
+                              preprocess=lambda i, t, **o: t(i["text"]), postprocess=lambda o, b, **k: {}))
+
+    assert not registry.load_plugin("hosty", "0.1", "test", Plugin)
+    assert "are the playground's own endpoints" in registry.failures[-1].message

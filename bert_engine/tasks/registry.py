@@ -57,6 +57,10 @@ def builtin_plugins() -> tuple[str, ...]:
 
 
 SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
+# The playground's own endpoints (/plugins, /explain, ...) and the ones it makes per task (/<task>_view, ...):
+# a task named so would take the host's endpoint (Gradio gives the later one a "_1" name).
+HOST_ENDPOINTS = frozenset({"plugins", "all_tasks", "explain", "compare", "attention"})
+HOST_SUFFIXES = ("_view", "_model", "_why", "_compare")
 REQUEST_STAGES = ("preprocess", "forward", "postprocess", "explain", "request", "time limit")
 IMPORT_TIMEOUT_S = 30.0  # importing a plugin and running its register_tasks hook (BERT_ENGINE_PLUGIN_TIMEOUT)
 
@@ -257,6 +261,11 @@ class Registry:
                 problems.append(f"{hook} must be callable or None, got {type(value).__name__}")
         if spec.best_metric_goal not in ("max", "min"):
             problems.append(f"best_metric_goal must be 'max' or 'min', got {spec.best_metric_goal!r}")
+        host = sorted(n for n in {spec.name, *spec.aliases} if isinstance(n, str)
+                      and (n in HOST_ENDPOINTS or n.endswith(HOST_SUFFIXES)))
+        if host and isinstance(spec.aliases, tuple):
+            problems.append(f"the name(s) {host} are the playground's own endpoints (its {', '.join(sorted(HOST_ENDPOINTS))} "
+                            f"and each task's {', '.join('*' + x for x in HOST_SUFFIXES)}); choose another")
         if problems:
             raise _Violation("validate", f"task {spec.name!r}: " + "; ".join(problems))
         names = {spec.name, *spec.aliases}
