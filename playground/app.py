@@ -451,6 +451,33 @@ def current_group() -> str | None:
     return f"ip:{str(host)[:64]}" if host else None
 
 
+class TorchSettings:
+    """torch's process-wide settings as the app set them: the thread count every forward pass uses and the
+    default dtype new tensors get. A task's code that changes one (torch.set_num_threads(1) in a request: every
+    thread started later takes it) would change it for every later request of every task and visitor, and a
+    wrong default dtype makes other tasks fail, blamed on them. After each request (in its own thread, where
+    torch reads the thread count) they are put back, and the change is the task's recorded failure."""
+
+    def __init__(self) -> None:
+        import torch  # noqa: PLC0415 - the app's modules load torch already; kept local like gradio
+
+        self.torch = torch
+        self.threads, self.dtype = torch.get_num_threads(), torch.get_default_dtype()
+
+    def restore(self, task: str, registry: Registry) -> None:
+        torch = self.torch
+        changed = []
+        if torch.get_num_threads() != self.threads:
+            changed.append(f"the thread count to {torch.get_num_threads()} (was {self.threads})")
+            torch.set_num_threads(self.threads)
+        if torch.get_default_dtype() != self.dtype:
+            changed.append(f"the default dtype to {torch.get_default_dtype()} (was {self.dtype})")
+            torch.set_default_dtype(self.dtype)
+        if changed:
+            registry.record_request_failure(task, f"its code changed torch's {' and '.join(changed)} for the whole "
+                                                  "process; put back", stage="request")
+
+
 class StuckTasks:
     """Tasks with a request that still runs after it was cut off and cancelled for STUCK_AFTER_S (a loop
     that catches BaseException, a native call that never returns: Python cannot kill a thread). Such a
@@ -494,6 +521,13 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
 
     in_flight = in_flight or InFlight()
     stuck = stuck or StuckTasks(registry)
+    torch_settings = TorchSettings()  # the process-wide ones a task's code could change for everyone
+
+    def predict_and_put_back(*args, **kwargs):
+        try:
+            return predict(*args, **kwargs)
+        finally:  # in the request's own thread: torch's thread count is read per thread
+            torch_settings.restore(task, registry)
 
     def call(*args, **kwargs):
         if stuck.holds(task):
@@ -511,7 +545,8 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
             with in_flight.admit(visitor, group, wait_s=timeout_s or DEFAULT_TIMEOUT_S), \
                     visitor_scope(visitor, group):  # its share of the gate (fairness.py)
                 others, admitted = in_flight.total() - (visitor is not None), in_flight.admitted
-                return call_with_timeout(predict, timeout_s, *args, what=f"task {task!r}", **stuck.callbacks(task),
+                return call_with_timeout(predict_and_put_back, timeout_s, *args, what=f"task {task!r}",
+                                         **stuck.callbacks(task),
                                          **kwargs)
         except (InputError, gr.Error):
             raise

@@ -340,3 +340,37 @@ def test_a_task_that_changes_a_default_in_place_cannot_carry_one_request_into_th
     predictor = tiny_predictor(registry.task("appends"))
     assert [predictor.predict({"text": t})["result"]["tags"] for t in ("x", "y")] == [["a", "x"], ["a", "y"]]
     assert registry.task("appends").spec.options == {"tags": ["a"]}
+
+
+def test_a_task_changing_torchs_process_settings_is_put_back_and_named(monkeypatch):
+    """torch.set_num_threads and set_default_dtype are process-wide: one request of one task would slow
+    or break every later request of every task. The playground puts them back and records the task."""
+    class Plugin:
+        @hookimpl
+        def register_tasks(self, register):
+            def post(output, batch, **options):
+                torch.set_num_threads(1)
+                torch.set_default_dtype(torch.float64)
+                return {"ok": True}
+
+            register(TaskSpec(name="global", title="Global", build_head=lambda c: torch.nn.Identity(),
+                              preprocess=lambda i, t, **o: t(i["text"]), postprocess=post))
+
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    registry = Registry()
+    assert registry.load_plugin("global-plugin", "0.1", "test", lambda: Plugin())
+    predictor = tiny_predictor(registry.task("global"))
+    call = guarded(predictor.predict, "global", registry, 30.0)
+    try:
+        assert call({"text": "hello"})["result"] == {"ok": True}
+        seen = []  # a thread started now (as the next request's is) takes torch's process-wide count
+        reader = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        reader.start()
+        reader.join()
+        assert (seen[0], torch.get_default_dtype()) == (threads, dtype)
+        (failure,) = registry.failures
+        assert failure.plugin == "global-plugin" and "changed torch's the thread count to 1" in failure.message
+        assert "the default dtype to torch.float64" in failure.message
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
