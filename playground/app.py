@@ -80,6 +80,7 @@ tr.be-disagree td { font-weight: 600; }
 """
 
 DEFAULT_TIMEOUT_S = 120.0  # a request a task has not answered by then is cut off with a message
+BUSY_WAITING_SHARE = 0.25  # a cut-off request that waited this share of its time for others' work: "busy"
 
 
 def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] | None = None,
@@ -539,12 +540,10 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
         visitor, group = current_visitor(), current_group()
         waited = Waited()
         token = WAITED.set(waited)  # the request's thread adds its time at the compute gate
-        others, admitted = 0, None  # requests running beside this one when it started; admissions so far
         try:
             # beyond its in-flight cap a request waits (idle) up to its time limit for a place: fairness.py
             with in_flight.admit(visitor, group, wait_s=timeout_s or DEFAULT_TIMEOUT_S), \
                     visitor_scope(visitor, group):  # its share of the gate (fairness.py)
-                others, admitted = in_flight.total() - (visitor is not None), in_flight.admitted
                 return call_with_timeout(predict_and_put_back, timeout_s, *args, what=f"task {task!r}",
                                          **stuck.callbacks(task),
                                          **kwargs)
@@ -555,14 +554,13 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
         except (HubError, CheckpointError) as err:  # the model could not be loaded: say which and why
             message = f"{task}: the model could not be loaded: {err}"
         except PredictionTimeout as err:
-            # The task's fault only when it ran alone: cut off while other requests shared the machine (or
-            # after waiting at the gate for them), a legal request says "busy" and marks nothing failing.
-            overlapped = admitted is not None and in_flight.admitted > admitted  # another started during it
-            busy = others > 0 or overlapped or in_flight.total() > 0 or (timeout_s and waited.seconds > timeout_s / 2)
+            # The machine's fault when the request spent a good part of its time waiting at the compute gate
+            # for other requests' work: it says "busy" and marks nothing failing. Otherwise the time was its
+            # own code's (a hang, a loop), whoever else came by meanwhile: the task's recorded failure.
+            busy = bool(timeout_s) and waited.seconds >= timeout_s * BUSY_WAITING_SHARE
             if busy:
                 logger.info("task %s: a request was cut off at %g s while the machine was busy (%d others "
-                            "running, %.0f s waiting at the gate)", task, timeout_s, max(others, in_flight.total()),
-                            waited.seconds)
+                            "running, %.0f s waiting at the gate)", task, timeout_s, in_flight.total(), waited.seconds)
                 message = (f"{task}: the machine is busy with other requests and this one did not finish within "
                            f"the {timeout_s:g} s limit ({waited.seconds:.0f} s spent waiting); try again in a "
                            "moment, or send a shorter input.")
