@@ -31,7 +31,7 @@ from bert_engine.runtime.cancel import STUCK_AFTER_S, PredictionTimeout, call_wi
 from bert_engine.runtime.explain import DEFAULT_STEPS, MAX_STEPS, checked_method
 from bert_engine.runtime.explain import explain as explain_prediction
 from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
-from bert_engine.runtime.inference import check_json_result
+from bert_engine.runtime.inference import check_json_result, json_problem
 from bert_engine.runtime.precision import NAMES as PRECISIONS
 from bert_engine.runtime.precision import PrecisionError, pick_device
 from bert_engine.runtime.precision import resolve as resolve_precision
@@ -120,7 +120,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     statuses: dict[str, Any] = {}
     endpoints: dict[str, Any] = {}
     wrap = functools.partial(host_handler, gr, endpoints)
-    publish = functools.partial(publish_json, gr)
+    publish = functools.partial(publish_json, gr, registry=registry)
     with playground_class(gr)(predictors, model_dirs, endpoints, title="bert_engine playground") as app, \
             ui.wiring(wrap, publish=publish):
         gr.Markdown("# bert_engine playground\nBERT written from scratch in PyTorch: pick a task, type or paste "
@@ -390,17 +390,30 @@ def host_handler(gr, endpoints: dict[str, Any], function, api_name: str | None =
     return handler
 
 
-def publish_json(gr, function, inputs: list[Any], api_name: str, description: str = "") -> None:
+def publish_json(gr, function, inputs: list[Any], api_name: str, description: str = "", *,
+                 registry: Registry | None = None) -> None:
     """A tab's API endpoint and MCP tool `api_name` (ui.wiring's publisher): the run button's inputs and
     handler, answering with JSON text (the task's result and provenance; for All tasks, each task's),
-    not the page's components. The button's own event stays the page's (`{api_name}_view`)."""
+    not the page's components. The button's own event stays the page's (`{api_name}_view`).
+
+    The answer is JSON as it is: a prediction the tab changed into something JSON cannot hold (a tensor,
+    a numpy number, NaN) is the task's failure, recorded in `registry`; never a string in its place."""
     def answer(*args, **kwargs):
         answer = json_answer(function(*args, **kwargs))
-        try:  # predictions were checked (ServedPredictor._answer); a tab's other outputs may be page values
+        try:
+            return json.dumps(answer, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as err:
+            problem = json_problem(err)
+        if isinstance(answer, dict) and ("result" in answer or any(isinstance(v, dict) for v in answer.values())):
+            message = f"the tab's answer {problem}"  # a prediction, or All tasks' mapping of them
+            if registry is not None and api_name in registry.tasks:
+                registry.record_request_failure(api_name, message, stage="tab")
+            raise shown_error(gr, f"{api_name}: {message}; this is a bug in the task's tab, not in your input")
+        try:  # the tab's other outputs, page values (an update, an image): their text where JSON has none
             return json.dumps(answer, ensure_ascii=False, default=str, allow_nan=False)
-        except ValueError:  # NaN or infinity is not JSON: a browser's or MCP client's parser would refuse it
-            raise shown_error(gr, f"{api_name}: the tab answered NaN or infinity, which JSON cannot hold; this is a "
-                                  "bug in the task's tab, not in your input") from None
+        except ValueError:
+            raise shown_error(gr, f"{api_name}: the tab's answer {problem}; this is a bug in the task's tab, "
+                                  "not in your input") from None
 
     functools.update_wrapper(answer, function)  # the inputs' names and the docstring the tool describes
     answer.__signature__ = inspect.signature(function).replace(return_annotation=str)

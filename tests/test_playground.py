@@ -989,3 +989,57 @@ def test_a_task_may_not_be_named_like_the_hosts_endpoints(name):
 
     assert not registry.load_plugin("hosty", "0.1", "test", Plugin)
     assert "are the playground's own endpoints" in registry.failures[-1].message
+
+
+class TabAddsValuesPlugin:
+    """A tab that adds a numpy number to the prediction it shows (the API endpoint answers it)."""
+
+    @hookimpl
+    def register_tasks(self, register):
+        import numpy as np
+
+        def build_tab(predictor):
+            text, out = gr.Textbox(label="Text"), gr.JSON(label="Result")
+            button = ui.run_button(gr, "Run")
+
+            def run(t):
+                output = predictor.predict({"text": t})
+                return {**output, "result": {**output["result"], "extra": np.float32(1.5)}}
+
+            ui.wire(gr, button, run, [text], [out], api_name="tabby")
+
+        register(TaskSpec(name="tabby", title="Tabby", build_head=lambda c: torch.nn.Identity(),
+                          preprocess=lambda i, t, **o: t(i["text"]), postprocess=lambda o, b, **k: {"ok": True},
+                          build_tab=build_tab))
+
+
+def test_a_value_the_tab_adds_that_json_cannot_hold_is_the_tabs_recorded_failure(tmp_path):
+    """The API had answered the numpy number as the string "1.5" (json's default=str), recording nothing."""
+    from conftest import reference_checkpoint
+
+    registry = load_registry(entry_points=False)
+    assert registry.load_plugin("tabby", "0.1", "test", TabAddsValuesPlugin)
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
+    app = build_app(registry, checkpoints={"tabby": tiny})
+    port = _free_port()
+    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        with pytest.raises(Exception, match="tabby: the tab's answer is not JSON data \\(Object of type float32"):
+            Client(f"http://127.0.0.1:{port}/", verbose=False).predict("hello", api_name="/tabby")
+    finally:
+        app.close()
+    (failure,) = [f for f in registry.failures if f.plugin == "tabby"]
+    assert failure.stage == "tab" and "float32" in failure.message
+
+
+def test_results_json_cannot_hold_are_named_for_what_they_are():
+    from bert_engine.runtime.inference import ResultNotJSON, check_json_result
+
+    loop: dict = {}
+    loop["self"] = loop
+    for result, problem in ((loop, "refers to itself"), ({"s": float("inf")}, "holds NaN or infinity"),
+                            ({1: "a", "1": "b"}, "has a key that is not text (1)"),
+                            ({"a": [{"b": {2: 0}}]}, "has a key that is not text (2)")):
+        with pytest.raises(ResultNotJSON, match=f"task: the result {re.escape(problem)}"):
+            check_json_result("task", result)
+    assert check_json_result("task", {"a": [1, "x", None, {"b": 2.5}]}) == {"a": [1, "x", None, {"b": 2.5}]}

@@ -78,17 +78,48 @@ class ResultNotJSON(PluginError):
     the playground's API answer JSON, so they refuse it as the task's fault (stage "postprocess")."""
 
 
+def json_problem(err: BaseException) -> str:
+    """What json.dumps(..., allow_nan=False) refused, in words ("holds NaN or infinity", ...)."""
+    text = " ".join(str(err).split())[:200]
+    if isinstance(err, RecursionError) or "Circular reference" in text:
+        return "refers to itself (a dict or list inside itself)"
+    if isinstance(err, ValueError):
+        return "holds NaN or infinity"
+    return f"is not JSON data ({text})"
+
+
+def _key_problem(value: Any, depth: int = 0) -> str | None:
+    """A dict key JSON would turn into a string (1 -> "1": two keys may become one), anywhere in `value`."""
+    if depth > 200:
+        return None  # json.dumps refused it already
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"has a key that is not text ({key!r}), which JSON turns into text"
+            found = _key_problem(item, depth + 1)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for item in value:
+            found = _key_problem(item, depth + 1)
+            if found:
+                return found
+    return None
+
+
 def check_json_result(task: str, result: Any) -> Any:
-    """`result` if JSON holds it as it is (dicts with string keys, lists, strings, finite numbers, None);
+    """`result` if JSON holds it as it is (dicts with text keys, lists, strings, finite numbers, None);
     else ResultNotJSON naming what is wrong."""
     try:
         json.dumps(result, allow_nan=False)
+        problem = _key_problem(result)
+    except (TypeError, ValueError, RecursionError) as caught:
+        problem = json_problem(caught)
+        if problem == "holds NaN or infinity":
+            problem += " (from the task's postprocess, or a model that overflowed at this precision)"
+    if problem is None:
         return result
-    except ValueError:
-        err = ResultNotJSON(f"{task}: the result holds NaN or infinity (from the task's postprocess, or a model "
-                            "that overflowed at this precision)")
-    except (TypeError, RecursionError) as caught:
-        err = ResultNotJSON(f"{task}: the result is not JSON data ({' '.join(str(caught).split())[:200]})")
+    err = ResultNotJSON(f"{task}: the result {problem}")
     err.request_stage = "postprocess"
     raise err
 

@@ -297,7 +297,8 @@ def failure_location(err: BaseException) -> str | None:
     tb, found = err.__traceback__, None
     while tb is not None:
         path = Path(tb.tb_frame.f_code.co_filename)
-        if "bert_engine" not in path.parts and "importlib" not in path.parts and not path.name.startswith("<"):
+        host = "bert_engine" in path.parts or "playground" in path.parts  # the engine's own checks, not the plugin
+        if not host and "importlib" not in path.parts and not path.name.startswith("<"):
             if path.name not in ("threading.py", "contextlib.py") and "pluggy" not in path.parts:
                 found = f"{path.parent.name}/{path.name}:{tb.tb_lineno}"
         tb = tb.tb_next
