@@ -124,6 +124,16 @@ def check_json_result(task: str, result: Any) -> Any:
     raise err
 
 
+def _staged_head(build_head):
+    """The task's head factory, with its failures marked as the task's (stage "build_head"), so a caller
+    can tell a plugin's broken head from a bad checkpoint or a bad input."""
+    def build(config):
+        with request_stage("build_head"):
+            return build_head(config)
+
+    return build
+
+
 @contextmanager
 def request_stage(stage: str):
     """Note on any exception leaving the block which stage of a request raised it (`err.request_stage`:
@@ -255,8 +265,8 @@ class Predictor:
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
         target = pick_device(device)
         # parameter_dtype checks the precision against the device and CPU before anything loads
-        loaded = load(name, task.spec.build_head, device=target, dtype=parameter_dtype(precision, target),
-                      **load_kwargs)
+        loaded = load(name, _staged_head(task.spec.build_head), device=target,
+                      dtype=parameter_dtype(precision, target), **load_kwargs)
         model = prepare_for_inference(loaded.model, precision, pack=pack, compile=compile)
         predictor = cls(task, model, loaded.tokenizer, model_id=str(name), loaded=loaded,
                         revision=loaded.checkpoint.commit or loaded.checkpoint.revision, untrained_head=loaded.untrained,

@@ -131,10 +131,17 @@ SLOPPY = """
         rows = len(batch)
         return [answer() for _ in range(rows)] if rows > 1 else answer()  # a batch: one result per row
 
+    def head(config):
+        if os.environ.get("SLOPPY") == "head":
+            raise RuntimeError("head boom")
+        if os.environ.get("SLOPPY") == "head-value":
+            raise ValueError("head value boom")
+        return torch.nn.Identity()
+
     @hookimpl
     def register_tasks(register):
         print("sloppy prints in its hook")
-        register(TaskSpec(name="sloppy", title="Sloppy", build_head=lambda c: torch.nn.Identity(),
+        register(TaskSpec(name="sloppy", title="Sloppy", build_head=head,
                           preprocess=pre, postprocess=post, predict_many=predict_texts))  # files: batched
 """
 
@@ -145,6 +152,8 @@ SLOPPY = """
     ("raise", "task sloppy failed in postprocess (RuntimeError: post boom)"),
     ("value", "task sloppy failed in preprocess (ValueError: pre boom)"),  # not the user's input error (exit 2)
     ("none", "task sloppy failed in preprocess (PluginError: sloppy: preprocess returned NoneType, not the Batch"),
+    ("head", "task sloppy failed in build_head (RuntimeError: head boom)"),  # was a traceback
+    ("head-value", "task sloppy failed in build_head (ValueError: head value boom)"),  # was exit 2, as for bad input
 ])
 def test_the_cli_says_in_one_line_which_plugin_failed_where(site, monkeypatch, capsys, mode, message):
     install_dist(site, "sloppy", SLOPPY)
