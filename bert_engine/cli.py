@@ -175,6 +175,36 @@ def _answers_out():
     return _STDOUT[-1] if _STDOUT else sys.stdout
 
 
+@contextlib.contextmanager
+def _stdout_for_answers():
+    """While a command runs, whatever else is written to stdout goes to stderr: print() from a plugin, and
+    writes straight to file descriptor 1 (a subprocess it starts, a C library). Yields the stream the
+    command's answers go to. Where stdout is not descriptor 1 (captured, embedded) only print() moves."""
+    stream = sys.stdout
+    try:
+        on_fd_1 = stream.fileno() == 1
+    except (AttributeError, OSError, ValueError):
+        on_fd_1 = False
+    if not on_fd_1:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield stream
+        return
+    stream.flush()
+    saved = os.dup(1)
+    answers = open(saved, "w", encoding=stream.encoding or "utf-8", errors=stream.errors, closefd=False)
+    sys.stderr.flush()
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield answers
+    finally:
+        answers.flush()
+        stream.flush()  # what code holding the old stdout object wrote: still to stderr
+        os.dup2(saved, 1)
+        answers.close()
+        os.close(saved)
+
+
 def _predict(args: argparse.Namespace) -> dict:
     task = _task(args.task)
     with _task_code(task):
@@ -684,11 +714,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "model", "unset") is None and args.command in ("info", "encode"):
         args.model = default_backbone()
-    # While the command runs, whatever code prints (a plugin's print, a library's banner) goes to stderr:
-    # stdout carries the command's JSON alone, which scripts parse.
-    _STDOUT.append(sys.stdout)
+    # While the command runs, whatever code prints (a plugin's print, a library's banner, a subprocess) goes to
+    # stderr: stdout carries the command's JSON alone, which scripts parse.
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with _stdout_for_answers() as answers:
+            _STDOUT.append(answers)
             result = args.run(args)
     except TaskFailed as err:
         print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
@@ -697,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
         return 2
     finally:
-        _STDOUT.pop()
+        if _STDOUT:
+            _STDOUT.pop()
     if os.environ.get("RANK", "0") != "0" or result is None:  # torchrun: the first process reports; None:
         return getattr(args, "exit_code", 0)                      # the command wrote its own output
     try:

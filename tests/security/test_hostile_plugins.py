@@ -100,7 +100,7 @@ def test_plugins_command_exits_1_with_a_failure_and_names_an_uninstalled_selecti
 
 
 SLOPPY = """
-    import math, os
+    import math, os, subprocess, sys
     import torch
     from bert_engine.hookspecs import TaskSpec, hookimpl
     from bert_engine.runtime.inference import predict_texts
@@ -128,6 +128,9 @@ SLOPPY = """
 
     def post(output, batch, **options):
         print("sloppy prints in postprocess")
+        if os.environ.get("SLOPPY") == "raw":  # past print(): straight to file descriptor 1, and a child process
+            os.write(1, b"sloppy writes to fd 1\\n")
+            subprocess.run([sys.executable, "-c", "print('sloppy child prints')"], check=True)
         rows = len(batch)
         return [answer() for _ in range(rows)] if rows > 1 else answer()  # a batch: one result per row
 
@@ -383,3 +386,18 @@ def test_a_task_changing_torchs_process_settings_is_put_back_and_named(monkeypat
     finally:
         torch.set_num_threads(threads)
         torch.set_default_dtype(dtype)
+
+
+def test_writes_past_print_cannot_break_the_clis_json(site, tmp_path):
+    """A write to file descriptor 1 or a child process's output: stdout is still the CLI's JSON alone."""
+    import os
+    import subprocess
+    import sys
+
+    install_dist(site, "sloppy", SLOPPY)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), "SLOPPY": "raw"}
+    done = subprocess.run([sys.executable, "-m", "bert_engine", "predict", "sloppy", "-i", "text=hello"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["result"] == {"ok": True}
+    assert "sloppy writes to fd 1" in done.stderr and "sloppy child prints" in done.stderr
