@@ -726,6 +726,12 @@ def main(argv: list[str] | None = None) -> int:
     except (HubError, CheckpointError, ValueError, TypeError, FileNotFoundError) as err:
         print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the machine's, not the input's: a read-only folder, a full disk
+        print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C: what the command saved on the way out it has logged already
+        print(f"bert-engine {args.command}: interrupted", file=sys.stderr)
+        return 130
     finally:
         if _STDOUT:
             _STDOUT.pop()

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -991,3 +992,53 @@ def test_memory_a_training_step_freed_goes_back_to_the_system():
     loop.release_freed_memory()
     after = loop.resident_mb()
     assert last.sum() == 16_384 and before - after > 100, (before, after)
+
+
+def test_a_new_run_does_not_write_over_one_and_a_resumed_run_keeps_its_settings(tiny_checkpoint, tmp_path):
+    """A fresh run into a run folder had replaced its checkpoints and mixed the two logs; a resume with
+    another lr trained on the old schedule while train_config.json and the card said the new one."""
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", stop_after=2)
+    train(TaskJob(task, cfg), cfg)
+    recorded = (tmp_path / "run" / "train_config.json").read_text()
+    again = _sentiment_cfg(tiny_checkpoint, tmp_path / "run")
+    with pytest.raises(ValueError, match="holds a run already \\(last, best, metrics.jsonl\\): --resume continues it"):
+        train(TaskJob(task, again), again)
+    changed = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", resume=True, lr=1e-3, batch_size=4)
+    with pytest.raises(ValueError, match="these settings differ: batch_size 8 -> 4; lr 0.005 -> 0.001"):
+        train(TaskJob(task, changed), changed)
+    assert (tmp_path / "run" / "train_config.json").read_text() == recorded  # the record stays true
+    same = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", resume=True, eval_every=4)  # when it reports: free
+    assert train(TaskJob(task, same), same)["steps"] == 8
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"max_steps": "three"}, "max_steps must be a whole number, got 'three'"),
+    ({"lora_rank": True}, "lora_rank must be a whole number, got True"),
+    ({"batch_size": 8.5}, "batch_size must be a whole number, got 8.5"),
+    ({"lr": 0}, "lr must be positive, got 0"),
+    ({"head_lr": -1.0}, "head_lr must be positive"),
+    ({"weight_decay": -1}, "weight_decay must be 0 or more"),
+    ({"lora_alpha": 0}, "lora_alpha must be positive"),
+    ({"eval_limit": 0}, "eval_limit must be at least 1"),
+    ({"stop_after": 10, "max_steps": 3}, "stop_after 10 is past max_steps 3"),
+    ({"merge_lora": "yes"}, "merge_lora must be true or false, got 'yes'"),
+])
+def test_bad_settings_are_named_before_anything_runs(values, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig(**values)
+
+
+def test_a_yaml_config_reads_numbers_written_as_yaml_11_text_and_names_its_errors(tmp_path):
+    good = tmp_path / "run.yaml"
+    good.write_text("lr: 1e-3\nhead_lr: 2e-3\nmax_steps: 30\n")  # PyYAML reads 1e-3 as the string "1e-3"
+    cfg = TrainConfig.from_file(good)
+    assert (cfg.lr, cfg.head_lr, cfg.max_steps) == (1e-3, 2e-3, 30)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train_file: [x\n")
+    with pytest.raises(ValueError, match="broken.yaml: not valid YAML at line 2"):
+        TrainConfig.from_file(broken)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- lr\n")
+    with pytest.raises(ValueError, match="list.yaml: expected a mapping of settings, got list"):
+        TrainConfig.from_file(listed)

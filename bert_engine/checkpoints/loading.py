@@ -550,7 +550,10 @@ def saved_config(model: nn.Module) -> BertConfig:
 def save_weights(state: dict[str, Tensor], path: Path) -> Path:
     """A safetensors file with the permissions of any other file we write (safetensors writes through a
     private temporary file, 0600: a model others could not read beside a config they could)."""
-    save_file(state, path, metadata={"format": "pt"})
+    try:
+        save_file(state, path, metadata={"format": "pt"})
+    except SafetensorError as err:  # its error for a failed write (a full disk): an OSError naming the file
+        raise OSError(f"could not write {path}: {err}") from None
     path.chmod(0o666 & ~_umask())
     return path
 

@@ -259,6 +259,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
     if dist_info.world > 1:
         forward_model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=False)
+    _check_run_folder(out, cfg, getattr(job, "kind", "train"))  # before the log below trims anything
     log = MetricsLog(out / "metrics.jsonl", dist_info.is_main)
     state = {"step": 0, "best": None, "best_metric": None, "last_eval": None}
     seed_everything(cfg.seed + dist_info.rank)  # dropout; a resumed run restores the saved RNG states instead
@@ -510,6 +511,37 @@ def _numpy_state() -> tuple:
     """numpy's RNG state with its key array as a tensor, so the file loads with weights_only=True."""
     kind, keys, position, has_gauss, cached = np.random.get_state()
     return kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)
+
+
+# What a resumed run may set anew: when it stops and how often it reports, not what it learns from or how.
+RESUME_MAY_CHANGE = frozenset({"resume", "stop_after", "max_minutes", "eval_every", "save_every", "log_every",
+                               "device", "output_dir"})
+
+
+def _check_run_folder(out: Path, cfg, kind: str) -> None:
+    """A new run does not write over another (its checkpoints, its log); a resumed one continues the run as
+    it was set up, since its optimizer, schedule and data order come from there: a changed setting would
+    be recorded in train_config.json and the model card without having been used."""
+    record = out / "train_config.json"
+    if not cfg.resume:
+        held = [name for name in ("last", "best", "metrics.jsonl") if (out / name).exists()]
+        if held:
+            raise ValueError(f"{out} holds a run already ({', '.join(held)}): --resume continues it; for a new run "
+                             "choose another --output-dir, or remove that one")
+        return
+    if not record.is_file() or not (out / "last").exists():
+        return  # nothing to continue yet: _restore starts from step 0 and says so
+    try:
+        earlier = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    now = json.loads(json.dumps(settings_read(cfg, kind), default=str))
+    changed = [f"{k} {earlier[k]!r} -> {now[k]!r}" for k in sorted(set(earlier) & set(now))
+               if k not in RESUME_MAY_CHANGE and earlier[k] != now[k]]
+    if changed:
+        raise ValueError(f"--resume continues the run in {out} as it was set up ({record.name}); these settings "
+                         f"differ: {'; '.join(changed)}. Resume without changing them, or start a new run in "
+                         "another --output-dir (--init-adapter starts one from a packed model)")
 
 
 def _restore(folder: Path, model, optimizer, scheduler, scaler, state) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         from ..runtime.precision import TRAINING_NAMES  # noqa: PLC0415 - torch loads when a run is set up, not for --help
 
+        self._check_types()
         if self.precision not in TRAINING_NAMES:
             raise ValueError(f"precision {self.precision!r} is not one of {', '.join(TRAINING_NAMES)}")
         if isinstance(self.length_buckets, bool) or self.length_buckets < 0:
@@ -117,6 +119,54 @@ class TrainConfig:
         parse_best_metric(self.best_metric)  # a malformed name:goal fails now, not at the first evaluation
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
+        for name in ("lr", "lora_alpha"):  # 0 learns nothing; below 0 climbs the loss
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.head_lr is not None and not self.head_lr > 0:
+            raise ValueError(f"head_lr must be positive (or left out to use lr), got {self.head_lr}")
+        for name in ("weight_decay", "max_grad_norm", "eval_every", "lora_rank"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        for name in ("train_limit", "eval_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (or left out for all), got {getattr(self, name)}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout must lie in [0, 1), got {self.lora_dropout}")
+        if not 0 < self.mlm_prob < 1:
+            raise ValueError(f"mlm_prob must lie in (0, 1), got {self.mlm_prob}")
+        if self.stop_after is not None and self.max_steps is not None and self.stop_after > self.max_steps:
+            raise ValueError(f"stop_after {self.stop_after} is past max_steps {self.max_steps}: the run ends at "
+                             f"{self.max_steps}; leave stop_after out, or make it smaller")
+
+    def _check_types(self) -> None:
+        """Each setting of the type its field declares, naming the setting and the value otherwise (a config
+        file's `batch_size: 8.5` or `lora_rank: true`). A number written as text is read as the number: YAML
+        reads `lr: 1e-3` as the string "1e-3"."""
+        for setting in dataclasses.fields(self):
+            value, kinds = getattr(self, setting.name), {k.strip() for k in str(setting.type).split("|")}
+            if value is None and "None" in kinds:
+                continue
+            if "float" in kinds and isinstance(value, str):
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+                else:
+                    object.__setattr__(self, setting.name, value)
+            if "int" in kinds and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+                value = int(value)
+                object.__setattr__(self, setting.name, value)
+            ok = (("bool" in kinds and isinstance(value, bool))
+                  or ("int" in kinds and isinstance(value, int) and not isinstance(value, bool))
+                  or ("float" in kinds and isinstance(value, (int, float)) and not isinstance(value, bool)
+                      and math.isfinite(value))
+                  or ("str" in kinds and isinstance(value, str))
+                  or (setting.name == "options" and isinstance(value, dict)))
+            if not ok:
+                words = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "text",
+                         "dict[str, Any]": "a mapping"}
+                wanted = " or ".join(sorted(words.get(k, k) for k in kinds - {"None"}))
+                raise ValueError(f"{setting.name} must be {wanted}, got {value!r:.80}")
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
@@ -126,9 +176,19 @@ class TrainConfig:
         if path.suffix in (".yaml", ".yml"):
             import yaml  # noqa: PLC0415 - only for YAML config files
 
-            values = yaml.safe_load(text) or {}
+            try:
+                values = yaml.safe_load(text) or {}
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+                raise ValueError(f"{path}: not valid YAML{where} ({getattr(err, 'problem', None) or err})") from None
         else:
-            values = json.loads(text)
+            try:
+                values = json.loads(text)
+            except ValueError as err:
+                raise ValueError(f"{path}: not valid JSON ({err})") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a mapping of settings, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
