@@ -117,6 +117,9 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
                                         precision=precision, allowed_dirs=model_dirs, shown_name=shown_model_name)
                   for name, task in registry.tasks.items()}
     precisions = runnable_precisions(device)
+    # each tab built once on its own first (outside the app: Gradio files events under the app being built)
+    stray = {name: found for name, task in registry.tasks.items()
+             if (found := stray_endpoints(gr, task, predictors[name], registry))}
     statuses: dict[str, Any] = {}
     endpoints: dict[str, Any] = {}
     wrap = functools.partial(host_handler, gr, endpoints)
@@ -131,7 +134,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
                            label="Go to a task", elem_classes=["be-task-menu"], filterable=False)  # phones only (CSS)
         with gr.Tabs() as tabs:
             _build_tabs(gr, app, registry, predictors, statuses, endpoints, (wrap, publish), model_dirs, precisions,
-                        timeout_s)
+                        timeout_s, stray)
         _build_insight_api(gr, registry, predictors, endpoints, model_dirs, precisions)
         # the menu empties after each jump, so choosing the same entry again (after tapping another tab) jumps again
         menu.change(lambda chosen: (gr.Tabs(selected=chosen), None) if chosen else (gr.skip(), gr.skip()), menu,
@@ -139,7 +142,8 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     return app
 
 
-def _build_tabs(gr, app, registry, predictors, statuses, endpoints, wiring, model_dirs, precisions, timeout_s) -> None:
+def _build_tabs(gr, app, registry, predictors, statuses, endpoints, wiring, model_dirs, precisions, timeout_s,
+                stray: dict[str, list[str]]) -> None:
     """One tab per task (with its model picker, why and compare), All tasks, Plugins and Attention; `wiring`:
     the host's (wrap, publish) for ui.wiring."""
     for name, task in registry.tasks.items():
@@ -147,7 +151,7 @@ def _build_tabs(gr, app, registry, predictors, statuses, endpoints, wiring, mode
             if task.spec.description:
                 gr.Markdown(task.spec.description)
             statuses[name] = _build_model_picker(gr, name, predictors[name], model_dirs)
-            _build_task_tab(gr, task, predictors[name], registry, *wiring)
+            _build_task_tab(gr, task, predictors[name], registry, *wiring, stray=stray.get(name, []))
             _build_insight(gr, task, predictors[name], model_dirs, precisions)
         tab.select(with_request(gr, functools.partial(model_line, predictors[name])), None, statuses[name],
                    api_visibility="private")
@@ -825,12 +829,20 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
     return status
 
 
-def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry, wrap, publish) -> None:
+def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry, wrap, publish, *,
+                    stray: list[str] = ()) -> None:
+    """The task's tab, or where its tab would take `stray` endpoints (stray_endpoints), a note saying so."""
     if task.spec.build_tab is None:
         gr.Markdown(f"Task `{task.spec.name}` has no tab; use it through the Python API.")
         return
-    app = gr.context.Context.root_block
-    before = set(app.fns) if app is not None else set()
+    if stray:  # found on a scratch build: Gradio would give the host's endpoint of that name a "_1"
+        registry.record_failure(PluginFailure(task.plugin, task.plugin_version, "tab", (
+            f"task {task.spec.name}: its tab wires API endpoints {stray}, names the playground or another task "
+            f"serves; the tab is left out (use ui.wire with api_name={task.spec.name!r}, and "
+            "api_visibility='private' for other events)")))
+        gr.Markdown(f"**The tab of `{task.spec.name}` (plugin {task.plugin} {task.plugin_version}) is left out:** "
+                    f"it would take the endpoints {html.escape(', '.join(stray))}.")
+        return
     try:
         with ui.wiring(wrap, task.spec.description, publish=publish):
             task.spec.build_tab(predictor)
@@ -840,30 +852,23 @@ def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry, wrap
                                               location=failure_location(err)))
         gr.Markdown(f"**The tab of `{task.spec.name}` (plugin {task.plugin} {task.plugin_version}) "
                     f"failed to build:** `{html.escape(str(err))}`")
-    if app is not None:
-        keep_endpoints_to_the_task(app, [app.fns[i] for i in set(app.fns) - before], task, registry)
 
 
-def keep_endpoints_to_the_task(app, fns: list, task, registry: Registry) -> None:
-    """A tab's event may not take an endpoint name the host or another task serves (/plugins, /explain,
-    /<task>_why, /ner, ...: Gradio would give the later one, the host's, a "_1" name). Such an event
-    stays the page's (private) and the tab is listed with a `tab` failure."""
+def stray_endpoints(gr, task, predictor, registry: Registry) -> list[str]:
+    """The API endpoints a task's tab would add under a name the host or another task serves (/plugins,
+    /explain, /<task>_why, /ner, ...), read from a scratch build of the tab (Gradio's public API description,
+    as the conformance kit reads it). [] when the scratch build fails: the real build records that."""
+    if task.spec.build_tab is None:
+        return []
     own = {task.spec.name, f"{task.spec.name}_view"}
     taken = HOST_ENDPOINTS | {n for t in registry.tasks.values() for n in (t.spec.name, *t.spec.aliases)}
-
-    def hostile(name: str) -> bool:
-        return name not in own and (name in taken or name.endswith(HOST_SUFFIXES))
-
-    stray = [fn for fn in fns if fn.api_name and fn.api_visibility != "private" and hostile(fn.api_name)]
-    names = sorted(fn.api_name for fn in stray)
-    for i, fn in enumerate(stray):
-        logger.warning("task %s: its tab's event %r is served to the page only", task.spec.name, fn.api_name)
-        fn.api_name, fn.api_visibility = f"{task.spec.name}_private_{i}", "private"
-    if stray:
-        registry.record_failure(PluginFailure(task.plugin, task.plugin_version, "tab", (
-            f"task {task.spec.name}: its tab wires API endpoints {names}"
-            f" beside its own /{task.spec.name}; they are served to the page only (use ui.wire with "
-            f"api_name={task.spec.name!r}, and api_visibility='private' for other events)")))
+    try:
+        with gr.Blocks() as scratch, ui.wiring(lambda function, api_name: function):
+            task.spec.build_tab(predictor)
+        names = [name.lstrip("/") for name in scratch.get_api_info()["named_endpoints"]]
+    except Exception:  # noqa: BLE001 - a tab that fails to build is recorded by the real build
+        return []
+    return sorted(n for n in names if n not in own and (n in taken or n.endswith(HOST_SUFFIXES)))
 
 
 def _build_insight(gr, task, predictor: ServedPredictor, model_dirs: list[Path], precisions: list[str]) -> None:

@@ -965,16 +965,17 @@ class EndpointGrabberPlugin:
 
 def test_a_tab_cannot_take_the_hosts_endpoints():
     """Gradio names a second event of a taken name `<name>_1`: a plugin's tab wiring /plugins or /explain
-    before the host had moved the host's own endpoints. Its stray events stay the page's, and it is listed."""
+    before the host had moved the host's own endpoints. Such a tab is left out (a scratch build finds its
+    endpoints first), and listed."""
     registry = load_registry(entry_points=False)
     assert registry.load_plugin("grabber", "0.1", "test", EndpointGrabberPlugin)
     app = build_app(registry)
     endpoints = app.get_api_info()["named_endpoints"]
-    assert {"/plugins", "/explain", "/grabber"} <= set(endpoints)
+    assert {"/plugins", "/explain"} <= set(endpoints) and "/grabber" not in endpoints
     assert not [e for e in endpoints if e.endswith("_1")]
     assert any(row["plugin"] == "grabber" for row in json.loads(app.endpoints["plugins"]()))  # the host's table
     (failure,) = [f for f in registry.failures if f.plugin == "grabber"]
-    assert failure.stage == "tab" and "wires API endpoints ['explain', 'explain_view', 'plugins']" in failure.message
+    assert failure.stage == "tab" and "wires API endpoints ['explain', 'plugins']" in failure.message
 
 
 @pytest.mark.parametrize("name", ["plugins", "explain", "all_tasks", "sentiment_view", "mine_why"])
