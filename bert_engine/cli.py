@@ -583,6 +583,17 @@ def _add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
             parser.add_argument(flag, dest=f.name, type=base, default=argparse.SUPPRESS, help=text)
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type: a whole number of 1 or more (a count of examples, a rank)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bert-engine", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -640,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("task", help="task name")
     evaluate.add_argument("--data", required=True, help="data file in the task's format (e.g. eng.testb, dev-v1.1.json)")
     evaluate.add_argument("--split", default="test", help="split of the file, for files holding several (default: test)")
-    evaluate.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+    evaluate.add_argument("--limit", type=_at_least_one, default=None, help="evaluate only the first N examples")
     evaluate.add_argument("--model", default=None, help="checkpoint folder, adapter folder or Hub id (default: the task's)")
     evaluate.add_argument("--revision", default=None)
     evaluate.add_argument("--precision", default=None, help=f"{PRECISIONS} (default: BERT_ENGINE_PRECISION, else "
@@ -660,11 +671,11 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--eval-split", action="append", default=[],
                       help="the split of the data (default: test); once for all --eval-data, or once per --eval-data, "
                            "in the same order (e.g. Gutenberg's test split, then all of WikiText-2's test file)")
-    pack.add_argument("--eval-limit", type=int, default=None)
+    pack.add_argument("--eval-limit", type=_at_least_one, default=None, help="evaluate on only the first N examples")
     pack.add_argument("--command-line", default="", help="the training command, recorded in the manifest")
     pack.add_argument("--adapter-dtype", choices=("fp32", "fp16"), default="fp32",
                       help="store the adapter's tensors in this precision (fp16: half the size; evaluated as stored)")
-    pack.add_argument("--adapter-rank", type=int, default=None, metavar="K",
+    pack.add_argument("--adapter-rank", type=_at_least_one, default=None, metavar="K",
                       help="store the adapter at a lower rank K: each LoRA delta cut to its best rank-K approximation "
                            "(truncated SVD; evaluated as stored, the trained rank and the energy kept in the manifest)")
     pack.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE",

@@ -281,3 +281,27 @@ def test_lines_end_at_newlines_only_and_keep_their_numbers(sentiment_checkpoint,
         first = 2 if name.endswith(".tsv") else 1
         assert [a["line"] for a in answers] == list(range(first, first + len(answered))), name
     assert answers[1]["error"] == "the line is empty"
+
+
+def test_pack_does_not_replace_a_pack_of_another_task(tmp_path, capsys):
+    import shutil
+
+    from plugins.starter import STARTER_ROOT
+
+    target = tmp_path / "ner-pack"
+    shutil.copytree(STARTER_ROOT / "ner", target)
+    before = sorted(p.name for p in target.iterdir())
+    assert main(["pack", "sentiment", "--run", str(STARTER_ROOT / "sentiment"), "--to", str(target)]) == 2
+    assert "holds a pack of task 'ner', not 'sentiment'" in capsys.readouterr().err
+    assert sorted(p.name for p in target.iterdir()) == before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "sentiment", "--data", "x.tsv", "--limit", "-3"], "argument --limit: must be at least 1, got -3"),
+    (["pack", "sentiment", "--run", "r", "--to", "t", "--eval-limit", "abc"],
+     "argument --eval-limit: expected a whole number, got 'abc'"),
+])
+def test_counts_are_whole_numbers_of_one_or_more(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err

@@ -203,3 +203,19 @@ def test_refusals_are_one_line_and_upload_nothing(case, message, fake_hub, tmp_p
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and message in err, err
     assert fake_hub.commits == []
+
+
+def test_a_card_says_which_figures_come_before_a_fitted_option(registry, tmp_path):
+    """Sentiment's evaluation fits the temperature the model then answers with: its ece and nll columns
+    are at the temperature the evaluation ran with, and the card says so. A packed folder's card gives no
+    `--config train_config.json` command (a pack ships no train_config.json)."""
+    from bert_engine.shipping.publish import model_card, read_source
+
+    source = read_source(STARTER_ROOT / "sentiment")
+    card = model_card(source, registry.task("sentiment"), "me/sst2")
+    assert "The evaluation fits `temperature` (`tuned_temperature`); the model answers with 1.7989 by default" in card
+    folder = tmp_path / "packed"
+    shutil.copytree(STARTER_ROOT / "sentiment", folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "command": None}))
+    assert "--config train_config.json" not in model_card(read_source(folder), registry.task("sentiment"), "me/sst2")

@@ -84,6 +84,14 @@ def pack(task: RegisteredTask, run_dir: str | Path, to: str | Path, *, checkpoin
     if strangers and not (target / PACK_MANIFEST).is_file():  # a pack is replaced; other folders are left alone
         raise ValueError(f"--to {str(target)!r} already holds files that are not a pack ({', '.join(strangers[:5])}"
                          f"{', ...' if len(strangers) > 5 else ''}); give a new or empty folder")
+    if strangers:  # a pack of another task is not replaced by this one without a word
+        try:
+            held = json.loads((target / PACK_MANIFEST).read_text(encoding="utf-8")).get("task")
+        except (OSError, ValueError, AttributeError):
+            held = None
+        if held is not None and held != task.spec.name:
+            raise ValueError(f"--to {str(target)!r} holds a pack of task {held!r}, not {task.spec.name!r}; give a new "
+                             "or empty folder (or remove that pack first)")
     # Built and evaluated in a staging folder beside `to`, moved in only when complete: a failed pack
     # leaves `to` as it was (no half-written folder, and a pack packed again in place keeps its manifest).
     staging = target.parent / f".{target.name}.packing-{os.getpid()}"

@@ -173,7 +173,7 @@ def metric_rows(source: Source) -> list[tuple[str, str, int | None, dict[str, fl
 def training_command(source: Source) -> str | None:
     if source.manifest and source.manifest.get("command"):
         return str(source.manifest["command"])
-    if source.train_config is not None:
+    if source.train_config is not None and source.kind == "run":  # only a run's push ships train_config.json
         return f"bert-engine train {source.task} --config train_config.json"
     return None
 
@@ -225,6 +225,13 @@ def model_card(source: Source, task: RegisteredTask, repo_id: str, *, license: s
             lines.append(f"| {data} | {split} | {examples if examples is not None else ''} | " + " | ".join(cells) + " |")
         if source.kind == "run" and source.eval and "step" in source.eval:
             lines += ["", f"The best evaluation during training, at step {source.eval['step']}."]
+        fitted = {metric: option for metric, option in task.spec.tuned_options.items() if metric in names}
+        answers_with = ((source.manifest or {}).get("options") or {})
+        if fitted:  # e.g. sentiment's temperature: the other columns were measured before it was fitted
+            lines += ["", "The evaluation fits " + ", ".join(
+                f"`{option}` (`{metric}`)" + (f"; the model answers with {answers_with[option]} by default"
+                                              if option in answers_with else "") for metric, option in fitted.items())
+                + ". The other columns are at the options the evaluation ran with, before that fit."]
         lines.append("")
     command = training_command(source)
     settings = source.train_config or {}
@@ -267,8 +274,9 @@ def stage(source: Source, task: RegisteredTask, repo_id: str, into: Path, *, lic
     into.mkdir(parents=True, exist_ok=False)
     for path in source.files:
         shutil.copyfile(path, into / path.name)
-    if source.kind == "run" and source.train_config is not None:
-        (into / "train_config.json").write_text(json.dumps(source.train_config, indent=2) + "\n", encoding="utf-8")
+    if source.kind == "run" and source.train_config is not None:  # to train it again: a new run, not a resume
+        again = {**source.train_config, "resume": False}
+        (into / "train_config.json").write_text(json.dumps(again, indent=2) + "\n", encoding="utf-8")
     (into / "README.md").write_text(model_card(source, task, repo_id, license=license), encoding="utf-8")
     if check:
         Predictor.load(task, str(into))
