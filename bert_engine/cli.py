@@ -497,7 +497,7 @@ def _distill(args: argparse.Namespace) -> dict:
 
 def _eval(args: argparse.Namespace) -> dict:
     from .runtime.inference import Predictor
-    from .training.jobs import evaluate_task, resolve_model_name
+    from .training.jobs import check_targets, evaluate_task, resolve_model_name
 
     task = _task(args.task)
     spec = task.spec
@@ -524,6 +524,8 @@ def _eval(args: argparse.Namespace) -> dict:
     predictor = Predictor.load(task, resolve_model_name(model) if model in (None, "default") else model,
                                revision=args.revision, precision=args.precision or settings.get("BERT_ENGINE_PRECISION"))
     options = _parse_options(args.option)
+    head = getattr(predictor.model, "head", None)
+    check_targets(spec, getattr(head, "labels", None), examples, args.data)  # an unknown label: named, not a crash
     metrics = evaluate_task(spec, predictor, examples, progress=True, **options)
     return {"task": spec.name, "data": args.data, "split": args.split, "examples": len(examples),
             "metrics": metrics, "model": predictor.provenance()}

@@ -305,3 +305,10 @@ def test_counts_are_whole_numbers_of_one_or_more(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_eval_names_a_label_the_model_does_not_have(tmp_path, capsys):
+    data = tmp_path / "bad.tsv"
+    data.write_text("sentence\tlabel\ngood film\t7\n")
+    assert main(["eval", "sentiment", "--data", str(data), "--split", "train"]) == 2  # was an IndexError traceback
+    assert "example 1 has label 7, but the head's labels are ['NEGATIVE', 'POSITIVE']" in capsys.readouterr().err
