@@ -147,3 +147,17 @@ def test_a_token_never_reaches_logs_or_error_messages(hub_repo, tmp_path, caplog
     assert fault is None or message  # the faults do fail the load
     assert secret not in message and secret not in caplog.text
     assert f"Bearer {secret}" in hub_repo.authorizations  # the token was used, only on the wire
+
+
+def test_a_mistyped_local_folder_is_said_to_be_one(tmp_path, monkeypatch):
+    """'models/sst-2' for the folder models/sst2 reads as a Hub id: the error says the folder is not here
+    either, when its first folder is (it had read as a network problem only)."""
+    from bert_engine.checkpoints.hub import HubError, resolve
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(HubError, match=r"There is no folder 'models/sst-2' here either \(the folder 'models' exists: a typo\?\)"):
+        resolve("models/sst-2", local_files_only=True)
+    with pytest.raises(HubError) as other:
+        resolve("owner/elsewhere", local_files_only=True)
+    assert "typo" not in str(other.value)

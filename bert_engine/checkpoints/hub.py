@@ -162,12 +162,21 @@ class _Fetcher:
     def _unavailable(self, filename: str, err: BaseException | None) -> str:
         if self.unreachable:
             return (f"could not reach the Hub for {filename!r} of {self.where} and there is no cached copy "
-                    f"({_short(self.last_error or err)}); check the network, or pass a local folder")
+                    f"({_short(self.last_error or err)}); check the network, or pass a local folder{self._typo()}")
         if self.offline:
             return (f"{filename!r} of {self.where} is not in the local cache and offline mode is on "
-                    "(HF_HUB_OFFLINE / local_files_only); download it once online or pass a local folder")
+                    "(HF_HUB_OFFLINE / local_files_only); download it once online or pass a local folder"
+                    + self._typo())
         return (f"could not reach the Hub for {filename!r} of {self.where} and there is no cached copy "
-                f"({_short(err)}); check the network, or pass a local folder")
+                f"({_short(err)}); check the network, or pass a local folder{self._typo()}")
+
+    def _typo(self) -> str:
+        """A Hub id that reads like a local path whose first folder exists here (models/sst2 for models/sst-2):
+        most likely a mistyped folder, said so."""
+        first = self.repo_id.split("/", 1)[0]
+        if Path(first).is_dir():
+            return f". There is no folder {self.repo_id!r} here either (the folder {first!r} exists: a typo?)"
+        return ""
 
     def first_of(self, filenames: tuple[str, ...], what: str) -> Path:
         self.last_error = None
