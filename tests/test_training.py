@@ -1010,6 +1010,8 @@ def test_a_new_run_does_not_write_over_one_and_a_resumed_run_keeps_its_settings(
     assert (tmp_path / "run" / "train_config.json").read_text() == recorded  # the record stays true
     same = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", resume=True, eval_every=4)  # when it reports: free
     assert train(TaskJob(task, same), same)["steps"] == 8
+    loaded = Predictor.load(task, str(tmp_path / "run"))  # a run's folder loads as its best checkpoint
+    assert Path(loaded.model_id) == tmp_path / "run" / "best"
 
 
 @pytest.mark.parametrize("values, message", [

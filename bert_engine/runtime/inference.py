@@ -263,6 +263,11 @@ class Predictor:
             raise ValueError("the model is empty: give a checkpoint folder or a Hub id, or leave it out for the "
                              "task's default")
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
+        run = Path(str(name))
+        if ((run / "train_config.json").is_file() and (run / "best").is_dir() and not (run / "config.json").exists()
+                and not (run / "adapter_config.json").exists()):  # a training run's folder: its best checkpoint
+            logger.info("%s is a training run: loading its best/", name)
+            name = str(run / "best")
         target = pick_device(device)
         # parameter_dtype checks the precision against the device and CPU before anything loads
         loaded = load(name, _staged_head(task.spec.build_head), device=target,
