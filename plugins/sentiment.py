@@ -197,7 +197,7 @@ def read_data(path, split: str = "train"):
         if not {"sentence", "label"} <= set(rows.fieldnames or ()):
             raise ValueError(f"{path}:1: expected a header line naming the columns 'sentence' and 'label' "
                              f"(tab-separated), got {printable_line(rows.fieldnames)!r}")
-        for row in rows:
+        for row in _rows_naming_the_line(rows, path):
             line = rows.line_num
             text, label = (row.get("sentence") or "").strip(), (row.get("label") or "").strip()
             if not label:
@@ -207,6 +207,18 @@ def read_data(path, split: str = "train"):
             if not text:
                 raise ValueError(f"{path}:{line}: the sentence is empty")
             yield {"text": text}, int(label)
+
+
+def _rows_naming_the_line(rows, path):
+    """The reader's rows; its own error (a field over csv's 131,072-character limit) names the file and line."""
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except csv.Error as err:
+            raise ValueError(f"{path}:{rows.line_num + 1}: {err}") from None  # the line being read
+        yield row
 
 
 def printable_line(fields) -> str:

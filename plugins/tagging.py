@@ -179,6 +179,10 @@ def read_conll(path: str | Path) -> Iterator[tuple[list[str], list[str]]]:
                 continue
             if len(parts) < 2:
                 raise ValueError(f"{path}:{number}: expected 'TOKEN ... TAG', got {line.strip()!r}")
+            try:
+                parse_tag(parts[-1])
+            except ValueError as err:  # another task's file (a TSV's "label" column), named where it is
+                raise ValueError(f"{path}:{number}: {err}; a CoNLL line is 'TOKEN POS CHUNK TAG'") from None
             words.append(parts[0])
             tags.append(parts[-1])
     if words:

@@ -272,3 +272,12 @@ def test_every_coloured_cell_and_tag_reads_at_4_5_to_1_in_either_theme():
     for background, text in pairs:
         assert ui.contrast(rgb(background), rgb(text)) >= 4.5, (background, text)
     assert all("color:" in tag for tag in re.findall(r"<(?:th|sup)[^>]*>", html))  # never the theme's text colour
+
+
+def test_another_tasks_file_is_named_with_its_line(tmp_path):
+    from plugins.tagging import read_conll
+
+    data = tmp_path / "sst.tsv"
+    data.write_text("sentence\tlabel\ngood film\t1\n")
+    with pytest.raises(ValueError, match=r"sst.tsv:1: tag 'label' is not 'O' or PREFIX-TYPE.*'TOKEN POS CHUNK TAG'"):
+        list(read_conll(data))

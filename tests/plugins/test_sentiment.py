@@ -172,3 +172,12 @@ def test_a_pair_whose_first_text_cannot_fit_a_window_is_the_users_error_not_a_bu
     with pytest.raises(InputError, match="the first must fit in one window of 512 tokens"):
         classify({"text": "a " * 300_000, "text_pair": "b " * 300_000}, long_input="windows")
     assert classify({"text": "a fine film", "text_pair": "b " * 3000}, long_input="windows")[0]["label"]
+
+
+def test_a_line_longer_than_csvs_field_limit_is_named(tmp_path):
+    from plugins.sentiment import read_data
+
+    data = tmp_path / "long.tsv"
+    data.write_text("sentence\tlabel\nshort\t1\n" + "w " * 70000 + "\t1\n")
+    with pytest.raises(ValueError, match="long.tsv:3: field larger than field limit"):
+        list(read_data(data))
