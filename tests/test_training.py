@@ -1004,12 +1004,13 @@ def test_a_new_run_does_not_write_over_one_and_a_resumed_run_keeps_its_settings(
     again = _sentiment_cfg(tiny_checkpoint, tmp_path / "run")
     with pytest.raises(ValueError, match="holds a run already \\(last, best, metrics.jsonl\\): --resume continues it"):
         train(TaskJob(task, again), again)
-    changed = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", resume=True, lr=1e-3, batch_size=4)
-    with pytest.raises(ValueError, match="these settings differ: batch_size 8 -> 4; lr 0.005 -> 0.001"):
+    changed = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", resume=True, lr=1e-3, seed=7)
+    with pytest.raises(ValueError, match="which keeps these settings as train_config.json has them: "
+                                         "lr 0.005 -> 0.001; seed 42 -> 7"):
         train(TaskJob(task, changed), changed)
     assert (tmp_path / "run" / "train_config.json").read_text() == recorded  # the record stays true
-    same = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", resume=True, eval_every=4)  # when it reports: free
-    assert train(TaskJob(task, same), same)["steps"] == 8
+    longer = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", resume=True, max_steps=10, eval_every=4)
+    assert train(TaskJob(task, longer), longer)["steps"] == 10  # a longer schedule, as the starter recipes resume
     loaded = Predictor.load(task, str(tmp_path / "run"))  # a run's folder loads as its best checkpoint
     assert Path(loaded.model_id) == tmp_path / "run" / "best"
 

@@ -513,15 +513,18 @@ def _numpy_state() -> tuple:
     return kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)
 
 
-# What a resumed run may set anew: when it stops and how often it reports, not what it learns from or how.
-RESUME_MAY_CHANGE = frozenset({"resume", "stop_after", "max_minutes", "eval_every", "save_every", "log_every",
-                               "device", "output_dir"})
+# What a resumed run cannot set anew: what its checkpoint restores (the optimizer's rates and decay, the RNG
+# states the seed set) and what its model was built with. A new value would be recorded without being used, or
+# fail to load. The rest may change on a resume, as the starter recipes do (a longer schedule, more data).
+RESUME_KEEPS = frozenset({"task", "model", "preset", "family", "tokenizer", "objective", "teacher", "student_layers",
+                          "lr", "head_lr", "weight_decay", "seed", "lora_rank", "lora_alpha", "lora_targets",
+                          "init_adapter", "freeze_encoder"})
 
 
 def _check_run_folder(out: Path, cfg, kind: str) -> None:
-    """A new run does not write over another (its checkpoints, its log); a resumed one continues the run as
-    it was set up, since its optimizer, schedule and data order come from there: a changed setting would
-    be recorded in train_config.json and the model card without having been used."""
+    """A new run does not write over another (its checkpoints, its log); a resumed one keeps what its
+    checkpoint restores and its model was built with (RESUME_KEEPS): a changed lr would be recorded in
+    train_config.json and the model card without having been used."""
     record = out / "train_config.json"
     if not cfg.resume:
         held = [name for name in ("last", "best", "metrics.jsonl") if (out / name).exists()]
@@ -536,12 +539,12 @@ def _check_run_folder(out: Path, cfg, kind: str) -> None:
     except (OSError, ValueError):
         return
     now = json.loads(json.dumps(settings_read(cfg, kind), default=str))
-    changed = [f"{k} {earlier[k]!r} -> {now[k]!r}" for k in sorted(set(earlier) & set(now))
-               if k not in RESUME_MAY_CHANGE and earlier[k] != now[k]]
+    changed = [f"{k} {earlier[k]!r} -> {now[k]!r}" for k in sorted(set(earlier) & set(now) & RESUME_KEEPS)
+               if earlier[k] != now[k]]
     if changed:
-        raise ValueError(f"--resume continues the run in {out} as it was set up ({record.name}); these settings "
-                         f"differ: {'; '.join(changed)}. Resume without changing them, or start a new run in "
-                         "another --output-dir (--init-adapter starts one from a packed model)")
+        raise ValueError(f"--resume continues the run in {out} from its checkpoint, which keeps these settings as "
+                         f"{record.name} has them: {'; '.join(changed)}. Resume without changing them, or start a new "
+                         "run in another --output-dir (--init-adapter starts one from a packed model)")
 
 
 def _restore(folder: Path, model, optimizer, scheduler, scaler, state) -> dict[str, Any]:
