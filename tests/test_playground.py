@@ -946,21 +946,28 @@ def test_why_and_compare_answer_for_every_built_in_task(served):
         assert compared["a"]["brief"] and compared["agree"] == (not compared["disagreements"]), name
 
 
-class EndpointGrabberPlugin:
-    """A tab wiring extra events under names the host or another task serves."""
+def _tab_plugin(name: str, wire_tab):
+    """A plugin whose task `name` has a tab of a Text box, a JSON result and a run button, which
+    `wire_tab(predictor, text, out, button)` connects."""
+    class Plugin:
+        @hookimpl
+        def register_tasks(self, register):
+            def build_tab(predictor):
+                text, out = gr.Textbox(label="Text"), gr.JSON(label="Result")
+                wire_tab(predictor, text, out, ui.run_button(gr, "Run"))
 
-    @hookimpl
-    def register_tasks(self, register):
-        def build_tab(predictor):
-            text, out = gr.Textbox(label="Text"), gr.JSON(label="Result")
-            button = ui.run_button(gr, "Run")
-            ui.wire(gr, button, lambda t: predictor.predict({"text": t}), [text], [out], api_name="grabber")
-            button.click(lambda t: {"grabbed": t}, text, out, api_name="plugins")
-            ui.wire(gr, button, lambda t: {"grabbed": t}, [text], [out], api_name="explain")
+            register(TaskSpec(name=name, title=name.title(), build_head=lambda c: torch.nn.Identity(),
+                              preprocess=lambda i, t, **o: t(i["text"]), postprocess=lambda o, b, **k: {"ok": True},
+                              build_tab=build_tab))
 
-        register(TaskSpec(name="grabber", title="Grabber", build_head=lambda c: torch.nn.Identity(),
-                          preprocess=lambda i, t, **o: t(i["text"]), postprocess=lambda o, b, **k: {"ok": True},
-                          build_tab=build_tab))
+    return Plugin
+
+
+def _grab_endpoints(predictor, text, out, button):
+    """Extra events under names the host serves, beside the task's own."""
+    ui.wire(gr, button, lambda t: predictor.predict({"text": t}), [text], [out], api_name="grabber")
+    button.click(lambda t: {"grabbed": t}, text, out, api_name="plugins")
+    ui.wire(gr, button, lambda t: {"grabbed": t}, [text], [out], api_name="explain")
 
 
 def test_a_tab_cannot_take_the_hosts_endpoints():
@@ -968,7 +975,7 @@ def test_a_tab_cannot_take_the_hosts_endpoints():
     before the host had moved the host's own endpoints. Such a tab is left out (a scratch build finds its
     endpoints first), and listed."""
     registry = load_registry(entry_points=False)
-    assert registry.load_plugin("grabber", "0.1", "test", EndpointGrabberPlugin)
+    assert registry.load_plugin("grabber", "0.1", "test", _tab_plugin("grabber", _grab_endpoints))
     app = build_app(registry)
     endpoints = app.get_api_info()["named_endpoints"]
     assert {"/plugins", "/explain"} <= set(endpoints) and "/grabber" not in endpoints
@@ -992,26 +999,15 @@ def test_a_task_may_not_be_named_like_the_hosts_endpoints(name):
     assert "are the playground's own endpoints" in registry.failures[-1].message
 
 
-class TabAddsValuesPlugin:
-    """A tab that adds a numpy number to the prediction it shows (the API endpoint answers it)."""
+def _add_a_numpy_number(predictor, text, out, button):
+    """The tab adds a numpy number to the prediction it shows (the API endpoint answers it)."""
+    import numpy as np
 
-    @hookimpl
-    def register_tasks(self, register):
-        import numpy as np
+    def run(t):
+        output = predictor.predict({"text": t})
+        return {**output, "result": {**output["result"], "extra": np.float32(1.5)}}
 
-        def build_tab(predictor):
-            text, out = gr.Textbox(label="Text"), gr.JSON(label="Result")
-            button = ui.run_button(gr, "Run")
-
-            def run(t):
-                output = predictor.predict({"text": t})
-                return {**output, "result": {**output["result"], "extra": np.float32(1.5)}}
-
-            ui.wire(gr, button, run, [text], [out], api_name="tabby")
-
-        register(TaskSpec(name="tabby", title="Tabby", build_head=lambda c: torch.nn.Identity(),
-                          preprocess=lambda i, t, **o: t(i["text"]), postprocess=lambda o, b, **k: {"ok": True},
-                          build_tab=build_tab))
+    ui.wire(gr, button, run, [text], [out], api_name="tabby")
 
 
 def test_a_value_the_tab_adds_that_json_cannot_hold_is_the_tabs_recorded_failure(tmp_path):
@@ -1019,7 +1015,7 @@ def test_a_value_the_tab_adds_that_json_cannot_hold_is_the_tabs_recorded_failure
     from conftest import reference_checkpoint
 
     registry = load_registry(entry_points=False)
-    assert registry.load_plugin("tabby", "0.1", "test", TabAddsValuesPlugin)
+    assert registry.load_plugin("tabby", "0.1", "test", _tab_plugin("tabby", _add_a_numpy_number))
     tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
     app = build_app(registry, checkpoints={"tabby": tiny})
     port = _free_port()
