@@ -1045,3 +1045,13 @@ def test_a_yaml_config_reads_numbers_written_as_yaml_11_text_and_names_its_error
     listed.write_text("- lr\n")
     with pytest.raises(ValueError, match="list.yaml: expected a mapping of settings, got list"):
         TrainConfig.from_file(listed)
+
+
+def test_init_adapter_that_is_no_adapter_folder_is_named(tiny_checkpoint, tmp_path):
+    task = load_registry(entry_points=False).task("sentiment")
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text("{}")
+    for given, why in ((manifest, "no such folder"), (tmp_path, "no adapter_config.json in it")):
+        cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", lora_rank=4, init_adapter=str(given))
+        with pytest.raises(ValueError, match=f"init_adapter .*: {why}; give a packed model's folder"):
+            TaskJob(task, cfg)

@@ -373,6 +373,9 @@ def _warm_start(model: nn.Module, folder: str, lora, loaded: Loaded) -> None:
     """Start from an adapter's tensors (init_adapter), checked against this run's LoRA and base weights."""
     if lora is None:
         raise ValueError(f"init_adapter {folder!r} needs LoRA training: set lora_rank (the adapter's rank)")
+    if not (Path(folder) / "adapter_config.json").is_file():  # a file, a typo, a full checkpoint: said plainly
+        raise ValueError(f"init_adapter {folder!r}: {'no such folder' if not Path(folder).is_dir() else 'no adapter_config.json in it'}"
+                         "; give a packed model's folder (e.g. plugins/starter/sentiment) or a LoRA run's best/")
     meta = read_adapter_config(folder)
     mine = lora.to_dict()
     if meta["targets"] != mine["targets"]:
