@@ -462,12 +462,13 @@ def _training_config(args: argparse.Namespace, **fixed) -> TrainConfig:
     return TrainConfig.from_file(args.config, **given) if args.config else TrainConfig(**given)
 
 
-def _run_training(job_factory, cfg) -> dict:
+def _run_training(job_factory, cfg, kind: str = "train") -> dict:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from .runtime.distributed import init_distributed, process_group
-    from .training.loop import train
+    from .training.loop import check_run_folder, train
 
+    check_run_folder(Path(cfg.output_dir), cfg, kind)  # before the model loads: a refusal comes at once
     dist_info = init_distributed(cfg.device)
     with process_group(dist_info), logging_redirect_tqdm():  # log lines above the progress bar, not glued to it
         job = job_factory(cfg)
@@ -485,14 +486,14 @@ def _train(args: argparse.Namespace) -> dict:
 def _pretrain(args: argparse.Namespace) -> dict:
     from .training.jobs import PretrainJob
 
-    return _run_training(PretrainJob, _training_config(args))
+    return _run_training(PretrainJob, _training_config(args), "pretrain")
 
 
 def _distill(args: argparse.Namespace) -> dict:
     from .training.distill import DistillJob
 
     task = _task(args.task)
-    return _run_training(lambda c: DistillJob(task, c), _training_config(args, task=args.task))
+    return _run_training(lambda c: DistillJob(task, c), _training_config(args, task=args.task), "distill")
 
 
 def _eval(args: argparse.Namespace) -> dict:

@@ -90,7 +90,9 @@ tail -3 "$LOGS/smoke.log"
 stage "$TASK training, about $TRAIN_MINUTES minutes"
 if [ -n "${SMOKE:-}" ]; then long=(--batch-size 4 --max-steps 60 --eval-every 30 --eval-limit 20 --save-every 30)
 else long=(--batch-size $batch --max-steps ${STEPS:-100000} --eval-every 1000 --save-every 500); fi
-timeout -s INT $($PY -c "print(int($TRAIN_MINUTES * 60 + 90))") $PY -m bert_engine train $TASK "${train[@]}" \
+# the CPU dry run gets 600 s, as its smoke stage does: on 2 shared cores it once ran 9 s a step and was cut at step 9
+train_s=$($PY -c "print(int($TRAIN_MINUTES * 60 + 90))"); [ -n "${SMOKE:-}" ] && train_s=$(( train_s > 600 ? train_s : 600 ))
+timeout -s INT $train_s $PY -m bert_engine train $TASK "${train[@]}" \
     "${long[@]}" ${STEPS:+--warmup-ratio 0.03} $([ -z "${STEPS:-}" ] && echo --max-minutes "$TRAIN_MINUTES") "${rates[@]}" --seed $seed --output-dir "$WORK/run" \
     > "$LOGS/train.json" 2> "$LOGS/train.log"
 echo "training exit $?"; grep -E "max_minutes|best so far|Error|error" "$LOGS/train.log" | tail -12

@@ -388,6 +388,14 @@ def test_two_distributions_with_one_entry_point_name_load_one_and_record_the_oth
     assert f"entry point 'twin' of {other} 0.3" in failure.message and "has the name of the plugin of twin-" in failure.message
 
 
+def test_checking_a_built_in_plugin_says_nothing_about_entry_points(site, capsys, caplog):
+    """With no entry point of its name installed, `plugin check sentiment` had warned that BERT_ENGINE_PLUGINS
+    named an uninstalled plugin (the clash check selected it among the entry points)."""
+    assert cli_main(["plugin", "check", "sentiment"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+    assert "not installed" not in caplog.text
+
+
 def test_an_entry_point_named_like_a_built_in_is_refused_naming_its_distribution(site, capsys):
     install_dist(site, "evil-three", GOOD_PLUGIN.format(task="twin_three"), entry_point="sentiment")
     registry = load_registry()

@@ -26,6 +26,7 @@ Plugin authors call `assert_task_conforms(task, data=...)` from their own tests.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -46,7 +47,7 @@ from ..runtime.cancel import PredictionTimeout, call_with_timeout
 from ..runtime.inference import Predictor
 from ..tokenizer import Tokenizer
 from .evaluation import evaluate_task
-from .registry import RegisteredTask, builtin_plugins, load_registry
+from .registry import ENTRY_POINT_GROUP, RegisteredTask, builtin_plugins, load_registry
 
 LONG_TEXT = " ".join(f"word{i % 97} is here." if i % 11 == 0 else f"token{i % 53}" for i in range(5000))
 GOLDEN_TEXTS = {
@@ -386,7 +387,8 @@ def check_plugin(name: str, *, data: str | Path | None = None, split: str | None
     the full registry as the app would, and name any of its tasks another plugin already registers
     (the registry would refuse the whole plugin). `data` feeds the training check (one task)."""
     builtins = tuple(m for m in builtin_plugins() if m.rsplit(".", 1)[-1] == name)
-    if builtins:  # an installed entry point of a built-in's name never loads: that is its failure, not a pass
+    installed = {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    if builtins and name in installed:  # an entry point of a built-in's name never loads: its failure, not a pass
         full = load_registry(entry_points=True, selected={name}, strict=False)
         clashes = [dataclasses.asdict(f) for f in full.failures if f.stage == "duplicate" and f.source == "entry point"]
         if clashes:

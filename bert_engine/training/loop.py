@@ -259,7 +259,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
     if dist_info.world > 1:
         forward_model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=False)
-    _check_run_folder(out, cfg, getattr(job, "kind", "train"))  # before the log below trims anything
+    check_run_folder(out, cfg, getattr(job, "kind", "train"))  # before the log below trims anything
     log = MetricsLog(out / "metrics.jsonl", dist_info.is_main)
     state = {"step": 0, "best": None, "best_metric": None, "last_eval": None}
     seed_everything(cfg.seed + dist_info.rank)  # dropout; a resumed run restores the saved RNG states instead
@@ -521,7 +521,7 @@ RESUME_KEEPS = frozenset({"task", "model", "preset", "family", "tokenizer", "obj
                           "init_adapter", "freeze_encoder"})
 
 
-def _check_run_folder(out: Path, cfg, kind: str) -> None:
+def check_run_folder(out: Path, cfg, kind: str) -> None:
     """A new run does not write over another (its checkpoints, its log); a resumed one keeps what its
     checkpoint restores and its model was built with (RESUME_KEEPS): a changed lr would be recorded in
     train_config.json and the model card without having been used."""
