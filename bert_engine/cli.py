@@ -162,9 +162,14 @@ def _task_code(task):
     except InputError:
         raise
     except (Exception, SystemExit) as err:
-        if getattr(err, "request_stage", None) is None:
+        if not _tasks_own(err):
             raise
         raise TaskFailed(failed_task_message(task, err)) from None
+
+
+def _tasks_own(err: BaseException) -> bool:
+    """Whether the task's own code raised `err` (the Predictor marks where: preprocess, build_head, ...)."""
+    return getattr(err, "request_stage", None) is not None
 
 
 _STDOUT: list = []  # the process's stdout while a command runs (main sends everything else to stderr)
@@ -186,18 +191,24 @@ def _stdout_for_answers():
     except (AttributeError, OSError, ValueError):
         on_fd_1 = False
     if not on_fd_1:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield stream
+        _STDOUT.append(stream)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                yield stream
+        finally:
+            _STDOUT.pop()
         return
     stream.flush()
     saved = os.dup(1)
     answers = open(saved, "w", encoding=stream.encoding or "utf-8", errors=stream.errors, closefd=False)
     sys.stderr.flush()
     os.dup2(2, 1)
+    _STDOUT.append(answers)
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield answers
     finally:
+        _STDOUT.pop()
         answers.flush()
         stream.flush()  # what code holding the old stdout object wrote: still to stderr
         os.dup2(saved, 1)
@@ -393,7 +404,7 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
                     except InputError as err:
                         answers[k] = {"error": str(err)}
                     except (Exception, SystemExit) as err:  # the task's own code failed on this line
-                        if getattr(err, "request_stage", None) is None:
+                        if not _tasks_own(err):
                             raise
                         answers[k] = {"error": failed_task_message(task, err)}
                 if "result" in answers[k]:
@@ -445,7 +456,7 @@ def _answer_batch(spec, predictor, chunk: list, good: list[int], answers: list, 
                 return  # about no one line (an option): each line gets the error on its own
             pending.pop(err.position)  # left to the caller: alone, it gets the error a line of its own gets
         except (Exception, SystemExit) as err:  # the task's own code failed: each line says so on its own
-            if getattr(err, "request_stage", None) is None:
+            if not _tasks_own(err):
                 raise
             return
 
@@ -731,24 +742,17 @@ def main(argv: list[str] | None = None) -> int:
     # While the command runs, whatever code prints (a plugin's print, a library's banner, a subprocess) goes to
     # stderr: stdout carries the command's JSON alone, which scripts parse.
     try:
-        with _stdout_for_answers() as answers:
-            _STDOUT.append(answers)
+        with _stdout_for_answers():
             result = args.run(args)
-    except TaskFailed as err:
-        print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
-        return 1
-    except (HubError, CheckpointError, ValueError, TypeError, FileNotFoundError) as err:
+    except (HubError, CheckpointError, ValueError, TypeError, FileNotFoundError) as err:  # the input's fault
         print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except OSError as err:  # the machine's, not the input's: a read-only folder, a full disk
+    except (TaskFailed, OSError) as err:  # a plugin's bug, or the machine's (a read-only folder, a full disk)
         print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: what the command saved on the way out it has logged already
         print(f"bert-engine {args.command}: interrupted", file=sys.stderr)
         return 130
-    finally:
-        if _STDOUT:
-            _STDOUT.pop()
     if os.environ.get("RANK", "0") != "0" or result is None:  # torchrun: the first process reports; None:
         return getattr(args, "exit_code", 0)                      # the command wrote its own output
     try:

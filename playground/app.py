@@ -39,11 +39,11 @@ from bert_engine.serving import memory
 from bert_engine.serving.predictors import BatchingPredictor, LazyPredictor, ModelShelf
 from bert_engine.tasks.registry import (
     HOST_ENDPOINTS,
-    HOST_SUFFIXES,
     REQUEST_STAGES,
     PluginFailure,
     Registry,
     failure_location,
+    is_host_endpoint,
     load_registry,
 )
 from playground import attention, insight
@@ -868,7 +868,7 @@ def stray_endpoints(gr, task, predictor, registry: Registry) -> list[str]:
         names = [name.lstrip("/") for name in scratch.get_api_info()["named_endpoints"]]
     except Exception:  # noqa: BLE001 - a tab that fails to build is recorded by the real build
         return []
-    return sorted(n for n in names if n not in own and (n in taken or n.endswith(HOST_SUFFIXES)))
+    return sorted(n for n in names if n not in own and (n in taken or is_host_endpoint(n)))
 
 
 def _build_insight(gr, task, predictor: ServedPredictor, model_dirs: list[Path], precisions: list[str]) -> None:

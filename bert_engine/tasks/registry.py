@@ -61,8 +61,14 @@ SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 # a task named so would take the host's endpoint (Gradio gives the later one a "_1" name).
 HOST_ENDPOINTS = frozenset({"plugins", "all_tasks", "explain", "compare", "attention"})
 HOST_SUFFIXES = ("_view", "_model", "_why", "_compare")
+
 REQUEST_STAGES = ("preprocess", "forward", "postprocess", "explain", "request", "time limit")
 IMPORT_TIMEOUT_S = 30.0  # importing a plugin and running its register_tasks hook (BERT_ENGINE_PLUGIN_TIMEOUT)
+
+
+def is_host_endpoint(name: str) -> bool:
+    """Whether the playground serves an endpoint of this name itself (or may, for some task)."""
+    return name in HOST_ENDPOINTS or name.endswith(HOST_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -261,8 +267,7 @@ class Registry:
                 problems.append(f"{hook} must be callable or None, got {type(value).__name__}")
         if spec.best_metric_goal not in ("max", "min"):
             problems.append(f"best_metric_goal must be 'max' or 'min', got {spec.best_metric_goal!r}")
-        host = sorted(n for n in {spec.name, *spec.aliases} if isinstance(n, str)
-                      and (n in HOST_ENDPOINTS or n.endswith(HOST_SUFFIXES)))
+        host = sorted(n for n in {spec.name, *spec.aliases} if isinstance(n, str) and is_host_endpoint(n))
         if host and isinstance(spec.aliases, tuple):
             problems.append(f"the name(s) {host} are the playground's own endpoints (its {', '.join(sorted(HOST_ENDPOINTS))} "
                             f"and each task's {', '.join('*' + x for x in HOST_SUFFIXES)}); choose another")
@@ -341,14 +346,15 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
         if (selected is not None and ep.name not in selected) or ep.name in (excluded or ()):
             continue
         version = ep.dist.version if ep.dist is not None else "unknown"
-        origin = f"{ep.dist.name if ep.dist is not None else 'an unknown distribution'} {version} ({ep.value})"
+        dist = ep.dist.name if ep.dist is not None else "an unknown distribution"
+        origin = f"{dist} {version} ({ep.value})"
         if seen.get(ep.name) == origin:
             continue  # the same distribution found twice on the path (an editable install beside a copy)
         clash = (f"the plugin of {seen[ep.name]}" if ep.name in seen
                  else f"the built-in plugin {ep.name!r}" if ep.name in builtin_names else None)
         if clash is not None:  # named after the distribution, so the Plugins tab says whose package to fix
             registry.record_failure(PluginFailure(
-                f"{ep.name} ({origin.split(' ')[0]})", version, "duplicate", f"entry point {ep.name!r} of {origin} "
+                f"{ep.name} ({dist})", version, "duplicate", f"entry point {ep.name!r} of {origin} "
                 f"has the name of {clash}; rename the entry point (only one plugin of a name loads)", "entry point"))
             continue
         seen[ep.name] = origin

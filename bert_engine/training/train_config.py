@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -147,15 +148,12 @@ class TrainConfig:
             if value is None and "None" in kinds:
                 continue
             if "float" in kinds and isinstance(value, str):
-                try:
+                with contextlib.suppress(ValueError):  # not a number: named as a wrong type below
                     value = float(value)
-                except ValueError:
-                    pass
-                else:
-                    object.__setattr__(self, setting.name, value)
+                    setattr(self, setting.name, value)
             if "int" in kinds and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
                 value = int(value)
-                object.__setattr__(self, setting.name, value)
+                setattr(self, setting.name, value)
             ok = (("bool" in kinds and isinstance(value, bool))
                   or ("int" in kinds and isinstance(value, int) and not isinstance(value, bool))
                   or ("float" in kinds and isinstance(value, (int, float)) and not isinstance(value, bool)
