@@ -417,6 +417,17 @@ def test_the_best_checkpoint_follows_the_metric_goal(tiny_checkpoint, tmp_path):
     assert json.loads((tmp_path / "run" / "best" / "eval.json").read_text())["macro_f1"] == min(evals)
 
 
+def test_a_misspelt_best_metric_fails_before_training_naming_the_metrics(tiny_checkpoint, tmp_path):
+    """--best-metric acuracy: refused when the job is built (two held-out examples name the metrics), not
+    at the first evaluation a thousand steps in; nothing is written."""
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", max_steps=12, eval_every=2, best_metric="acuracy")
+    with pytest.raises(ValueError, match=r"best_metric 'acuracy' is not among task 'sentiment''s evaluation metrics: "
+                                         r".*accuracy.*macro_f1"):
+        TaskJob(task, cfg)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("value, goal", [(None, "max"), ("accuracy", "max"), ("eval_loss", "min"), ("perplexity", "min"),
                                          ("accuracy:min", "min"), ("loss:max", "max")])
 def test_best_metric_goals(value, goal):

@@ -142,6 +142,27 @@ class TaskJob:
             _warm_start(self.model, cfg.init_adapter, self.lora, self.loaded)
         self.batch_options, self.eval_options = split_task_options(spec, cfg.options)
         self._lengths: list[int] | None = None
+        self._check_best_metric()
+
+    def _check_best_metric(self) -> None:
+        """A --best-metric the evaluation never reports fails now, not at the first evaluation (maybe an hour
+        in): the evaluation run on two held-out examples names the metrics. The task's declared best_metric
+        is the conformance kit's to check."""
+        name, _ = parse_best_metric(self.cfg.best_metric)
+        if not name or name == self.spec.best_metric or not self.eval_examples:
+            return
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                predictor = Predictor(self.task, self.model, self.tokenizer, model_id=f"{self.cfg.output_dir} (check)")
+                metrics = evaluate_task(self.spec, predictor, self.eval_examples[:2], **self.eval_options)
+        finally:
+            self.model.train(was_training)
+        numbers = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+        if name not in numbers:
+            raise ValueError(f"best_metric {name!r} is not among task {self.spec.name!r}'s evaluation metrics: "
+                             f"{', '.join(numbers) or 'none'}")
 
     def example_lengths(self) -> list[int]:
         """Each training example's token count (its text inputs together), for length bucketing."""
