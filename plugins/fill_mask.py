@@ -428,7 +428,7 @@ def candidate_bars(result: dict[str, Any]) -> str:
 # Sentences of scripts/fill_mask_probes.py the starter answers right at the first guess (4 of its 30), and
 # two masks for the joint mode: the tab opens on what the model can do, its limits in MODEL_CARD.md.
 EXAMPLES = (
-    {"text": "She drank a cup of hot [MASK]."},
+    {"text": "The capital of France is [MASK]."},
     {"text": "It was a dark and stormy [MASK]."},
     {"text": "A week has seven [MASK]."},
     {"text": "I [MASK] to the [MASK] to buy some bread."},

@@ -105,7 +105,7 @@ def test_the_fill_mask_tabs_one_mask_examples_are_answered_right_by_the_starter(
     from plugins.fill_mask import EXAMPLES, STARTER_NOTE
 
     predictor = Predictor.load(registry.task("fill_mask"))
-    expected = {"She drank a cup of hot [MASK].": "tea", "It was a dark and stormy [MASK].": "night",
+    expected = {"The capital of France is [MASK].": "paris", "It was a dark and stormy [MASK].": "night",
                 "A week has seven [MASK].": "days"}
     for example in EXAMPLES:
         if example["text"].count("[MASK]") == 1:
