@@ -339,11 +339,15 @@ EXAMPLES = (
 def pipeline_output(result: dict, options, single: bool):
     """The question-answering pipeline's shape (transformers v4): {"score", "start", "end", "answer"},
     a list of them with top_k > 1; "no answer" is {"score": its probability, "start": 0, "end": 0,
-    "answer": ""} as with handle_impossible_answer=True."""
+    "answer": ""} as with handle_impossible_answer=True. Its probability is the one that decided: the
+    verifier's P(no answer) where the verifier refused (the span head's null share can be 0.3 % then),
+    else the span head's."""
     answers = [{"score": a["score"], "start": a["start"], "end": a["end"], "answer": a["answer"]}
                for a in result["answers"]]
-    if result["no_answer"]["predicted"] or not answers:
-        answers = [{"score": result["no_answer"]["score"], "start": 0, "end": 0, "answer": ""}, *answers]
+    verdict = result["no_answer"]
+    if verdict["predicted"] or not answers:
+        score = verdict["probability"] if verdict.get("rule") == "verifier" else verdict["score"]
+        answers = [{"score": score, "start": 0, "end": 0, "answer": ""}, *answers]
     top_k = options.get("top_k") or 1
     return answers[0] if top_k == 1 else answers[:top_k]
 

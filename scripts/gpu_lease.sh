@@ -18,6 +18,10 @@
 # There, in the repository, with those .devcarry/ paths carried along (session 27's two calls):
 #   pip install --no-deps --no-build-isolation -e . && TRAIN_MINUTES=3.5 OUT=... bash scripts/gpu_lease.sh
 #   pip install ... && PYTHONPATH=$PWD/.devcarry/py TASK=qa TRAIN_MINUTES=4 OUT=... bash scripts/gpu_lease.sh
+# Session 31's one call (carry .devcarry/lease, laid out as below): `python3 -m pip install ...` (there, plain `pip`
+# belonged to another Python: the built-in tasks' entry points were missing), then with PYTHONPATH=.devcarry/lease/py
+# CARRY=.devcarry/lease SKIP_SMOKE=1 BENCH=none: TASK=qa TRAIN_MINUTES=3 SEED=49 WORK=/tmp/lq OUT=$OUT/qa, then
+# TASK=fill_mask TRAIN_MINUTES=2.6 SEED=47 WORK=/tmp/lf OUT=$OUT/fm (8 min 4 s in all).
 # After, here: untar OUT's best.tar or last.tar, `compact_base.py rebase` it onto default, cast its tensors back
 # to float32, put logs.tar's train_config.json, run.json and metrics.jsonl beside it as the run folder, and
 # `bert-engine pack` it with the evaluation data (MODEL_CARD.md gives the commands; QA then qa_calibrate.py).
@@ -70,6 +74,8 @@ if torch.cuda.is_available():
 print(json.dumps(info))
 EOF
 cat "$LOGS/machine.json"
+$PY -c "import sys; from bert_engine.tasks.registry import load_registry; load_registry().task(sys.argv[1])" "$TASK" \
+  || { echo "the $TASK task is not registered: install the package with the Python that runs this (\$PY -m pip)"; stage failed; exit 1; }
 
 C=$WORK/corpus
 if [ "$TASK" = fill_mask ] && [ ! -f "$C/squad-train.txt" ] && [ -f "$CARRY/qa-data.tar.xz" ]; then

@@ -75,6 +75,20 @@ def test_question_answering_has_the_v4_pipeline_shape():
     assert caught.value.position == 1
 
 
+def test_a_refusal_scores_the_probability_that_decided_it():
+    """The verifier refuses at its own P(no answer); the answer's score is that, not the span head's null share
+    (0.3 % for this one), which read as "almost sure there is an answer" beside a refusal."""
+    qa = pipeline("qa", no_answer=0.01)  # refuse whatever the verifier gives over 1 %
+    question, context = "Where is Paris?", "Paris is in France."
+    raw = qa(question=question, context=context, raw=True)["result"]["no_answer"]
+    assert raw["predicted"] and raw["rule"] == "verifier" and raw["probability"] != raw["score"]
+    assert qa(question=question, context=context) == {"score": raw["probability"], "start": 0, "end": 0, "answer": ""}
+    # the raw null-gap rule decides on the span head's scores, so that is its probability
+    by_gap = pipeline("qa", null_threshold=-1000.0)
+    gap = by_gap(question=question, context=context, raw=True)["result"]["no_answer"]
+    assert by_gap(question=question, context=context)["score"] == gap["score"] and gap["rule"] == "null gap"
+
+
 def test_lists_generators_options_and_errors():
     classify = pipeline("sentiment", top_k=None)
     texts = (t for t in REVIEWS)  # any iterable: a generator of results
