@@ -3,8 +3,9 @@
 Two modes for several masks: "independent" (each mask's top-k from one forward pass, as the
 reference pipeline does) and "joint" (beam search over the masks, left to right, re-encoding the
 sentence with each partial filling, so later masks see earlier choices; a filling is scored by
-the product of its conditional probabilities). `targets` scores given words only; a word that
-splits into several word pieces is scored by the chain rule over as many masks, and says so.
+the product of its conditional probabilities). `targets` (a list of words, or one text of comma-separated
+words) scores given words only; a word that splits into several word pieces is scored by the chain rule
+over as many masks, and says so.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, m
         raise InputError(f"fill_mask: beam_width must be an integer in [1, 64], got {beam_width!r}")
     max_length = length_option("fill_mask", "max_length", max_length, 512, 8, tokenizer)
     if targets is not None:
-        targets = [targets] if isinstance(targets, str) else targets
+        # one text is comma-separated words, as the tab's box takes them (`-o targets=paris,london` on the CLI)
+        targets = [t for t in targets.split(",") if t.strip()] if isinstance(targets, str) else targets
         if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t.strip() for t in targets):
             raise InputError(f"fill_mask: targets must be a non-empty list of words, got {targets!r:.80}")
         targets = list(dict.fromkeys(t.strip() for t in targets))  # a word given twice is scored once

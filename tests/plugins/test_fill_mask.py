@@ -101,6 +101,12 @@ def test_targets_match_the_pipeline_and_split_words_are_said(predictor, pipeline
     assert [c["word"] for c in repeated["candidates"]] == [c["word"] for c in sorted(
         (ours["paris"], ours["london"]), key=lambda c: -c["score"])]  # a word given twice is scored once
     assert {c["word"]: c["score"] for c in repeated["candidates"]} == {w: ours[w]["score"] for w in ("paris", "london")}
+    # one text is comma-separated words, as the tab's box and the CLI's -o targets=paris,london give them
+    typed = predictor.predict({"text": TEXTS[0]}, targets="paris, london")["result"]["candidates"]
+    assert {c["word"]: c["score"] for c in typed} == {w: ours[w]["score"] for w in ("paris", "london")}
+    assert [c["word"] for c in predictor.predict({"text": TEXTS[0]}, targets="paris,")["result"]["candidates"]] == ["paris"]
+    with pytest.raises(InputError, match="targets must be a non-empty list of words, got \\[\\]"):
+        predictor.predict({"text": TEXTS[0]}, targets=" , ")
 
 
 def test_joint_beam_with_width_one_is_greedy_left_to_right(predictor):
