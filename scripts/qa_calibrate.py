@@ -43,6 +43,7 @@ from plugins.qa_metric import f1_score
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 PRESETS = ("eager", "balanced", "cautious")
+EVALUATION_FILES = ("squad/dev-v2.0.json", "squad/dev-v1.1.json", "qed/qed-dev.squad.json")  # under --data
 REFUSALS = {"eager": 0.05, "balanced": 0.15}  # the share of half A's answerable questions a preset may refuse
 
 
@@ -133,6 +134,14 @@ def at(rows: list[tuple[float, float, float]], threshold: float) -> dict[str, fl
     return out
 
 
+def need_files(parser: argparse.ArgumentParser, data: Path, *names: str) -> None:
+    """Before any model loads: every dataset file the script reads is there, or one line names the first
+    missing one and what --data should point at (the default is ../shared/data beside the checkout)."""
+    for name in names:
+        if not (data / name).is_file():
+            parser.error(f"--data: no {data / name} (point --data at the folder that holds {name})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="the QA checkpoint folder (a pack)")
@@ -149,6 +158,7 @@ def main() -> None:
                         help="SQuAD files the model was trained on: left out of the calibration and of SQuAD 1.1 "
                         "dev's figures (by article title)")
     args = parser.parse_args()
+    need_files(parser, args.data, *EVALUATION_FILES)
     logging.basicConfig(level=logging.WARNING)
     folder = Path(args.model)
     predictor = Predictor.load(load_registry(entry_points=False).task("qa"), str(folder))

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 
 import torch
-from qa_calibrate import auc  # this folder's: one ROC AUC for both scripts
+from qa_calibrate import auc, need_files  # this folder's: one ROC AUC for both scripts
 
 from bert_engine.model import encoder_of
 from bert_engine.runtime.inference import Predictor
@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--report", type=Path, default=Path("runs/qa_cls_verifier.json"))
     args = parser.parse_args()
+    need_files(parser, args.data, "squad/dev-v2.0.json")
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     predictor = Predictor.load(load_registry(entry_points=False).task("qa"), args.model)

@@ -19,6 +19,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from qa_calibrate import need_files  # this folder's
+
 from bert_engine.runtime.inference import Predictor
 from bert_engine.tasks.registry import load_registry
 from plugins import qa
@@ -64,6 +66,7 @@ def main() -> None:
     parser.add_argument("--scores", action="store_true", help="also the AUC of other no-answer scores on SQuAD 2.0 dev")
     parser.add_argument("--data", type=Path, default=DATA)
     args = parser.parse_args()
+    need_files(parser, args.data, "dev-v2.0.json", "dev-v1.1.json")
     logging.basicConfig(level=logging.WARNING)
     predictor = Predictor.load(load_registry(entry_points=False).task("qa"), args.model)
 

@@ -31,7 +31,16 @@ import re
 from pathlib import Path
 
 import numpy as np
-from qa_calibrate import DATA, at, auc, question_keys, refusal_threshold, scored  # this folder's
+from qa_calibrate import (  # this folder's
+    DATA,
+    EVALUATION_FILES,
+    at,
+    auc,
+    need_files,
+    question_keys,
+    refusal_threshold,
+    scored,
+)
 
 from bert_engine.runtime.inference import Predictor
 from bert_engine.tasks.registry import load_registry
@@ -125,6 +134,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--report", type=Path, default=Path("runs/qa_verifier_features.json"))
     args = parser.parse_args()
+    need_files(parser, args.data, *EVALUATION_FILES)
     folder = Path(args.model)
     predictor = Predictor.load(load_registry(entry_points=False).task("qa"), str(folder))
     key = hashlib.sha256((folder / "adapter.safetensors").read_bytes()).hexdigest()[:12]

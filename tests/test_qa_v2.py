@@ -1,6 +1,7 @@
 """SQuAD 2.0 for the QA task: unanswerable training examples built from SQuAD 1.1, and the official v2 figures."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -292,3 +293,19 @@ def test_calibration_leaves_out_what_the_model_trained_on(tmp_path):
     # the keys follow read_data's order, one per question, so rows and keys pair up
     assert [key for key, _ in calibrate.question_keys(trained)] == ["0-0", "0-1", "1-0", "1-1", "1-2"]
     assert len(list(read_data(trained, "dev"))) == 5
+
+
+@pytest.mark.parametrize("script, missing", [("qa_calibrate", "squad/dev-v2.0.json"), ("qa_null_auc", "dev-v2.0.json"),
+                                             ("qa_cls_verifier", "squad/dev-v2.0.json"),
+                                             ("qa_verifier_features", "squad/dev-v2.0.json")])
+def test_the_qa_analysis_scripts_name_a_missing_data_file_in_one_line(tmp_path, script, missing):
+    """From a checkout without ../shared beside it: one line naming the file, before any model loads (it was a
+    FileNotFoundError traceback after the model)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    done = subprocess.run([sys.executable, str(root / "scripts" / f"{script}.py"), "--model", "plugins/starter/qa",
+                           "--data", str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"--data: no {tmp_path / missing} (point --data at the folder that holds {missing})" in done.stderr

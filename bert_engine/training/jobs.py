@@ -161,8 +161,8 @@ class TaskJob:
             self.model.train(was_training)
         numbers = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
         if name not in numbers:
-            raise ValueError(f"best_metric {name!r} is not among task {self.spec.name!r}'s evaluation metrics: "
-                             f"{', '.join(numbers) or 'none'}")
+            raise ValueError(f"best_metric {name!r} is not reported by the evaluation of task {self.spec.name!r}; "
+                             f"it reports: {', '.join(numbers) or 'no numbers'}")
 
     def example_lengths(self) -> list[int]:
         """Each training example's token count (its text inputs together), for length bucketing."""
