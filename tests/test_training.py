@@ -423,9 +423,19 @@ def test_a_misspelt_best_metric_fails_before_training_naming_the_metrics(tiny_ch
     task = load_registry(entry_points=False).task("sentiment")
     cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", max_steps=12, eval_every=2, best_metric="acuracy")
     with pytest.raises(ValueError, match=r"best_metric 'acuracy' is not reported by the evaluation of task 'sentiment'; "
-                                         r"it reports: accuracy, .*macro_f1"):
+                                         r"did you mean 'accuracy'\? It reports: accuracy, .*macro_f1"):
         TaskJob(task, cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_best_metric_that_more_data_may_give_is_warned_of_not_refused(tiny_checkpoint, tmp_path, caplog):
+    """QA's best_f1 appears only when the evaluated questions include unanswerable ones, which two examples may
+    not: a name that is no near miss of a reported one is a warning at the start, not a refusal."""
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", max_steps=12, eval_every=2, best_metric="heldout_brier")
+    with caplog.at_level("WARNING", logger="bert_engine.training.jobs"):
+        TaskJob(task, cfg)
+    assert "best_metric 'heldout_brier' is not among the metrics the evaluation of two held-out examples gave" in caplog.text
 
 
 @pytest.mark.parametrize("value, goal", [(None, "max"), ("accuracy", "max"), ("eval_loss", "min"), ("perplexity", "min"),

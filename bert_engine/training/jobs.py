@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import inspect
 import json
 import logging
@@ -145,9 +146,10 @@ class TaskJob:
         self._check_best_metric()
 
     def _check_best_metric(self) -> None:
-        """A --best-metric the evaluation never reports fails now, not at the first evaluation (maybe an hour
-        in): the evaluation run on two held-out examples names the metrics. The task's declared best_metric
-        is the conformance kit's to check."""
+        """A misspelt --best-metric fails now, not at the first evaluation (maybe an hour in): the evaluation run
+        on two held-out examples names the metrics. Some appear only with enough data of a kind (QA's best_f1
+        needs unanswerable questions), so a name they lack is refused only when it is a near miss of one they
+        give ("acuracy"), else warned of. The task's declared best_metric is the conformance kit's to check."""
         name, _ = parse_best_metric(self.cfg.best_metric)
         if not name or name == self.spec.best_metric or not self.eval_examples:
             return
@@ -160,9 +162,15 @@ class TaskJob:
         finally:
             self.model.train(was_training)
         numbers = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-        if name not in numbers:
+        if name in numbers:
+            return
+        near = difflib.get_close_matches(name, numbers, n=1, cutoff=0.85)
+        if near:
             raise ValueError(f"best_metric {name!r} is not reported by the evaluation of task {self.spec.name!r}; "
-                             f"it reports: {', '.join(numbers) or 'no numbers'}")
+                             f"did you mean {near[0]!r}? It reports: {', '.join(numbers)}")
+        logger.warning("best_metric %r is not among the metrics the evaluation of two held-out examples gave (%s); "
+                       "if the first evaluation does not report it either, training stops there", name,
+                       ", ".join(numbers) or "none")
 
     def example_lengths(self) -> list[int]:
         """Each training example's token count (its text inputs together), for length bucketing."""
