@@ -445,6 +445,7 @@ def test_phone_layout_reaches_every_tab_without_sideways_scrolling(browser, page
     page = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
     _visit(page, page_url)
     menu = page.locator(".be-task-menu")
+    menu.wait_for(timeout=30_000)  # is_visible() does not wait: on loaded cores the menu came after the tabs
     assert menu.is_visible() and menu.bounding_box()["y"] + menu.bounding_box()["height"] <= 844  # the first screen
     for title in TITLES:  # every tab one choice away in the "Go to a task" menu
         menu.locator("input").click()
