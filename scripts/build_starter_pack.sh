@@ -167,25 +167,20 @@ for task in "${TASKS[@]}"; do
       # then (session 27, on a GPU: TASK=qa TRAIN_MINUTES=4 bash scripts/gpu_lease.sh) 4,091 more steps from that pack
       # with the rank grown to 40, batch 64, lr 6e-4 (head 3e-3), seed 48, the step count planned by --max-minutes 4,
       # its last checkpoint, calibrated again the same way (4 min of training on an H200)
-      RUN=qa_gpu train_and_pack qa --checkpoint last --adapter-dtype fp16 --eval-data "$DATA/squad/dev-v2.0.json" \
-        --eval-data "$DATA/squad/dev-v1.1.json" --eval-split dev -- "${qa_args[@]}" \
-        --train-file "$DATA/squad/train-v1.1.part0*of08.json,$DATA/qed/qed-train.squad.part*of2.json,$DATA/qed/qed-train.squad.part*of2.json" \
-        --train-split "train+negatives:0.1+absent:0.15+removed:0.15+swapped+antonym+numbers+negated:0.25" \
-        --lora-rank 40 --lora-alpha 40 --batch-size 64 --lr 6e-4 --head-lr 3e-3 --max-steps 100000 --max-minutes 4 \
-        --eval-every 1000 --save-every 500 --seed 48 --device cuda --init-adapter plugins/starter/qa
-      PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" python scripts/qa_calibrate.py --model plugins/starter/qa \
-        --report "$RUNS/qa_calibration.json" --write-pack
+      qa_gpu=(--checkpoint last --adapter-dtype fp16 --eval-data "$DATA/squad/dev-v2.0.json"
+        --eval-data "$DATA/squad/dev-v1.1.json" --eval-split dev -- "${qa_args[@]}"
+        --train-file "$DATA/squad/train-v1.1.part0*of08.json,$DATA/qed/qed-train.squad.part*of2.json,$DATA/qed/qed-train.squad.part*of2.json"
+        --train-split "train+negatives:0.1+absent:0.15+removed:0.15+swapped+antonym+numbers+negated:0.25"
+        --lora-rank 40 --lora-alpha 40 --batch-size 64 --lr 6e-4 --head-lr 3e-3 --max-steps 100000
+        --eval-every 1000 --save-every 500 --device cuda --init-adapter plugins/starter/qa)
+      calibrate=(python scripts/qa_calibrate.py --model plugins/starter/qa --report "$RUNS/qa_calibration.json" --write-pack)
+      RUN=qa_gpu train_and_pack qa "${qa_gpu[@]}" --max-minutes 4 --seed 48
+      PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "${calibrate[@]}"
       # then (session 31, on a GPU, in one call with fill-mask's: SKIP_SMOKE=1 TASK=qa TRAIN_MINUTES=3 SEED=49 bash
       # scripts/gpu_lease.sh) 2,441 more steps from that pack, the same settings but seed 49 and --max-minutes 3,
       # its last checkpoint (the rule in MODEL_CARD.md chose it over the run's best), calibrated again the same way
-      RUN=qa_gpu2 train_and_pack qa --checkpoint last --adapter-dtype fp16 --eval-data "$DATA/squad/dev-v2.0.json" \
-        --eval-data "$DATA/squad/dev-v1.1.json" --eval-split dev -- "${qa_args[@]}" \
-        --train-file "$DATA/squad/train-v1.1.part0*of08.json,$DATA/qed/qed-train.squad.part*of2.json,$DATA/qed/qed-train.squad.part*of2.json" \
-        --train-split "train+negatives:0.1+absent:0.15+removed:0.15+swapped+antonym+numbers+negated:0.25" \
-        --lora-rank 40 --lora-alpha 40 --batch-size 64 --lr 6e-4 --head-lr 3e-3 --max-steps 100000 --max-minutes 3 \
-        --eval-every 1000 --save-every 500 --seed 49 --device cuda --init-adapter plugins/starter/qa
-      PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" python scripts/qa_calibrate.py --model plugins/starter/qa \
-        --report "$RUNS/qa_calibration.json" --write-pack ;;
+      RUN=qa_gpu2 train_and_pack qa "${qa_gpu[@]}" --max-minutes 3 --seed 49
+      PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "${calibrate[@]}" ;;
     *) echo "unknown task $task" >&2; exit 2 ;;
   esac
 done
