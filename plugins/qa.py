@@ -163,7 +163,7 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
                                                      {"answers": answers[:1], "no_answer": verdict}), answerability)
         predicted = probability > rule
         verdict.update(rule="verifier", probability=round(probability, 6), threshold=rule,
-                       choice=no_answer if isinstance(no_answer, str) else None)
+                       choice=no_answer.strip().lower() if isinstance(no_answer, str) else None)
     else:
         predicted = best is None
         verdict.update(rule="none", threshold=None)

@@ -102,7 +102,8 @@ def chosen_l2(x: torch.Tensor, y: torch.Tensor, grid=(0.1, 1.0, 10.0, 100.0, 100
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="the QA checkpoint folder (a pack)")
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--data", type=Path, default=DATA,
+                        help=f"the datasets folder holding squad/ (and qed/) (default: {DATA})")
     parser.add_argument("--report", type=Path, default=Path("runs/qa_cls_verifier.json"))
     args = parser.parse_args()
     need_files(parser, args.data, "squad/dev-v2.0.json")

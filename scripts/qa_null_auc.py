@@ -64,7 +64,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=2000, help="SQuAD 2.0 dev questions")
     parser.add_argument("--pairs", type=int, default=600, help="swapped SQuAD 1.1 dev questions and their originals")
     parser.add_argument("--scores", action="store_true", help="also the AUC of other no-answer scores on SQuAD 2.0 dev")
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--data", type=Path, default=DATA,
+                        help=f"the folder holding dev-v2.0.json and dev-v1.1.json (default: {DATA})")
     args = parser.parse_args()
     need_files(parser, args.data, "dev-v2.0.json", "dev-v1.1.json")
     logging.basicConfig(level=logging.WARNING)

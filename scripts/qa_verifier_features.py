@@ -131,7 +131,8 @@ def cross_validated_auc(x: np.ndarray, y: np.ndarray, folds: np.ndarray) -> floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--data", type=Path, default=DATA,
+                        help=f"the datasets folder holding squad/ (and qed/) (default: {DATA})")
     parser.add_argument("--report", type=Path, default=Path("runs/qa_verifier_features.json"))
     args = parser.parse_args()
     need_files(parser, args.data, *EVALUATION_FILES)

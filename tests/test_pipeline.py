@@ -87,6 +87,9 @@ def test_a_refusal_scores_the_probability_that_decided_it():
     by_gap = pipeline("qa", null_threshold=-1000.0)
     gap = by_gap(question=question, context=context, raw=True)["result"]["no_answer"]
     assert by_gap(question=question, context=context)["score"] == gap["score"] and gap["rule"] == "null gap"
+    # a preset typed in capitals is that preset, and the result names it as the docs spell it
+    assert pipeline("qa", no_answer=" Balanced")(question=question, context=context, raw=True)["result"]["no_answer"][
+        "choice"] == "balanced"
 
 
 def test_lists_generators_options_and_errors():

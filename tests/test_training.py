@@ -428,6 +428,16 @@ def test_a_misspelt_best_metric_fails_before_training_naming_the_metrics(tiny_ch
     assert not (tmp_path / "run").exists()
 
 
+def test_training_a_new_head_does_not_warn_to_train_the_head_first(tiny_checkpoint, tmp_path, caplog):
+    """The base has no sentiment head: training one is the point, so the loader's "train the head first" warning
+    (meant for predicting with a base) is not shown to someone doing just that."""
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", max_steps=2)
+    with caplog.at_level("INFO"):
+        TaskJob(task, cfg)
+    assert "train the head first" not in caplog.text
+
+
 def test_a_best_metric_that_more_data_may_give_is_warned_of_not_refused(tiny_checkpoint, tmp_path, caplog):
     """QA's best_f1 appears only when the evaluated questions include unanswerable ones, which two examples may
     not: a name that is no near miss of a reported one is a warning at the start, not a refusal."""

@@ -121,8 +121,9 @@ class TaskJob:
         self.task, self.spec, self.cfg = task, spec, cfg
         seed_everything(cfg.seed)  # the new head's initialisation is part of the run
         self.base_name = cfg.model or "default"  # never the starter model: runs must not build on each other
-        # A warm start (init_adapter) supplies the head, so the base's missing head is no news then.
-        self.loaded = load(resolve_model_name(self.base_name), spec.build_head, warn_missing=not cfg.init_adapter)
+        # Training a head is what this does, and a warm start (init_adapter) supplies one: a base without the
+        # head's weights is no news here ("train the head first" said so to a user training it).
+        self.loaded = load(resolve_model_name(self.base_name), spec.build_head, warn_missing=False)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.examples = read_examples(spec, cfg.train_file, cfg.train_split, cfg.train_limit)
         if not self.examples:
