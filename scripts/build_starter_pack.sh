@@ -110,22 +110,17 @@ for task in "${TASKS[@]}"; do
         --save-every 500 --lr 1e-3 --head-lr 2e-3 --seed 45 --device cuda
       # then (session 27, on a GPU) 2,942 more from that pack at its stored rank 40 (nothing cut when stored), seed 46,
       # the step count planned by --max-minutes 3.5 (TRAIN_MINUTES=3.5 bash scripts/gpu_lease.sh; 3.6 min on an H200)
-      RUN=fill_mask_wwm40 train_and_pack fill_mask --eval-data "$DATA/gutenberg" --eval-data "$DATA/wikitext2/wiki.test.tokens" \
-        --eval-split test --eval-split all --checkpoint last --adapter-dtype fp16 -- \
-        --train-file "$passages,$RUNS/corpus/bbc-train.txt" --train-split train --eval-file "$DATA/gutenberg" \
-        --eval-split test --eval-limit 300 --init-adapter plugins/starter/fill_mask --lora-rank 40 --lora-alpha 40 \
-        --lora-targets query,key,value,attention_output,ffn_up,ffn_down -o whole_word=true --precision bf16 \
-        --length-buckets 50 --log-every 50 --batch-size 256 --max-steps 100000 --max-minutes 3.5 --eval-every 1000 \
-        --save-every 500 --lr 1e-3 --head-lr 2e-3 --seed 46 --device cuda
+      fm_gpu=(--eval-data "$DATA/gutenberg" --eval-data "$DATA/wikitext2/wiki.test.tokens"
+        --eval-split test --eval-split all --checkpoint last --adapter-dtype fp16 --
+        --train-file "$passages,$RUNS/corpus/bbc-train.txt" --train-split train --eval-file "$DATA/gutenberg"
+        --eval-split test --eval-limit 300 --init-adapter plugins/starter/fill_mask --lora-rank 40 --lora-alpha 40
+        --lora-targets query,key,value,attention_output,ffn_up,ffn_down -o whole_word=true --precision bf16
+        --length-buckets 50 --log-every 50 --batch-size 256 --max-steps 100000 --eval-every 1000
+        --save-every 500 --lr 1e-3 --head-lr 2e-3 --device cuda)
+      RUN=fill_mask_wwm40 train_and_pack fill_mask "${fm_gpu[@]}" --max-minutes 3.5 --seed 46
       # then (session 31, on a GPU, in one call with QA's part 8: SKIP_SMOKE=1 TRAIN_MINUTES=2.6 SEED=47 bash
       # scripts/gpu_lease.sh) 1,972 more from that pack, the same settings but seed 47 and --max-minutes 2.6
-      RUN=fill_mask_wwm40b train_and_pack fill_mask --eval-data "$DATA/gutenberg" --eval-data "$DATA/wikitext2/wiki.test.tokens" \
-        --eval-split test --eval-split all --checkpoint last --adapter-dtype fp16 -- \
-        --train-file "$passages,$RUNS/corpus/bbc-train.txt" --train-split train --eval-file "$DATA/gutenberg" \
-        --eval-split test --eval-limit 300 --init-adapter plugins/starter/fill_mask --lora-rank 40 --lora-alpha 40 \
-        --lora-targets query,key,value,attention_output,ffn_up,ffn_down -o whole_word=true --precision bf16 \
-        --length-buckets 50 --log-every 50 --batch-size 256 --max-steps 100000 --max-minutes 2.6 --eval-every 1000 \
-        --save-every 500 --lr 1e-3 --head-lr 2e-3 --seed 47 --device cuda ;;
+      RUN=fill_mask_wwm40b train_and_pack fill_mask "${fm_gpu[@]}" --max-minutes 2.6 --seed 47 ;;
     qa)
       # SQuAD v1.1 train (all shards) with unanswerable pairs; bf16 autocast needs a CPU with AVX512-BF16/AMX
       # (or a GPU: add --device cuda); 1 h 30 min on a 2-core AVX-512 EPYC, then the two warm starts below
