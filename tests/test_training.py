@@ -446,6 +446,13 @@ def test_a_best_metric_that_more_data_may_give_is_warned_of_not_refused(tiny_che
     with caplog.at_level("WARNING", logger="bert_engine.training.jobs"):
         TaskJob(task, cfg)
     assert "best_metric 'heldout_brier' is not among the metrics the evaluation of two held-out examples gave" in caplog.text
+    # the first evaluation settles it, and the error says how to go on from the run folder it leaves
+    with pytest.raises(ValueError, match="best_metric 'heldout_brier' is not among the evaluation's metrics .*; correct "
+                                         "--best-metric and rerun with --resume: .*run keeps the run"):
+        train(TaskJob(task, cfg), cfg)
+    fixed = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", max_steps=12, eval_every=2, best_metric="accuracy",
+                           resume=True)
+    assert train(TaskJob(task, fixed), fixed)["steps"] == 12
 
 
 @pytest.mark.parametrize("value, goal", [(None, "max"), ("accuracy", "max"), ("eval_loss", "min"), ("perplexity", "min"),

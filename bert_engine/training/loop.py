@@ -454,7 +454,11 @@ def _evaluate_and_keep_best(job, cfg, model, step, state, dist_info, log, out) -
     state["last_eval"] = metrics
     log.write(step=step, eval=metrics)
     preferred, goal = getattr(job, "best_metric", None) or parse_best_metric(cfg.best_metric)
-    name = pick_best_metric(metrics, preferred)
+    try:
+        name = pick_best_metric(metrics, preferred)
+    except ValueError as err:  # the run folder now holds this run: say how to go on from it
+        raise ValueError(f"{err}; correct --best-metric and rerun with --resume: {out} keeps the run (from its "
+                         "last checkpoint, or from step 0 if it has none)") from None
     if name is None:
         return
     goal = goal if name == preferred else "max"
