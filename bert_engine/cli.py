@@ -190,30 +190,25 @@ def _stdout_for_answers():
         on_fd_1 = stream.fileno() == 1
     except (AttributeError, OSError, ValueError):
         on_fd_1 = False
-    if not on_fd_1:
-        _STDOUT.append(stream)
-        try:
-            with contextlib.redirect_stdout(sys.stderr):
-                yield stream
-        finally:
-            _STDOUT.pop()
-        return
-    stream.flush()
-    saved = os.dup(1)
-    answers = open(saved, "w", encoding=stream.encoding or "utf-8", errors=stream.errors, closefd=False)
-    sys.stderr.flush()
-    os.dup2(2, 1)
+    answers = stream
+    if on_fd_1:  # descriptor 1 itself goes to stderr; the answers keep a duplicate of the real one
+        stream.flush()
+        saved = os.dup(1)
+        answers = open(saved, "w", encoding=stream.encoding or "utf-8", errors=stream.errors, closefd=False)
+        sys.stderr.flush()
+        os.dup2(2, 1)
     _STDOUT.append(answers)
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield answers
     finally:
         _STDOUT.pop()
-        answers.flush()
-        stream.flush()  # what code holding the old stdout object wrote: still to stderr
-        os.dup2(saved, 1)
-        answers.close()
-        os.close(saved)
+        if on_fd_1:
+            answers.flush()
+            stream.flush()  # what code holding the old stdout object wrote: still to stderr
+            os.dup2(saved, 1)
+            answers.close()
+            os.close(saved)
 
 
 def _predict(args: argparse.Namespace) -> dict:
