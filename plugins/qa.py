@@ -103,8 +103,10 @@ def no_answer_rule(no_answer, answerability) -> float | None:
     Raises:
         InputError: an unknown choice, naming it.
     """
-    if isinstance(no_answer, str) and no_answer.strip().lower() in NO_ANSWER_CHOICES:
+    if no_answer_choice(no_answer):
         no_answer = no_answer.strip().lower()
+    elif isinstance(no_answer, str) and _probability_text(no_answer) is not None:
+        no_answer = _probability_text(no_answer)  # "0.5": as `-o no_answer=0.5` and an MCP client send it
     elif no_answer is not None and (isinstance(no_answer, bool) or not isinstance(no_answer, (int, float))
                                     or not 0.0 <= no_answer <= 1.0):
         raise InputError(f"qa: no_answer must be one of {', '.join(NO_ANSWER_CHOICES)} or a probability from 0 "
@@ -114,6 +116,20 @@ def no_answer_rule(no_answer, answerability) -> float | None:
     if isinstance(no_answer, (int, float)):
         return float(no_answer)
     return float(answerability.get("presets", {}).get(no_answer or "eager", 0.5))
+
+
+def no_answer_choice(no_answer) -> bool:
+    """Whether `no_answer` names one of NO_ANSWER_CHOICES (any case), not a probability."""
+    return isinstance(no_answer, str) and no_answer.strip().lower() in NO_ANSWER_CHOICES
+
+
+def _probability_text(text: str) -> float | None:
+    """A probability written as text ("0.5", " 1 "), else None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0.0 <= value <= 1.0 else None
 
 
 def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_len, max_answer_len,
@@ -163,7 +179,7 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
                                                      {"answers": answers[:1], "no_answer": verdict}), answerability)
         predicted = probability > rule
         verdict.update(rule="verifier", probability=round(probability, 6), threshold=rule,
-                       choice=no_answer.strip().lower() if isinstance(no_answer, str) else None)
+                       choice=no_answer.strip().lower() if no_answer_choice(no_answer) else None)
     else:
         predicted = best is None
         verdict.update(rule="none", threshold=None)

@@ -90,6 +90,9 @@ def test_a_refusal_scores_the_probability_that_decided_it():
     # a preset typed in capitals is that preset, and the result names it as the docs spell it
     assert pipeline("qa", no_answer=" Balanced")(question=question, context=context, raw=True)["result"]["no_answer"][
         "choice"] == "balanced"
+    # a probability as text (as the CLI's -o and an MCP client send it) is that probability, not a refused choice
+    as_text = pipeline("qa", no_answer="0.01")(question=question, context=context, raw=True)["result"]["no_answer"]
+    assert as_text["threshold"] == 0.01 and as_text["predicted"] and as_text["choice"] is None
 
 
 def test_lists_generators_options_and_errors():

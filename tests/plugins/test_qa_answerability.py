@@ -49,7 +49,8 @@ def test_the_no_answer_choice_is_a_preset_or_a_probability():
     assert no_answer_rule(None, verifier) == 0.9 and no_answer_rule("Cautious ", verifier) == 0.2  # None: eager
     assert no_answer_rule("never", verifier) is None and no_answer_rule(0.7, verifier) == 0.7
     assert no_answer_rule("eager", None) is None  # a model without a verifier: only a raw null_threshold decides
-    for bad in ("sometimes", 1.5, True, [0.5]):
+    assert no_answer_rule(" 0.25", verifier) == 0.25 and no_answer_rule("1", verifier) == 1.0  # as the CLI sends it
+    for bad in ("sometimes", 1.5, True, [0.5], "1.5", "nan", "-0.1"):
         with pytest.raises(InputError, match="no_answer must be one of eager, balanced, cautious, never"):
             no_answer_rule(bad, verifier)
 
