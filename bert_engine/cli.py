@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import stat
 import sys
 from itertools import islice
@@ -468,7 +469,7 @@ def _training_config(args: argparse.Namespace, **fixed) -> TrainConfig:
     return TrainConfig.from_file(args.config, **given) if args.config else TrainConfig(**given)
 
 
-def _run_training(job_factory, cfg, kind: str = "train") -> dict:
+def _run_training(job_factory, cfg, command: str, kind: str = "train") -> dict:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from .runtime.distributed import init_distributed, process_group
@@ -478,7 +479,7 @@ def _run_training(job_factory, cfg, kind: str = "train") -> dict:
     dist_info = init_distributed(cfg.device)
     with process_group(dist_info), logging_redirect_tqdm():  # log lines above the progress bar, not glued to it
         job = job_factory(cfg)
-        return train(job, cfg, dist_info=dist_info)
+        return train(job, cfg, dist_info=dist_info, command=command)
 
 
 def _train(args: argparse.Namespace) -> dict:
@@ -486,20 +487,20 @@ def _train(args: argparse.Namespace) -> dict:
 
     task = _task(args.task)
     cfg = _training_config(args, task=args.task)
-    return _run_training(lambda c: TaskJob(task, c), cfg)
+    return _run_training(lambda c: TaskJob(task, c), cfg, args.typed)
 
 
 def _pretrain(args: argparse.Namespace) -> dict:
     from .training.jobs import PretrainJob
 
-    return _run_training(PretrainJob, _training_config(args), "pretrain")
+    return _run_training(PretrainJob, _training_config(args), args.typed, "pretrain")
 
 
 def _distill(args: argparse.Namespace) -> dict:
     from .training.distill import DistillJob
 
     task = _task(args.task)
-    return _run_training(lambda c: DistillJob(task, c), _training_config(args, task=args.task), "distill")
+    return _run_training(lambda c: DistillJob(task, c), _training_config(args, task=args.task), args.typed, "distill")
 
 
 def _eval(args: argparse.Namespace) -> dict:
@@ -681,7 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the split of the data (default: test); once for all --eval-data, or once per --eval-data, "
                            "in the same order (e.g. Gutenberg's test split, then all of WikiText-2's test file)")
     pack.add_argument("--eval-limit", type=_at_least_one, default=None, help="evaluate on only the first N examples")
-    pack.add_argument("--command-line", default="", help="the training command, recorded in the manifest")
+    pack.add_argument("--command-line", default="", help="the training command, recorded in the manifest (default: "
+                      "the bert-engine command lines the run's run.json lists)")
     pack.add_argument("--adapter-dtype", choices=("fp32", "fp16"), default="fp32",
                       help="store the adapter's tensors in this precision (fp16: half the size; evaluated as stored)")
     pack.add_argument("--adapter-rank", type=_at_least_one, default=None, metavar="K",
@@ -727,6 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # --help and usage errors end here, before torch loads
+    args.typed = shlex.join(["bert-engine", *(sys.argv[1:] if argv is None else argv)])  # recorded by training
     from .checkpoints.hub import HubError, default_backbone
     from .checkpoints.loading import CheckpointError
 

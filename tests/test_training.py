@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -683,7 +684,7 @@ def test_eval_command_prints_standard_metrics(tmp_path):
     assert report["examples"] == 3 and {"precision", "recall", "f1", "per_type"} <= set(report["metrics"])
     out = subprocess.run([sys.executable, "-m", "bert_engine", "eval", "qa", "--data", str(FIXTURES / "squad_tiny.json"),
                           "--limit", "3"], capture_output=True, text=True)
-    assert out.returncode == 0 and set(json.loads(out.stdout)["metrics"]) == {"exact_match", "f1"}
+    assert out.returncode == 0 and set(json.loads(out.stdout)["metrics"]) == {"exact_match", "f1", "no_answer_rate"}
     missing = subprocess.run([sys.executable, "-m", "bert_engine", "eval", "ner", "--data", str(tmp_path / "nope.txt")],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "nope.txt" in missing.stderr
@@ -739,6 +740,26 @@ def test_a_model_trained_with_a_task_option_is_packed_to_answer_with_it(tiny_che
     predictor = Predictor.load(task, str(tmp_path / "packed"))
     assert predictor.model_options == manifest["options"]
     assert predictor.check_options({})["casing"] is True
+
+
+def test_the_command_lines_that_trained_a_run_become_its_packs_command(tiny_checkpoint, tmp_path, capsys):
+    """pack without --command-line records the `bert-engine train` lines the run's run.json lists, a resumed run's
+    after the one it resumed: before, a pack's command was null unless it was typed again."""
+    from bert_engine.cli import main
+
+    run = tmp_path / "run"
+    first = ["train", "sentiment", "--model", str(tiny_checkpoint), "--train-file", str(SST), "--eval-file", str(SST),
+             "--output-dir", str(run), "--max-steps", "4", "--stop-after", "2", "--batch-size", "8", "--lora-rank", "4",
+             "--eval-every", "2", "--precision", "fp32"]
+    assert main(first) == 0
+    assert json.loads((run / "run.json").read_text())["commands"] == [shlex.join(["bert-engine", *first])]
+    resumed = ["train", "sentiment", "--config", str(run / "train_config.json"), "--resume"]
+    assert main(resumed) == 0
+    commands = json.loads((run / "run.json").read_text())["commands"]
+    assert commands == [shlex.join(["bert-engine", *first]), shlex.join(["bert-engine", *resumed])]
+    capsys.readouterr()
+    assert main(["pack", "sentiment", "--run", str(run), "--to", str(tmp_path / "packed")]) == 0
+    assert json.loads((tmp_path / "packed" / "manifest.json").read_text())["command"] == " && ".join(commands)
 
 
 def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_checkpoint, tmp_path, capsys):

@@ -54,9 +54,11 @@ def pack(task: RegisteredTask, run_dir: str | Path, to: str | Path, *, checkpoin
         if not source.is_dir():
             raise ValueError(f"{run}: no {checkpoint}/ checkpoint to pack")
         best = run / "best" / "eval.json"
+        run_record = _run_record(run)
+        commands = (run_record or {}).get("commands") or []  # the CLI lines that trained it, resumed runs in turn
         record = {"training": json.loads((run / "train_config.json").read_text(encoding="utf-8")),
                   "best_eval_during_training": json.loads(best.read_text(encoding="utf-8")) if best.is_file() else None,
-                  "run": _run_record(run), "command": None}
+                  "run": run_record, "command": " && ".join(commands) or None}
         if checkpoint == "last":  # the schedule's end, packed instead of the best of the run's own evaluations
             record["checkpoint"] = {"packed": "last", "last_eval_during_training": _last_eval(run)}
     else:  # a packed folder as --run, packed again (re-evaluated, options re-tuned) when its run is gone

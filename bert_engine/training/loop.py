@@ -233,11 +233,23 @@ class NonFiniteLoss(ValueError):
 
 # -- the loop ------------------------------------------------------------------------------------------
 
+def _earlier_commands(path: Path) -> list[str]:
+    """The command lines an earlier run.json in a resumed run's folder lists (none if it is absent or unreadable)."""
+    try:
+        commands = json.loads(path.read_text(encoding="utf-8")).get("commands")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [c for c in commands if isinstance(c, str)] if isinstance(commands, list) else []
+
+
 def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
-          on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, Any]:
+          on_step: Callable[[int, dict[str, float]], None] | None = None,
+          command: str | None = None) -> dict[str, Any]:
     """Train `job.model` as `cfg` says; returns {"steps", "best", "last_eval", "output_dir"}.
 
     `on_step(step, logs)` is called after every optimizer step (tests use it to interrupt a run).
+    `command`: the command line that started this invocation; run.json lists it after those of the runs
+    it resumed (`commands`), and `bert-engine pack` records them as the model's training command.
     KeyboardInterrupt writes a resumable checkpoint to output_dir/last before it propagates.
     """
     dist_info = dist_info or Distributed()
@@ -366,6 +378,9 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                   "device": str(device),
                   "autocast": str(amp_dtype).replace("torch.", "") if amp_dtype else None, "processes": dist_info.world,
                   **machine_description(device)}
+        commands = _earlier_commands(out / "run.json") if cfg.resume else []
+        if command:
+            record["commands"] = [*commands, command]
         (out / "run.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         if state["best"] is None:  # no evaluation data: the final weights are the result
             with atomic_folder(out / "best") as scratch:
