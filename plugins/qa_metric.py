@@ -42,9 +42,12 @@ def squad_scores(predictions: list[str], golds: list[list[str]]) -> dict[str, fl
 
 
 def metric(results: list[dict], targets: list[dict]) -> dict[str, float]:
-    """Official SQuAD EM / F1 of the results' best answers against the targets' gold answers; on data
-    with unanswerable questions (SQuAD 2.0) also the official v2 figures (`v2_scores`)."""
+    """Official SQuAD EM / F1 of the results' best answers against the targets' gold answers, and the share
+    of questions answered "no answer" (`no_answer_rate`, in percent: on data where every question has an
+    answer, the share refused); on data with unanswerable questions (SQuAD 2.0) also the official v2
+    figures (`v2_scores`)."""
     scores = squad_scores([r["answer"] or "" for r in results], [t["answers"] for t in targets])
+    scores["no_answer_rate"] = 100.0 * sum(bool(r["no_answer"]["predicted"]) for r in results) / len(results)
     if any(t["answers"] == [""] for t in targets):
         scores.update(v2_scores(results, targets))
     return scores

@@ -54,8 +54,9 @@ def test_the_default_threshold_refuses_at_most_the_allowed_share_of_answerable_q
 
 
 def test_metric_adds_the_v2_figures_only_on_data_with_unanswerable_questions():
-    v1 = metric([_result("Paris", -5.0)], [_target("Paris")])
-    assert set(v1) == {"exact_match", "f1"}
+    v1 = metric([_result("Paris", -5.0), _result("x", 4.0, predicted=True)], [_target("Paris"), _target("Rome")])
+    assert set(v1) == {"exact_match", "f1", "no_answer_rate"}
+    assert v1["no_answer_rate"] == 50.0 and v1["f1"] == 50.0  # an answerable question refused scores 0
     v2 = metric([_result("Paris", -5.0), _result("x", 4.0, predicted=True)], [_target("Paris"), _target()])
     assert v2["f1"] == 100.0 and v2["NoAns_f1"] == 100.0 and "best_f1_thresh" in v2
 
