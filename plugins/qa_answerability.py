@@ -34,12 +34,17 @@ called name named known kind type year years first used use many much number
 NEGATION = re.compile(r"\b(?:not|never|no|none|nor|cannot|without)\b|n't\b|n\u2019t\b", re.IGNORECASE)
 _WORD = re.compile(r"[a-z0-9]+")
 NEAR_CHARS = 250  # how far either side of the best span counts as "near the answer"
+# How far either side of the best span counts as "its paragraph": about one SQuAD paragraph (mean 800 characters),
+# so a long document (a scientific paper: COVID-QA's average 23,500) is read as the paragraphs the verifier was
+# calibrated on. Read over the whole context, the share fell with the text's length alone (a paper says nearly
+# every word somewhere), and the verifier refused a fifth of COVID-QA's questions, every one answerable.
+PARAGRAPH_CHARS = 1000
 
 FEATURES = (
     "null_gap",          # the span head: no-answer logit minus the best span's (higher: no answer)
     "null_probability",  # its probability of "no answer" against every span considered
     "best_span_probability",
-    "missing_words",     # share of the question's content words the context never says
+    "missing_paragraph",  # share of the question's content words the text within PARAGRAPH_CHARS of the best span never says
     "missing_near",      # ... that the text near the best span never says
     "missing_name",      # a name of the question the context never says (an entity swap)
     "missing_number",    # a number, year or month of the question the context never says
@@ -73,9 +78,10 @@ def features(question: str, context: str, result: Mapping) -> list[float]:
     gap = 30.0 if gap is None else max(-30.0, min(30.0, float(gap)))
     best = answers[0] if answers else None
     words = content_words(question)
-    near = context
+    near = paragraph = context
     if best is not None and "start" in best:
         near = context[max(0, best["start"] - NEAR_CHARS):best["end"] + NEAR_CHARS]
+        paragraph = context[max(0, best["start"] - PARAGRAPH_CHARS):best["end"] + PARAGRAPH_CHARS]
     folded = normalize_answer(context)
     names = [normalize_answer(question[s:e].rstrip(".")) for s, e in question_entities(question)]
     numbers = [n for n in names if n[:1].isdigit()]
@@ -94,7 +100,7 @@ def features(question: str, context: str, result: Mapping) -> list[float]:
         gap,
         float(result["no_answer"]["score"]),
         float(best["score"]) if best is not None else 0.0,
-        _missing_share(words, context),
+        _missing_share(words, paragraph),
         _missing_share(words, near),
         missing_name,
         missing_number,

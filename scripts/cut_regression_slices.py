@@ -13,6 +13,9 @@ deterministic: rerunning this script rewrites the same bytes.
 - ner: CoNLL-2003 eng.testb, the first 250 sentences (the runs evaluated on eng.testa).
 - qa: SQuAD 2.0 dev, whole paragraphs from the second half of the questions (the QA threshold is
   calibrated on the first half), 200 questions, answerable and not.
+- qa (long documents): COVID-QA, whole papers of 8,000-20,000 characters (cc-by), the first ones in file
+  order until 20 questions, every one answerable; never trained or tuned on (the verifier's paragraph
+  window was chosen on a sample's even-numbered papers, which these may be among).
 - summary: BBC News Summary, the first 16 test-split documents (training used train, selection dev).
 - fill_mask: WikiText-2 test, 3 articles (the fill-mask run trained on Gutenberg, WikiText-2 valid and SQuAD
   train paragraphs, none of them these articles, and was selected on Gutenberg).
@@ -67,6 +70,21 @@ def qa(data: Path, questions: int = 200) -> None:
                                                        encoding="utf-8")
 
 
+def qa_long(data: Path, questions: int = 20) -> None:
+    """Whole COVID-QA papers (never trained or tuned on; every question answerable), in file order, those of
+    8,000 to 20,000 characters that say `License: cc-by`, until `questions` questions: the shipped "no answer"
+    decision on long documents, where it once refused a fifth of the questions."""
+    source = json.loads((data / "covid_qa" / "COVID-QA.200423.json").read_text(encoding="utf-8"))
+    articles, kept = [], 0
+    for article in source["data"]:
+        paragraph = article["paragraphs"][0]
+        if kept < questions and 8000 < len(paragraph["context"]) <= 20000 and "License: cc-by" in paragraph["context"][:3000]:
+            articles.append(article)
+            kept += len(paragraph["qas"])
+    payload = {"version": source.get("version", "covid-qa"), "data": articles}
+    (OUT / "covid_qa_first_papers.json").write_text(json.dumps(payload, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def summary(data: Path, documents: int = 16) -> None:
     from plugins.summary import split_of
 
@@ -96,7 +114,7 @@ def main() -> None:
     parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     data = Path(parser.parse_args().data)
     OUT.mkdir(parents=True, exist_ok=True)
-    for cut in (sentiment, ner, qa, summary, fill_mask):
+    for cut in (sentiment, ner, qa, qa_long, summary, fill_mask):
         cut(data)
     for path in sorted(OUT.iterdir()):
         print(f"{path.relative_to(ROOT)}  {path.stat().st_size:,} bytes")

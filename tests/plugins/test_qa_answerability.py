@@ -18,15 +18,31 @@ def _result(answer="Lyon", start=0, gap=-2.0, score=0.8):
 def test_features_see_what_the_question_asks_that_the_context_never_says():
     context = "Lyon is the largest city of the region, rebuilt in 1998."
     plain = dict(zip(FEATURES, features("Which is the largest city of the region?", context, _result())))
-    assert plain["missing_words"] == 0 and plain["missing_name"] == 0 and plain["negation"] == 0
+    assert plain["missing_paragraph"] == 0 and plain["missing_name"] == 0 and plain["negation"] == 0
     swapped = dict(zip(FEATURES, features("Which is the largest city of Burgundy?", context, _result())))
-    assert swapped["missing_name"] == 1 and swapped["missing_words"] > 0
+    assert swapped["missing_name"] == 1 and swapped["missing_paragraph"] > 0
     assert dict(zip(FEATURES, features("What was rebuilt in 1999?", context, _result())))["missing_number"] == 1
     assert dict(zip(FEATURES, features("Which is not the largest city?", context, _result())))["negation"] == 1
     flipped = dict(zip(FEATURES, features("Which is the smallest city?", context, _result())))
     assert flipped["antonym_near"] == 1  # "smallest" never said, "largest" stands near the answer
     none = features("Who?", context, {"answers": [], "no_answer": {"null_gap": None, "score": 1.0}})
     assert none[0] == 30.0 and len(none) == len(FEATURES)
+
+
+def test_the_paragraph_share_reads_the_answers_paragraph_not_the_whole_document():
+    """A paragraph inside a long document scores as the paragraph alone: read over the whole document, the share of
+    the question's words it never says fell with the document's length (a scientific paper says nearly every word
+    somewhere), and the verifier refused a fifth of COVID-QA's answerable questions."""
+    question = "Which enzyme cleaves the spike protein of the coronavirus?"
+    paragraph = "Entry needs the host protease TMPRSS2, which primes the viral envelope before fusion."
+    answer = paragraph.index("TMPRSS2")
+    alone = dict(zip(FEATURES, features(question, paragraph, _result("TMPRSS2", answer))))
+    far = " ".join(["Unrelated methods text."] * 60)  # 1,400 characters either side, past PARAGRAPH_CHARS
+    document = f"The enzyme that cleaves the spike protein of a coronavirus is a protease. {far} {paragraph} {far}"
+    start = document.index("TMPRSS2")
+    inside = dict(zip(FEATURES, features(question, document, _result("TMPRSS2", start))))
+    assert alone["missing_paragraph"] > 0.5 and inside["missing_paragraph"] == alone["missing_paragraph"]
+    assert inside["missing_near"] == alone["missing_near"]
 
 
 def test_fit_separates_and_the_record_predicts_as_numpy_does():
