@@ -47,7 +47,7 @@ def metric(results: list[dict], targets: list[dict]) -> dict[str, float]:
     answer, the share refused); on data with unanswerable questions (SQuAD 2.0) also the official v2
     figures (`v2_scores`)."""
     scores = squad_scores([r["answer"] or "" for r in results], [t["answers"] for t in targets])
-    scores["no_answer_rate"] = 100.0 * sum(bool(r["no_answer"]["predicted"]) for r in results) / len(results)
+    scores["no_answer_rate"] = 100.0 * sum(not r["answer"] for r in results) / len(results)  # None: "no answer"
     if any(t["answers"] == [""] for t in targets):
         scores.update(v2_scores(results, targets))
     return scores
