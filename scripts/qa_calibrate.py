@@ -14,7 +14,9 @@
    it refuses about 45 %). The same three on the null gap alone, for comparison.
 3. Scores each on half B (F1, HasAns F1, unanswerable caught, answerable refused, ROC AUC), and the
    answerable refusal rate and F1 on SQuAD 1.1 dev and QED dev (all answerable, never tuned on).
-4. --write-pack writes the verifier and the thresholds into the folder's manifest.json task options
+4. --long-documents: also a seeded sample of COVID-QA (whole scientific papers, every question answerable),
+   its even- and odd-numbered papers reported apart, so one half can inform a choice and the other report it.
+5. --write-pack writes the verifier and the thresholds into the folder's manifest.json task options
    (the shipped preset: --preset, default "eager").
 
 --trained-on FILES (SQuAD files the model trained on, e.g. the part of half A that
@@ -32,6 +34,7 @@ import hashlib
 import json
 import logging
 import math
+import random
 from pathlib import Path
 
 from bert_engine.runtime.inference import Predictor
@@ -91,8 +94,6 @@ def long_document_sample(predictor, path: Path, size: int, cache: Path) -> dict[
     """`size` questions of a SQuAD-layout file of whole documents (COVID-QA: each a scientific paper, all
     answerable), drawn with seed 0, cached like `predictions`, and split by document: the even-numbered
     documents' questions and the odd-numbered ones', so one half can inform a choice and the other report it."""
-    import random  # noqa: PLC0415
-
     documents = [d for d, article in enumerate(json.loads(Path(path).read_text(encoding="utf-8"))["data"])
                  for p in article["paragraphs"] for _ in p["qas"]]
     examples = list(read_data(path, "dev"))
@@ -189,6 +190,8 @@ def main() -> None:
     need_files(parser, args.data, *EVALUATION_FILES)
     if args.long_documents is not None:
         args.long_documents = Path(args.long_documents or args.data / LONG_DOCUMENTS)
+    if args.long_sample < 1:
+        parser.error(f"--long-sample: give a number of questions of at least 1, not {args.long_sample}")
     if args.long_documents is not None and not args.long_documents.is_file():
         parser.error(f"--long-documents: no {args.long_documents}")
     logging.basicConfig(level=logging.WARNING)

@@ -1,6 +1,7 @@
 """SQuAD 2.0 for the QA task: unanswerable training examples built from SQuAD 1.1, and the official v2 figures."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -294,6 +295,31 @@ def test_calibration_leaves_out_what_the_model_trained_on(tmp_path):
     # the keys follow read_data's order, one per question, so rows and keys pair up
     assert [key for key, _ in calibrate.question_keys(trained)] == ["0-0", "0-1", "1-0", "1-1", "1-2"]
     assert len(list(read_data(trained, "dev"))) == 5
+
+
+def test_the_long_document_sample_is_seeded_and_split_by_document(tmp_path):
+    """The COVID-QA sample of qa_calibrate.py: the same questions every run, and a paper's questions all on one side,
+    so the even papers can inform a choice while the odd ones stay held out."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "qa_calibrate", Path(__file__).resolve().parents[1] / "scripts" / "qa_calibrate.py")
+    calibrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibrate)
+    papers = tmp_path / "papers.json"
+    _v2_file(papers, [3, 4, 2, 5])  # documents 0-3: question ids "<document>-<question>"
+    cache = tmp_path / "cache.json"
+    cache.write_text(json.dumps([{"answer": "France", "id": k} for k in range(9)]))  # predictions as cached: none run
+    halves = calibrate.long_document_sample(None, papers, 9, cache)
+    even, odd = halves["papers sample, even documents"], halves["papers sample, odd documents"]
+    assert len(even) + len(odd) == 9 and even and odd
+    assert calibrate.long_document_sample(None, papers, 9, cache) == halves  # seeded: the same draw again
+    # each cached result k answers the k-th drawn question; its document (the id's first part) sets its side
+    drawn = sorted(random.Random(0).sample(range(14), 9))
+    documents = [int(key.split("-")[0]) for key, _ in calibrate.question_keys(papers)]
+    assert {documents[drawn[r["id"]]] % 2 for _, _, r in even} == {0}
+    assert {documents[drawn[r["id"]]] % 2 for _, _, r in odd} == {1}
 
 
 @pytest.mark.parametrize("script, missing", [("qa_calibrate", "squad/dev-v2.0.json"), ("qa_null_auc", "dev-v2.0.json"),
