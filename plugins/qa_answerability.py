@@ -37,7 +37,7 @@ NEAR_CHARS = 250  # how far either side of the best span counts as "near the ans
 # How far either side of the best span counts as "its paragraph": about one SQuAD paragraph (mean 800 characters),
 # so a long document (a scientific paper: COVID-QA's average 23,500) is read as the paragraphs the verifier was
 # calibrated on. Read over the whole context, the share fell with the text's length alone (a paper says nearly
-# every word somewhere), and the verifier refused a fifth of COVID-QA's questions, every one answerable.
+# every word somewhere), and the verifier refused about a quarter of COVID-QA's questions, every one answerable.
 PARAGRAPH_CHARS = 1000
 
 FEATURES = (

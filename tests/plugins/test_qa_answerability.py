@@ -32,7 +32,7 @@ def test_features_see_what_the_question_asks_that_the_context_never_says():
 def test_the_paragraph_share_reads_the_answers_paragraph_not_the_whole_document():
     """A paragraph inside a long document scores as the paragraph alone: read over the whole document, the share of
     the question's words it never says fell with the document's length (a scientific paper says nearly every word
-    somewhere), and the verifier refused a fifth of COVID-QA's answerable questions."""
+    somewhere), and the verifier refused about a quarter of COVID-QA's answerable questions."""
     question = "Which enzyme cleaves the spike protein of the coronavirus?"
     paragraph = "Entry needs the host protease TMPRSS2, which primes the viral envelope before fusion."
     answer = paragraph.index("TMPRSS2")
