@@ -50,7 +50,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININT
 PY=${PY:-python3}
 LOGS=$WORK/logs  # small files, sent back as one logs.tar (8 files come back at most)
 mkdir -p "$WORK" "$OUT" "$LOGS"
-device=cuda; [ -n "${SMOKE:-}" ] && device=cpu
+device=cuda precision=bf16
+# The CPU dry run trains in fp32 ("auto" on a CPU): bf16 is refused on a CPU without native bf16 (an AVX2-only one)
+[ -n "${SMOKE:-}" ] && device=cpu precision=auto
 stage() { [ -d "$LOGS" ] && tar cf "$OUT/logs.tar" -C "$LOGS" .; echo "== $(date +%T) $*"; }
 
 stage setup
@@ -96,7 +98,7 @@ else  # the shipped pack's part 7 (MODEL_CARD.md, qa): part 5's data and split a
 fi
 train+=(--model "$WORK/minilm" --init-adapter "$WORK/init" --lora-rank "$RANK" --lora-alpha "$RANK"
         --lora-targets query,key,value,attention_output,ffn_up,ffn_down
-        --precision bf16 --length-buckets 50 --log-every 50 --device $device)
+        --precision $precision --length-buckets 50 --log-every 50 --device $device)
 
 rm -rf "$WORK/smoke" "$WORK/run"  # a warm machine keeps /tmp: the last call's run is not this one's
 if [ -z "${SKIP_SMOKE:-}" ]; then
