@@ -105,8 +105,8 @@ def no_answer_rule(no_answer, answerability) -> float | None:
     """
     if no_answer_choice(no_answer):
         no_answer = no_answer.strip().lower()
-    elif isinstance(no_answer, str) and _probability_text(no_answer) is not None:
-        no_answer = _probability_text(no_answer)  # "0.5": as `-o no_answer=0.5` and an MCP client send it
+    elif isinstance(no_answer, str) and (value := _probability_text(no_answer)) is not None:
+        no_answer = value  # "0.5": as `-o no_answer=0.5` and an MCP client send it
     elif no_answer is not None and (isinstance(no_answer, bool) or not isinstance(no_answer, (int, float))
                                     or not 0.0 <= no_answer <= 1.0):
         raise InputError(f"qa: no_answer must be one of {', '.join(NO_ANSWER_CHOICES)} or a probability from 0 "

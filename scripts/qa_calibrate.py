@@ -81,13 +81,18 @@ def trained_on(paths) -> tuple[set[str], set[str]]:
 def predictions(predictor, path: Path, split: str, cache: Path) -> list[tuple[dict, dict, dict]]:
     """(inputs, target, result) for every question of a SQuAD file, cached by file and model."""
     examples = list(read_data(path, split))
-    if cache.exists():
-        results = json.loads(cache.read_text())
-    else:
-        results = qa.predict_many(predictor, [x for x, _ in examples], null_threshold=None, top_k=1, progress=True)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(results))
+    results = cached_results(predictor, [x for x, _ in examples], cache)
     return [(x, t, r) for (x, t), r in zip(examples, results)]
+
+
+def cached_results(predictor, items: list[dict], cache: Path) -> list[dict]:
+    """The QA results for `items` (no threshold, the best span kept), read from `cache` or predicted and written there."""
+    if cache.exists():
+        return json.loads(cache.read_text())
+    results = qa.predict_many(predictor, items, null_threshold=None, top_k=1, progress=True)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(results))
+    return results
 
 
 def long_document_sample(predictor, path: Path, size: int, cache: Path) -> dict[str, list[tuple[dict, dict, dict]]]:
@@ -98,13 +103,7 @@ def long_document_sample(predictor, path: Path, size: int, cache: Path) -> dict[
                  for p in article["paragraphs"] for _ in p["qas"]]
     examples = list(read_data(path, "dev"))
     picked = sorted(random.Random(0).sample(range(len(examples)), min(size, len(examples))))
-    if cache.exists():
-        results = json.loads(cache.read_text())
-    else:
-        results = qa.predict_many(predictor, [examples[i][0] for i in picked], null_threshold=None, top_k=1,
-                                  progress=True)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(results))
+    results = cached_results(predictor, [examples[i][0] for i in picked], cache)
     rows = [(*examples[i], r, documents[i] % 2) for i, r in zip(picked, results)]
     name = Path(path).stem
     return {f"{name} sample, even documents": [row[:3] for row in rows if row[3] == 0],
