@@ -153,6 +153,10 @@ class TaskSpec:
         input_fields: names of the text inputs, e.g. ("text",) or ("question", "context").
         optional_fields: text inputs that may be absent or None (e.g. a second text, "text_pair").
         options: option name -> default value, passed to preprocess/postprocess as keywords.
+        check_options: (options: a read-only mapping of every option, the caller's over the defaults)
+            -> None; raises InputError naming a bad value. Called when a pipeline is made and before
+            each request, so a bad value fails where it is written, not at the first call. Check
+            here what needs no tokenizer; preprocess still checks the rest. None: preprocess checks all.
         examples: example inputs (dicts keyed by `input_fields`).
         default_checkpoint: folder or Hub id of the model used when none is configured;
             None means the engine's default backbone with a freshly initialised head.
@@ -203,6 +207,7 @@ class TaskSpec:
     input_fields: tuple[str, ...] = ("text",)
     optional_fields: tuple[str, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
+    check_options: Callable[[Mapping[str, Any]], None] | None = None
     examples: tuple[Mapping[str, Any], ...] = ()
     description: str = ""
     default_checkpoint: str | None = None

@@ -46,13 +46,8 @@ def preprocess(inputs, tokenizer, *, top_k, max_seq_len, doc_stride, max_questio
     if not context.strip():
         raise InputError("qa: the context is empty; paste the text that holds the answer")
     max_seq_len = length_option("qa", "max_seq_len", max_seq_len, 384, 32, tokenizer)
-    for name, value, low, high in (("top_k", top_k, 1, 50), ("max_question_len", max_question_len, 4, 256),
-                                   ("max_answer_len", max_answer_len, 1, 512)):
-        check_int("qa", name, value, low, high)
-    if null_threshold is not None and (isinstance(null_threshold, bool) or not isinstance(null_threshold, (int, float))
-                                       or not math.isfinite(null_threshold)):
-        raise InputError(f"qa: null_threshold must be a finite number or None, got {null_threshold!r}")
-    no_answer_rule(no_answer, answerability)  # refuses a bad choice before any work
+    check_options({"top_k": top_k, "max_question_len": max_question_len, "max_answer_len": max_answer_len,
+                   "null_threshold": null_threshold, "no_answer": no_answer, "answerability": answerability})
     # Cut the question to max_question_len word pieces, at a character boundary of the original.
     question_batch = tokenizer(question, truncation=None)
     pieces = [o for o, s in zip(question_batch.offsets[0], question_batch.sequence_ids[0]) if s == 0]
@@ -93,6 +88,18 @@ def max_context_windows(batch) -> dict[tuple[int, int], int]:
             if span not in best or score > best[span][0]:
                 best[span] = (score, row)
     return {span: row for span, (_, row) in best.items()}
+
+
+def check_options(options) -> None:
+    """The option values that need no tokenizer, checked when a pipeline is made and again per request:
+    `pipeline("qa", null_threshold=float("nan"))` fails where it is written, not at its first call."""
+    for name, low, high in (("top_k", 1, 50), ("max_question_len", 4, 256), ("max_answer_len", 1, 512)):
+        check_int("qa", name, options[name], low, high)
+    null_threshold = options["null_threshold"]
+    if null_threshold is not None and (isinstance(null_threshold, bool) or not isinstance(null_threshold, (int, float))
+                                       or not math.isfinite(null_threshold)):
+        raise InputError(f"qa: null_threshold must be a finite number or None, got {null_threshold!r}")
+    no_answer_rule(options["no_answer"], options["answerability"])  # refuses a bad choice before any work
 
 
 def no_answer_rule(no_answer, answerability) -> float | None:
@@ -426,6 +433,7 @@ def register_tasks(register):
         build_tab=build_tab,
         input_fields=("question", "context"),
         options=OPTIONS,
+        check_options=check_options,
         tuned_options={"default_threshold": "null_threshold"},
         examples=EXAMPLES,
         read_data=read_data,

@@ -95,6 +95,20 @@ def test_a_refusal_scores_the_probability_that_decided_it():
     assert as_text["threshold"] == 0.01 and as_text["predicted"] and as_text["choice"] is None
 
 
+def test_a_bad_option_value_fails_where_the_pipeline_is_made():
+    """QA checks the values that need no tokenizer when the pipeline is made (its check_options hook), and
+    again on each call's own options; before, `null_threshold=nan` was refused only at the first call."""
+    for bad, named in ((float("nan"), "null_threshold must be a finite number"),
+                       ({"null_threshold": None, "no_answer": "sometimes"}, "no_answer must be one of"),
+                       ({"top_k": 0}, "top_k")):
+        options = bad if isinstance(bad, dict) else {"null_threshold": bad}
+        with pytest.raises(InputError, match=named):
+            pipeline("qa", **options)
+    qa = pipeline("qa")
+    with pytest.raises(InputError, match="no_answer must be one of .* got 1.5"):
+        qa(question="Where is Paris?", context="Paris is in France.", no_answer=1.5)
+
+
 def test_lists_generators_options_and_errors():
     classify = pipeline("sentiment", top_k=None)
     texts = (t for t in REVIEWS)  # any iterable: a generator of results

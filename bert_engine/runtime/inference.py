@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -302,7 +303,8 @@ class Predictor:
         return self.check_options(options)
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
-        """Raise InputError on an option the task does not declare; return them merged with its defaults."""
+        """Raise InputError on an option the task does not declare, or on a value the task's check_options
+        refuses; return them merged with its defaults."""
         spec = self.task.spec
         unknown = sorted(set(options) - set(spec.options))
         if unknown:
@@ -313,7 +315,10 @@ class Predictor:
                     check_unicode(spec.name, name, text)
         # The defaults copied for this request: a task that changes a list or dict option in place (careless, or
         # hostile) must not carry one visitor's request into every later visitor's defaults.
-        return {**copy.deepcopy({**spec.options, **self.model_options}), **options}
+        merged = {**copy.deepcopy({**spec.options, **self.model_options}), **options}
+        if spec.check_options is not None:
+            spec.check_options(MappingProxyType(merged))
+        return merged
 
     def get(self) -> Predictor:
         """Itself: the same call as LazyPredictor.get, so callers need not know which they hold."""

@@ -226,7 +226,7 @@ class Registry:
             if not callable(getattr(spec, field)):
                 problems.append(f"{field} must be callable, got {type(getattr(spec, field)).__name__}")
         for field in ("build_tab", "read_data", "training_batch", "loss", "metric", "evaluate", "predict_many",
-                      "target_labels"):
+                      "target_labels", "check_options"):
             value = getattr(spec, field)
             if value is not None and not callable(value):
                 problems.append(f"{field} must be callable or None, got {type(value).__name__}")
