@@ -90,12 +90,16 @@ class OrtModel:
         return self.session.run(["last_hidden_state"], feed)[0]
 
 
-def load(path: Path, threads: int) -> OrtModel:
+def load(path: Path, threads: int, profile_prefix: str | None = None) -> OrtModel:
     """An ONNX Runtime CPU session with every graph optimisation and `threads` threads (as torch uses),
-    its threads not spinning between runs."""
+    its threads not spinning between runs; with `profile_prefix`, ONNX Runtime's own per-node profiler on
+    (its JSON trace written under that prefix when `session.end_profiling()` is called)."""
     import onnxruntime as ort  # noqa: PLC0415
 
     options = ort.SessionOptions()
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

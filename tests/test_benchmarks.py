@@ -80,3 +80,52 @@ def test_onednn_graph_benchmark_times_each_variant_in_its_own_process(tmp_path):
     assert rows == result["rows"] and [r["length"] for r in rows] == [6, 9]
     assert all(r["eager_ms"] > 0 and r["onednn_graph_ms"] > 0 and r["fused_max_abs_diff"] < 1e-3 for r in rows)
     assert result["fused_back_to_a_seen_length_ms"] > 0
+
+
+def test_profile_kinds_put_each_sides_operators_into_the_same_kinds_of_work():
+    from benchmarks.profile_ops import by_kind, kind_of
+
+    # the engine's (torch) and ONNX Runtime's names for the same work land in the same kind
+    assert kind_of("mkldnn::_linear_pointwise") == kind_of("MatMul") == kind_of("aten::addmm") == "matmuls"
+    assert kind_of("onednn::qlinear_pointwise") == kind_of("MatMulIntegerToFloat") == "matmuls"
+    assert kind_of("aten::_scaled_dot_product_flash_attention_for_cpu") == kind_of("Attention") == "attention"
+    assert kind_of("aten::native_layer_norm") == kind_of("SkipLayerNormalization") == "LayerNorm and residual adds"
+    assert kind_of("DynamicQuantizeLinear") == kind_of("aten::round_") == "activation quantisation"
+    assert kind_of("aten::embedding") == kind_of("EmbedLayerNormalization") != "matmuls"
+    assert kind_of("aten::gelu") == kind_of("BiasGelu") == "GELU and other element-wise"
+    assert kind_of("aten::view") == "other (views, reshapes, dispatch)"
+    kinds = by_kind({"MatMul": 2.0, "Attention": 1.0, "aten::view": 0.5})
+    assert kinds["matmuls + attention"] == 3.0 and kinds["other (views, reshapes, dispatch)"] == 0.5
+
+
+def test_profile_ops_profiles_onnx_runtime_beside_the_engine(tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    from benchmarks import profile_ops
+
+    out = tmp_path / "profile.json"
+    profile_ops.main(["--shape", "1x16", "--repeats", "2", "--json", str(out)])
+    result = json.loads(out.read_text())
+    ort = "onnxruntime (fp32)"
+    assert set(result["wall_ms"]) == {"engine (fp32, packed)", "engine (plain nn.Linear)", "transformers", ort}
+    kinds = {row["kind"]: row for row in result["kinds"]}
+    # ONNX Runtime's profile was read: its fused graph's matmuls and attention both took time
+    assert kinds["matmuls"][ort] > 0 and kinds["attention"][ort] > 0 and kinds["profiled total"][ort] > 0
+    assert {row["op"] for row in result["ops"] if row["impl"] == ort} >= {"MatMul", "Attention"}
+
+
+def test_int8_kernels_benchmark_times_each_int8_kernel_beside_fp32(tmp_path):
+    from benchmarks import int8_kernels
+    from bert_engine.runtime.fast import fbgemm_int8_available
+
+    if not (onednn_int8_available() or fbgemm_int8_available()):
+        pytest.skip("no int8 matmul in this torch")
+    out = tmp_path / "kernels.json"
+    result = int8_kernels.main(["--shapes", "1x4", "--rounds", "1", "--no-onnx", "--json", str(out)])
+    rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows == {row["impl"]: row for row in result["rows"]} and "engine fp32" in rows
+    int8 = [name for name in rows if name.startswith("engine int8")]
+    assert len(int8) == onednn_int8_available() + fbgemm_int8_available()
+    # each kernel's model really is int8: close to fp32, not equal to it
+    assert all(0 < rows[name]["max_abs_diff"] < 0.5 and rows[name]["vs_engine_fp32"] > 0 for name in int8)
+    assert rows["engine fp32"]["max_abs_diff"] < 1e-4

@@ -14,6 +14,8 @@ from bert_engine.runtime.fast import (
     Int8Linear,
     PackedLinear,
     can_pack,
+    fbgemm_int8_available,
+    hadamard,
     onednn_int8_available,
     pack_linear_layers,
     quantize_int8,
@@ -64,6 +66,17 @@ def test_packing_twice_is_a_no_op_and_other_devices_or_dtypes_are_left_alone():
 
 
 needs_onednn_int8 = pytest.mark.skipif(not onednn_int8_available(), reason="this torch build has no oneDNN int8")
+INT8_KERNELS = [pytest.param("onednn", marks=needs_onednn_int8),
+                pytest.param("fbgemm", marks=pytest.mark.skipif(not fbgemm_int8_available(),
+                                                                reason="this torch build has no FBGEMM int8"))]
+
+
+@pytest.fixture
+def onednn_int8(monkeypatch):
+    """The oneDNN int8 path (its fused quantisers, its row chunks), whichever the CPU would pick."""
+    if not onednn_int8_available():
+        pytest.skip("this torch build has no oneDNN int8")
+    monkeypatch.setenv("BERT_ENGINE_INT8_KERNEL", "onednn")
 
 
 @needs_onednn_int8
@@ -75,15 +88,15 @@ def test_prepare_for_inference_int8_quantises_only_encoder_linears(minilm_dir):
     assert isinstance(model.pooler.dense, nn.Linear)
 
 
-@needs_onednn_int8
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
 @pytest.mark.parametrize("activation", [None, torch.nn.functional.gelu])
-def test_int8_linear_stays_within_its_quantisation_error(activation):
+def test_int8_linear_stays_within_its_quantisation_error(activation, kernel):
     torch.manual_seed(0)
     linear = nn.Linear(96, 64)
     x = torch.randn(2, 7, 96) * 3 + 1  # not centred on 0: the asymmetric input range matters
     expected = linear(x) if activation is None else activation(linear(x))
     with torch.inference_mode():
-        out = Int8Linear(linear, activation)(x)
+        out = Int8Linear(linear, activation, kernel=kernel)(x)
     assert out.shape == (2, 7, 64) and out.dtype == torch.float32
     # input step (range / 255) and weight step (max |w| / 127), summed over 96 products: a few hundredths
     error = (out - expected).abs()
@@ -91,19 +104,58 @@ def test_int8_linear_stays_within_its_quantisation_error(activation):
     assert float(error.mean()) < 0.02 * float(expected.abs().mean())  # 7-bit weights without VNNI: about 1 %
 
 
-@needs_onednn_int8
-def test_int8_linear_scales_each_token_on_its_own():
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+def test_int8_linear_scales_each_token_on_its_own(kernel):
     # one token 1,000x larger than the rest (as [SEP] rows can be): with one input scale per call every
     # other token would fall into a handful of uint8 steps around 0; per-token scales keep each row's
-    # error at its own few-percent level
+    # error at its own few-percent level (FBGEMM takes one scale per call: each row is brought to [0, 1] first)
     torch.manual_seed(0)
     linear = nn.Linear(96, 64, bias=False)
     x = torch.randn(8, 96)
     x[3] *= 1000
     with torch.inference_mode():
-        expected, out = linear(x), Int8Linear(linear)(x)
+        expected, out = linear(x), Int8Linear(linear, kernel=kernel)(x)
     relative = (out - expected).norm(dim=1) / expected.norm(dim=1)
     assert float(relative.max()) < 0.03, relative
+
+
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+@pytest.mark.parametrize("one_sided", [False, True])
+def test_int8_linear_gives_a_row_the_same_output_alone_or_in_any_batch(kernel, one_sided):
+    """A text's int8 answer must not depend on the texts batched with it. FBGEMM quantises a whole input
+    with one range; every row mapped onto exactly [0, 1] makes that range the same for any batch."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(9, 64) * torch.logspace(-2, 2, 9)[:, None]  # rows of very different reach
+    if one_sided:
+        x = torch.nn.functional.gelu(x)
+    x[4] = 0.5  # a constant row: no range of its own
+    layer = Int8Linear(linear, one_sided_input=one_sided, input_rotation=hadamard(16), kernel=kernel)
+    with torch.inference_mode():
+        together = layer(x)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+        reversed_batch = layer(x.flip(0)).flip(0)
+    assert torch.equal(together, alone) and torch.equal(together, reversed_batch)
+    assert torch.allclose(together[4], linear(x[4:5])[0], atol=0.02)
+
+
+def test_int8_kernel_follows_the_cpu_and_the_setting(monkeypatch):
+    from bert_engine.runtime.fast import int8_kernel
+
+    monkeypatch.setenv("BERT_ENGINE_CPU_CAPABILITY", "avx2")  # no VNNI: FBGEMM first (benchmarks/README.md)
+    assert int8_kernel() == ("fbgemm" if fbgemm_int8_available() else "onednn" if onednn_int8_available() else None)
+    for kernel, available in (("onednn", onednn_int8_available()), ("fbgemm", fbgemm_int8_available())):
+        monkeypatch.setenv("BERT_ENGINE_INT8_KERNEL", kernel)
+        if available:
+            assert int8_kernel() == kernel
+        else:
+            with pytest.raises(ValueError, match=f"has no {kernel} int8"):
+                int8_kernel()
+    monkeypatch.setenv("BERT_ENGINE_INT8_KERNEL", "mkl")
+    with pytest.raises(ValueError, match="BERT_ENGINE_INT8_KERNEL='mkl': choose auto, onednn, fbgemm"):
+        int8_kernel()
+    with pytest.raises(ValueError, match="kernel 'mkl'"):
+        Int8Linear(nn.Linear(8, 8), kernel="mkl")
 
 
 @needs_onednn_int8
@@ -137,7 +189,7 @@ def test_int8_quantises_ffn_down_for_its_one_sided_input_and_only_it(minilm_dir)
 
 
 def test_hadamard_is_orthonormal_and_rotation_blocks_divide_the_width():
-    from bert_engine.runtime.fast import hadamard, rotation_block
+    from bert_engine.runtime.fast import rotation_block
 
     for size in (1, 2, 16, 64):
         matrix = hadamard(size)
@@ -378,7 +430,7 @@ def test_a_masked_lm_heads_decoder_is_a_kernel_choice_too(tmp_path, monkeypatch)
 
 
 @needs_onednn_int8
-def test_compiled_int8_says_which_quantisers_it_fuses():
+def test_compiled_int8_says_which_quantisers_it_fuses(onednn_int8):
     """The provenance of int8 + compile: fused on long inputs, eager on short ones and on the feed-forward's
     row chunks (under the fused floor, so they never reach the compiled quantisers)."""
     from bert_engine.runtime import fast

@@ -115,6 +115,7 @@ def test_a_compiled_predictor_runs_padding_free_and_answers_as_the_eager_one(tin
     with torch.inference_mode():
         torch.testing.assert_close(compiled(ids, mask).logits[real], eager(ids, mask).logits[real], atol=1e-5, rtol=1e-5)
     if onednn_int8_available():  # int8: the quantisers are compiled, the int8 matmuls stay oneDNN's
+        monkeypatch.setenv("BERT_ENGINE_INT8_KERNEL", "onednn")  # FBGEMM (AVX2's default) quantises in its own op
         int8 = BertWithHead(tiny_config.with_labels(["a", "b"]), "token")
         int8.load_state_dict(weights)
         int8_compiled = BertWithHead(tiny_config.with_labels(["a", "b"]), "token")

@@ -15,7 +15,7 @@ CODE = [p for folder in ("bert_engine", "plugins", "playground") for p in (ROOT 
 def test_every_variable_the_code_names_is_declared_and_read_only_through_settings():
     for path in CODE:
         text = path.read_text(encoding="utf-8")
-        for name in set(re.findall(r"BERT_ENGINE_[A-Z_]+", text)):
+        for name in set(re.findall(r"BERT_ENGINE_[A-Z0-9_]+", text)):
             assert name in settings.SETTINGS, f"{path.relative_to(ROOT)} names {name}, which settings.py does not declare"
         if path.name != "settings.py":
             assert not re.search(r"environ(?:\.get)?\s*[\[(]\s*[\"']BERT_ENGINE_", text), path.relative_to(ROOT)

@@ -41,6 +41,34 @@ def onednn_int8_available() -> bool:
             and hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise"))
 
 
+def fbgemm_int8_available() -> bool:
+    """FBGEMM's dynamic int8 linear (torch.ops.quantized.linear_dynamic, pre-packed weights) is in this build."""
+    return ("fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops, "quantized")
+            and hasattr(torch.ops.quantized, "linear_dynamic") and hasattr(torch.ops.quantized, "linear_prepack"))
+
+
+INT8_KERNELS = ("onednn", "fbgemm")
+
+
+def int8_kernel() -> str | None:
+    """Which int8 matmul Int8Linear runs (BERT_ENGINE_INT8_KERNEL): "onednn", "fbgemm", or None where this
+    torch has neither. auto: FBGEMM where the CPU has no VNNI, oneDNN where it has. Measured on a real
+    AVX2-only EPYC (benchmarks/README.md, "int8 on AVX2"): oneDNN's u8 x s8 matmul there is its generic
+    jit gemm, which re-packs the whole weight on every call, and FBGEMM's pre-packed AVX2 kernels ran
+    MiniLM's 24 projections 2.4-3.7x faster at 1-48 rows and 1.4x at 128-512. With VNNI, oneDNN's int8
+    kept level with ONNX Runtime's (AVX-512 EPYC); FBGEMM was not timed there."""
+    choice = settings.get("BERT_ENGINE_INT8_KERNEL").strip().lower()
+    if choice not in ("auto", *INT8_KERNELS):
+        raise ValueError(f"BERT_ENGINE_INT8_KERNEL={choice!r}: choose auto, {', '.join(INT8_KERNELS)}")
+    available = {"onednn": onednn_int8_available(), "fbgemm": fbgemm_int8_available()}
+    if choice != "auto":
+        if not available[choice]:
+            raise ValueError(f"BERT_ENGINE_INT8_KERNEL={choice}: this torch build has no {choice} int8 matmul")
+        return choice
+    preferred = ("onednn", "fbgemm") if int8_weight_limit() == 127 else ("fbgemm", "onednn")
+    return next((kernel for kernel in preferred if available[kernel]), None)
+
+
 _BELOW_VNNI = {"SSE41", "AVX", "AVX2", "AVX512_CORE"}  # ONEDNN_MAX_CPU_ISA values without u8 x s8 dot products
 
 
@@ -80,8 +108,12 @@ class Int8Linear(nn.Module):
     _GELU = {F.gelu: "none", gelu_tanh: "tanh"}
 
     def __init__(self, linear: nn.Linear, activation=None, *, one_sided_input: bool = False,
-                 input_divisor: Tensor | None = None, input_rotation: Tensor | None = None) -> None:
+                 input_divisor: Tensor | None = None, input_rotation: Tensor | None = None,
+                 kernel: str = "onednn") -> None:
         super().__init__()
+        if kernel not in INT8_KERNELS:
+            raise ValueError(f"kernel {kernel!r}: choose one of {INT8_KERNELS}")
+        self.kernel = kernel
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
         self.register_buffer("input_rotation", None if input_rotation is None else input_rotation.detach().float(),
@@ -101,15 +133,27 @@ class Int8Linear(nn.Module):
             if self.in_features % block:
                 raise ValueError(f"input_rotation of size {block} does not divide in_features {self.in_features}")
             weight = (weight.view(self.out_features, -1, block) @ input_rotation).view_as(weight)
-        self.levels = int8_weight_limit()
+        # FBGEMM keeps 8-bit weights everywhere and, without VNNI, halves the activations' range instead
+        # (reduce_range: 7-bit activation codes), which keeps AVX2's int16 pair sums from saturating as well
+        self.reduce_range = kernel == "fbgemm" and int8_weight_limit() < 127
+        self.levels = 127 if kernel == "fbgemm" else int8_weight_limit()
         quantised, scale = quantize_weight(weight, self.levels)
         # An input far from symmetric about 0 (a GELU's output: >= -0.17, up to several units) would use
         # about half the 255 codes with steps symmetric about 0; each row's own [min, max] in 255 steps
         # uses them all. The offset's share of the output, midpoint x (row sums of W), is added back.
         self.one_sided_input = one_sided_input
-        self.register_buffer("weight_row_sum", (quantised.float() * scale[:, None]).sum(dim=1) if one_sided_input
-                             else None, persistent=False)
-        self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(quantised, None), persistent=False)
+        self.register_buffer("weight_row_sum", (quantised.float() * scale[:, None]).sum(dim=1)
+                             if one_sided_input or kernel == "fbgemm" else None, persistent=False)
+        if kernel == "fbgemm":
+            with warnings.catch_warnings():  # torch marks its quantised tensors deprecated; FBGEMM's prepack takes one
+                warnings.simplefilter("ignore", (UserWarning, DeprecationWarning, FutureWarning))
+                codes = torch._make_per_channel_quantized_tensor(quantised, scale.double(), torch.zeros(
+                    self.out_features, dtype=torch.long), 0)
+                self._fbgemm = torch.ops.quantized.linear_prepack(codes, None)  # bias added after the row scales
+            self.register_buffer("packed", None, persistent=False)
+        else:
+            self._fbgemm = None
+            self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(quantised, None), persistent=False)
         self.register_buffer("weight_scale", scale, persistent=False)
         self.register_buffer("weight_zero_point", torch.zeros(self.out_features, dtype=torch.long), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
@@ -119,6 +163,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features).float()
+        if self._fbgemm is not None:
+            return self._fbgemm_forward(x).reshape(*shape[:-1], self.out_features)
         if self.fused_quantiser is not None and x.shape[0] >= FUSED_MIN_ROWS:  # compiled: one pass to uint8 codes
             qx, row_scale, mid = self.fused_quantiser(x, self.input_multiplier, self.input_rotation)
             input_scale = 1.0 if self.one_sided_input else 1.0 / 127
@@ -139,6 +185,24 @@ class Int8Linear(nn.Module):
         if self.post_op == "gelu":
             out = torch.ops.aten.gelu_(out, approximate=self.algorithm)
         return out.reshape(*shape[:-1], self.out_features)
+
+    def _fbgemm_forward(self, x: Tensor) -> Tensor:
+        """FBGEMM quantises its whole input with one [min, max]. Each row is first mapped from its own
+        [min, max] onto [0, 1] (per-token asymmetric steps, as the oneDNN path's one-sided inputs), so
+        every token gets the whole code range, and since every row then holds an exact 0 and an exact
+        1, the tensor's range is [0, 1] whatever else is in the batch: a row's codes, and its output, do
+        not depend on the rows beside it (a text alone, in a batch, or in the feed-forward's chunks)."""
+        x = _prepared_rows(x, self.input_multiplier, self.input_rotation)
+        low, high = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
+        step = (high - low).clamp_min_(1e-12)
+        out = torch.ops.quantized.linear_dynamic((x - low).div_(step), self._fbgemm, self.reduce_range)
+        # W x = step * (W x') + low * (W 1), x' = (x - low) / step
+        out = out.mul_(step).addr_(low.squeeze(1), self.weight_row_sum)
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        if self.post_op == "gelu":
+            out = torch.ops.aten.gelu_(out, approximate=self.algorithm)
+        return out
 
     @staticmethod
     def _codes(x: Tensor) -> tuple[Tensor, float, Tensor, None]:
@@ -165,7 +229,10 @@ class Int8Linear(nn.Module):
         smoothed = ", smoothed" if self.input_multiplier is not None else ""
         rotated = "" if self.input_rotation is None else f", inputs rotated in blocks of {self.input_rotation.shape[0]}"
         fused = "" if self.fused_quantiser is None else ", fused quantiser"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 (weights +-{self.levels}), "
+        kernel = "FBGEMM, 7-bit activation codes" if self.reduce_range else (
+            "FBGEMM" if self.kernel == "fbgemm" else "oneDNN")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 {kernel} "
+                f"(weights +-{self.levels}), "
                 f"activation={self.post_op}, {inputs}{smoothed}{rotated}{fused}")
 
 
@@ -224,7 +291,7 @@ def fuse_int8_quantisers(model: nn.Module) -> int:
                 True: torch.compile(one_sided_codes, dynamic=True)}
     count = 0
     for module in model.modules():
-        if isinstance(module, Int8Linear):
+        if isinstance(module, Int8Linear) and module.kernel == "onednn":  # FBGEMM quantises inside its own op
             module.fused_quantiser = compiled[module.one_sided_input]
             count += 1
     return count
@@ -348,13 +415,15 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
         raise ValueError(f"keep_fp32: {unknown} name no encoder projection; use NAME or LAYER.NAME with NAME one "
                          f"of {LINEAR_NAMES}")
     encoder = encoder_of(model)
-    if not onednn_int8_available():
+    kernel = int8_kernel()
+    if kernel is None:
         with warnings.catch_warnings():
             # torch marks its quantised-tensor API as deprecated in favour of torchao; it still works.
             warnings.simplefilter("ignore", (UserWarning, DeprecationWarning, FutureWarning))
             for layer in encoder.layers:
                 torch.ao.quantization.quantize_dynamic(layer, {nn.Linear}, dtype=torch.qint8, inplace=True)
-        logger.info("quantised %d encoder layers to dynamic int8 (torch.ao; no oneDNN int8 here)", len(encoder.layers))
+        logger.info("quantised %d encoder layers to dynamic int8 (torch.ao; no oneDNN or FBGEMM int8 here)",
+                    len(encoder.layers))
         return model
     quantised = 0
     for index, layer in enumerate(encoder.layers):
@@ -380,15 +449,16 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
                 size = rotation_block(linear.in_features, rotation) if rotation and name != "attention.out" else 1
                 replacement = Int8Linear(linear, owner.act if fused_gelu else None,
                                          one_sided_input=one_sided and size == 1, input_divisor=divisors,
-                                         input_rotation=hadamard(size) if size > 1 else None)
+                                         input_rotation=hadamard(size) if size > 1 else None, kernel=kernel)
                 quantised += 1
             if fused_gelu and replacement is not linear:
                 owner.act = _identity
             setattr(owner, attr, replacement)
         if isinstance(layer.ffn.up, Int8Linear) or isinstance(layer.ffn.down, Int8Linear):
             layer.ffn.chunk_rows = FFN_CHUNK_ROWS
-    logger.info("quantised %d of %d encoder projections to int8 (oneDNN; smoothing %s), kept %s in fp32", quantised,
-                len(encoder.layers) * len(LINEAR_NAMES), smoothing, sorted(keep) or "none")
+    model.int8_kernel = kernel
+    logger.info("quantised %d of %d encoder projections to int8 (%s; smoothing %s), kept %s in fp32", quantised,
+                len(encoder.layers) * len(LINEAR_NAMES), kernel, smoothing, sorted(keep) or "none")
     return model
 
 

@@ -402,6 +402,9 @@ class Predictor:
         kernels = getattr(self.model, "kernel_choice", None)
         if kernels:  # which matmul kernel each projection uses on this machine (runtime.fast.choose_kernels)
             info["kernels"] = {name: choice["chose"] for name, choice in kernels.items()}
+        int8 = getattr(self.model, "int8_kernel", None)
+        if int8:  # whose int8 matmuls the quantised projections run (runtime.fast.int8_kernel)
+            info["int8_kernel"] = int8
         compiled = getattr(self.model, "compiled", False)
         if compiled:  # True: torch.compile'd encoder layers; int8 says which part (load(compile=True), a compiler found)
             info["compiled"] = compiled

@@ -1,0 +1,95 @@
+"""Whose int8 matmuls an int8 model runs: oneDNN's and FBGEMM's (bert_engine.runtime.fast.int8_kernel),
+timed in turn beside the engine's fp32 and ONNX Runtime's fp32 and int8 graphs.
+
+    python -m benchmarks.int8_kernels                                 # MiniLM, 1x1 ... 32x128
+    python -m benchmarks.int8_kernels --shapes 1x24,1x128 --rounds 20 --json out.json
+
+Loads MiniLM (the offline backbone) once per int8 kernel (BERT_ENGINE_INT8_KERNEL set for each load)
+and once in fp32; ONNX Runtime runs the same checkpoint's fused graph and its dynamically quantised
+copy (benchmarks/onnx_runtime.py) when onnxruntime is installed. Per shape: each contender's max
+|difference| from transformers' fp32 output, then `--rounds` rounds in which every contender runs
+once in turn (benchmarks.common.interleaved); medians, and each int8 kernel's speed-up over the
+engine's fp32 and over ONNX Runtime's int8. Short rows (1-24 tokens) are a visitor's request; 128 and
+32x128 a long input and a batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks import onnx_runtime
+from benchmarks.common import interleaved, machine, median, print_table, write_json
+from benchmarks.encoder import load_pair, model_folders
+
+SHAPES = "1x1,1x12,1x24,1x48,1x128,32x128"
+
+
+def load_int8(folder: Path, kernel: str):
+    """The engine's int8 model with `kernel`'s matmuls (the setting restored after)."""
+    before = os.environ.get("BERT_ENGINE_INT8_KERNEL")
+    os.environ["BERT_ENGINE_INT8_KERNEL"] = kernel
+    try:
+        return load_pair(folder, "cpu", "int8")[0]
+    finally:
+        if before is None:
+            del os.environ["BERT_ENGINE_INT8_KERNEL"]
+        else:
+            os.environ["BERT_ENGINE_INT8_KERNEL"] = before
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from bert_engine.runtime.fast import fbgemm_int8_available, int8_kernel, onednn_int8_available
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=SHAPES, help="BxT,... (batch x tokens)")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--no-onnx", action="store_true", help="leave ONNX Runtime out")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    kernels = [k for k, ok in (("onednn", onednn_int8_available()), ("fbgemm", fbgemm_int8_available())) if ok]
+    if not kernels:
+        raise SystemExit("this torch build has neither oneDNN's nor FBGEMM's int8 matmul")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = model_folders(["minilm"], Path(tmp))["minilm"]
+        fp32, reference = load_pair(folder, "cpu", "fp32")
+        models = {"engine fp32": fp32, **{f"engine int8 ({k})": load_int8(folder, k) for k in kernels}}
+        ort = {}
+        if not args.no_onnx and onnx_runtime.available():
+            paths = onnx_runtime.export(folder, Path(tmp) / "onnx", "minilm")
+            ort = {f"onnxruntime {p}": onnx_runtime.load(paths[p], torch.get_num_threads()) for p in ("fp32", "int8")}
+        rows = []
+        for shape in args.shapes.split(","):
+            batch, tokens = (int(v) for v in shape.split("x"))
+            ids = torch.randint(1000, 30000, (batch, tokens), generator=torch.Generator().manual_seed(batch * 1000 + tokens))
+            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+            contenders = {name: (lambda m=m, inputs=inputs: m(**inputs).last_hidden_state) for name, m in models.items()}
+            contenders |= {name: (lambda s=s, inputs=inputs: torch.from_numpy(s(inputs))) for name, s in ort.items()}
+            with torch.inference_mode():
+                expected = reference(**inputs).last_hidden_state
+                diffs = {name: float((run() - expected).abs().max()) for name, run in contenders.items()}
+                times = interleaved(contenders, args.rounds)
+            ms = {name: 1e3 * median(t) for name, t in times.items()}
+            for name in contenders:
+                row = {"shape": shape, "impl": name, "ms": round(ms[name], 3), "max_abs_diff": round(diffs[name], 4),
+                       "vs_engine_fp32": None, "vs_ort_int8": None}
+                if name.startswith("engine int8"):
+                    row["vs_engine_fp32"] = round(ms["engine fp32"] / ms[name], 3)
+                    if "onnxruntime int8" in ms:
+                        row["vs_ort_int8"] = round(ms["onnxruntime int8"] / ms[name], 3)
+                rows.append(row)
+    result = {"machine": machine(), "default_int8_kernel": int8_kernel(), "rounds": args.rounds, "rows": rows}
+    info = result["machine"]
+    print(f"# MiniLM encoder forward, {info['cpu']} ({info['cpu_capability']}), {info['threads']} threads; "
+          f"int8 kernel by default here: {result['default_int8_kernel']}; medians of {args.rounds} rounds in turn")
+    print_table(rows, ["shape", "impl", "ms", "max_abs_diff", "vs_engine_fp32", "vs_ort_int8"])
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
