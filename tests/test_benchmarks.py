@@ -88,6 +88,7 @@ def test_profile_kinds_put_each_sides_operators_into_the_same_kinds_of_work():
     # the engine's (torch) and ONNX Runtime's names for the same work land in the same kind
     assert kind_of("mkldnn::_linear_pointwise") == kind_of("MatMul") == kind_of("aten::addmm") == "matmuls"
     assert kind_of("onednn::qlinear_pointwise") == kind_of("MatMulIntegerToFloat") == "matmuls"
+    assert kind_of("DynamicQuantizeMatMul") == kind_of("quantized::linear_dynamic") == "matmuls"
     assert kind_of("aten::_scaled_dot_product_flash_attention_for_cpu") == kind_of("Attention") == "attention"
     assert kind_of("aten::native_layer_norm") == kind_of("SkipLayerNormalization") == "LayerNorm and residual adds"
     assert kind_of("DynamicQuantizeLinear") == kind_of("aten::round_") == "activation quantisation"
