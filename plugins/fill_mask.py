@@ -85,17 +85,23 @@ def preprocess(inputs, tokenizer, **options):
     return Batch.stacked(parts, tokenizer.pad_token_id)
 
 
+def check_options(options) -> None:
+    """The option values that need no tokenizer (TaskSpec.check_options: also when a pipeline is made)."""
+    check_int("fill_mask", "top_k", options["top_k"], 1, 100)
+    if not isinstance(options["subwords"], bool):
+        raise InputError(f"fill_mask: subwords must be true or false, got {options['subwords']!r}")
+    if options["mode"] not in MODES:
+        raise InputError(f"fill_mask: mode {options['mode']!r} is not one of {MODES}")
+    beam_width = options["beam_width"]
+    if not isinstance(beam_width, int) or isinstance(beam_width, bool) or not 1 <= beam_width <= 64:
+        raise InputError(f"fill_mask: beam_width must be an integer in [1, 64], got {beam_width!r}")
+
+
 def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, max_length, subwords):
     mask = tokenizer.mask_token
     if mask != "[MASK]":  # a model whose mask is "<mask>" (RoBERTa) still reads the tab's "[MASK]"
         text = text.replace("[MASK]", mask)
-    check_int("fill_mask", "top_k", top_k, 1, 100)
-    if not isinstance(subwords, bool):
-        raise InputError(f"fill_mask: subwords must be true or false, got {subwords!r}")
-    if mode not in MODES:
-        raise InputError(f"fill_mask: mode {mode!r} is not one of {MODES}")
-    if not isinstance(beam_width, int) or not 1 <= beam_width <= 64:
-        raise InputError(f"fill_mask: beam_width must be an integer in [1, 64], got {beam_width!r}")
+    check_options({"top_k": top_k, "subwords": subwords, "mode": mode, "beam_width": beam_width})
     max_length = length_option("fill_mask", "max_length", max_length, 512, 8, tokenizer)
     if targets is not None:
         # one text is comma-separated words, as the tab's box takes them (`-o targets=paris,london` on the CLI)
@@ -582,6 +588,7 @@ def register_tasks(register):
         build_tab=build_tab,
         input_fields=("text",),
         options=OPTIONS,
+        check_options=check_options,
         examples=EXAMPLES,
         predict_many=predict_texts,
         read_data=read_data,

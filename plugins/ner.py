@@ -71,18 +71,22 @@ class NerHead(TokenClassificationHead):
 
 # -- preprocessing ---------------------------------------------------------------------------------
 
+def check_options(options) -> None:
+    """The option values that need no tokenizer (TaskSpec.check_options: also when a pipeline is made)."""
+    check_int("ner", "nbest", options["nbest"], 1, MAX_NBEST)
+    for name in ("constrained", "casing"):
+        if not isinstance(options[name], bool):
+            raise InputError(f"ner: {name} must be true or false, got {options[name]!r}")
+    if options["scheme"] != "auto" and options["scheme"] not in SCHEMES:
+        raise InputError(f"ner: scheme {options['scheme']!r} is not 'auto' or one of {SCHEMES}")
+
+
 def _check_options(tokenizer, max_length, stride, nbest, constrained, scheme, casing) -> tuple[int, int]:
     """The checked options; returns max_length and stride with None resolved against the model."""
     max_length = length_option("ner", "max_length", max_length, 256, 16, tokenizer)
     stride = min(64, max_length // 4) if stride is None else stride
     check_int("ner", "stride", stride, 0, max_length // 2)
-    check_int("ner", "nbest", nbest, 1, MAX_NBEST)
-    if not isinstance(constrained, bool):
-        raise InputError(f"ner: constrained must be true or false, got {constrained!r}")
-    if not isinstance(casing, bool):
-        raise InputError(f"ner: casing must be true or false, got {casing!r}")
-    if scheme != "auto" and scheme not in SCHEMES:
-        raise InputError(f"ner: scheme {scheme!r} is not 'auto' or one of {SCHEMES}")
+    check_options({"nbest": nbest, "constrained": constrained, "casing": casing, "scheme": scheme})
     return max_length, stride
 
 
@@ -544,6 +548,7 @@ def register_tasks(register):
         build_tab=build_tab,
         input_fields=("text",),
         options=OPTIONS,
+        check_options=check_options,
         examples=EXAMPLES,
         read_data=read_data,
         training_batch=training_batch,

@@ -53,16 +53,22 @@ class SentimentHead(SequenceClassificationHead):
         return SentimentOutput(super().forward(encoded).logits, self.labels, self.problem_type)
 
 
-def _check_options(top_k, function, long_input, max_length, stride, temperature, tokenizer) -> tuple[int, int]:
-    """The checked options; returns max_length and stride with None resolved against the model."""
+def check_options(options) -> None:
+    """The option values that need no tokenizer (TaskSpec.check_options: also when a pipeline is made)."""
+    top_k, temperature = options["top_k"], options["temperature"]
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise InputError(f"sentiment: top_k must be a positive integer or None, got {top_k!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0.05 <= temperature <= 20:
         raise InputError(f"sentiment: temperature must be a number in [0.05, 20], got {temperature!r}")
-    if function not in FUNCTIONS:
-        raise InputError(f"sentiment: function {function!r} is not one of {FUNCTIONS}")
-    if long_input not in POLICIES:
-        raise InputError(f"sentiment: long_input {long_input!r} is not one of {POLICIES}")
+    if options["function"] not in FUNCTIONS:
+        raise InputError(f"sentiment: function {options['function']!r} is not one of {FUNCTIONS}")
+    if options["long_input"] not in POLICIES:
+        raise InputError(f"sentiment: long_input {options['long_input']!r} is not one of {POLICIES}")
+
+
+def _check_options(top_k, function, long_input, max_length, stride, temperature, tokenizer) -> tuple[int, int]:
+    """The checked options; returns max_length and stride with None resolved against the model."""
+    check_options({"top_k": top_k, "function": function, "long_input": long_input, "temperature": temperature})
     max_length = length_option("sentiment", "max_length", max_length, 512, 8, tokenizer)
     stride = min(64, max_length // 4) if stride is None else stride
     if not isinstance(stride, int) or not 0 <= stride <= max_length // 2:
@@ -337,6 +343,7 @@ def register_tasks(register):
         input_fields=("text",),
         optional_fields=("text_pair",),
         options=OPTIONS,
+        check_options=check_options,
         tuned_options={"tuned_temperature": "temperature"},  # the scores' temperature fitted on held-out data
         examples=EXAMPLES,
         read_data=read_data,

@@ -75,8 +75,19 @@ class SentenceScorerHead(nn.Module):
 
 # -- preprocessing ---------------------------------------------------------------------------------
 
+def check_options(options) -> None:
+    """The option values that need no tokenizer (TaskSpec.check_options: also when a pipeline is made)."""
+    _check_values(**{name: options[name] for name in ("num_sentences", "ratio", "min_words", "mode", "mmr_lambda",
+                                                      "hybrid_weight", "layer")})
+
+
 def _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weight, layer, max_length,
                    tokenizer) -> int:
+    _check_values(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weight, layer)
+    return length_option("summary", "max_length", max_length, 512, 32, tokenizer)
+
+
+def _check_values(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weight, layer) -> None:
     if num_sentences is not None:
         check_int("summary", "num_sentences", num_sentences, 1, 100)
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
@@ -90,7 +101,6 @@ def _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_wei
         raise InputError(f"summary: hybrid_weight must lie in [0, 1], got {hybrid_weight!r}")
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise InputError(f"summary: layer must be an integer (-1 is the last layer), got {layer!r}")
-    return length_option("summary", "max_length", max_length, 512, 32, tokenizer)
 
 
 # The task's options and their defaults, declared once: the Predictor passes every one to preprocess
@@ -594,6 +604,7 @@ def register_tasks(register):
         build_tab=build_tab,
         input_fields=("text",),
         options=OPTIONS,
+        check_options=check_options,
         examples=EXAMPLES,
         read_data=read_data,
         training_batch=training_batch,

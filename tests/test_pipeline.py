@@ -107,6 +107,15 @@ def test_a_bad_option_value_fails_where_the_pipeline_is_made():
     qa = pipeline("qa")
     with pytest.raises(InputError, match="no_answer must be one of .* got 1.5"):
         qa(question="Where is Paris?", context="Paris is in France.", no_answer=1.5)
+    # every built-in task checks its tokenizer-free values there too
+    for task, options, named in (("sentiment", {"temperature": float("nan")}, "temperature must be a number"),
+                                 ("sentiment", {"long_input": "skim"}, "long_input 'skim'"),
+                                 ("ner", {"nbest": 0}, "nbest"), ("ner", {"scheme": "XYZ"}, "scheme 'XYZ'"),
+                                 ("fill_mask", {"beam_width": 0}, "beam_width"), ("fill_mask", {"mode": "guess"}, "mode"),
+                                 ("summary", {"ratio": 0}, "ratio must lie"), ("summary", {"mmr_lambda": 2}, "mmr_lambda")):
+        with pytest.raises(InputError, match=named):
+            pipeline(task, **options)
+    assert pipeline("ner", nbest=2)("Ada Lovelace lived in London.")  # a good value still answers
 
 
 def test_lists_generators_options_and_errors():
