@@ -54,10 +54,12 @@ def encoder_lines(result: dict[str, Any]) -> list[str]:
     peak = result.get("matmul_peak_gflops", {}).get("fp32")
     lines = [f"| encoder forward | vs transformers (int8: its fp32) | vs ONNX Runtime (same precision) | share of the "
              f"fp32 matmul peak{f' ({peak:.0f} GFLOP/s)' if peak else ''} |", "|---|---|---|---|"]
+    kernel = result.get("int8_kernel")
     for r in rows:  # the int8 peak the benchmark measures is not the CPU's int8 roofline: shown for fp32 only
         share = "-" if r["precision"] != "fp32" else (
             f"{100 * r['roofline']:.0f} %" if r["roofline"] <= 1 else "over 100 %: the run's peak read low")
-        lines.append(f"| {r['model']} {r['shape']} {r['precision']} | {_x(r.get('speedup'))} | {_x(r.get('vs_ort'))} "
+        precision = f"{r['precision']} ({kernel})" if kernel and r["precision"].startswith("int8") else r["precision"]
+        lines.append(f"| {r['model']} {r['shape']} {precision} | {_x(r.get('speedup'))} | {_x(r.get('vs_ort'))} "
                      f"| {share} |")
     return lines
 

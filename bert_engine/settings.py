@@ -47,7 +47,8 @@ SETTINGS = {s.name: s for s in (
             "limit)"),
     Setting("BERT_ENGINE_KERNELS", "str", "auto", "start", "the CPU's fp32 and bf16 matmuls (the encoder's "
             "projections, and a fill-mask head's decoder, int8 models too): auto (time oneDNN's packed and MKL's "
-            "plain kernels on the model's shapes once per machine, keep the faster), packed, plain"),
+            "plain kernels on the model's shapes once per machine; plain only where it is at least 10 % faster), "
+            "packed, plain"),
     Setting("BERT_ENGINE_INT8_KERNEL", "str", "auto", "start", "int8 models' matmuls: auto (FBGEMM where the CPU "
             "has no VNNI, oneDNN where it has), onednn, fbgemm"),
     Setting("BERT_ENGINE_KERNEL_CACHE", "str", "", "start", "the file those timings are kept in (default "

@@ -130,3 +130,23 @@ def test_int8_kernels_benchmark_times_each_int8_kernel_beside_fp32(tmp_path):
     # each kernel's model really is int8: close to fp32, not equal to it
     assert all(0 < rows[name]["max_abs_diff"] < 0.5 and rows[name]["vs_engine_fp32"] > 0 for name in int8)
     assert rows["engine fp32"]["max_abs_diff"] < 1e-4
+
+
+def test_int8_agreement_benchmark_scores_each_int8_kernel_against_fp32(tmp_path):
+    from benchmarks import int8_agreement
+    from bert_engine.runtime.fast import fbgemm_int8_available
+
+    if not (onednn_int8_available() or fbgemm_int8_available()):
+        pytest.skip("no int8 matmul in this torch")
+    (tmp_path / "sst2").mkdir()
+    (tmp_path / "sst2" / "dev.tsv").write_text(SST.read_text(encoding="utf-8"), encoding="utf-8")
+    out = tmp_path / "agreement.json"
+    result = int8_agreement.main(["--tasks", "sentiment", "--limit", "6", "--data", str(tmp_path), "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == result["rows"]
+    assert [r["int8_kernel"] for r in rows] == [k for k, ok in (("onednn", onednn_int8_available()),
+                                                                ("fbgemm", fbgemm_int8_available())) if ok]
+    assert all(r["task"] == "sentiment" and r["items"] == 6 and 0 <= r["identical"] <= 100 for r in rows)
+    assert all(r["met"] == (r["identical"] >= 99.0) for r in rows)
+    with pytest.raises(SystemExit, match="unknown"):
+        int8_agreement.main(["--tasks", "translation"])
