@@ -688,12 +688,14 @@ class SlowWhenAskedPlugin:
 
     release = threading.Event()
     waiting = 0
+    counting = threading.Lock()  # `waiting += 1` from many request threads can lose a count without it
 
     @hookimpl
     def register_tasks(self, register):
         def preprocess(inputs, tokenizer, **options):
             if "slow" in inputs["text"]:
-                SlowWhenAskedPlugin.waiting += 1
+                with SlowWhenAskedPlugin.counting:
+                    SlowWhenAskedPlugin.waiting += 1
                 SlowWhenAskedPlugin.release.wait(60)
             return tokenizer(inputs["text"])
 

@@ -53,10 +53,12 @@ INT8_KERNELS = ("onednn", "fbgemm")
 def int8_kernel() -> str | None:
     """Which int8 matmul Int8Linear runs (BERT_ENGINE_INT8_KERNEL): "onednn", "fbgemm", or None where this
     torch has neither. auto: FBGEMM where the CPU has no VNNI, oneDNN where it has. Measured on a real
-    AVX2-only EPYC (benchmarks/README.md, "int8 on AVX2"): oneDNN's u8 x s8 matmul there is its generic
-    jit gemm, which re-packs the whole weight on every call, and FBGEMM's pre-packed AVX2 kernels ran
-    MiniLM's 24 projections 2.4-3.7x faster at 1-48 rows and 1.4x at 128-512. With VNNI, oneDNN's int8
-    kept level with ONNX Runtime's (AVX-512 EPYC); FBGEMM was not timed there."""
+    AVX2-only EPYC (benchmarks/README.md, "Real AVX2, end to end and short rows"): oneDNN's u8 x s8 matmul
+    there is its generic jit gemm, which re-packs the whole weight on every call; with FBGEMM's pre-packed
+    AVX2 kernels MiniLM's int8 forward ran 1.11-1.56x faster at 1-128 tokens and 0.87x on a 32x128 batch
+    (`python -m benchmarks.int8_kernels`). With VNNI, oneDNN's int8 kept level with ONNX Runtime's (AVX-512
+    EPYC); FBGEMM was not timed there. A rule, not a timing at load as for the fp32 kernels: the two
+    quantise differently, and a machine's int8 answers should not hang on a noisy first timing."""
     choice = settings.get("BERT_ENGINE_INT8_KERNEL").strip().lower()
     if choice not in ("auto", *INT8_KERNELS):
         raise ValueError(f"BERT_ENGINE_INT8_KERNEL={choice!r}: choose auto, {', '.join(INT8_KERNELS)}")
@@ -394,8 +396,9 @@ def rotate_value_heads(attention: nn.Module, block: int) -> None:
 
 def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
                   smoothing: float | None = None, rotation: int | None = ROTATION_BLOCK) -> nn.Module:
-    """Replace the encoder layers' projections by int8 ones, in place: oneDNN's (Int8Linear) where
-    this torch has it, else torch.ao's dynamic quantisation (fbgemm).
+    """Replace the encoder layers' projections by int8 ones, in place: Int8Linear with the int8 matmuls
+    `int8_kernel()` picks (oneDNN's or FBGEMM's), else, where this torch has neither, torch.ao's dynamic
+    quantisation.
 
     `keep_fp32` names projections to leave in fp32 (packed), as "LAYER.NAME" ("5.ffn.down") or a bare
     NAME for every layer ("ffn.down"); default KEEP_FP32 (see there). `rotation`: the Hadamard block
