@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +123,17 @@ def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
         payload = {"command": " ".join([program, *sys.argv[1:]]), **payload}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+@contextmanager
+def int8_kernel_set(kernel: str) -> Iterator[None]:
+    """BERT_ENGINE_INT8_KERNEL=kernel for the models loaded inside; the caller's setting restored after."""
+    before = os.environ.get("BERT_ENGINE_INT8_KERNEL")
+    os.environ["BERT_ENGINE_INT8_KERNEL"] = kernel
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("BERT_ENGINE_INT8_KERNEL", None)
+        else:
+            os.environ["BERT_ENGINE_INT8_KERNEL"] = before

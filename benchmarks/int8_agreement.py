@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, print_table, write_json
+from benchmarks.common import int8_kernel_set, machine, print_table, write_json
 from benchmarks.int8_sensitivity import TARGETS, _agreement, _workload
 from benchmarks.workloads import DATA
 
@@ -39,25 +38,18 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown or not kernels:
         raise SystemExit(f"--tasks: {unknown} unknown; choose from {', '.join(TARGETS)}" if unknown
                          else "this torch build has neither oneDNN's nor FBGEMM's int8 matmul")
-    before = os.environ.get("BERT_ENGINE_INT8_KERNEL")
     rows = []
-    try:
-        for name in args.tasks.split(","):
-            task, predict = _workload(name, Path(args.data), args.limit)
-            reference = predict(Predictor.load(task, precision="fp32"))
-            for kernel in kernels:
-                os.environ["BERT_ENGINE_INT8_KERNEL"] = kernel
-                start = time.perf_counter()
+    for name in args.tasks.split(","):
+        task, predict = _workload(name, Path(args.data), args.limit)
+        reference = predict(Predictor.load(task, precision="fp32"))
+        for kernel in kernels:
+            start = time.perf_counter()
+            with int8_kernel_set(kernel):
                 got = predict(Predictor.load(task, precision="int8"))
-                rows.append({"task": name, "int8_kernel": kernel, "items": len(reference),
-                             "identical": round(_agreement(reference, got), 2), "target": TARGETS[name],
-                             "met": _agreement(reference, got) >= TARGETS[name],
-                             "seconds": round(time.perf_counter() - start, 1)})
-    finally:
-        if before is None:
-            os.environ.pop("BERT_ENGINE_INT8_KERNEL", None)
-        else:
-            os.environ["BERT_ENGINE_INT8_KERNEL"] = before
+            identical = _agreement(reference, got)
+            rows.append({"task": name, "int8_kernel": kernel, "items": len(reference), "identical": round(identical, 2),
+                         "target": TARGETS[name], "met": identical >= TARGETS[name],
+                         "seconds": round(time.perf_counter() - start, 1)})
     result = {"machine": machine(), "default_int8_kernel": int8_kernel(), "limit": args.limit, "rows": rows}
     info = result["machine"]
     print(f"# int8 predictions identical to fp32, {info['cpu']} ({info['cpu_capability']}); "

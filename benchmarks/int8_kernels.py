@@ -16,30 +16,22 @@ engine's fp32 and over ONNX Runtime's int8. Short rows (1-24 tokens) are a visit
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
 import torch
 
 from benchmarks import onnx_runtime
-from benchmarks.common import interleaved, machine, median, print_table, write_json
+from benchmarks.common import int8_kernel_set, interleaved, machine, median, print_table, write_json
 from benchmarks.encoder import load_pair, model_folders
 
 SHAPES = "1x1,1x12,1x24,1x48,1x128,32x128"
 
 
 def load_int8(folder: Path, kernel: str):
-    """The engine's int8 model with `kernel`'s matmuls (the setting restored after)."""
-    before = os.environ.get("BERT_ENGINE_INT8_KERNEL")
-    os.environ["BERT_ENGINE_INT8_KERNEL"] = kernel
-    try:
+    """The engine's int8 model with `kernel`'s matmuls."""
+    with int8_kernel_set(kernel):
         return load_pair(folder, "cpu", "int8")[0]
-    finally:
-        if before is None:
-            del os.environ["BERT_ENGINE_INT8_KERNEL"]
-        else:
-            os.environ["BERT_ENGINE_INT8_KERNEL"] = before
 
 
 def main(argv: list[str] | None = None) -> dict:
