@@ -48,10 +48,13 @@ def _info(args: argparse.Namespace) -> dict:
         "config": config.to_dict(), "tokenizer_vocab_size": tokenizer.vocab_size,
     }
     if args.kernels:  # timed on this machine's first ask, then read from the cache
-        from .runtime.fast import choose_kernels, int8_kernel
+        from .runtime import native
+        from .runtime.fast import choose_kernels, int8_kernel, kernel_label
         from .runtime.precision import kernel_cache
 
-        info["kernels"] = choose_kernels(model.eval(), kernel_cache())
+        info["kernels"] = {name: {**choice, "runs": kernel_label(choice)}
+                           for name, choice in choose_kernels(model.eval(), kernel_cache()).items()}
+        info["tiled_kernel"] = native.unavailable() or "available"  # why bert_engine's own kernel is not a candidate
         info["int8_kernel"] = int8_kernel()  # what --precision int8 runs its projections' matmuls with
     return info
 
@@ -615,7 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", parents=[common], help="load a checkpoint and describe it")
     info.add_argument("--head", default=None, help="head to load (mlm, sequence, token, span, auto, ...)")
     info.add_argument("--kernels", action="store_true", help="also the matmul kernel each projection gets on this "
-                      "machine (oneDNN packed or MKL plain) and their timings (BERT_ENGINE_KERNELS=auto), and whose "
+                      "machine (oneDNN packed, MKL plain or bert_engine's tiled AVX2 kernel; for short and long inputs) "
+                      "and their timings (BERT_ENGINE_KERNELS=auto), and whose "
                       "int8 matmuls --precision int8 runs (BERT_ENGINE_INT8_KERNEL)")
     info.set_defaults(run=_info)
     encode = sub.add_parser("encode", parents=[common], help="tokenise and encode texts; mean-pooled vectors")

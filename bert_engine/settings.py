@@ -46,9 +46,10 @@ SETTINGS = {s.name: s for s in (
     Setting("BERT_ENGINE_PLUGIN_TIMEOUT", "float", 30.0, "start", "seconds a plugin may take to import (0: no "
             "limit)"),
     Setting("BERT_ENGINE_KERNELS", "str", "auto", "start", "the CPU's fp32 and bf16 matmuls (the encoder's "
-            "projections, and a fill-mask head's decoder, int8 models too): auto (time oneDNN's packed and MKL's "
-            "plain kernels on the model's shapes once per machine; plain only where it is at least 10 % faster), "
-            "packed, plain"),
+            "projections, and a fill-mask head's decoder, int8 models too): auto (time oneDNN's packed, MKL's "
+            "plain and, fp32 on AVX2 CPUs with a C compiler, bert_engine's tiled kernel on the model's shapes "
+            "once per machine, for short inputs (up to 256 rows) and long ones apart; another than packed only "
+            "where it is at least 10 % faster), packed, plain, tiled"),
     Setting("BERT_ENGINE_INT8_KERNEL", "str", "auto", "start", "int8 models' matmuls: auto (FBGEMM where the CPU "
             "has no VNNI, oneDNN where it has), onednn, fbgemm"),
     Setting("BERT_ENGINE_KERNEL_CACHE", "str", "", "start", "the file those timings are kept in (default "

@@ -349,9 +349,10 @@ def test_int8_keeps_the_named_projections_in_fp32_and_refuses_unknown_names(mini
 
 
 def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatch):
-    """BERT_ENGINE_KERNELS=auto: each projection gets the faster of oneDNN's packed matmul and MKL's
-    plain one on the model's own shapes; the timings are kept per machine and shape and read back
-    without timing again; the choice shows in the provenance. Outputs agree either way."""
+    """BERT_ENGINE_KERNELS=auto: each projection gets the fastest of oneDNN's packed matmul, MKL's plain one
+    and (where it builds) the tiled AVX2 kernel on the model's own shapes, for short and long inputs apart;
+    the timings are kept per machine and shape and read back without timing again; the choice shows in the
+    provenance. Outputs agree either way."""
     from bert_engine.runtime import fast
     from bert_engine.runtime.inference import Predictor
     from bert_engine.tasks.registry import load_registry
@@ -362,14 +363,20 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
     predictor = Predictor.load(task, None, precision="fp32")
     choice = predictor.model.kernel_choice
     assert set(choice) == set(fast.PROJECTIONS)
-    for name, found in choice.items():
-        plain = found["plain_ms"] < fast.PLAIN_MARGIN * found["packed_ms"]
-        assert found["chose"] == ("plain" if plain else "packed"), name
+    classes = {fast.PackedLinear: "packed", nn.Linear: "plain", fast.TiledLinear: "tiled"}
     layer = predictor.model.encoder.layers[0]
     kinds = {"qkv": layer.attention.qkv, "out": layer.attention.out, "up": layer.ffn.up, "down": layer.ffn.down}
-    for name, module in kinds.items():
-        assert isinstance(module, fast.PackedLinear) == (choice[name]["chose"] == "packed"), name
-    assert predictor.provenance()["kernels"] == {name: c["chose"] for name, c in choice.items()}
+    for name, found in choice.items():
+        short = {n: t for n, t in found["rows"].items() if int(n) <= fast.COLD_ROWS}
+        long = {n: t for n, t in found["rows"].items() if int(n) > fast.COLD_ROWS}
+        assert found["chose"] == fast.pick_kernel({"rows": short}, fast.short_rows_incumbent()), name
+        assert found.get("past_rows", [0, found["chose"]])[1] == fast.pick_kernel({"rows": long}), name
+        module = kinds[name]
+        if isinstance(module, fast.RowSwitch):
+            assert (classes[type(module.short)], classes[type(module.long)]) == (found["chose"], found["past_rows"][1])
+        else:
+            assert classes[type(module)] == found["chose"] and "past_rows" not in found, name
+    assert predictor.provenance()["kernels"] == {name: fast.kernel_label(c) for name, c in choice.items()}
     assert len(json.loads(cache.read_text())) == 4
     # keyed by what the kernels can use, not the model name alone (an "AMD EPYC" VM is AVX2 or AVX-512)
     assert all(f"|{fast.cpu_isa()}|" in key for key in json.loads(cache.read_text()))
@@ -391,7 +398,7 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
         scores[kernels] = model.predict(text)["result"]["score"]
     assert scores["packed"] == pytest.approx(scores["plain"], abs=1e-4)
     monkeypatch.setenv("BERT_ENGINE_KERNELS", "fastest")
-    with pytest.raises(Exception, match="BERT_ENGINE_KERNELS='fastest' is not one of auto, packed, plain"):
+    with pytest.raises(Exception, match="BERT_ENGINE_KERNELS='fastest' is not one of auto, packed, plain, tiled"):
         Predictor.load(task, None, precision="fp32")
 
 

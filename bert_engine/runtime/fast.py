@@ -5,8 +5,12 @@ once at load ("pre-packed") and the feed-forward GELU fused into its first matmu
 plain layers to ~1e-5); a packed model is for inference only. Which is faster, oneDNN's packed matmul
 or MKL's sgemm behind plain nn.Linear, depends on the CPU (MKL runs its AVX2 code on AMD EPYCs, oneDNN
 its AVX-512 one; on AVX2-only parts either may win): `choose_kernels` times both on the model's own
-shapes once per machine and keeps the faster per projection (BERT_ENGINE_KERNELS). Which precision uses which kernel, and
-what the CPU must support for it, is decided in precision.py.
+shapes once per machine and keeps the faster per projection (BERT_ENGINE_KERNELS). A third candidate is
+bert_engine's own AVX2 matmul (`TiledLinear`, tiled_matmul.c built by native.py where a C compiler is
+found): at the few rows of one request it reads each weight from memory once, where oneDNN and MKL lose
+time. Short inputs (up to COLD_ROWS rows) and long ones are timed and chosen apart (`RowSwitch` runs the
+two kernels where they differ). Which precision uses which kernel, and what the CPU must support for it,
+is decided in precision.py.
 
 `benchmarks/encoder.py` measures the speed of each and `benchmarks/workloads.py` the share of
 predictions that stay identical to fp32; benchmarks/README.md lists the figures.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -31,6 +36,7 @@ from torch import Tensor, nn
 from .. import settings
 from ..heads import MaskedLMHead
 from ..model import encoder_of, gelu_tanh
+from . import native
 
 logger = logging.getLogger(__name__)
 
@@ -493,6 +499,49 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fused={self.attr}"
 
 
+class TiledLinear(nn.Module):
+    """An inference-only fp32 nn.Linear on the CPU through bert_engine's own AVX2 kernel (native.py,
+    tiled_matmul.c): the weight laid out once in panels of 16 output columns, each read from memory once per
+    call. Faster than oneDNN's and MKL's at the few rows of one request on the AVX2 EPYC it was written on;
+    `choose_kernels` times it beside them. Each row's outputs are summed in a fixed order, whatever else is in
+    the batch and however many threads run: a text's outputs do not depend on its batch."""
+
+    def __init__(self, linear: nn.Linear, activation=None) -> None:
+        super().__init__()
+        lib = native.library()
+        if lib is None:
+            raise RuntimeError(f"the AVX2 kernel cannot run here: {native.unavailable()}")
+        if linear.weight.dtype != torch.float32:
+            raise ValueError(f"the AVX2 kernel is fp32 only, not {linear.weight.dtype}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        panels = -(-self.out_features // 16)
+        padded = weight.new_zeros(panels * 16, self.in_features)
+        padded[: self.out_features] = weight
+        self.register_buffer("panels", padded.view(panels, 16, self.in_features).transpose(1, 2).contiguous(),
+                             persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().contiguous(),
+                                                                  requires_grad=False)
+        self.activation = activation
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+            raise ValueError(f"TiledLinear takes fp32 CPU inputs of {self.in_features} features, not "
+                             f"{x.dtype} {x.device.type} {tuple(x.shape)}")
+        x = x.contiguous()
+        out = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32)
+        rows = x.numel() // self.in_features
+        if rows:
+            native.tiled_matmul()(x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.panels.shape[0],
+                      None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.out_features,
+                      torch.get_num_threads())
+        return out if self.activation is None else self.activation(out)
+
+    def extra_repr(self) -> str:
+        act = "none" if self.activation is None else getattr(self.activation, "__name__", "activation")
+        return f"in_features={self.in_features}, out_features={self.out_features}, activation={act}"
+
+
 def can_pack(model: nn.Module) -> bool:
     """Packing applies to fp32 models, and bf16 ones where oneDNN has a bf16 path, on a CPU with oneDNN."""
     param = next(model.parameters())
@@ -518,37 +567,87 @@ def mlm_heads(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, MaskedLMHead) and isinstance(m.decoder, nn.Linear)]
 
 
-def pack_linear_layers(model: nn.Module, only: Iterable[str] = PROJECTIONS) -> nn.Module:
-    """Swap the encoder layers' projections named in `only` (KERNEL_CHOICES: PROJECTIONS, and "decoder" for a
-    masked-LM head's) for PackedLinear, in place (see the module docstring); the others stay nn.Linear (MKL
-    through addmm). A packed decoder is a copy: the word embeddings it was tied to stay as they are."""
-    if not can_pack(model):
-        return model
-    only = set(only)
-    if DECODER in only:
-        for head in mlm_heads(model):
-            head.decoder = PackedLinear(head.decoder)
-    encoder = encoder_of(model)
-    for layer in encoder.layers:
+class RowSwitch(nn.Module):
+    """One projection through two kernels: `short` for inputs of up to `rows` rows, `long` past them (where
+    `choose_kernels` found a different kernel faster). Each holds its own copy of the weight."""
+
+    def __init__(self, short: nn.Module, long: nn.Module, rows: int, in_features: int) -> None:
+        super().__init__()
+        self.short, self.long, self.rows, self.in_features = short, long, rows, in_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (self.short if x.numel() <= self.rows * self.in_features else self.long)(x)
+
+    def extra_repr(self) -> str:
+        return f"up to {self.rows} rows: short, past them: long"
+
+
+def _fuses(kernel: str, activation) -> bool:
+    """Whether `kernel` (KERNELS) applies `activation` itself: oneDNN's a GELU, the tiled kernel any."""
+    return kernel == "tiled" or (kernel == "packed" and activation in PackedLinear._GELU)
+
+
+def _kernel_module(kernel: str, linear: nn.Linear, activation) -> nn.Module:
+    """`linear` (then `activation`, which the kernel fuses; None: none) through `kernel` (KERNELS)."""
+    if kernel == "tiled":
+        return TiledLinear(linear, activation)
+    return PackedLinear(linear, activation) if kernel == "packed" else linear
+
+
+def use_kernels(model: nn.Module, choice: dict[str, tuple[str, str]]) -> nn.Module:
+    """Run each projection named in `choice` (KERNEL_CHOICES: PROJECTIONS, and "decoder" for a masked-LM
+    head's) through its kernels (short rows, long rows: KERNELS; see `choose_kernels`), in place. Kernels
+    this model or machine cannot run are left out (packed: fp32 or oneDNN bf16 on a CPU; tiled: fp32 where
+    native.py builds it), as is a projection already swapped or quantised. The feed-forward's activation
+    moves into its first projection where every kernel of it fuses it (oneDNN a GELU, the tiled kernel any);
+    else it stays after it. A swapped decoder is a copy: the word embeddings it was tied to stay."""
+    runs = {"plain": True, "packed": can_pack(model),
+            "tiled": next(model.parameters()).dtype == torch.float32 and native.library() is not None}
+    kept = {name: kernels for name, kernels in choice.items() if all(runs[k] for k in kernels)
+            and kernels != ("plain", "plain")}
+
+    def swap(linear: nn.Module, name: str, activation=None) -> nn.Module | None:
+        if name not in kept or not isinstance(linear, nn.Linear):
+            return None
+        short, long = kept[name]
+        if activation is not None and not (_fuses(short, activation) and _fuses(long, activation)):
+            return None if short == long == "plain" else swap(linear, name)  # the activation stays after it
+        module = _kernel_module(short, linear, activation)
+        if long != short:
+            module = RowSwitch(module, _kernel_module(long, linear, activation), COLD_ROWS, linear.in_features)
+        return module
+
+    for head in mlm_heads(model):
+        head.decoder = swap(head.decoder, DECODER) or head.decoder
+    for layer in encoder_of(model).layers:
         attention, ffn = layer.attention, layer.ffn
-        if "qkv" in only and isinstance(attention.qkv, nn.Linear):  # not already packed or quantised
-            attention.qkv = PackedLinear(attention.qkv)
-        if "out" in only and isinstance(attention.out, nn.Linear):
-            attention.out = PackedLinear(attention.out)
-        if "up" in only and isinstance(ffn.up, nn.Linear):
-            if ffn.act in PackedLinear._GELU:
-                ffn.up, ffn.act = PackedLinear(ffn.up, ffn.act), _identity
-            else:
-                ffn.up = PackedLinear(ffn.up)
-        if "down" in only and isinstance(ffn.down, nn.Linear):
-            ffn.down = PackedLinear(ffn.down)
+        attention.qkv = swap(attention.qkv, "qkv") or attention.qkv
+        attention.out = swap(attention.out, "out") or attention.out
+        up = swap(ffn.up, "up", ffn.act)
+        if up is not None:
+            kernels = kept["up"]
+            fused = _fuses(kernels[0], ffn.act) and _fuses(kernels[1], ffn.act)
+            ffn.up, ffn.act = up, (_identity if fused else ffn.act)
+        ffn.down = swap(ffn.down, "down") or ffn.down
     model.eval()
     return model
 
 
-KERNEL_ROWS = (128, 2048)  # rows a kernel is timed on: a visitor's sentence, and a batch of 16 x 128
+def pack_linear_layers(model: nn.Module, only: Iterable[str] = PROJECTIONS, kernel: str = "packed") -> nn.Module:
+    """Run the projections named in `only` through one kernel (`use_kernels`): oneDNN's packed matmul by
+    default (see the module docstring), or "tiled"."""
+    return use_kernels(model, {name: (kernel, kernel) for name in only})
+
+
+KERNEL_ROWS = (24, 128, 2048)  # rows a kernel is timed on: a visitor's sentence, a long text, a batch of 16 x 128
 DECODER_ROWS = (1, 32)  # ... and a decoder: a visitor's mask, a batch of texts' masks
-PLAIN_MARGIN = 0.9  # plain replaces packed (the default) only when at least 10 % faster: not on timing noise
+PLAIN_MARGIN = 0.9  # plain or tiled replaces packed (the default) only when at least 10 % faster: not on timing noise
+KERNELS = ("packed", "plain", "tiled")
+# In a forward pass each projection's weight comes from memory (a model's 24 weight matrices outgrow the
+# caches: MiniLM's are 42 MB); timed alone and repeated, it would come from cache. Runs of up to COLD_ROWS
+# rows, where that trip is much of the cost, are timed after reading EVICT_BYTES of other memory.
+COLD_ROWS = 256
+EVICT_BYTES = 64 << 20
 
 
 def _projections(layer: nn.Module) -> dict[str, tuple[nn.Linear, Any]]:
@@ -557,37 +656,83 @@ def _projections(layer: nn.Module) -> dict[str, tuple[nn.Linear, Any]]:
 
 
 def time_kernels(linear: nn.Linear, activation: Any = None, rows: Iterable[int] = KERNEL_ROWS,
-                 repeats: int = 5) -> dict[str, float]:
-    """Seconds (the fastest of `repeats` rounds, summed over `rows`) of one projection (and its activation)
-    as oneDNN's packed matmul with the activation fused ("packed") and as nn.Linear then the activation
-    ("plain": MKL's sgemm through addmm). The candidates take turns within each round, and each keeps its
+                 repeats: int = 5) -> dict[str, dict[int, float]]:
+    """Seconds (the fastest of `repeats` rounds) for each number of `rows`, of one projection (and its
+    activation) as oneDNN's packed matmul with the activation fused ("packed"), as nn.Linear then the
+    activation ("plain": MKL's sgemm through addmm) and, for fp32 where it builds and runs (native.py), as
+    bert_engine's own AVX2 kernel ("tiled"). The candidates take turns within each round, and each keeps its
     fastest time: a burst of other work on the machine slows a round, not one candidate (timed one after
-    the other, a busy moment once made the packed path look twice as slow as it is, and the choice was kept)."""
+    the other, a busy moment once made the packed path look twice as slow as it is, and the choice was kept).
+    Short runs start with the weight out of cache (COLD_ROWS), as in a forward pass."""
     packed = PackedLinear(linear, activation if activation in PackedLinear._GELU else None)
     after = _identity if activation is None or activation in PackedLinear._GELU else activation
     candidates = {"packed": lambda x: after(packed(x)),
                   "plain": lambda x: (activation or _identity)(F.linear(x, linear.weight, linear.bias))}
-    total = dict.fromkeys(candidates, 0.0)
+    if linear.weight.dtype == torch.float32 and native.library() is not None:
+        candidates["tiled"] = TiledLinear(linear, activation)
+    times: dict[str, dict[int, float]] = {name: {} for name in candidates}
+    other = None
     with torch.inference_mode():
         for n in rows:
             x = torch.randn(n, linear.in_features, dtype=linear.weight.dtype, generator=torch.Generator().manual_seed(n))
+            if n <= COLD_ROWS and other is None:
+                other = torch.ones(EVICT_BYTES // 4)
             best = dict.fromkeys(candidates, float("inf"))
             for run in candidates.values():
                 run(x)  # warm-up: packing caches, first-touch of the output
             for _ in range(repeats):
                 for name, run in candidates.items():
+                    if n <= COLD_ROWS:
+                        other.sum()
                     start = time.perf_counter()
                     run(x)
                     best[name] = min(best[name], time.perf_counter() - start)
             for name in candidates:
-                total[name] += best[name]
-    return total
+                times[name][n] = best[name]
+    return times
+
+
+def pick_kernel(timings: dict[str, Any], incumbent: str = "packed") -> str | None:
+    """The kernel `choose_kernels` keeps from a projection's timings: `incumbent`, unless the fastest other
+    one is at least 10 % faster (PLAIN_MARGIN). With times per number of rows ("rows": {"24": {"packed": ms,
+    ...}}), each number of rows counts alike (the geometric mean of each kernel's time over the incumbent's):
+    a visitor's sentence as much as a batch. Else by the totals ("packed_ms", ...). None for no rows at all."""
+    by_rows = timings.get("rows")
+    if by_rows is not None and not by_rows:
+        return None
+    if by_rows:
+        kernels = [k for k in KERNELS if all(k in row for row in by_rows.values())]
+        incumbent = incumbent if incumbent in kernels else "packed"
+        score = {k: math.prod(row[k] / row[incumbent] for row in by_rows.values()) ** (1 / len(by_rows))
+                 for k in kernels}
+    else:
+        incumbent = incumbent if f"{incumbent}_ms" in timings else "packed"
+        score = {k: timings[f"{k}_ms"] / timings[f"{incumbent}_ms"] for k in KERNELS if f"{k}_ms" in timings}
+    others = {k: v for k, v in score.items() if k != incumbent}
+    fastest = min(others, key=others.get, default=None)
+    return fastest if fastest is not None and others[fastest] < PLAIN_MARGIN else incumbent
+
+
+def short_rows_incumbent() -> str:
+    """The kernel short inputs keep unless another is 10 % faster: the tiled one on AVX2-only CPUs, where a
+    whole MiniLM forward ran 1.17-1.41x faster with it than with oneDNN's at 12-128 tokens (benchmarks/
+    README.md; a projection timed alone shows less of that: 1.03-1.3x), else oneDNN's packed one."""
+    return "tiled" if cpu_isa() == "AVX2" else "packed"
+
+
+def kernel_label(choice: dict[str, Any]) -> str:
+    """How a projection's choice reads in the provenance: "tiled", or "tiled up to 256 rows, then packed"."""
+    if "past_rows" not in choice:
+        return choice["chose"]
+    rows, long = choice["past_rows"]
+    return f"{choice['chose']} up to {rows} rows, then {long}"
 
 
 def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dict[str, Any]]:
-    """For each projection of the encoder's layers (all layers share the shapes): the faster of the
-    packed oneDNN and the plain MKL path on this machine (plain when PLAIN_MARGIN faster), with both timings. Timed once per CPU,
-    torch version, threads, dtype and shape, and kept in `cache` (a JSON file; None: not kept)."""
+    """For each projection of the encoder's layers (all layers share the shapes): the fastest of the packed
+    oneDNN, the plain MKL and (fp32, where it runs) the tiled AVX2 kernel on this machine, packed unless another
+    is PLAIN_MARGIN faster, with the timings. Timed once per CPU, torch version, threads, dtype and shape, and
+    kept in `cache` (a JSON file; None: not kept)."""
     encoder = encoder_of(model)
     if not can_pack(model) or not len(encoder.layers):
         return {}
@@ -610,13 +755,21 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
         act = activation if isinstance(activation, str) else (
             getattr(activation, "__name__", type(activation).__name__) if activation is not None else "none")
         key = f"{machine}|{linear.weight.dtype}|{linear.in_features}x{linear.out_features}|{act}"
-        if key not in stored:
+        tiled = linear.weight.dtype == torch.float32 and native.library() is not None
+        found = stored.get(key, {})
+        if "rows" not in found or (tiled and "tiled_ms" not in found):  # timed before the tiled kernel ran here
             timed = time_kernels(linear, None if isinstance(activation, str) else activation, rows)
-            stored[key] = {"packed_ms": round(1000 * timed["packed"], 3), "plain_ms": round(1000 * timed["plain"], 3)}
+            found = {f"{kernel}_ms": round(1000 * sum(by_rows.values()), 3) for kernel, by_rows in timed.items()}
+            found["rows"] = {str(n): {kernel: round(1000 * timed[kernel][n], 4) for kernel in timed} for n in rows}
+            stored[key] = found
             changed = True
-        found = stored[key]
-        plain = found["plain_ms"] < PLAIN_MARGIN * found["packed_ms"]
-        choice[name] = {**found, "chose": "plain" if plain else "packed"}
+        if not tiled:  # timed where the kernel ran, read where it does not (a shared cache, CC unset)
+            found = {k: v for k, v in found.items() if k != "tiled_ms"}
+            found["rows"] = {n: {k: ms for k, ms in row.items() if k != "tiled"} for n, row in found["rows"].items()}
+        short = pick_kernel({"rows": {n: t for n, t in found["rows"].items() if int(n) <= COLD_ROWS}},
+                            short_rows_incumbent())
+        long = pick_kernel({"rows": {n: t for n, t in found["rows"].items() if int(n) > COLD_ROWS}}) or short
+        choice[name] = {**found, "chose": short, **({"past_rows": [COLD_ROWS, long]} if long != short else {})}
     if changed and cache is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)

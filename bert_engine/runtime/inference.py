@@ -33,6 +33,7 @@ from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
 from ..hookspecs import InputError, PluginError, TaskContext
 from ..model import BETWEEN_LAYERS, encoder_of
 from ..tokenizer import Batch, Tokenizer
+from . import fast
 from .cancel import ModelLock
 from .fairness import ComputeGate, chunk_flops
 from .precision import parameter_dtype, pick_device, prepare_for_inference
@@ -401,7 +402,7 @@ class Predictor:
                 "untrained_head": self.untrained_head}
         kernels = getattr(self.model, "kernel_choice", None)
         if kernels:  # which matmul kernel each projection uses on this machine (runtime.fast.choose_kernels)
-            info["kernels"] = {name: choice["chose"] for name, choice in kernels.items()}
+            info["kernels"] = {name: fast.kernel_label(choice) for name, choice in kernels.items()}
         int8 = getattr(self.model, "int8_kernel", None)
         if int8:  # whose int8 matmuls the quantised projections run (runtime.fast.int8_kernel)
             info["int8_kernel"] = int8

@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import settings
 from ..model import BertModel
-from . import fast
+from . import fast, native
 
 logger = logging.getLogger(__name__)
 
@@ -182,18 +182,21 @@ def kernel_cache() -> Path:
 
 
 def _choose_kernels(model: nn.Module, names: tuple[str, ...]) -> None:
-    """Pack the linear layers `names` (fast.KERNEL_CHOICES) that BERT_ENGINE_KERNELS says to: "auto" the
-    faster of oneDNN (packed) and MKL (plain) on this machine, timed once and cached; the choice is kept
-    in model.kernel_choice (the provenance's "kernels")."""
+    """Swap the linear layers `names` (fast.KERNEL_CHOICES) for the kernel BERT_ENGINE_KERNELS says: "auto" the
+    fastest of oneDNN (packed), MKL (plain) and bert_engine's AVX2 kernel (tiled, fp32) on this machine, timed
+    once and cached; the choice is kept in model.kernel_choice (the provenance's "kernels")."""
     kernels = settings.get("BERT_ENGINE_KERNELS")  # Inductor fuses plain layers its own way: not with compile
-    if kernels not in ("auto", "packed", "plain"):
-        raise PrecisionError(f"BERT_ENGINE_KERNELS={kernels!r} is not one of auto, packed, plain")
+    if kernels not in ("auto", *fast.KERNELS):
+        raise PrecisionError(f"BERT_ENGINE_KERNELS={kernels!r} is not one of auto, {', '.join(fast.KERNELS)}")
+    if kernels == "tiled" and (next(model.parameters()).dtype != torch.float32 or native.library() is None):
+        why = native.unavailable() or f"it is fp32 only, not {next(model.parameters()).dtype}"
+        raise PrecisionError(f"BERT_ENGINE_KERNELS=tiled: bert_engine's AVX2 kernel cannot run here: {why}")
     if kernels == "auto":
         choice = {name: c for name, c in fast.choose_kernels(model, kernel_cache()).items() if name in names}
     else:
         choice = {name: {"chose": kernels} for name in names}
     model.kernel_choice = choice
-    fast.pack_linear_layers(model, [name for name, c in choice.items() if c["chose"] == "packed"])
+    fast.use_kernels(model, {name: (c["chose"], c.get("past_rows", (0, c["chose"]))[1]) for name, c in choice.items()})
 
 
 def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = True,

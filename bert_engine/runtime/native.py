@@ -1,0 +1,144 @@
+"""bert_engine's own C kernel (tiled_matmul.c: an fp32 matmul for AVX2 + FMA CPUs), built at first use.
+
+`library()` compiles the source with the system's C compiler once per source, compiler and flags (about a
+second), keeps the shared library under the kernel cache's folder (~/.cache/bert_engine/native, or beside
+BERT_ENGINE_KERNEL_CACHE), loads it with ctypes and returns it; or returns None, logging the reason once,
+where it cannot run: not Linux on x86-64, a CPU without AVX2 and FMA (or BERT_ENGINE_CPU_CAPABILITY below
+AVX2), no C compiler (CC, else cc or gcc), or a failed build. Nothing else then changes: the kernel is one
+candidate among those `fast.choose_kernels` times, and the others need no compiler.
+
+The library is linked with -fopenmp and loaded after torch, so it uses torch's own OpenMP runtime (the
+libgomp torch loaded has the same soname) and the thread count the caller passes: torch's setting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from .. import settings
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("tiled_matmul.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "library": the loaded CDLL or None; "reason": why None
+
+
+def cache_folder() -> Path:
+    """Where built libraries are kept: a "native" folder beside the kernel timings' cache."""
+    timings = settings.get("BERT_ENGINE_KERNEL_CACHE")
+    base = Path(timings).parent if timings else Path.home() / ".cache" / "bert_engine"
+    return base / "native"
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: $CC, else cc or gcc on the PATH (None: none found)."""
+    named = os.environ.get("CC", "").strip()
+    if named:
+        return shutil.which(named) or (named if Path(named).is_file() else None)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def cpu_supported() -> str | None:
+    """None when this CPU and platform can run the kernel, else why not."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"built for Linux on x86-64, not {platform.system()} on {platform.machine()}"
+    if settings.get("BERT_ENGINE_CPU_CAPABILITY").lower() == "default":
+        return "BERT_ENGINE_CPU_CAPABILITY=default"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the CPU's capability is {capability}: the kernel needs AVX2 and FMA"
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    missing = [flag for flag in ("avx2", "fma") if flag not in flags]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _build(cc: str) -> Path:
+    """The library built from SOURCE with `cc` (kept; rebuilt only when the source, compiler or flags change)."""
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode()])).hexdigest()[:16]
+    target = cache_folder() / f"tiled_matmul-{key}.so"
+    if target.is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        folder = target.parent
+    except OSError:  # a read-only home: build for this process only
+        folder = Path(tempfile.mkdtemp(prefix="bert_engine_native_"))
+        target = folder / target.name
+    partial = folder / f".{target.name}.{os.getpid()}.{threading.get_ident()}.partial"
+    done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
+                          timeout=BUILD_TIMEOUT_S)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
+        raise RuntimeError(f"{Path(cc).name} failed (exit {done.returncode}): {first}")
+    os.replace(partial, target)  # another process building the same file at once replaces it with the same
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.tiled_matmul.restype = None
+    lib.tiled_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.tiled_matmul_version.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first use; None where it cannot run here (see `unavailable`)."""
+    with _lock:
+        if "library" in _state:
+            return _state["library"]  # type: ignore[return-value]
+        reason = cpu_supported()
+        lib = None
+        if reason is None:
+            cc = compiler()
+            if cc is None:
+                reason = "no C compiler (set CC, or install gcc)"
+            else:
+                try:
+                    lib = _load(_build(cc))
+                except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+                    reason = f"its build failed: {err}"
+        if lib is None:
+            logger.info("bert_engine's AVX2 kernel is not used: %s; the oneDNN and MKL kernels are", reason)
+        _state.update(library=lib, reason=reason)
+        return lib
+
+
+def tiled_matmul():
+    """The kernel's C function (a TiledLinear exists only once `library()` has loaded it)."""
+    lib = _state.get("library")
+    return (lib if lib is not None else library()).tiled_matmul  # type: ignore[union-attr]
+
+
+def unavailable() -> str | None:
+    """None when `library()` loads, else the reason it does not (building it first if need be)."""
+    library()
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def forget() -> None:
+    """Drop what `library()` found, so the next call looks again (tests change the compiler or the CPU's flags)."""
+    with _lock:
+        _state.clear()

@@ -1,0 +1,203 @@
+"""bert_engine's own AVX2 matmul (bert_engine/runtime/tiled_matmul.c, built by runtime/native.py): its
+outputs, its independence from the batch and the threads, how it is built and kept, what happens where it
+cannot be built, and how `choose_kernels` uses it."""
+
+import copy
+import logging
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from bert_engine import PRESETS, BertModel
+from bert_engine.runtime import fast, native
+from bert_engine.runtime.precision import PrecisionError, prepare_for_inference
+
+reason = native.unavailable()
+needs_kernel = pytest.mark.skipif(reason is not None, reason=f"the AVX2 kernel cannot run here: {reason}")
+
+
+@pytest.fixture
+def fresh_native(monkeypatch, tmp_path):
+    """native.py looking again, building into its own folder; what it found is forgotten afterwards too."""
+    monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    native.forget()
+    yield tmp_path / "native"
+    monkeypatch.undo()
+    native.forget()
+
+
+def _reference(x, linear, activation=None):
+    out = nn.functional.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+    return out if activation is None else activation(out)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "bias"), [
+    (0, 16, 8, True), (1, 1, 1, True), (1, 384, 384, True), (5, 100, 33, False), (6, 16, 128, True),
+    (7, 1152, 384, True), (193, 40, 1536, True),
+    (400, 24, 1536, False),  # 2.4 MB of input: the kernel takes chunks of rows first
+])
+def test_tiled_linear_equals_a_float64_matmul_as_closely_as_torchs_own(rows, out_features, in_features, bias):
+    torch.manual_seed(rows + out_features)
+    linear = nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
+    x = torch.randn(2, rows, in_features)
+    with torch.inference_mode():
+        got, torch_own = fast.TiledLinear(linear)(x), linear(x)
+    assert got.shape == (2, rows, out_features) and got.dtype == torch.float32
+    if rows:
+        error = float((got.double() - _reference(x, linear)).abs().max())
+        assert error <= 3 * float((torch_own.double() - _reference(x, linear)).abs().max()) + 1e-7
+
+
+@needs_kernel
+def test_tiled_linear_takes_strided_inputs_applies_its_activation_and_names_a_wrong_input():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(64, 10).t()  # (10, 64), not contiguous
+    with torch.inference_mode():
+        got = fast.TiledLinear(linear, nn.functional.gelu)(x)
+    torch.testing.assert_close(got.double(), _reference(x, linear, nn.functional.gelu), atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"fp32 CPU inputs of 64 features, not torch.float64 cpu \(3, 64\)"):
+        fast.TiledLinear(linear)(torch.randn(3, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="fp32 only"):
+        fast.TiledLinear(nn.Linear(4, 4).to(torch.bfloat16))
+
+
+@needs_kernel
+def test_a_rows_outputs_do_not_depend_on_its_batch_or_the_thread_count():
+    """Each output is one row's sum in a fixed order: bit-identical alone, at any place in a batch of any
+    size (tiles of 6 rows, chunks of 192), and on 1 or 2 threads."""
+    torch.manual_seed(1)
+    linear = nn.Linear(384, 1536)
+    tiled = fast.TiledLinear(linear)
+    rows = torch.randn(400, 384)
+    before = torch.get_num_threads()
+    with torch.inference_mode():
+        alone = torch.cat([tiled(rows[i:i + 1]) for i in (0, 5, 6, 199, 399)])
+        batch = tiled(rows)[[0, 5, 6, 199, 399]]
+        reversed_batch = tiled(rows.flip(0)).flip(0)[[0, 5, 6, 199, 399]]
+        try:
+            torch.set_num_threads(1)
+            one_thread = tiled(rows)[[0, 5, 6, 199, 399]]
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(alone, batch) and torch.equal(alone, reversed_batch) and torch.equal(alone, one_thread)
+
+
+@needs_kernel
+def test_the_library_is_built_once_and_kept(fresh_native, monkeypatch):
+    calls = []
+    real_run = native.subprocess.run
+
+    def counting_run(command, *args, **kwargs):
+        calls.append(command)
+        return real_run(command, *args, **kwargs)
+
+    monkeypatch.setattr(native.subprocess, "run", counting_run)
+    assert native.library() is not None
+    built = list(fresh_native.glob("tiled_matmul-*.so"))
+    assert len(built) == 1 and sum("-shared" in c for c in calls) == 1
+    native.forget()
+    assert native.library() is not None
+    assert sum("-shared" in c for c in calls) == 1  # the second process-start loads the kept library
+    assert list(fresh_native.glob("*.partial")) == []
+
+
+def test_without_a_compiler_the_other_kernels_run_and_one_line_says_why(fresh_native, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.INFO, logger="bert_engine.runtime.native"):
+        assert native.library() is None and native.library() is None
+    expected = native.cpu_supported() or "no C compiler (set CC, or install gcc)"
+    assert native.unavailable() == expected
+    assert [r.getMessage() for r in caplog.records] == [
+        f"bert_engine's AVX2 kernel is not used: {expected}; the oneDNN and MKL kernels are"]
+    model = BertModel(PRESETS["tiny"]).eval()
+    choice = fast.choose_kernels(model)
+    assert choice and all("tiled_ms" not in c and c["chose"] in ("packed", "plain") for c in choice.values())
+    monkeypatch.setenv("BERT_ENGINE_KERNELS", "tiled")
+    with pytest.raises(PrecisionError, match=f"BERT_ENGINE_KERNELS=tiled: .*cannot run here: {re.escape(expected)}"):
+        prepare_for_inference(copy.deepcopy(model), "fp32")
+
+
+@needs_kernel
+def test_a_failed_build_is_named_and_leaves_nothing_behind(fresh_native, monkeypatch, tmp_path):
+    broken = tmp_path / "tiled_matmul.c"
+    broken.write_text("int tiled_matmul_version(void) { return }\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    assert native.library() is None
+    assert native.unavailable().startswith("its build failed: ") and "error" in native.unavailable()
+    assert list(fresh_native.glob("*")) == []
+
+
+def _timings(short: dict[str, float], long: dict[str, float]) -> dict[str, dict[int, float]]:
+    """time_kernels' answer: seconds per kernel at 24 / 128 rows (`short`) and 2048 (`long`)."""
+    return {k: {24: short[k] / 1000, 128: short[k] / 1000, 2048: long[k] / 1000} for k in short}
+
+
+@needs_kernel
+def test_short_and_long_rows_get_their_own_kernel_and_the_provenance_says_so(monkeypatch, tmp_path):
+    """A projection whose short rows run fastest tiled and long ones packed runs both: tiled up to
+    COLD_ROWS rows, packed past them; each number of rows counts alike, and 10 % is needed to leave packed."""
+    timings = {
+        "qkv": _timings({"packed": 1.0, "plain": 1.2, "tiled": 0.7}, {"packed": 10, "plain": 11, "tiled": 12}),
+        "out": _timings({"packed": 1.0, "plain": 1.2, "tiled": 0.95}, {"packed": 10, "plain": 8, "tiled": 12}),
+        "up": _timings({"packed": 1.0, "plain": 1.2, "tiled": 0.7}, {"packed": 10, "plain": 12, "tiled": 8}),
+        "down": _timings({"packed": 1.0, "plain": 1.0, "tiled": 1.0}, {"packed": 10, "plain": 10, "tiled": 10}),
+    }
+    order = iter(["qkv", "out", "up", "down"])
+    monkeypatch.setattr(fast, "time_kernels", lambda *args, **kwargs: timings[next(order)])
+    monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")  # as on an AVX-512 CPU
+    model = BertModel(PRESETS["tiny"]).eval()
+    reference = copy.deepcopy(model)
+    monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    prepare_for_inference(model, "fp32")
+    labels = {name: fast.kernel_label(c) for name, c in model.kernel_choice.items()}
+    assert labels == {"qkv": f"tiled up to {fast.COLD_ROWS} rows, then packed",
+                      "out": f"packed up to {fast.COLD_ROWS} rows, then plain", "up": "tiled", "down": "packed"}
+    layer = model.layers[0]
+    assert isinstance(layer.attention.qkv, fast.RowSwitch)
+    assert isinstance(layer.ffn.up, fast.TiledLinear) and layer.ffn.act is fast._identity
+    seen = []
+    for part in ("short", "long"):
+        getattr(layer.attention.qkv, part).register_forward_hook(lambda m, i, o, part=part: seen.append(part))
+    ids = torch.randint(5, 99, (1, 11))
+    long_ids = torch.randint(5, 99, (6, 60))  # 360 rows
+    with torch.inference_mode():
+        for batch in (ids, long_ids):
+            out = model(input_ids=batch).last_hidden_state
+            torch.testing.assert_close(out, reference(input_ids=batch).last_hidden_state, atol=2e-5, rtol=0)
+    assert seen == ["short", "long"]
+
+
+def test_the_incumbent_keeps_its_place_unless_another_is_ten_percent_faster():
+    """On AVX2-only CPUs the tiled kernel is short inputs' incumbent (a whole forward measured faster with
+    it than a projection timed alone shows); elsewhere packed is. Either keeps its place within 10 %."""
+    even = {"rows": {"24": {"packed": 1.0, "plain": 1.0, "tiled": 1.0}, "128": {"packed": 2.0, "plain": 2, "tiled": 2}}}
+    assert fast.pick_kernel(even, "tiled") == "tiled" and fast.pick_kernel(even, "packed") == "packed"
+    close = {"rows": {"24": {"packed": 0.92, "plain": 1.0, "tiled": 1.0}}}
+    assert fast.pick_kernel(close, "tiled") == "tiled"
+    ahead = {"rows": {"24": {"packed": 0.85, "plain": 1.0, "tiled": 1.0}}}
+    assert fast.pick_kernel(ahead, "tiled") == "packed"
+    untimed = {"rows": {"24": {"packed": 1.0, "plain": 0.95}}}  # read where the tiled kernel does not run
+    assert fast.pick_kernel(untimed, "tiled") == "packed" and fast.pick_kernel({"rows": {}}) is None
+    assert fast.short_rows_incumbent() == ("tiled" if fast.cpu_isa() == "AVX2" else "packed")
+
+
+@needs_kernel
+def test_the_tiled_kernel_answers_like_the_packed_one_in_a_pipeline(monkeypatch, tmp_path):
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.registry import load_registry
+
+    monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    task = load_registry(entry_points=False).task("sentiment")
+    text = {"text": "A gorgeous, witty, seductive movie."}
+    results = {}
+    for kernels in ("packed", "tiled"):
+        monkeypatch.setenv("BERT_ENGINE_KERNELS", kernels)
+        predictor = Predictor.load(task, None, precision="fp32")
+        assert predictor.provenance()["kernels"] == dict.fromkeys(fast.PROJECTIONS, kernels)
+        results[kernels] = predictor.predict(text)["result"]
+    assert results["tiled"]["label"] == results["packed"]["label"]
+    assert results["tiled"]["logits"] == pytest.approx(results["packed"]["logits"], abs=1e-5)
