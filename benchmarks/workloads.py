@@ -40,6 +40,7 @@ side's task metric.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import tempfile
 import time
@@ -438,7 +439,11 @@ def main(argv: list[str] | None = None) -> None:
                         "a time, p50/p95 latency), or both")
     parser.add_argument("--single-limit", type=int, default=200, help="requests per task in the single mode")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--merge", action="store_true", help="with --json: replace the file's rows of the tasks "
+                        "and modes this run measures, keep its others (each kept row says the run it came from)")
     args = parser.parse_args(argv)
+    if args.merge and not args.json:
+        parser.error("--merge needs --json FILE")
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     precisions = ["fp32"] + [p for p in args.precisions.split(",") if p and p != "fp32"]
@@ -455,7 +460,23 @@ def main(argv: list[str] | None = None) -> None:
     print_table(result["rows"], ["task", "mode", "impl", "precision", "items", "s", "items_per_s", "tokens_per_s",
                                  "p50_ms", "p95_ms", "vs_transformers", "vs_onnxruntime", "identical", "accuracy",
                                  "f1", "crf_f1", "top1"])
+    if args.merge:
+        result = merged(Path(args.json), result)
     write_json(args.json, result)
+
+
+def merged(path: Path, result: dict) -> dict:
+    """`result` with the rows of `path` (an earlier run's JSON) for the tasks and modes it did not measure; each
+    kept row names its run ("from": that run's command and machine, as its file said)."""
+    if not path.is_file():
+        return result
+    earlier = json.loads(path.read_text(encoding="utf-8"))
+    measured = {(r["task"], r["mode"]) for r in result["rows"]}
+    origin = {"command": earlier.get("command"), "cpu": earlier.get("machine", {}).get("cpu")}
+    kept = [r if "from" in r else {**r, "from": origin} for r in earlier["rows"] if (r["task"], r["mode"]) not in measured]
+    order = {(r["task"], r["mode"]): i for i, r in enumerate(earlier["rows"])}
+    rows = sorted(kept + result["rows"], key=lambda r: order.get((r["task"], r["mode"]), len(order)))
+    return {**result, "rows": rows, **({"peers": earlier["peers"]} if "peers" in earlier and "peers" not in result else {})}
 
 
 if __name__ == "__main__":

@@ -150,3 +150,38 @@ def test_int8_agreement_benchmark_scores_each_int8_kernel_against_fp32(tmp_path)
     assert all(r["met"] == (r["identical"] >= 99.0) for r in rows)
     with pytest.raises(SystemExit, match="unknown"):
         int8_agreement.main(["--tasks", "translation"])
+
+
+def test_fp32_kernels_benchmark_times_a_whole_forward_with_each_kernel(tmp_path):
+    from benchmarks import fp32_kernels
+    from bert_engine.runtime import native
+
+    out = tmp_path / "fp32.json"
+    result = fp32_kernels.main(["--shapes", "1x4,2x8", "--rounds", "1", "--no-onnx", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == result["rows"] and saved["command"].startswith("python")
+    kernels = ["packed", "plain"] + (["tiled"] if native.library() is not None else []) + ["auto"]
+    assert [r["kernels"] for r in saved["rows"]] == kernels * 2
+    assert all(r["max_abs_diff"] < 1e-4 and r["vs_packed"] > 0 for r in saved["rows"])
+    assert set(saved["auto_chose"]) == {"qkv", "out", "up", "down"}
+    assert saved["tiled_kernel"] == (native.unavailable() or "available")
+
+
+def test_a_merged_workloads_run_replaces_only_what_it_measured(tmp_path):
+    from benchmarks.workloads import merged
+
+    earlier = {"command": "python -m benchmarks.workloads --modes batched,single", "machine": {"cpu": "EPYC"},
+               "peers": {"transformers": "4.57"},
+               "rows": [{"task": t, "mode": m, "impl": i, "s": 1.0} for t in ("sentiment", "ner")
+                        for m in ("batched", "single") for i in ("engine", "onnxruntime")]}
+    path = tmp_path / "workloads.json"
+    path.write_text(json.dumps(earlier))
+    now = {"machine": {"cpu": "EPYC"}, "rows": [{"task": "ner", "mode": "single", "impl": i, "s": 0.5}
+                                                 for i in ("engine", "onnxruntime")]}
+    result = merged(path, now)
+    assert [(r["task"], r["mode"], r["s"]) for r in result["rows"] if r["impl"] == "engine"] == [
+        ("sentiment", "batched", 1.0), ("sentiment", "single", 1.0), ("ner", "batched", 1.0), ("ner", "single", 0.5)]
+    kept = [r for r in result["rows"] if r["s"] == 1.0]
+    assert len(kept) == 6 and all(r["from"] == {"command": earlier["command"], "cpu": "EPYC"} for r in kept)
+    assert all("from" not in r for r in result["rows"] if r["s"] == 0.5) and result["peers"] == earlier["peers"]
+    assert merged(tmp_path / "none.json", now) is now

@@ -201,3 +201,20 @@ def test_the_tiled_kernel_answers_like_the_packed_one_in_a_pipeline(monkeypatch,
         results[kernels] = predictor.predict(text)["result"]
     assert results["tiled"]["label"] == results["packed"]["label"]
     assert results["tiled"]["logits"] == pytest.approx(results["packed"]["logits"], abs=1e-5)
+
+
+@needs_kernel
+def test_a_tiled_model_is_explained_on_a_plain_copy_and_refuses_a_backward(monkeypatch, tmp_path):
+    """The tiled kernel has no backward: "why this answer" runs on an fp32 copy with plain kernels, and a
+    gradient asked of the kernel itself is an error, not a silent zero."""
+    from bert_engine.runtime.explain import explain
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.registry import load_registry
+
+    monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setenv("BERT_ENGINE_KERNELS", "tiled")
+    predictor = Predictor.load(load_registry(entry_points=False).task("sentiment"), None, precision="fp32")
+    explained = explain(predictor, {"text": "A gorgeous, witty, seductive movie."}, steps=4)
+    assert "fp32 copy with plain kernels" in explained["explained_on"] and "tiled" in explained["explained_on"]
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="has no backward"):
+        fast.TiledLinear(nn.Linear(8, 8))(torch.randn(2, 8, requires_grad=True))

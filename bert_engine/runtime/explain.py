@@ -88,7 +88,7 @@ def request_flop_limit(predictor: Predictor) -> float:
 
 def gradient_model(predictor: Predictor) -> tuple[nn.Module, str]:
     """The model as autograd can run it, and what it is: the served model itself, unless its kernels have
-    no backward (oneDNN-packed or int8 linears, torch.compile'd layers): then an fp32 copy of the same
+    no backward (oneDNN-packed, tiled or int8 linears, torch.compile'd layers): then an fp32 copy of the same
     checkpoint with plain kernels, loaded once and kept on the predictor."""
     model = predictor.model
     if not _needs_copy(model):
@@ -104,14 +104,15 @@ def gradient_model(predictor: Predictor) -> tuple[nn.Module, str]:
             loaded = load(name, predictor.task.spec.build_head, device=device, dtype=torch.float32, **load_kwargs)
             copy = prepare_for_inference(loaded.model, "fp32", pack=False)
             predictor._gradient_copy = copy
-    served = "int8" if predictor.precision == "int8" else "packed fp32"
+    served = "int8" if predictor.precision == "int8" else "packed or tiled fp32"
     return copy, f"an fp32 copy with plain kernels (the served {served} kernels have no gradients)"
 
 
 def _needs_copy(model: nn.Module) -> bool:
-    from .fast import Int8Linear, PackedLinear  # noqa: PLC0415 - fast.py loads oneDNN helpers
+    from .fast import Int8Linear, PackedLinear, TiledLinear  # noqa: PLC0415 - fast.py loads oneDNN helpers
 
-    return any(isinstance(m, (Int8Linear, PackedLinear)) or hasattr(m, "_orig_mod") for m in model.modules())
+    return any(isinstance(m, (Int8Linear, PackedLinear, TiledLinear)) or hasattr(m, "_orig_mod")
+               for m in model.modules())
 
 
 def explain(predictor: Predictor, inputs: Mapping[str, Any], *, method: str = "integrated_gradients",

@@ -528,6 +528,8 @@ class TiledLinear(nn.Module):
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
             raise ValueError(f"TiledLinear takes fp32 CPU inputs of {self.in_features} features, not "
                              f"{x.dtype} {x.device.type} {tuple(x.shape)}")
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("TiledLinear is for inference: it has no backward (explain.py uses a plain copy)")
         x = x.contiguous()
         out = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32)
         rows = x.numel() // self.in_features
