@@ -81,6 +81,14 @@ def workload_lines(result: dict[str, Any]) -> list[str]:
         lines.append("")
         lines.append(f"Peers: transformers {peers['transformers']} pipelines, optimum {peers['optimum']} with "
                      f"onnxruntime {peers['onnxruntime']} (`ORTModelFor...` inside the same pipelines).")
+    earlier = {}
+    for r in rows:  # rows kept from an earlier run by `benchmarks.workloads --merge`
+        if "from" in r and r["impl"] == "engine":
+            earlier.setdefault(r["from"]["command"], []).append(r["mode"])
+    for command, kinds in earlier.items():
+        lines.append("")
+        lines.append(f"The {' and '.join(sorted(set(kinds)))} rows come from an earlier run of the same file: "
+                     f"`{command}`.")
     return lines
 
 
