@@ -11,7 +11,7 @@
  * rounding close to a blocked GEMM's over long K.
  *
  * Built at first use by bert_engine/runtime/native.py with the system's C compiler
- * (-O3 -mavx2 -mfma -fopenmp), loaded with ctypes; threads are OpenMP's, the count passed in by the
+ * (-O3 -funroll-loops -mavx2 -mfma -fopenmp), loaded with ctypes; threads are OpenMP's, the count passed in by the
  * caller (torch's own setting), so the kernel shares torch's thread pool (the same libgomp).
  */
 #include <immintrin.h>
