@@ -118,6 +118,23 @@ def test_a_bad_option_value_fails_where_the_pipeline_is_made():
     assert pipeline("ner", nbest=2)("Ada Lovelace lived in London.")  # a good value still answers
 
 
+def test_a_bad_option_fails_before_any_model_loads(monkeypatch):
+    """The caller's options are checked against the task's declared ones and its check_options before the
+    model loads (2-5 s), not after; a good option still reaches the model."""
+    from bert_engine.runtime.inference import Predictor
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded for a pipeline whose options are bad")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Predictor, "load", no_loading)
+        with pytest.raises(InputError, match="unknown option"):
+            pipeline("sentiment", colour="blue")
+        with pytest.raises(InputError, match="top_k"):
+            pipeline("qa", top_k=0)
+    assert pipeline("sentiment", top_k=2)(REVIEWS[0])[0:2]
+
+
 def test_lists_generators_options_and_errors():
     classify = pipeline("sentiment", top_k=None)
     texts = (t for t in REVIEWS)  # any iterable: a generator of results

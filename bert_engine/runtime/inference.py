@@ -30,7 +30,7 @@ from .. import settings
 from ..checkpoints.hub import default_backbone
 from ..checkpoints.loader import load
 from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
-from ..hookspecs import InputError, PluginError, TaskContext
+from ..hookspecs import InputError, PluginError, TaskContext, TaskSpec
 from ..model import BETWEEN_LAYERS, encoder_of
 from ..tokenizer import Batch, Tokenizer
 from . import fast
@@ -305,21 +305,8 @@ class Predictor:
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """Raise InputError on an option the task does not declare, or on a value the task's check_options
-        refuses; return them merged with its defaults."""
-        spec = self.task.spec
-        unknown = sorted(set(options) - set(spec.options))
-        if unknown:
-            raise InputError(f"{spec.name}: unknown option(s) {', '.join(unknown)}; known: {', '.join(spec.options) or 'none'}")
-        for name, value in options.items():
-            for text in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(text, str):
-                    check_unicode(spec.name, name, text)
-        # The defaults copied for this request: a task that changes a list or dict option in place (careless, or
-        # hostile) must not carry one visitor's request into every later visitor's defaults.
-        merged = {**copy.deepcopy({**spec.options, **self.model_options}), **options}
-        if spec.check_options is not None:
-            spec.check_options(MappingProxyType(merged))
-        return merged
+        refuses; return them merged with its defaults and the model's (`check_task_options`)."""
+        return check_task_options(self.task.spec, options, self.model_options)
 
     def get(self) -> Predictor:
         """Itself: the same call as LazyPredictor.get, so callers need not know which they hold."""
@@ -422,6 +409,26 @@ class Predictor:
             out = encoder(batch.input_ids[:1, :n].to(self.device), None,
                           batch.token_type_ids[:1, :n].to(self.device), output_attentions=True)
         return last.tokens, [a[0].float().cpu() for a in out.attentions]
+
+
+def check_task_options(spec: TaskSpec, options: Mapping[str, Any],
+                       model_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`options` over the task's defaults (and a loaded model's, `model_options`), after raising InputError on
+    an option the task does not declare or a value its check_options refuses. Without `model_options` it
+    needs no model: `pipeline()` checks the caller's options this way before loading one."""
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        raise InputError(f"{spec.name}: unknown option(s) {', '.join(unknown)}; known: {', '.join(spec.options) or 'none'}")
+    for name, value in options.items():
+        for text in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(text, str):
+                check_unicode(spec.name, name, text)
+    # The defaults copied for this request: a task that changes a list or dict option in place (careless, or
+    # hostile) must not carry one visitor's request into every later visitor's defaults.
+    merged = {**copy.deepcopy({**spec.options, **(model_options or {})}), **options}
+    if spec.check_options is not None:
+        spec.check_options(MappingProxyType(merged))
+    return merged
 
 
 def row_flops(model: nn.Module, length: int) -> float:

@@ -23,7 +23,7 @@ from itertools import islice
 from typing import Any
 
 from ..hookspecs import InputError
-from ..runtime.inference import Predictor, can_batch
+from ..runtime.inference import Predictor, can_batch, check_task_options
 from ..tasks.registry import RegisteredTask, Registry, load_registry
 
 
@@ -182,5 +182,6 @@ def pipeline(task: str, model: str | None = None, *, device: str | None = None, 
         hub.HubError, CheckpointError: the model cannot be loaded.
     """
     registered = find_task(registry or load_registry(), task)
+    check_task_options(registered.spec, options)  # a bad option fails before the model loads (seconds)
     return Pipeline(Predictor.load(registered, model, device=device, precision=precision, compile=compile), raw=raw,
                     batch_size=batch_size, **options)
