@@ -20,7 +20,9 @@ if __name__ == "__main__":
                         precision=settings.get("BERT_ENGINE_PRECISION"),
                         timeout_s=settings.get("BERT_ENGINE_TIMEOUT") or None)
     except PrecisionError as err:  # e.g. BERT_ENGINE_PRECISION=bf16 on a CPU without native bf16
-        logging.getLogger("app").error("BERT_ENGINE_PRECISION: %s", err)
+        message = str(err)
+        logging.getLogger("app").error("%s", message if message.startswith("BERT_ENGINE_") else
+                                       f"BERT_ENGINE_PRECISION: {message}")
         sys.exit(2)
     warm_up(app.predictors)  # models load in the background while the server starts
     serve_queue(app)  # Gradio's queue admits what the fairness gate can order (BERT_ENGINE_CONCURRENCY, default 64)

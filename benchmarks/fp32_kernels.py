@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
         models, reference = {}, None
         for k in kernels:
             models[k], reference = load_with(folder, k)
-        choice = {name: kernel_label(c) for name, c in getattr(models["auto"], "kernel_choice", {}).items()}
+        timings = getattr(models["auto"], "kernel_choice", {})  # each projection's timings as `auto` read them
+        choice = {name: kernel_label(c) for name, c in timings.items()}
         ort = {}
         if not args.no_onnx and onnx_runtime.available():
             path = onnx_runtime.export(folder, Path(tmp) / "onnx", "minilm")["fp32"]
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "vs_packed": round(ms["packed"] / ms[k], 3),
                              "vs_onnxruntime": round(ms["onnxruntime"] / ms[k], 3) if "onnxruntime" in ms else None})
     result = {"machine": machine(), "tiled_kernel": native.unavailable() or "available", "auto_chose": choice,
+              "auto_timings_ms": {name: c.get("rows") for name, c in timings.items()},
               "rounds": args.rounds, "rows": rows}
     info = result["machine"]
     print(f"# MiniLM encoder forward, fp32, {info['cpu']} ({info['cpu_capability']}), {info['threads']} threads; "

@@ -617,9 +617,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--revision", default=None, help="Hub branch, tag or commit")
     info = sub.add_parser("info", parents=[common], help="load a checkpoint and describe it")
     info.add_argument("--head", default=None, help="head to load (mlm, sequence, token, span, auto, ...)")
-    info.add_argument("--kernels", action="store_true", help="also the matmul kernel each projection gets on this "
-                      "machine (oneDNN packed, MKL plain or bert_engine's tiled AVX2 kernel; for short and long inputs) "
-                      "and their timings (BERT_ENGINE_KERNELS=auto), and whose "
+    info.add_argument("--kernels", action="store_true", help="also the matmul kernel BERT_ENGINE_KERNELS=auto gives each "
+                      "projection on this machine (oneDNN packed, MKL plain or bert_engine's tiled AVX2 kernel; for short "
+                      "and long inputs; shown whatever BERT_ENGINE_KERNELS is set to) and their timings, and whose "
                       "int8 matmuls --precision int8 runs (BERT_ENGINE_INT8_KERNEL)")
     info.set_defaults(run=_info)
     encode = sub.add_parser("encode", parents=[common], help="tokenise and encode texts; mean-pooled vectors")

@@ -33,7 +33,7 @@ from bert_engine.runtime.explain import explain as explain_prediction
 from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
 from bert_engine.runtime.inference import check_json_result, json_problem
 from bert_engine.runtime.precision import NAMES as PRECISIONS
-from bert_engine.runtime.precision import PrecisionError, pick_device
+from bert_engine.runtime.precision import PrecisionError, check_kernel_setting, pick_device
 from bert_engine.runtime.precision import resolve as resolve_precision
 from bert_engine.serving import memory
 from bert_engine.serving.predictors import BatchingPredictor, LazyPredictor, ModelShelf
@@ -93,13 +93,14 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
         device: force a device ("cpu", "cuda"); default: CUDA, then MPS, then CPU.
         precision: "auto", "fp32", "bf16", "fp16" or "int8" (bert_engine.runtime.precision); checked here
             against the device and CPU, so a precision this machine cannot run fails at start-up
-            (PrecisionError) instead of in every tab.
+            (PrecisionError) instead of in every tab; so does a BERT_ENGINE_KERNELS it cannot run.
         timeout_s: seconds a prediction may take before the user gets a "cut off" message instead
             (None: no limit). Failures of a task's code show in the Plugins tab.
     """
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
     resolve_precision(precision, pick_device(device))
+    check_kernel_setting()  # BERT_ENGINE_KERNELS: a bad value, or "tiled" where it cannot run, fails here too
     registry = registry or load_registry(builtins=plugins.BUILTIN)  # the built-in tasks, handed to the engine
     checkpoints = checkpoints or {}
     model_dirs = allowed_model_dirs()  # a list the picker reads at each use (tests may extend it)

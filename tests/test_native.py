@@ -109,16 +109,36 @@ def test_without_a_compiler_the_other_kernels_run_and_one_line_says_why(fresh_na
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level(logging.INFO, logger="bert_engine.runtime.native"):
         assert native.library() is None and native.library() is None
-    expected = native.cpu_supported() or "no C compiler (set CC, or install gcc)"
+    expected = native.cpu_supported() or "CC='/nonexistent/cc' is not a program found here"
     assert native.unavailable() == expected
     assert [r.getMessage() for r in caplog.records] == [
-        f"bert_engine's AVX2 kernel is not used: {expected}; the oneDNN and MKL kernels are"]
+        f"bert_engine's AVX2 kernel is not available: {expected}; the matmuls use oneDNN's and MKL's kernels"]
     model = BertModel(PRESETS["tiny"]).eval()
     choice = fast.choose_kernels(model)
     assert choice and all("tiled_ms" not in c and c["chose"] in ("packed", "plain") for c in choice.values())
     monkeypatch.setenv("BERT_ENGINE_KERNELS", "tiled")
     with pytest.raises(PrecisionError, match=f"BERT_ENGINE_KERNELS=tiled: .*cannot run here: {re.escape(expected)}"):
         prepare_for_inference(copy.deepcopy(model), "fp32")
+
+
+@needs_kernel
+def test_a_compiler_with_arguments_builds_and_a_kept_library_that_will_not_load_is_built_again(fresh_native,
+                                                                                                monkeypatch):
+    monkeypatch.setenv("CC", f"{native.compiler()[0]} -g0")  # as "ccache gcc" would read
+    kept = native._build(native.compiler())  # built with it, not loaded yet
+    kept.write_bytes(b"cut short")  # a disk that filled up under the build, say
+    assert native.library() is not None and kept.stat().st_size > 1000
+
+
+def test_a_silent_failing_compiler_is_named(fresh_native, monkeypatch):
+    if native.cpu_supported() is not None:
+        pytest.skip(native.cpu_supported())
+    false = __import__("shutil").which("false")
+    if false is None:
+        pytest.skip("no `false` program here")
+    monkeypatch.setenv("CC", false)
+    assert native.library() is None
+    assert native.unavailable() == f"its build failed: {false} failed (exit 1): it printed nothing"
 
 
 @needs_kernel

@@ -107,6 +107,13 @@ def test_app_with_bf16_on_an_avx2_cpu_refuses_to_start_in_one_line():
                       "this one has AVX2 and would only emulate it, slower than fp32: use fp32 (or int8 for speed)"]
 
 
+def test_app_with_a_bad_kernel_setting_refuses_to_start_in_one_line():
+    done = _run(["app.py"], BERT_ENGINE_KERNELS="fastest", GRADIO_SERVER_PORT="1")
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert errors == ["ERROR app: BERT_ENGINE_KERNELS='fastest' is not one of auto, packed, plain, tiled"]
+
+
 def _faster_precisions():
     native_bf16 = pytest.mark.skipif(not cpu_capability().bf16,
                                      reason=f"this CPU ({cpu_capability().describe()}) has no native bf16; "

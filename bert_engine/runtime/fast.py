@@ -658,14 +658,15 @@ def _projections(layer: nn.Module) -> dict[str, tuple[nn.Linear, Any]]:
 
 
 def time_kernels(linear: nn.Linear, activation: Any = None, rows: Iterable[int] = KERNEL_ROWS,
-                 repeats: int = 5) -> dict[str, dict[int, float]]:
+                 repeats: int = 5, short_repeats: int = 11) -> dict[str, dict[int, float]]:
     """Seconds (the fastest of `repeats` rounds) for each number of `rows`, of one projection (and its
     activation) as oneDNN's packed matmul with the activation fused ("packed"), as nn.Linear then the
     activation ("plain": MKL's sgemm through addmm) and, for fp32 where it builds and runs (native.py), as
     bert_engine's own AVX2 kernel ("tiled"). The candidates take turns within each round, and each keeps its
     fastest time: a burst of other work on the machine slows a round, not one candidate (timed one after
     the other, a busy moment once made the packed path look twice as slow as it is, and the choice was kept).
-    Short runs start with the weight out of cache (COLD_ROWS), as in a forward pass."""
+    Short runs (COLD_ROWS) start with the weight out of cache, as in a forward pass, and take `short_repeats`
+    rounds: at a fraction of a millisecond each, one busy moment of the machine can cover all of five."""
     packed = PackedLinear(linear, activation if activation in PackedLinear._GELU else None)
     after = _identity if activation is None or activation in PackedLinear._GELU else activation
     candidates = {"packed": lambda x: after(packed(x)),
@@ -682,7 +683,7 @@ def time_kernels(linear: nn.Linear, activation: Any = None, rows: Iterable[int] 
             best = dict.fromkeys(candidates, float("inf"))
             for run in candidates.values():
                 run(x)  # warm-up: packing caches, first-touch of the output
-            for _ in range(repeats):
+            for _ in range(short_repeats if n <= COLD_ROWS else repeats):
                 for name, run in candidates.items():
                     if n <= COLD_ROWS:
                         other.sum()
@@ -717,8 +718,9 @@ def pick_kernel(timings: dict[str, Any], incumbent: str = "packed") -> str | Non
 
 def short_rows_incumbent() -> str:
     """The kernel short inputs keep unless another is 10 % faster: the tiled one on AVX2-only CPUs, where a
-    whole MiniLM forward ran 1.17-1.41x faster with it than with oneDNN's at 12-128 tokens (benchmarks/
-    README.md; a projection timed alone shows less of that: 1.03-1.3x), else oneDNN's packed one."""
+    whole MiniLM forward ran 1.46 / 1.38 / 1.22 / 1.08x faster with it than with oneDNN's at 12 / 24 / 48 /
+    128 tokens (benchmarks/results/avx2/fp32_kernels.json; a projection timed alone shows less of that, and
+    noisily), else oneDNN's packed one."""
     return "tiled" if cpu_isa() == "AVX2" else "packed"
 
 

@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -44,12 +45,15 @@ def cache_folder() -> Path:
     return base / "native"
 
 
-def compiler() -> str | None:
-    """The C compiler to build with: $CC, else cc or gcc on the PATH (None: none found)."""
-    named = os.environ.get("CC", "").strip()
+def compiler() -> list[str] | None:
+    """The C compiler command to build with: $CC (which may carry words: "ccache gcc"), else cc or gcc on the
+    PATH (None: none found)."""
+    named = shlex.split(os.environ.get("CC", ""))
     if named:
-        return shutil.which(named) or (named if Path(named).is_file() else None)
-    return shutil.which("cc") or shutil.which("gcc")
+        found = shutil.which(named[0])
+        return [found, *named[1:]] if found else None
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
 def cpu_supported() -> str | None:
@@ -70,10 +74,10 @@ def cpu_supported() -> str | None:
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
-def _build(cc: str) -> Path:
+def _build(cc: list[str]) -> Path:
     """The library built from SOURCE with `cc` (kept; rebuilt only when the source, compiler or flags change)."""
     source = SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode()])).hexdigest()[:16]
     target = cache_folder() / f"tiled_matmul-{key}.so"
     if target.is_file():
@@ -85,12 +89,13 @@ def _build(cc: str) -> Path:
         folder = Path(tempfile.mkdtemp(prefix="bert_engine_native_"))
         target = folder / target.name
     partial = folder / f".{target.name}.{os.getpid()}.{threading.get_ident()}.partial"
-    done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
+    done = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
                           timeout=BUILD_TIMEOUT_S)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
-        raise RuntimeError(f"{Path(cc).name} failed (exit {done.returncode}): {first}")
+        said = (done.stderr + done.stdout).strip()
+        first = next((line for line in said.splitlines() if "error" in line), said[:200]) or "it printed nothing"
+        raise RuntimeError(f"{' '.join(cc)} failed (exit {done.returncode}): {first}")
     os.replace(partial, target)  # another process building the same file at once replaces it with the same
     return target
 
@@ -104,6 +109,17 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def _load_or_rebuild(cc: list[str]) -> ctypes.CDLL:
+    """The kept library, loaded; one that will not load (cut short by a full disk, say) is built again."""
+    path = _build(cc)
+    try:
+        return _load(path)
+    except OSError as err:
+        logger.info("the kept kernel library %s does not load (%s); building it again", path, err)
+        path.unlink(missing_ok=True)
+        return _load(_build(cc))
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on first use; None where it cannot run here (see `unavailable`)."""
     with _lock:
@@ -114,14 +130,16 @@ def library() -> ctypes.CDLL | None:
         if reason is None:
             cc = compiler()
             if cc is None:
-                reason = "no C compiler (set CC, or install gcc)"
+                named = os.environ.get("CC", "").strip()
+                reason = f"CC={named!r} is not a program found here" if named else "no C compiler (set CC, or install gcc)"
             else:
                 try:
-                    lib = _load(_build(cc))
+                    lib = _load_or_rebuild(cc)
                 except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                     reason = f"its build failed: {err}"
         if lib is None:
-            logger.info("bert_engine's AVX2 kernel is not used: %s; the oneDNN and MKL kernels are", reason)
+            logger.info("bert_engine's AVX2 kernel is not available: %s; the matmuls use oneDNN's and MKL's kernels",
+                        reason)
         _state.update(library=lib, reason=reason)
         return lib
 

@@ -181,16 +181,26 @@ def kernel_cache() -> Path:
     return Path(settings.get("BERT_ENGINE_KERNEL_CACHE") or Path.home() / ".cache" / "bert_engine" / "kernels.json")
 
 
+def check_kernel_setting() -> str:
+    """BERT_ENGINE_KERNELS, after raising PrecisionError on a value that is not a kernel, or on "tiled" where
+    bert_engine's AVX2 kernel cannot run (the app checks this at start-up; every load checks it again)."""
+    kernels = settings.get("BERT_ENGINE_KERNELS")
+    if kernels not in ("auto", *fast.KERNELS):
+        raise PrecisionError(f"BERT_ENGINE_KERNELS={kernels!r} is not one of auto, {', '.join(fast.KERNELS)}")
+    if kernels == "tiled" and native.library() is None:
+        raise PrecisionError(f"BERT_ENGINE_KERNELS=tiled: bert_engine's AVX2 kernel cannot run here: "
+                             f"{native.unavailable()}")
+    return kernels
+
+
 def _choose_kernels(model: nn.Module, names: tuple[str, ...]) -> None:
     """Swap the linear layers `names` (fast.KERNEL_CHOICES) for the kernel BERT_ENGINE_KERNELS says: "auto" the
     fastest of oneDNN (packed), MKL (plain) and bert_engine's AVX2 kernel (tiled, fp32) on this machine, timed
     once and cached; the choice is kept in model.kernel_choice (the provenance's "kernels")."""
-    kernels = settings.get("BERT_ENGINE_KERNELS")  # Inductor fuses plain layers its own way: not with compile
-    if kernels not in ("auto", *fast.KERNELS):
-        raise PrecisionError(f"BERT_ENGINE_KERNELS={kernels!r} is not one of auto, {', '.join(fast.KERNELS)}")
-    if kernels == "tiled" and (next(model.parameters()).dtype != torch.float32 or native.library() is None):
-        why = native.unavailable() or f"it is fp32 only, not {next(model.parameters()).dtype}"
-        raise PrecisionError(f"BERT_ENGINE_KERNELS=tiled: bert_engine's AVX2 kernel cannot run here: {why}")
+    kernels = check_kernel_setting()  # Inductor fuses plain layers its own way: not with compile
+    if kernels == "tiled" and next(model.parameters()).dtype != torch.float32:
+        raise PrecisionError(f"BERT_ENGINE_KERNELS=tiled: bert_engine's AVX2 kernel is fp32 only, not "
+                             f"{next(model.parameters()).dtype}")
     if kernels == "auto":
         choice = {name: c for name, c in fast.choose_kernels(model, kernel_cache()).items() if name in names}
     else:
