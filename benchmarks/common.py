@@ -137,3 +137,20 @@ def int8_kernel_set(kernel: str) -> Iterator[None]:
             os.environ.pop("BERT_ENGINE_INT8_KERNEL", None)
         else:
             os.environ["BERT_ENGINE_INT8_KERNEL"] = before
+
+
+def time_encoders(shape: str, models: dict[str, Any], sessions: dict[str, Any], reference: Any,
+                  rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Encoder forwards on one "BxT" block of random ids, in turn: each of `models` (engine encoders) and
+    `sessions` (benchmarks.onnx_runtime sessions). (median ms, max |difference| from `reference`'s output)
+    per contender, the outputs checked before anything is timed."""
+    batch, tokens = (int(v) for v in shape.split("x"))
+    ids = torch.randint(1000, 30000, (batch, tokens), generator=torch.Generator().manual_seed(batch * 1000 + tokens))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+    contenders = {name: (lambda m=m: m(**inputs).last_hidden_state) for name, m in models.items()}
+    contenders |= {name: (lambda s=s: torch.from_numpy(s(inputs))) for name, s in sessions.items()}
+    with torch.inference_mode():
+        expected = reference(**inputs).last_hidden_state
+        diffs = {name: float((run() - expected).abs().max()) for name, run in contenders.items()}
+        times = interleaved(contenders, rounds)
+    return {name: 1e3 * median(t) for name, t in times.items()}, diffs

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import onnx_runtime
-from benchmarks.common import interleaved, machine, median, print_table, write_json
+from benchmarks.common import machine, print_table, time_encoders, write_json
 from benchmarks.encoder import load_pair, model_folders
 
 SHAPES = "1x12,1x24,1x48,1x128,8x128,32x128"
@@ -67,17 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
             ort = {"onnxruntime": onnx_runtime.load(path, torch.get_num_threads())}
         rows = []
         for shape in args.shapes.split(","):
-            batch, tokens = (int(v) for v in shape.split("x"))
-            ids = torch.randint(1000, 30000, (batch, tokens), generator=torch.Generator().manual_seed(batch * 1000 + tokens))
-            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
-            contenders = {k: (lambda m=m, inputs=inputs: m(**inputs).last_hidden_state) for k, m in models.items()}
-            contenders |= {k: (lambda s=s, inputs=inputs: torch.from_numpy(s(inputs))) for k, s in ort.items()}
-            with torch.inference_mode():
-                expected = reference(**inputs).last_hidden_state
-                diffs = {k: float((run() - expected).abs().max()) for k, run in contenders.items()}
-                times = interleaved(contenders, args.rounds)
-            ms = {k: 1e3 * median(t) for k, t in times.items()}
-            for k in contenders:
+            ms, diffs = time_encoders(shape, models, ort, reference, args.rounds)
+            for k in ms:
                 rows.append({"shape": shape, "kernels": k, "ms": round(ms[k], 3), "max_abs_diff": diffs[k],
                              "vs_packed": round(ms["packed"] / ms[k], 3),
                              "vs_onnxruntime": round(ms["onnxruntime"] / ms[k], 3) if "onnxruntime" in ms else None})

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import onnx_runtime
-from benchmarks.common import int8_kernel_set, interleaved, machine, median, print_table, write_json
+from benchmarks.common import int8_kernel_set, machine, print_table, time_encoders, write_json
 from benchmarks.encoder import load_pair, model_folders
 
 SHAPES = "1x1,1x12,1x24,1x48,1x128,32x128"
@@ -56,17 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
             ort = {f"onnxruntime {p}": onnx_runtime.load(paths[p], torch.get_num_threads()) for p in ("fp32", "int8")}
         rows = []
         for shape in args.shapes.split(","):
-            batch, tokens = (int(v) for v in shape.split("x"))
-            ids = torch.randint(1000, 30000, (batch, tokens), generator=torch.Generator().manual_seed(batch * 1000 + tokens))
-            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
-            contenders = {name: (lambda m=m, inputs=inputs: m(**inputs).last_hidden_state) for name, m in models.items()}
-            contenders |= {name: (lambda s=s, inputs=inputs: torch.from_numpy(s(inputs))) for name, s in ort.items()}
-            with torch.inference_mode():
-                expected = reference(**inputs).last_hidden_state
-                diffs = {name: float((run() - expected).abs().max()) for name, run in contenders.items()}
-                times = interleaved(contenders, args.rounds)
-            ms = {name: 1e3 * median(t) for name, t in times.items()}
-            for name in contenders:
+            ms, diffs = time_encoders(shape, models, ort, reference, args.rounds)
+            for name in ms:
                 row = {"shape": shape, "impl": name, "ms": round(ms[name], 3), "max_abs_diff": round(diffs[name], 4),
                        "vs_engine_fp32": None, "vs_ort_int8": None}
                 if name.startswith("engine int8"):
