@@ -643,7 +643,7 @@ def pack_linear_layers(model: nn.Module, only: Iterable[str] = PROJECTIONS, kern
 
 KERNEL_ROWS = (24, 128, 2048)  # rows a kernel is timed on: a visitor's sentence, a long text, a batch of 16 x 128
 DECODER_ROWS = (1, 32)  # ... and a decoder: a visitor's mask, a batch of texts' masks
-PLAIN_MARGIN = 0.9  # plain or tiled replaces packed (the default) only when at least 10 % faster: not on timing noise
+PLAIN_MARGIN = 0.9  # another kernel replaces the incumbent only when at least 10 % faster: not on timing noise
 KERNELS = ("packed", "plain", "tiled")
 # In a forward pass each projection's weight comes from memory (a model's 24 weight matrices outgrow the
 # caches: MiniLM's are 42 MB); timed alone and repeated, it would come from cache. Runs of up to COLD_ROWS
@@ -718,9 +718,9 @@ def pick_kernel(timings: dict[str, Any], incumbent: str = "packed") -> str | Non
 
 def short_rows_incumbent() -> str:
     """The kernel short inputs keep unless another is 10 % faster: the tiled one on AVX2-only CPUs, where a
-    whole MiniLM forward ran 1.46 / 1.38 / 1.22 / 1.08x faster with it than with oneDNN's at 12 / 24 / 48 /
-    128 tokens (benchmarks/results/avx2/fp32_kernels.json; a projection timed alone shows less of that, and
-    noisily), else oneDNN's packed one."""
+    whole MiniLM forward ran 1.08-1.60x faster with it than with oneDNN's at 12-128 tokens in two runs
+    (benchmarks/results/avx2/fp32_kernels.json and benchmarks/README.md; a projection timed alone shows less
+    of that, and noisily), else oneDNN's packed one."""
     return "tiled" if cpu_isa() == "AVX2" else "packed"
 
 
@@ -733,10 +733,12 @@ def kernel_label(choice: dict[str, Any]) -> str:
 
 
 def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dict[str, Any]]:
-    """For each projection of the encoder's layers (all layers share the shapes): the fastest of the packed
-    oneDNN, the plain MKL and (fp32, where it runs) the tiled AVX2 kernel on this machine, packed unless another
-    is PLAIN_MARGIN faster, with the timings. Timed once per CPU, torch version, threads, dtype and shape, and
-    kept in `cache` (a JSON file; None: not kept)."""
+    """For each projection of the encoder's layers (all layers share the shapes), with the timings: the
+    kernel for inputs of up to COLD_ROWS rows ("chose") and, where another, for longer ones ("past_rows"),
+    among the packed oneDNN, the plain MKL and (fp32, where it runs) the tiled AVX2 kernel on this machine:
+    the incumbent (short_rows_incumbent for short inputs, packed for long ones) unless another is
+    PLAIN_MARGIN faster (pick_kernel). Timed once per CPU, torch version, threads, dtype and shape, and kept
+    in `cache` (a JSON file; None: not kept)."""
     encoder = encoder_of(model)
     if not can_pack(model) or not len(encoder.layers):
         return {}
