@@ -238,3 +238,21 @@ def test_a_tiled_model_is_explained_on_a_plain_copy_and_refuses_a_backward(monke
     assert "fp32 copy with plain kernels" in explained["explained_on"] and "tiled" in explained["explained_on"]
     with torch.enable_grad(), pytest.raises(RuntimeError, match="has no backward"):
         fast.TiledLinear(nn.Linear(8, 8))(torch.randn(2, 8, requires_grad=True))
+
+
+@needs_kernel
+def test_kernel_timings_of_another_build_are_taken_again(monkeypatch, tmp_path):
+    """Timings are kept with the build of the kernel they measured; a changed kernel (source, compiler or
+    flags) is timed again rather than chosen on its predecessor's figures."""
+    monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    model = BertModel(PRESETS["tiny"]).eval()
+    first = fast.choose_kernels(model, tmp_path / "kernels.json")
+    assert all(c["tiled_build"] == native.build() for c in first.values())
+    timed = []
+    real = fast.time_kernels
+    monkeypatch.setattr(fast, "time_kernels", lambda *a, **k: timed.append(1) or real(*a, **k))
+    fast.choose_kernels(model, tmp_path / "kernels.json")
+    assert timed == []  # the same build: read back
+    monkeypatch.setattr(native, "build", lambda: "another-build")
+    again = fast.choose_kernels(model, tmp_path / "kernels.json")
+    assert len(timed) == len(again) and all(c["tiled_build"] == "another-build" for c in again.values())

@@ -761,16 +761,17 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
         act = activation if isinstance(activation, str) else (
             getattr(activation, "__name__", type(activation).__name__) if activation is not None else "none")
         key = f"{machine}|{linear.weight.dtype}|{linear.in_features}x{linear.out_features}|{act}"
-        tiled = linear.weight.dtype == torch.float32 and native.library() is not None
+        tiled = native.build() if linear.weight.dtype == torch.float32 else None
         found = stored.get(key, {})
-        if "rows" not in found or (tiled and "tiled_ms" not in found):  # timed before the tiled kernel ran here
+        if "rows" not in found or (tiled and found.get("tiled_build") != tiled):  # before this build of the kernel
             timed = time_kernels(linear, None if isinstance(activation, str) else activation, rows)
             found = {f"{kernel}_ms": round(1000 * sum(by_rows.values()), 3) for kernel, by_rows in timed.items()}
             found["rows"] = {str(n): {kernel: round(1000 * timed[kernel][n], 4) for kernel in timed} for n in rows}
+            found |= {"tiled_build": tiled} if tiled else {}
             stored[key] = found
             changed = True
         if not tiled:  # timed where the kernel ran, read where it does not (a shared cache, CC unset)
-            found = {k: v for k, v in found.items() if k != "tiled_ms"}
+            found = {k: v for k, v in found.items() if k not in ("tiled_ms", "tiled_build")}
             found["rows"] = {n: {k: ms for k, ms in row.items() if k != "tiled"} for n, row in found["rows"].items()}
         short = pick_kernel({"rows": {n: t for n, t in found["rows"].items() if int(n) <= COLD_ROWS}},
                             short_rows_incumbent())

@@ -150,6 +150,13 @@ def tiled_matmul():
     return (lib if lib is not None else library()).tiled_matmul  # type: ignore[union-attr]
 
 
+def build() -> str | None:
+    """Which build of the kernel `library()` loaded (its source, compiler and flags, hashed), or None: kernel
+    timings taken with one build are not a choice for another (fast.choose_kernels times again)."""
+    lib = library()
+    return None if lib is None else Path(lib._name).stem.removeprefix("tiled_matmul-")
+
+
 def unavailable() -> str | None:
     """None when `library()` loads, else the reason it does not (building it first if need be)."""
     library()
