@@ -730,7 +730,20 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--case-timeout", type=float, default=60.0,
                        help="seconds each case (prediction, tab event, training check) may take (default 60)")
     check.set_defaults(run=_plugin_check)
+    _verbose_anywhere(parser)
     return parser
+
+
+def _verbose_anywhere(parser: argparse.ArgumentParser) -> None:
+    """-v after a subcommand too (`bert-engine info --kernels -v`), not only before it; where it is not
+    given, the top-level value stands (SUPPRESS: a subcommand leaves it unset)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if "-v" not in child._option_string_actions:
+                    child.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                       help="log at INFO level")
+                _verbose_anywhere(child)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -312,3 +312,14 @@ def test_eval_names_a_label_the_model_does_not_have(tmp_path, capsys):
     data.write_text("sentence\tlabel\ngood film\t7\n")
     assert main(["eval", "sentiment", "--data", str(data), "--split", "train"]) == 2  # was an IndexError traceback
     assert "example 1 has label 7, but the head's labels are ['NEGATIVE', 'POSITIVE']" in capsys.readouterr().err
+
+
+def test_verbose_is_taken_before_or_after_the_subcommand():
+    """`bert-engine -v info` and `bert-engine info -v` both log at INFO (a fresh-clone check typed the
+    second and got a usage error); without it, neither does."""
+    from bert_engine.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["-v", "info"]).verbose and parser.parse_args(["info", "--kernels", "-v"]).verbose
+    assert parser.parse_args(["plugin", "check", "sentiment", "--verbose"]).verbose
+    assert not parser.parse_args(["info"]).verbose and not parser.parse_args(["predict", "sentiment"]).verbose
