@@ -256,3 +256,11 @@ def test_kernel_timings_of_another_build_are_taken_again(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "build", lambda: "another-build")
     again = fast.choose_kernels(model, tmp_path / "kernels.json")
     assert len(timed) == len(again) and all(c["tiled_build"] == "another-build" for c in again.values())
+
+
+def test_a_fixed_choice_without_the_tiled_kernel_never_builds_it(fresh_native, monkeypatch):
+    """BERT_ENGINE_KERNELS=packed (or plain) loads a model without building or loading the C kernel."""
+    monkeypatch.setenv("BERT_ENGINE_KERNELS", "packed")
+    monkeypatch.setattr(native, "library", lambda: pytest.fail("the tiled kernel was built for a packed model"))
+    model = prepare_for_inference(BertModel(PRESETS["tiny"]).eval(), "fp32")
+    assert isinstance(model.layers[0].attention.qkv, fast.PackedLinear)

@@ -603,8 +603,10 @@ def use_kernels(model: nn.Module, choice: dict[str, tuple[str, str]]) -> nn.Modu
     native.py builds it), as is a projection already swapped or quantised. The feed-forward's activation
     moves into its first projection where every kernel of it fuses it (oneDNN a GELU, the tiled kernel any);
     else it stays after it. A swapped decoder is a copy: the word embeddings it was tied to stay."""
-    runs = {"plain": True, "packed": can_pack(model),
-            "tiled": next(model.parameters()).dtype == torch.float32 and native.library() is not None}
+    wanted = {k for kernels in choice.values() for k in kernels}  # the tiled kernel is built only if asked for
+    runs = {"plain": True, "packed": "packed" in wanted and can_pack(model),
+            "tiled": "tiled" in wanted and next(model.parameters()).dtype == torch.float32
+            and native.library() is not None}
     kept = {name: kernels for name, kernels in choice.items() if all(runs[k] for k in kernels)
             and kernels != ("plain", "plain")}
 
