@@ -6,9 +6,14 @@ would pick instead.
     python -m benchmarks.workloads --precisions fp32,int8   # also the engine's faster CPU modes
     python -m benchmarks.workloads --peers ../venv-peers/bin/python --modes batched,single \
         --tasks sentiment,ner,qa,fill_mask --json benchmarks/results/workloads-avx512.json
+    python -m benchmarks.workloads --device cuda --precisions bf16,fp16 --modes batched,single   # on a GPU
 
 Every side runs the same weights: each starter model (LoRA adapter + head on MiniLM) is merged
-and saved once in the Hugging Face layout, and every implementation loads that folder.
+and saved once in the Hugging Face layout, and every implementation loads that folder. `--starters DIR`
+takes each task's model from DIR/<task> instead (a pack rebased onto another copy of its base, say).
+
+On a GPU (`--device cuda`) the in-process transformers reference runs at each precision the engine
+runs (fp32, bf16, fp16: the same dtype on both sides); ONNX Runtime's peers stay CPU-only.
 
 Contenders. Without --peers: transformers (the suite's 5.x) in this process. With --peers (the python
 of the venv `python -m benchmarks.peers --setup` makes): transformers 4.57's task pipelines, and the
@@ -54,24 +59,26 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 BATCH = 32
 
 
-def merged_folder(task_name: str, workdir: Path) -> Path:
-    """The task's starter model (adapter merged into MiniLM) saved in the Hugging Face layout."""
+def merged_folder(task_name: str, workdir: Path, starters: Path | None = None) -> Path:
+    """The task's starter model (adapter merged into MiniLM; from `starters`/<task> where given) saved in the
+    Hugging Face layout."""
     from bert_engine.checkpoints.loader import load
     from bert_engine.checkpoints.loading import save_pretrained
     from bert_engine.tasks.registry import load_registry
 
     task = load_registry(entry_points=False).task(task_name)
-    if task.spec.default_checkpoint is None:
+    checkpoint = str(starters / task_name) if starters is not None else task.spec.default_checkpoint
+    if checkpoint is None:
         raise SystemExit(f"task {task_name!r} has no starter model in plugins/starter/; build it first")
     folder = workdir / task_name
-    model, tokenizer = load(task.spec.default_checkpoint, task.spec.build_head)
+    model, tokenizer = load(checkpoint, task.spec.build_head)
     save_pretrained(model, folder, tokenizer)
     return folder
 
 
 # -- sentiment ---------------------------------------------------------------------------------------
 
-def sentiment(folder: Path, data: Path, precision: str, limit: int | None):
+def sentiment(folder: Path, data: Path, precision: str, limit: int | None, device: str = "cpu"):
     import transformers
 
     from bert_engine.runtime.inference import Predictor, predict_texts
@@ -80,8 +87,8 @@ def sentiment(folder: Path, data: Path, precision: str, limit: int | None):
     task = load_registry(entry_points=False).task("sentiment")
     examples = list(task.spec.read_data(str(data / "sst2" / "dev.tsv"), "test"))[:limit]
     texts, gold = [x["text"] for x, _ in examples], [t for _, t in examples]
-    engine = Predictor.load(task, str(folder), precision=precision)
-    reference = transformers.pipeline("text-classification", model=str(folder), device=-1, batch_size=BATCH)
+    engine = Predictor.load(task, str(folder), device=device, precision=precision)
+    reference = transformers.pipeline("text-classification", model=str(folder), batch_size=BATCH, **_reference_place(device, precision))
     out = {}
 
     def run_engine():
@@ -99,7 +106,7 @@ def sentiment(folder: Path, data: Path, precision: str, limit: int | None):
 
 # -- ner -----------------------------------------------------------------------------------------------
 
-def ner(folder: Path, data: Path, precision: str, limit: int | None):
+def ner(folder: Path, data: Path, precision: str, limit: int | None, device: str = "cpu"):
     import transformers
 
     from bert_engine.runtime.inference import Predictor, predict_texts
@@ -107,8 +114,8 @@ def ner(folder: Path, data: Path, precision: str, limit: int | None):
     task = load_registry(entry_points=False).task("ner")
     examples = list(task.spec.read_data(str(data / "conll2003" / "eng.testb"), "test"))[:limit]
     texts = [x["text"] for x, _ in examples]
-    engine = Predictor.load(task, str(folder), precision=precision)
-    reference = transformers.pipeline("token-classification", model=str(folder), device=-1, batch_size=BATCH,
+    engine = Predictor.load(task, str(folder), device=device, precision=precision)
+    reference = transformers.pipeline("token-classification", model=str(folder), batch_size=BATCH, **_reference_place(device, precision),
                                       aggregation_strategy="first")
     out = {}
 
@@ -165,7 +172,7 @@ def _gold_entities(inputs: dict, target) -> list[tuple[int, int, str]]:
 
 # -- qa ------------------------------------------------------------------------------------------------
 
-def qa(folder: Path, data: Path, precision: str, limit: int | None):
+def qa(folder: Path, data: Path, precision: str, limit: int | None, device: str = "cpu"):
     import transformers
 
     from bert_engine.runtime.inference import Predictor
@@ -176,9 +183,11 @@ def qa(folder: Path, data: Path, precision: str, limit: int | None):
     task = load_registry(entry_points=False).task("qa")
     examples = list(task.spec.read_data(str(data / "squad" / "dev-v1.1.json")))[:limit or 1000]
     items, golds = [x for x, _ in examples], [t["answers"] for _, t in examples]
-    engine = Predictor.load(task, str(folder), precision=precision)
+    engine = Predictor.load(task, str(folder), device=device, precision=precision)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
-    model = transformers.BertForQuestionAnswering.from_pretrained(str(folder), attn_implementation="sdpa").eval()
+    place = _reference_place(device, precision)
+    model = transformers.BertForQuestionAnswering.from_pretrained(str(folder), attn_implementation="sdpa",
+                                                                  dtype=place["dtype"]).to(place["device"]).eval()
     out = {}
 
     def run_engine():
@@ -199,10 +208,11 @@ def reference_qa(model, tokenizer, items, max_length=384, stride=128, max_answer
     starts, ends = [], []
     with torch.inference_mode():
         for i in range(0, len(encoded["input_ids"]), BATCH):
-            batch = {k: torch.tensor(encoded[k][i:i + BATCH]) for k in ("input_ids", "attention_mask", "token_type_ids")}
+            batch = {k: torch.tensor(encoded[k][i:i + BATCH], device=model.device)
+                     for k in ("input_ids", "attention_mask", "token_type_ids")}
             output = model(**batch)
-            starts += output.start_logits.tolist()
-            ends += output.end_logits.tolist()
+            starts += output.start_logits.float().tolist()
+            ends += output.end_logits.float().tolist()
     best: dict[int, tuple[float, str]] = {}
     for row, sample in enumerate(encoded["overflow_to_sample_mapping"]):
         offsets, sequence_ids = encoded["offset_mapping"][row], encoded.sequence_ids(row)
@@ -242,17 +252,17 @@ def mask_items(data: Path, tokenizer, count: int = 1000, seed: int = 0, width: i
     return items
 
 
-def fill_mask(folder: Path, data: Path, precision: str, limit: int | None):
+def fill_mask(folder: Path, data: Path, precision: str, limit: int | None, device: str = "cpu"):
     import transformers
 
     from bert_engine.runtime.inference import Predictor, predict_texts
     from bert_engine.tasks.registry import load_registry
 
     task = load_registry(entry_points=False).task("fill_mask")
-    engine = Predictor.load(task, str(folder), precision=precision)
+    engine = Predictor.load(task, str(folder), device=device, precision=precision)
     pairs = mask_items(data, engine.tokenizer, limit or 1000)
     texts, gold = [t for t, _ in pairs], [w for _, w in pairs]
-    reference = transformers.pipeline("fill-mask", model=str(folder), device=-1, batch_size=BATCH, top_k=1)
+    reference = transformers.pipeline("fill-mask", model=str(folder), batch_size=BATCH, **_reference_place(device, precision), top_k=1)
     out = {}
 
     def run_engine():  # predict_many (batches of BATCH) where the task has one, else one text at a time
@@ -267,6 +277,19 @@ def fill_mask(folder: Path, data: Path, precision: str, limit: int | None):
         return {"top1": 100 * sum(w == g for w, g in zip(words, gold)) / len(gold)}
 
     return len(texts), run_engine, run_reference, out, lambda side: top1(out[side])
+
+
+def _reference_precision(device: str, precision: str) -> str:
+    return "fp32" if device == "cpu" or precision not in ("bf16", "fp16") else precision
+
+
+def _reference_place(device: str, precision: str) -> dict:
+    """Where and in which dtype transformers' side runs: the engine's device, and on a GPU its precision too
+    (on the CPU the reference is fp32 only)."""
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if device == "cpu":
+        return {"device": torch.device("cpu"), "dtype": torch.float32}
+    return {"device": torch.device(device), "dtype": dtypes.get(precision, torch.float32)}
 
 
 TASKS = {"sentiment": sentiment, "ner": ner, "qa": qa, "fill_mask": fill_mask}
@@ -315,7 +338,7 @@ def _tokens(tokenizer, items: list[dict]) -> int:
 
 
 def measure(name: str, mode: str, precision: str, workload: tuple, items: list[dict], repeats: int,
-            peer=None, reference: bool = False) -> list[dict]:
+            peer=None, reference: bool = False, reference_precision: str = "fp32") -> list[dict]:
     """Rows for one task in one mode: the engine, and each peer (or the in-process reference), run in
     turn `repeats` times after a warm-up round."""
     from benchmarks.peers import CONTENDERS
@@ -364,7 +387,9 @@ def measure(name: str, mode: str, precision: str, workload: tuple, items: list[d
     rows = []
     for impl, ts in times.items():
         s, lat = median(ts), latencies.get(impl, [])
-        row = {"task": name, "mode": mode, "impl": impl, "precision": precision if impl == "engine" else "fp32",
+        row = {"task": name, "mode": mode, "impl": impl,
+               "precision": precision if impl == "engine" else reference_precision if impl == "transformers" and peer is None
+               else "fp32",
                "items": len(subset), "tokens": tokens, "s": s, "items_per_s": len(subset) / s, "tokens_per_s": tokens / s,
                "p50_ms": 1000 * percentile(lat, 50) if lat else None,
                "p95_ms": 1000 * percentile(lat, 95) if lat else None}
@@ -379,16 +404,17 @@ def measure(name: str, mode: str, precision: str, workload: tuple, items: list[d
 
 
 def run(tasks: list[str], precisions: list[str], repeats: int, data: Path, limit: int | None, workdir: Path,
-        peers: str | None = None, modes: tuple[str, ...] = ("batched",), single_limit: int = 200) -> dict:
+        peers: str | None = None, modes: tuple[str, ...] = ("batched",), single_limit: int = 200,
+        device: str = "cpu", starters: Path | None = None) -> dict:
     from benchmarks.peers import PeerProcess
 
     rows = []
     peer = PeerProcess(peers) if peers else None
     try:
         for name in tasks:
-            folder = merged_folder(name, workdir)
+            folder = merged_folder(name, workdir, starters)
             for precision in precisions:
-                workload = TASKS[name](folder, data, precision, limit)
+                workload = TASKS[name](folder, data, precision, limit, device)
                 items = _items(name, data, limit, _engine_of(workload[1]).tokenizer)
                 with_peers = peer is not None and precision == precisions[0]
                 if with_peers:
@@ -396,8 +422,11 @@ def run(tasks: list[str], precisions: list[str], repeats: int, data: Path, limit
                                       threads=torch.get_num_threads())["export_s"]
                 for mode in modes:
                     shaped = workload if mode == "batched" else (single_limit, *workload[1:])
+                    # in process, transformers runs beside the engine's fp32 on the CPU, and beside each precision
+                    # (in the same dtype) on a GPU
                     new = measure(name, mode, precision, shaped, items, repeats, peer if with_peers else None,
-                                  reference=peer is None and precision == "fp32" and mode == "batched")
+                                  reference=peer is None and mode == "batched" and (precision == "fp32" or device != "cpu"),
+                                  reference_precision=_reference_precision(device, precision))
                     for row in new:
                         if row["impl"] == "onnxruntime":
                             row["export_s"] = round(export, 1)
@@ -410,7 +439,7 @@ def run(tasks: list[str], precisions: list[str], repeats: int, data: Path, limit
             for other in rows:
                 if (other["task"], other["mode"]) == (r["task"], r["mode"]) and other["impl"] != "engine":
                     r[f"vs_{other['impl']}"] = other["s"] / r["s"]
-    result = {"machine": machine(), "repeats": repeats, "batch_size": BATCH, "rows": rows}
+    result = {"machine": machine(), "device": device, "repeats": repeats, "batch_size": BATCH, "rows": rows}
     if peer is not None:
         result["peers"] = peer.versions()
     return result
@@ -438,22 +467,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="batched", help="batched (a file), single (a visitor: one request at "
                         "a time, p50/p95 latency), or both")
     parser.add_argument("--single-limit", type=int, default=200, help="requests per task in the single mode")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: where the engine and the "
+                        "in-process transformers reference run")
+    parser.add_argument("--starters", default=None, help="a folder holding one model folder per task (DIR/<task>) "
+                        "to run instead of the shipped starters")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--merge", action="store_true", help="with --json: replace the file's rows of the tasks "
                         "and modes this run measures, keep its others (each kept row says the run it came from)")
     args = parser.parse_args(argv)
     if args.merge and not args.json:
         parser.error("--merge needs --json FILE")
+    if args.device != "cpu" and args.peers:
+        parser.error("--peers runs ONNX Runtime and transformers 4.57 on the CPU: not with --device " + args.device)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA GPU is visible to this torch ({torch.__version__})")
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     precisions = ["fp32"] + [p for p in args.precisions.split(",") if p and p != "fp32"]
     modes = tuple(m for m in args.modes.split(",") if m)
     with tempfile.TemporaryDirectory() as tmp:
         result = run(args.tasks.split(","), precisions, args.repeats, Path(args.data), args.limit, Path(tmp),
-                     peers=args.peers, modes=modes, single_limit=args.single_limit)
+                     peers=args.peers, modes=modes, single_limit=args.single_limit, device=args.device,
+                     starters=Path(args.starters) if args.starters else None)
     info = result["machine"]
     peers = result.get("peers")
-    print(f"# end-to-end workloads, {info['cpu']}, {info['threads']} threads, torch {info['torch']}, "
+    where = f"{info['gpu']} ({args.device}), " if args.device != "cpu" else ""
+    print(f"# end-to-end workloads, {where}{info['cpu']}, {info['threads']} threads, torch {info['torch']}, "
           + (f"peers: transformers {peers['transformers']}, optimum {peers['optimum']}, onnxruntime "
              f"{peers['onnxruntime']}" if peers else f"transformers {info.get('transformers')}")
           + f"; batch {BATCH}; median of {args.repeats}")

