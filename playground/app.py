@@ -33,7 +33,7 @@ from bert_engine.runtime.explain import explain as explain_prediction
 from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
 from bert_engine.runtime.inference import check_json_result, json_problem
 from bert_engine.runtime.precision import NAMES as PRECISIONS
-from bert_engine.runtime.precision import PrecisionError, check_kernel_setting, pick_device
+from bert_engine.runtime.precision import PrecisionError, check_kernel_setting, device_for
 from bert_engine.runtime.precision import resolve as resolve_precision
 from bert_engine.serving import memory
 from bert_engine.serving.predictors import BatchingPredictor, LazyPredictor, ModelShelf
@@ -99,7 +99,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     """
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
-    resolve_precision(precision, pick_device(device))
+    resolve_precision(precision, device_for(precision, device))
     check_kernel_setting()  # BERT_ENGINE_KERNELS: a bad value, or "tiled" where it cannot run, fails here too
     registry = registry or load_registry(builtins=plugins.BUILTIN)  # the built-in tasks, handed to the engine
     checkpoints = checkpoints or {}
@@ -231,13 +231,12 @@ class ServedPredictor(BatchingPredictor):
 
 def runnable_precisions(device: str | None) -> list[str]:
     """The precisions a model can be loaded in on this machine ("auto" left out)."""
-    target = pick_device(device)
     runnable = []
     for name in PRECISIONS:
         if name == "auto":
             continue
         try:
-            resolve_precision(name, target)
+            resolve_precision(name, device_for(name, device))
         except PrecisionError:
             continue
         runnable.append(name)

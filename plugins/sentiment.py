@@ -130,7 +130,7 @@ def probabilities(logits: Tensor, function: str, problem_type: str | None) -> tu
 def postprocess(output: SentimentOutput, batch, *, top_k, function, long_input, max_length, stride, temperature):
     """Per input: the top label and score, all labels ranked (or `top_k`), the raw logits (of the one
     window, or the windows' token-weighted mean) and the long-input policy."""
-    logits = output.logits.float()
+    logits = output.logits.float().cpu()  # the model's device (a GPU's); the batch comes on the CPU
     _, used = probabilities(logits, function, output.problem_type)
     scores, _ = probabilities(logits / temperature if used != "none" else logits, used, None)  # (rows, L)
     sample = torch.tensor(batch.sample_index)

@@ -32,7 +32,7 @@ def registry():
 
 @pytest.fixture(scope="module")
 def predictors(registry):
-    return {name: Predictor.load(registry.tasks[name]) for name in INPUTS}
+    return {name: Predictor.load(registry.tasks[name], precision="fp32") for name in INPUTS}
 
 
 def _inputs(registry, name):
@@ -117,16 +117,30 @@ def test_packed_and_int8_models_are_explained_on_an_fp32_copy_plain_ones_on_them
     assert "fp32 copy" in explained["explained_on"] and "int8" in explained["explained_on"]
     assert explained["provenance"]["dtype"] == "int8"
     monkeypatch.setenv("BERT_ENGINE_KERNELS", "plain")
-    plain = Predictor.load(task)
+    plain = Predictor.load(task, precision="fp32")  # fp32 on a GPU too, where "auto" means bf16
     assert explain(plain, INPUTS["sentiment"], steps=8)["explained_on"] == "the served model"
     assert not hasattr(plain, "_gradient_copy")
+
+
+def test_a_half_precision_model_is_explained_on_an_fp32_copy_whose_attributions_add_up(registry, monkeypatch):
+    """bf16 (a GPU's default) sums its path gradients too coarsely: the explanation runs on an fp32 copy."""
+    monkeypatch.setenv("BERT_ENGINE_KERNELS", "plain")
+    task = registry.tasks["sentiment"]
+    predictor = Predictor.load(task, device="cpu", precision="fp32")
+    predictor.model.to(torch.bfloat16)  # as a GPU serves it (a CPU without bf16 refuses to load it so)
+    explained = explain(predictor, INPUTS["sentiment"], steps=64)
+    assert "fp32 copy" in explained["explained_on"] and "bfloat16" in explained["explained_on"]
+    assert next(predictor._gradient_copy.parameters()).dtype == torch.float32
+    for target in explained["targets"]:
+        difference = target["score"] - target["baseline_score"]
+        assert abs(target["completeness_gap"]) <= COMPLETENESS * abs(difference) + 1e-3, target["name"]
 
 
 def test_an_explanation_never_reaches_another_requests_forward(registry, monkeypatch):
     """The embedding hook lives only while the explanation holds the model's lock: predictions running
     beside explanations of the same model object answer exactly as alone."""
     monkeypatch.setenv("BERT_ENGINE_KERNELS", "plain")  # the served model itself is explained (no copy)
-    predictor = Predictor.load(registry.tasks["sentiment"])
+    predictor = Predictor.load(registry.tasks["sentiment"], precision="fp32")
     texts = ["The plot is predictable and the acting is wooden.", "I didn't hate it.", "A triumph."]
     alone = [predictor.predict({"text": t})["result"]["logits"] for t in texts]
     errors, seen = [], []

@@ -19,7 +19,7 @@ def sentiment_folder(tmp_path_factory):
 
 
 def test_text_classification_matches_transformers_on_the_same_weights(sentiment_folder):
-    ours = pipeline("text-classification", model=str(sentiment_folder))
+    ours = pipeline("text-classification", model=str(sentiment_folder), device="cpu")  # fp32, as theirs
     theirs = transformers.pipeline("text-classification", model=str(sentiment_folder), device="cpu")
     for got, want in zip(ours(REVIEWS), theirs(REVIEWS)):
         assert got["label"] == want["label"] and got["score"] == pytest.approx(want["score"], abs=1e-4)
@@ -30,7 +30,7 @@ def test_text_classification_matches_transformers_on_the_same_weights(sentiment_
 def test_fill_mask_matches_transformers_on_the_same_weights(tmp_path):
     folder = reference_checkpoint(tmp_path / "mlm", "BertForMaskedLM")
     text = "The capital of France is [MASK]."
-    ours = pipeline("fill-mask", model=str(folder), top_k=5)(text)
+    ours = pipeline("fill-mask", model=str(folder), device="cpu", top_k=5)(text)  # fp32, as theirs
     theirs = transformers.pipeline("fill-mask", model=str(folder), device="cpu")(text, top_k=20)
     by_token = {c["token"]: c for c in theirs}
     for candidate in ours:  # the engine leaves out special tokens; every candidate it gives agrees
@@ -39,7 +39,7 @@ def test_fill_mask_matches_transformers_on_the_same_weights(tmp_path):
         assert candidate["score"] == pytest.approx(want["score"], rel=1e-3)
     assert set(ours[0]) == {"score", "token", "token_str", "sequence"}
     targets = ["paris", "london", "berlin"]
-    ours = pipeline("fill-mask", model=str(folder))(text, targets=targets, top_k=2)
+    ours = pipeline("fill-mask", model=str(folder), device="cpu")(text, targets=targets, top_k=2)
     theirs = transformers.pipeline("fill-mask", model=str(folder), device="cpu")(text, targets=targets, top_k=2)
     assert [(c["token"], c["token_str"], c["sequence"].lower()) for c in ours] == [  # theirs: decoded, lowercased
         (c["token"], c["token_str"], c["sequence"]) for c in theirs]

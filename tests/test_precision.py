@@ -21,6 +21,7 @@ from bert_engine.runtime.precision import (
     PrecisionError,
     autocast_dtype,
     cpu_capability,
+    device_for,
     parameter_dtype,
     resolve,
 )
@@ -55,6 +56,16 @@ def test_auto_is_fp32_on_the_cpu():
 def test_unknown_or_misplaced_precisions_are_named(name, device, message):
     with pytest.raises(PrecisionError, match=message):
         resolve(name, torch.device(device))
+
+
+def test_int8_with_no_device_named_runs_on_the_cpu_even_where_a_gpu_is(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU (nothing is allocated)
+    assert device_for("int8") == CPU and device_for("int8", "") == CPU
+    assert device_for("auto").type == "cuda" and device_for("bf16").type == "cuda"  # the GPU where it can run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_for("fp32") == CPU
+    with pytest.raises(ValueError, match="'cuda'"):  # a device named is the device used, or an error
+        device_for("int8", "cuda")
 
 
 def test_the_capability_override_only_lowers_and_is_checked(monkeypatch):

@@ -224,7 +224,7 @@ def test_a_predictor_built_from_a_loaded_one_keeps_its_calibrated_defaults_when_
     from bert_engine.tasks.registry import load_registry
 
     task = load_registry(entry_points=False).task("qa")
-    loaded = Predictor.load(task, precision="fp32", pack=False)
+    loaded = Predictor.load(task, device="cpu", precision="fp32", pack=False)  # int8 below is CPU-only
     assert loaded.model_options.get("answerability") is not None  # the starter's calibrated verifier
     model = quantize_int8(loaded.model)
     passed_on = Predictor(task, model, loaded.tokenizer, model_id=loaded.model_id, model_options=loaded.model_options)

@@ -88,8 +88,9 @@ def request_flop_limit(predictor: Predictor) -> float:
 
 def gradient_model(predictor: Predictor) -> tuple[nn.Module, str]:
     """The model as autograd can run it, and what it is: the served model itself, unless its kernels have
-    no backward (oneDNN-packed, tiled or int8 linears, torch.compile'd layers): then an fp32 copy of the same
-    checkpoint with plain kernels, loaded once and kept on the predictor."""
+    no backward (oneDNN-packed, tiled or int8 linears, torch.compile'd layers) or it computes in bf16 / fp16
+    (a GPU's default: its gradients summed over the path steps miss the score by several per cent): then an
+    fp32 copy of the same checkpoint with plain kernels, loaded once and kept on the predictor."""
     model = predictor.model
     if not _needs_copy(model):
         return model, "the served model"
@@ -104,15 +105,26 @@ def gradient_model(predictor: Predictor) -> tuple[nn.Module, str]:
             loaded = load(name, predictor.task.spec.build_head, device=device, dtype=torch.float32, **load_kwargs)
             copy = prepare_for_inference(loaded.model, "fp32", pack=False)
             predictor._gradient_copy = copy
+    half = _half_precision(model)
+    if half is not None:
+        return copy, f"an fp32 copy (the served model computes in {half}, too coarse for attributions that add up)"
     served = "int8" if predictor.precision == "int8" else "packed or tiled fp32"
     return copy, f"an fp32 copy with plain kernels (the served {served} kernels have no gradients)"
+
+
+def _half_precision(model: nn.Module) -> str | None:
+    """"bfloat16" or "float16" where the model's floating-point weights are in that dtype, else None."""
+    for param in model.parameters():
+        if param.dtype in (torch.bfloat16, torch.float16):
+            return str(param.dtype).removeprefix("torch.")
+    return None
 
 
 def _needs_copy(model: nn.Module) -> bool:
     from .fast import Int8Linear, PackedLinear, TiledLinear  # noqa: PLC0415 - fast.py loads oneDNN helpers
 
-    return any(isinstance(m, (Int8Linear, PackedLinear, TiledLinear)) or hasattr(m, "_orig_mod")
-               for m in model.modules())
+    return _half_precision(model) is not None or any(
+        isinstance(m, (Int8Linear, PackedLinear, TiledLinear)) or hasattr(m, "_orig_mod") for m in model.modules())
 
 
 def explain(predictor: Predictor, inputs: Mapping[str, Any], *, method: str = "integrated_gradients",

@@ -36,7 +36,7 @@ from ..tokenizer import Batch, Tokenizer
 from . import fast
 from .cancel import ModelLock
 from .fairness import ComputeGate, chunk_flops
-from .precision import parameter_dtype, pick_device, prepare_for_inference
+from .precision import device_for, parameter_dtype, prepare_for_inference
 
 if TYPE_CHECKING:  # annotations only: the registry sits above the runtime
     from ..tasks.registry import RegisteredTask
@@ -270,7 +270,7 @@ class Predictor:
                 and not (run / "adapter_config.json").exists()):  # a training run's folder: its best checkpoint
             logger.info("%s is a training run: loading its best/", name)
             name = str(run / "best")
-        target = pick_device(device)
+        target = device_for(precision, device)
         # parameter_dtype checks the precision against the device and CPU before anything loads
         loaded = load(name, _staged_head(task.spec.build_head), device=target,
                       dtype=parameter_dtype(precision, target), **load_kwargs)

@@ -114,6 +114,15 @@ def pick_device(preference: str | torch.device | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def device_for(precision: str, preference: str | torch.device | None = None) -> torch.device:
+    """pick_device, except that a precision that runs on the CPU alone (int8) picks the CPU when no device is
+    named: `pipeline(task, precision="int8")` on a machine with a GPU runs int8 on its CPU, as asked."""
+    spec = PRECISIONS.get(precision)
+    if (preference is None or preference == "") and spec is not None and spec.devices == ("cpu",):
+        return torch.device("cpu")
+    return pick_device(preference)
+
+
 def _present(preference: str | torch.device) -> torch.device:
     """`preference` as a device, checked to exist here (torch itself fails later with an AssertionError)."""
     if isinstance(preference, int) and not isinstance(preference, bool):
