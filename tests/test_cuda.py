@@ -1,6 +1,6 @@
 """The engine on a CUDA GPU: the same answers as on the CPU, in fp32, bf16 and fp16, for inference and training.
 
-CI has no GPU, so these skip there and say why; `scripts/gpu_lease.sh` runs them (with the rest of the
+CI has no GPU, so these skip there and say why; `scripts/gpu_call.sh` runs them (with the rest of the
 GPU-independent files it names) on a lent GPU, and benchmarks/README.md records that run.
 """
 
@@ -23,7 +23,7 @@ from bert_engine.training.loop import train
 from bert_engine.training.train_config import TrainConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU: CI has none; scripts/gpu_lease.sh runs these on a lent one")
+                                reason="needs a CUDA GPU: CI has none; scripts/gpu_call.sh runs these on a lent one")
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TEXTS = ["A gripping, beautifully made film.", "Dull and far too long.", "It was fine, I suppose, for a Tuesday.",
@@ -144,3 +144,16 @@ def test_training_on_cuda_in_half_precision_learns_the_fixture_and_loads_back(ti
     # the checkpoint it wrote answers on the CPU as it scored on the GPU
     back = pipeline("sentiment", model=str(tmp_path / "run" / "best"), device="cpu")
     assert len(back(TEXTS)) == len(TEXTS)
+
+
+def test_an_explanation_of_the_gpus_default_bf16_model_adds_up(tiny_checkpoint, tmp_path):
+    from bert_engine.runtime.explain import explain
+
+    task = load_registry(entry_points=False).task("sentiment")
+    predictor = Predictor.load(task, str(_headed("sentiment", tiny_checkpoint, tmp_path / "s")), device="cuda")
+    assert next(predictor.model.parameters()).dtype == torch.bfloat16  # "auto" on a GPU
+    explained = explain(predictor, {"text": TEXTS[0]}, steps=32)
+    assert "fp32 copy" in explained["explained_on"]
+    for target in explained["targets"]:
+        difference = target["score"] - target["baseline_score"]
+        assert abs(target["completeness_gap"]) <= 0.05 * abs(difference) + 1e-3, target
