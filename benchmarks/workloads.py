@@ -434,15 +434,28 @@ def run(tasks: list[str], precisions: list[str], repeats: int, data: Path, limit
     finally:
         if peer is not None:
             peer.close()
-    for r in rows:  # each engine row against the peers of its task and mode
-        if r["impl"] == "engine":
-            for other in rows:
-                if (other["task"], other["mode"]) == (r["task"], r["mode"]) and other["impl"] != "engine":
-                    r[f"vs_{other['impl']}"] = other["s"] / r["s"]
+    compare(rows)
     result = {"machine": machine(), "device": device, "repeats": repeats, "batch_size": BATCH, "rows": rows}
     if peer is not None:
         result["peers"] = peer.versions()
     return result
+
+
+def compare(rows: list[dict]) -> None:
+    """Each engine row against each peer of its task and mode: the peer's row at the engine's precision where
+    there is one (a GPU's transformers runs at each), else its fp32 row (the CPU's peers run fp32 only)."""
+    for r in rows:
+        if r["impl"] != "engine":
+            continue
+        peers: dict[str, dict] = {}
+        for other in rows:
+            if (other["task"], other["mode"]) != (r["task"], r["mode"]) or other["impl"] == "engine":
+                continue
+            kept = peers.get(other["impl"])
+            if kept is None or (other["precision"] == r["precision"] and kept["precision"] != r["precision"]):
+                peers[other["impl"]] = other
+        for impl, other in peers.items():
+            r[f"vs_{impl}"] = other["s"] / r["s"]
 
 
 def _engine_of(run_engine):

@@ -16,6 +16,8 @@
 # Session 35 ran it twice: as above, then STAGES="suite workloads" with the files that had failed, after fixing them.
 # The QA training of the first call shared the machine with the suite: its data took 3 minutes to build and the
 # time limit stopped it at step 708 of 1,924. Run the suite beside the fill-mask training instead, or alone.
+# The second call's suite ran out of time half way with one failure that -q's dots did not name: -v names each
+# test as it ends, so a cut run still says which failed.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder that comes back}
 L=${CARRY:-.devcarry/lease}
@@ -51,7 +53,7 @@ TESTS=${TESTS:-tests/test_cuda.py tests/test_model.py tests/test_parity.py tests
 suite=
 if has suite; then
   echo "== $(date +%T) the suite's GPU and engine files, in the background"
-  (cd /tmp/suite && PYTHONPATH=/tmp/site:/tmp/suite:$PYTHONPATH timeout $(( $(left) - 60 )) $PY -m pytest -q \
+  (cd /tmp/suite && PYTHONPATH=/tmp/site:/tmp/suite:$PYTHONPATH timeout $(( $(left) - 60 )) $PY -m pytest -v \
      -n ${WORKERS:-6} -p no:cacheprovider -m "slow or not slow" -o addopts="" $TESTS -rfEs \
      > "$OUT/suite.log" 2>&1; echo "suite exit $?" >> "$OUT/suite.log") &
   suite=$!
@@ -64,7 +66,7 @@ if has train; then
   SKIP_SMOKE=1 CARRY=$L BENCH=none KINDS=last TASK=fill_mask TRAIN_MINUTES=${FM_MINUTES:-2} SEED=${FM_SEED:-48} \
     WORK=/tmp/lf OUT=$OUT/fm bash scripts/gpu_lease.sh
 fi
-if [ -n "$suite" ]; then wait $suite; grep -E "passed|failed|^FAILED|^ERROR|suite exit" "$OUT/suite.log" | tail -40; fi
+if [ -n "$suite" ]; then wait $suite; grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR)|[0-9]+ (passed|failed)|suite exit" "$OUT/suite.log" | tail -40; fi
 has workloads || exit 0
 
 echo "== $(date +%T) workloads on CUDA ($(left) s left)"

@@ -185,3 +185,18 @@ def test_a_merged_workloads_run_replaces_only_what_it_measured(tmp_path):
     assert len(kept) == 6 and all(r["from"] == {"command": earlier["command"], "cpu": "EPYC"} for r in kept)
     assert all("from" not in r for r in result["rows"] if r["s"] == 0.5) and result["peers"] == earlier["peers"]
     assert merged(tmp_path / "none.json", now) is now
+
+
+def test_workload_speed_ups_pair_each_engine_row_with_the_peer_at_its_precision():
+    from benchmarks.workloads import compare
+
+    def row(impl, precision, s):
+        return {"task": "qa", "mode": "batched", "impl": impl, "precision": precision, "s": s}
+
+    gpu = [row("engine", "fp32", 1.0), row("transformers", "fp32", 2.0), row("engine", "bf16", 0.5),
+           row("transformers", "bf16", 0.25)]
+    compare(gpu)
+    assert gpu[0]["vs_transformers"] == 2.0 and gpu[2]["vs_transformers"] == 0.5  # bf16 against bf16, not fp32
+    cpu = [row("engine", "fp32", 1.0), row("onnxruntime", "fp32", 1.5), row("engine", "int8", 0.5)]
+    compare(cpu)
+    assert cpu[0]["vs_onnxruntime"] == 1.5 and cpu[2]["vs_onnxruntime"] == 3.0  # int8 against the fp32 peer
