@@ -70,25 +70,29 @@ def workload_lines(result: dict[str, Any]) -> list[str]:
     lines = ["| end to end | mode | engine items/s | p50 / p95 ms | vs transformers | vs optimum + ONNX Runtime "
              "| identical |", "|---|---|---|---|---|---|---|"]
     modes = {"batched": "a file (batches of 32)", "single": "a visitor (one request at a time)"}
-    for r in (r for r in rows if r["impl"] == "engine" and r["precision"] == "fp32"):
+    on_gpu = str(result.get("device", "cpu")).startswith("cuda")  # a GPU's rows: every precision it ran
+    for r in (r for r in rows if r["impl"] == "engine" and (r["precision"] == "fp32" or on_gpu)):
         same = [o["identical"] for o in rows if (o["task"], o["mode"]) == (r["task"], r["mode"])
-                and o["impl"] != "engine" and o.get("identical") is not None]
+                and o["impl"] != "engine" and o.get("identical") is not None
+                and (not on_gpu or o["precision"] == r["precision"])]
         latency = f"{r['p50_ms']:.0f} / {r['p95_ms']:.0f}" if r.get("p50_ms") is not None else "-"
-        lines.append(f"| {TASK_NAMES.get(r['task'], r['task'])} | {modes.get(r['mode'], r['mode'])} "
+        mode = modes.get(r["mode"], r["mode"]) + (f", {r['precision']}" if on_gpu else "")
+        lines.append(f"| {TASK_NAMES.get(r['task'], r['task'])} | {mode} "
                      f"| {r['items_per_s']:.1f} | {latency} | {_x(r.get('vs_transformers'))} "
                      f"| {_x(r.get('vs_onnxruntime'))} | {f'{min(same):.1f} %' if same else '-'} |")
     if peers:
         lines.append("")
         lines.append(f"Peers: transformers {peers['transformers']} pipelines, optimum {peers['optimum']} with "
                      f"onnxruntime {peers['onnxruntime']} (`ORTModelFor...` inside the same pipelines).")
-    earlier = {}
+    earlier: dict[str, list[tuple[str, str]]] = {}
     for r in rows:  # rows kept from an earlier run by `benchmarks.workloads --merge`
         if "from" in r and r["impl"] == "engine":
-            earlier.setdefault(r["from"]["command"], []).append(r["mode"])
+            earlier.setdefault(r["from"]["command"], []).append((r["task"], r["mode"]))
     for command, kinds in earlier.items():
+        tasks = sorted({TASK_NAMES.get(task, task).split(" (")[0] for task, _ in kinds})
+        modes_ = " and ".join(sorted({mode for _, mode in kinds}))
         lines.append("")
-        lines.append(f"The {' and '.join(sorted(set(kinds)))} rows come from an earlier run of the same file: "
-                     f"`{command}`.")
+        lines.append(f"The {', '.join(tasks)} rows ({modes_}) come from an earlier run of the same file: `{command}`.")
     return lines
 
 
