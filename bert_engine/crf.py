@@ -268,17 +268,22 @@ def _viterbi_nbest(compact: Tensor, valid: Tensor, trans: Tensor, start: Tensor,
     scores = np.full((B, L, K), -np.inf, dtype=np.float32)  # best K partial scores ending in each tag
     scores[:, :, 0] = start.detach().float().cpu().numpy() + em[:, 0]
     keep = np.broadcast_to(np.arange(L * K).reshape(1, L, K), (B, L, K))  # "the same tag and rank"
+    pointers = np.empty((B, max(S - 1, 0), L, K), dtype=np.int64)  # flat index prev_tag * K + prev_rank
     rows = np.arange(B)[:, None, None]
     tags = np.arange(L)[None, :, None]
-    pointers = np.empty((B, max(S - 1, 0), L, K), dtype=np.int64)  # flat index prev_tag * K + prev_rank
+    ragged = not bool(ok.all())  # a visitor's one row is never ragged: its steps skip the two np.where
     with np.errstate(invalid="ignore"):
         for s in range(1, S):
             cand = (scores[:, None, :, :] + moves[:, s - 1]).reshape(B, L, L * K)  # (B, L_to, L_from * K)
             where = np.argsort(-cand, axis=-1, kind="stable")[..., :K]  # ties: the lower index first
             best = cand[rows, tags, where]
-            step_valid = ok[:, s, None, None]
-            scores = np.where(step_valid, best, scores)
-            pointers[:, s - 1] = np.where(step_valid, where, keep)
+            if ragged:
+                step_valid = ok[:, s, None, None]
+                scores = np.where(step_valid, best, scores)
+                pointers[:, s - 1] = np.where(step_valid, where, keep)
+            else:
+                scores = best
+                pointers[:, s - 1] = where
         final = (scores + end.detach().float().cpu().numpy()[:, :, None]).reshape(B, L * K)
         order = np.argsort(-final, axis=-1, kind="stable")[:, :K]
     back = pointers.tolist()
