@@ -157,3 +157,37 @@ def test_an_explanation_of_the_gpus_default_bf16_model_adds_up(tiny_checkpoint, 
     for target in explained["targets"]:
         difference = target["score"] - target["baseline_score"]
         assert abs(target["completeness_gap"]) <= 0.05 * abs(difference) + 1e-3, target
+
+
+def _close(a, b, tolerance: float, where: str = "result") -> None:
+    """Two results alike: the same structure and text, numbers within `tolerance`."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), where
+        for key in a:
+            _close(a[key], b[key], tolerance, f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, tolerance, f"{where}[{i}]")
+    elif isinstance(a, float) and not isinstance(b, bool):
+        assert b == pytest.approx(a, abs=tolerance), where
+    else:
+        assert a == b, where
+
+
+INPUTS = {"fill_mask": {"text": "The capital of France is [MASK]."},
+          "ner": {"text": "Angela Merkel met Emmanuel Macron in Paris on Tuesday."},
+          "summary": {"text": "The council met on Monday. It voted to build a new bridge over the river. "
+                              "The bridge will cost ten million pounds. Work starts in the spring. "
+                              "Residents welcomed the news, though some worried about traffic."}}
+
+
+@pytest.mark.parametrize("name", sorted(INPUTS))
+def test_every_other_task_answers_on_cuda_as_on_the_cpu(tiny_checkpoint, tmp_path, name):
+    """Each task's postprocess gets the GPU's output and the CPU's batch: none may mix the two."""
+    task = load_registry(entry_points=False).task(name)
+    folder = str(_headed(name, tiny_checkpoint, tmp_path / name))
+    on_cpu = Predictor.load(task, folder, device="cpu", precision="fp32").predict(INPUTS[name])["result"]
+    on_gpu = Predictor.load(task, folder, device="cuda", precision="fp32").predict(INPUTS[name])["result"]
+    _close(on_cpu, on_gpu, 1e-3)
+    assert Predictor.load(task, folder, device="cuda", precision="bf16").predict(INPUTS[name])["result"]
