@@ -66,7 +66,7 @@ def content_words(text: str) -> list[str]:
 def _missing_share(words: list[str], text: str) -> float:
     if not words:
         return 0.0
-    present = {_stem(w) for w in _WORD.findall(text.lower())}
+    present = {_stem(w) for w in set(_WORD.findall(text.lower()))}  # each distinct word stemmed once
     return sum(w not in present for w in words) / len(words)
 
 
