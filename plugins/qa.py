@@ -145,8 +145,7 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
     starts, ends = output.start_logits.float().cpu(), output.end_logits.float().cpu()  # (W, T)
     W, T = starts.shape
     home = max_context_windows(batch)
-    # Which (start, end) pairs may be an answer: both in the context, start <= end < start + max_answer_len. Held as
-    # a band, (start, end - start), T x A rather than T x T: the same pairs, a tenth of the work at A = 30.
+    # (start, end) pairs that may be an answer: in the context, start <= end < start + A; a band (T x A), not T x T
     A = min(max_answer_len, T)
     spans: dict[tuple[int, int], float] = {}
     null_score = None
@@ -157,9 +156,8 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
         # A start token counts only in the window where it has most context.
         is_home = torch.tensor([s == 1 and home.get(tuple(batch.offsets[row][t])) == row
                                 for t, s in enumerate(sequence_ids)] + [False] * (T - len(sequence_ids)))
-        # each start's next A ends, as views (unfold) of the row padded past its end: no gather
         band_context = torch.cat([in_context, torch.zeros(A - 1, dtype=torch.bool)]).unfold(0, A, 1)  # (T, A)
-        band_ends = torch.cat([ends[row], torch.full((A - 1,), float("-inf"))]).unfold(0, A, 1)  # (T, A)
+        band_ends = torch.cat([ends[row], torch.full((A - 1,), float("-inf"))]).unfold(0, A, 1)  # (T, A): its ends
         allowed = is_home[:, None] & band_context
         scores = (starts[row][:, None] + band_ends).masked_fill(~allowed, float("-inf"))  # (T, A)
         k = min(N_BEST_PER_WINDOW, int(allowed.sum()))
@@ -167,9 +165,8 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
             continue
         best_scores, flat = scores.flatten().topk(k)
         for score, index in zip(best_scores.tolist(), flat.tolist()):
-            s, d = divmod(index, A)
-            e = s + d
-            char_span = whole_words(context, batch.offsets[row][s][0], batch.offsets[row][e][1])
+            s, d = divmod(index, A)  # a start and its end's distance from it
+            char_span = whole_words(context, batch.offsets[row][s][0], batch.offsets[row][s + d][1])
             if score > spans.get(char_span, float("-inf")):
                 spans[char_span] = score  # duplicates (same characters) merged, best score kept
     ranked = sorted(spans.items(), key=lambda item: -item[1])
