@@ -5,7 +5,7 @@ would pick instead.
     python -m benchmarks.workloads --tasks sentiment --repeats 3 --json out.json
     python -m benchmarks.workloads --precisions fp32,int8   # also the engine's faster CPU modes
     python -m benchmarks.workloads --peers ../venv-peers/bin/python --modes batched,single \
-        --tasks sentiment,ner,qa,fill_mask --json benchmarks/results/workloads-avx512.json
+        --tasks sentiment,ner,qa,fill_mask --json benchmarks/results/avx512/workloads.json
     python -m benchmarks.workloads --device cuda --precisions bf16,fp16 --modes batched,single   # on a GPU
 
 Every side runs the same weights: each starter model (LoRA adapter + head on MiniLM) is merged
@@ -470,9 +470,11 @@ def _engine_of(run_engine):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default="sentiment,ner,qa")
-    parser.add_argument("--precisions", default="fp32", help="engine precisions: fp32 (always compared), bf16, int8")
+    parser.add_argument("--precisions", default="fp32", help="engine precisions besides fp32 (always run): bf16, "
+                        "int8 (CPU), fp16 (GPU)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per contender, run in turn")
-    parser.add_argument("--data", default=str(DATA), help="the shared data folder (default: ../shared/data)")
+    parser.add_argument("--data", default=str(DATA), help="the shared data folder (default: shared/data beside the "
+                        f"repository, {DATA})")
     parser.add_argument("--limit", type=int, default=None, help="only the first N items per task (qa, fill_mask: "
                         "default 1000)")
     parser.add_argument("--peers", default=None, help="python of the peers' venv (python -m benchmarks.peers "
@@ -492,6 +494,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--merge needs --json FILE")
     if args.device != "cpu" and args.peers:
         parser.error("--peers runs ONNX Runtime and transformers 4.57 on the CPU: not with --device " + args.device)
+    files = {"sentiment": "sst2/dev.tsv", "ner": "conll2003/eng.testb", "qa": "squad/dev-v1.1.json",
+             "fill_mask": "wikitext2/wiki.test.tokens"}
+    unknown = [t for t in args.tasks.split(",") if t not in files]
+    if unknown:
+        parser.error(f"--tasks: unknown {', '.join(unknown)}; known: {', '.join(files)}")
+    missing = [str(Path(args.data) / files[t]) for t in args.tasks.split(",") if not (Path(args.data) / files[t]).is_file()]
+    if missing:
+        parser.error(f"the workloads' data is not there: {', '.join(missing)}; pass --data FOLDER (the shared data folder)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: no CUDA GPU is visible to this torch ({torch.__version__})")
     logging.basicConfig(level=logging.WARNING)

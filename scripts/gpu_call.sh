@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # Everything one lent GPU call does (session 35: one call of at most 10 minutes in a lease of 15), in this order:
-#   1. in the background: the GPU tests (tests/test_cuda.py, which skip in CI) and the engine's GPU-independent
-#      test files, on a copy of the repository whose starters sit on the compact MiniLM (the real one cannot
-#      travel); the lent image has no gradio, mcp or browser, so the UI files are not among them;
-#   2. QA, then fill-mask, trained further (scripts/gpu_lease.sh, each TASK's own settings), last checkpoints;
-#   3. the end-to-end workloads on CUDA (benchmarks.workloads --device cuda), engine vs transformers, fp32 and
-#      bf16, one task at a time within the call's remaining time.
+#   1. QA trained further (scripts/gpu_lease.sh, TASK=qa), alone on the machine: building its data takes minutes;
+#   2. fill-mask trained further (TASK=fill_mask), and beside it, in the background, the GPU tests
+#      (tests/test_cuda.py, which skip in CI) with the engine's GPU-independent test files, on a copy of the
+#      repository whose starters sit on the compact MiniLM (the real one cannot travel); the lent image has no
+#      gradio, mcp or browser, so the UI files are not among them;
+#   3. the end-to-end workloads on CUDA (benchmarks.workloads --device cuda), engine vs transformers; fp32 is
+#      always run, --precisions adds bf16; one task at a time within the call's remaining time.
+# The image must hold torch with CUDA, transformers, pytest and pytest-xdist (the lent 'cuda' image does:
+# ../.library/device/KINDS.md); pysbd travels in the carry folder.
 # Before, here: the carry folder (default .devcarry/lease) holding minilm-compact/ (compact.safetensors.xz and
-# its side files), corpus.tar.xz (without squad-train.txt), qa-data.tar.xz, bench-data.tar.xz (sst2/dev.tsv,
-# conll2003/eng.testb, squad/dev-v1.1.json, wikitext2/wiki.test.tokens) and py/pysbd: the commands are in
-# scripts/gpu_lease.sh's header and, for bench-data, benchmarks/README.md ("GPU"). There:
+# its side files), corpus.tar.xz (without squad-train.txt), qa-data.tar.xz and py/pysbd (the commands are in
+# scripts/gpu_lease.sh's header), and bench-data.tar.xz, the workloads' data under one folder bench-data/:
+#   S=$(mktemp -d); mkdir -p $S/bench-data/{sst2,conll2003,squad,wikitext2}; D=../shared/data
+#   cp $D/sst2/dev.tsv $S/bench-data/sst2/; cp $D/conll2003/eng.testb $S/bench-data/conll2003/
+#   cp $D/squad/dev-v1.1.json $S/bench-data/squad/; cp $D/wikitext2/wiki.test.tokens $S/bench-data/wikitext2/
+#   tar cf - -C $S bench-data | xz -9 > .devcarry/lease/bench-data.tar.xz
+# There:
 #   OUT=$OUT QA_MINUTES=2.5 FM_MINUTES=2 DEADLINE_S=570 bash scripts/gpu_call.sh
 # What comes back (7 files): call.log, suite.log, workloads_cuda.json, qa/{logs,last}.tar, fm/{logs,last}.tar.
 # STAGES (default "suite train workloads") leaves stages out; TESTS replaces the test files, WORKLOADS the tasks.
-# Session 35 ran it twice: as above, then STAGES="suite workloads" with the files that had failed, after fixing them.
-# The QA training of the first call shared the machine with the suite: its data took 3 minutes to build and the
-# time limit stopped it at step 708 of 1,924. Run the suite beside the fill-mask training instead, or alone.
+# Session 35 ran it twice: then, the suite started first, beside QA's training, whose data took 3 minutes to build
+# on the shared CPU, and the time limit stopped QA at step 708 of 1,924 (hence the order above); then
+# STAGES="suite workloads" with the files that had failed, after fixing them.
 # The second call's suite ran out of time half way with one failure that -q's dots did not name: -v names each
 # test as it ends, so a cut run still says which failed.
 set -uo pipefail
@@ -50,22 +57,25 @@ has() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 TESTS=${TESTS:-tests/test_cuda.py tests/test_model.py tests/test_parity.py tests/test_families.py tests/test_training.py \
   tests/test_precision.py tests/test_crf.py tests/test_inference.py tests/test_pipeline.py tests/test_loading.py \
   tests/test_tokenizer.py tests/test_explain.py tests/test_qa_v2.py}
-suite=
-if has suite; then
-  echo "== $(date +%T) the suite's GPU and engine files, in the background"
-  (cd /tmp/suite && PYTHONPATH=/tmp/site:/tmp/suite:$PYTHONPATH timeout $(( $(left) - 60 )) $PY -m pytest -v \
+start_suite() {  # in the background, ending 60 s before the deadline (at least 30 s)
+  local limit=$(( $(left) - 60 )); [ "$limit" -lt 30 ] && limit=30
+  echo "== $(date +%T) the suite's GPU and engine files, in the background (at most $limit s)"
+  (cd /tmp/suite && PYTHONPATH=/tmp/site:/tmp/suite:$PYTHONPATH timeout $limit $PY -m pytest -v \
      -n ${WORKERS:-6} -p no:cacheprovider -m "slow or not slow" -o addopts="" $TESTS -rfEs \
      > "$OUT/suite.log" 2>&1; echo "suite exit $?" >> "$OUT/suite.log") &
   suite=$!
-fi
+}
+suite=
 if has train; then
   echo "== $(date +%T) QA training"
   SKIP_SMOKE=1 CARRY=$L BENCH=none KINDS=last TASK=qa TRAIN_MINUTES=${QA_MINUTES:-2.5} SEED=${QA_SEED:-50} \
     WORK=/tmp/lq OUT=$OUT/qa bash scripts/gpu_lease.sh
+  has suite && start_suite
   echo "== $(date +%T) fill-mask training ($(left) s left)"
   SKIP_SMOKE=1 CARRY=$L BENCH=none KINDS=last TASK=fill_mask TRAIN_MINUTES=${FM_MINUTES:-2} SEED=${FM_SEED:-48} \
     WORK=/tmp/lf OUT=$OUT/fm bash scripts/gpu_lease.sh
 fi
+[ -z "$suite" ] && has suite && start_suite  # without training: alone
 if [ -n "$suite" ]; then wait $suite; grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR)|[0-9]+ (passed|failed)|suite exit" "$OUT/suite.log" | tail -40; fi
 has workloads || exit 0
 

@@ -160,3 +160,13 @@ def test_an_explanation_never_reaches_another_requests_forward(registry, monkeyp
     assert not errors and seen
     for logits in seen:
         assert torch.allclose(torch.tensor(logits), torch.tensor(alone), atol=1e-5)
+
+
+def test_a_pipeline_is_explained_as_its_predictor():
+    from bert_engine import pipeline
+
+    classify = pipeline("sentiment", device="cpu")
+    explained = explain(classify, INPUTS["sentiment"], method="gradient_x_input")
+    assert explained["task"] == "sentiment" and explained["targets"]
+    with pytest.raises(TypeError, match="explain needs a pipeline\\(\\) or a Predictor, got int"):
+        explain(42, INPUTS["sentiment"])

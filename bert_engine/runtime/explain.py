@@ -132,7 +132,8 @@ def explain(predictor: Predictor, inputs: Mapping[str, Any], *, method: str = "i
     """The prediction for `inputs` and the attribution of each explained number to the input's tokens.
 
     Args:
-        predictor: a Predictor (or anything with `get()` returning one) of a task that declares `explain`.
+        predictor: a Predictor (or anything with `get()` returning one, or a `pipeline()`) of a task that
+            declares `explain`.
         method: "integrated_gradients" or "gradient_x_input".
         steps: Integrated Gradients' quadrature nodes (1..MAX_STEPS); gradient x input takes one.
         targets: names of the task's targets to explain (default: all, up to MAX_TARGETS).
@@ -145,6 +146,9 @@ def explain(predictor: Predictor, inputs: Mapping[str, Any], *, method: str = "i
         InputError: the task declares no explanation, a bad method, step count or target name, or an
             explanation costing more than request_flop_limit (naming both).
     """
+    predictor = getattr(predictor, "predictor", predictor)  # a pipeline(): the Predictor it runs
+    if not callable(getattr(predictor, "get", None)):
+        raise TypeError(f"explain needs a pipeline() or a Predictor, got {type(predictor).__name__}")
     predictor = predictor.get()
     spec = predictor.task.spec
     if spec.explain is None:
