@@ -200,3 +200,16 @@ def test_workload_speed_ups_pair_each_engine_row_with_the_peer_at_its_precision(
     cpu = [row("engine", "fp32", 1.0), row("onnxruntime", "fp32", 1.5), row("engine", "int8", 0.5)]
     compare(cpu)
     assert cpu[0]["vs_onnxruntime"] == 1.5 and cpu[2]["vs_onnxruntime"] == 3.0  # int8 against the fp32 peer
+
+
+def test_the_workloads_name_missing_data_and_unknown_tasks_in_one_line(tmp_path, capsys):
+    from benchmarks import workloads
+
+    with pytest.raises(SystemExit) as stop:
+        workloads.main(["--data", str(tmp_path), "--tasks", "sentiment,qa"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert str(tmp_path / "sst2" / "dev.tsv") in err and "dev-v1.1.json" in err and "--data" in err
+    with pytest.raises(SystemExit):
+        workloads.main(["--tasks", "sentimnet"])
+    assert "unknown sentimnet" in capsys.readouterr().err
