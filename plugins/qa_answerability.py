@@ -82,17 +82,18 @@ def features(question: str, context: str, result: Mapping) -> list[float]:
     if best is not None and "start" in best:
         near = context[max(0, best["start"] - NEAR_CHARS):best["end"] + NEAR_CHARS]
         paragraph = context[max(0, best["start"] - PARAGRAPH_CHARS):best["end"] + PARAGRAPH_CHARS]
-    folded = normalize_answer(context)
     names = [normalize_answer(question[s:e].rstrip(".")) for s, e in question_entities(question)]
     numbers = [n for n in names if n[:1].isdigit()]
     names = [n for n in names if n and not n[:1].isdigit()]
+    folded = normalize_answer(context) if names or numbers else ""  # the whole context, read only when needed
     missing_name = float(any(n not in folded for n in names))
     missing_number = float(any(n not in folded for n in numbers))
     table = antonyms()
-    context_words = set(_WORD.findall(context.lower()))
-    near_words = set(_WORD.findall(near.lower()))
-    antonym_near = float(any(w not in context_words and table.get(w) in near_words
-                             for w in _WORD.findall(question.lower()) if w in table))
+    opposed = [w for w in _WORD.findall(question.lower()) if w in table]
+    antonym_near = 0.0
+    if opposed:
+        context_words, near_words = set(_WORD.findall(context.lower())), set(_WORD.findall(near.lower()))
+        antonym_near = float(any(w not in context_words and table.get(w) in near_words for w in opposed))
     answer_words = content_words(best["answer"]) if best is not None else []
     question_words = set(words)
     in_question = sum(w in question_words for w in answer_words) / len(answer_words) if answer_words else 0.0
