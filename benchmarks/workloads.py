@@ -57,6 +57,9 @@ from benchmarks.common import interleaved, machine, median, print_table, write_j
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 BATCH = 32
+# Each task's held-out file under the shared data folder (--data)
+DATA_FILES = {"sentiment": "sst2/dev.tsv", "ner": "conll2003/eng.testb", "qa": "squad/dev-v1.1.json",
+              "fill_mask": "wikitext2/wiki.test.tokens"}
 
 
 def merged_folder(task_name: str, workdir: Path, starters: Path | None = None) -> Path:
@@ -85,7 +88,7 @@ def sentiment(folder: Path, data: Path, precision: str, limit: int | None, devic
     from bert_engine.tasks.registry import load_registry
 
     task = load_registry(entry_points=False).task("sentiment")
-    examples = list(task.spec.read_data(str(data / "sst2" / "dev.tsv"), "test"))[:limit]
+    examples = list(task.spec.read_data(str(data / DATA_FILES["sentiment"]), "test"))[:limit]
     texts, gold = [x["text"] for x, _ in examples], [t for _, t in examples]
     engine = Predictor.load(task, str(folder), device=device, precision=precision)
     reference = transformers.pipeline("text-classification", model=str(folder), batch_size=BATCH, **_reference_place(device, precision))
@@ -112,7 +115,7 @@ def ner(folder: Path, data: Path, precision: str, limit: int | None, device: str
     from bert_engine.runtime.inference import Predictor, predict_texts
     from bert_engine.tasks.registry import load_registry
     task = load_registry(entry_points=False).task("ner")
-    examples = list(task.spec.read_data(str(data / "conll2003" / "eng.testb"), "test"))[:limit]
+    examples = list(task.spec.read_data(str(data / DATA_FILES["ner"]), "test"))[:limit]
     texts = [x["text"] for x, _ in examples]
     engine = Predictor.load(task, str(folder), device=device, precision=precision)
     reference = transformers.pipeline("token-classification", model=str(folder), batch_size=BATCH, **_reference_place(device, precision),
@@ -181,7 +184,7 @@ def qa(folder: Path, data: Path, precision: str, limit: int | None, device: str 
     from plugins.qa_metric import squad_scores
 
     task = load_registry(entry_points=False).task("qa")
-    examples = list(task.spec.read_data(str(data / "squad" / "dev-v1.1.json")))[:limit or 1000]
+    examples = list(task.spec.read_data(str(data / DATA_FILES["qa"])))[:limit or 1000]
     items, golds = [x for x, _ in examples], [t["answers"] for _, t in examples]
     engine = Predictor.load(task, str(folder), device=device, precision=precision)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -239,7 +242,7 @@ def mask_items(data: Path, tokenizer, count: int = 1000, seed: int = 0, width: i
 
     from plugins import fill_mask as plugin
 
-    passages = [inputs["text"] for inputs, _ in plugin.read_data(str(data / "wikitext2" / "wiki.test.tokens"), "all")]
+    passages = [inputs["text"] for inputs, _ in plugin.read_data(str(data / DATA_FILES["fill_mask"]), "all")]
     slots = [(p, i) for p, text in enumerate(passages) for i, word in enumerate(text.split())
              if re.fullmatch(r"[A-Za-z]+", word)]
     rng, items = random.Random(seed), []
@@ -280,16 +283,15 @@ def fill_mask(folder: Path, data: Path, precision: str, limit: int | None, devic
 
 
 def _reference_precision(device: str, precision: str) -> str:
+    """The precision transformers' in-process side runs at beside the engine's `precision`."""
     return "fp32" if device == "cpu" or precision not in ("bf16", "fp16") else precision
 
 
 def _reference_place(device: str, precision: str) -> dict:
     """Where and in which dtype transformers' side runs: the engine's device, and on a GPU its precision too
     (on the CPU the reference is fp32 only)."""
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    if device == "cpu":
-        return {"device": torch.device("cpu"), "dtype": torch.float32}
-    return {"device": torch.device(device), "dtype": dtypes.get(precision, torch.float32)}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    return {"device": torch.device(device), "dtype": dtypes[_reference_precision(device, precision)]}
 
 
 TASKS = {"sentiment": sentiment, "ner": ner, "qa": qa, "fill_mask": fill_mask}
@@ -302,9 +304,7 @@ def _items(name: str, data: Path, limit: int | None, tokenizer) -> list[dict]:
     if name == "fill_mask":
         return [{"text": t} for t, _ in mask_items(data, tokenizer, limit or 1000)]
     task = load_registry(entry_points=False).task(name)
-    path = {"sentiment": data / "sst2" / "dev.tsv", "ner": data / "conll2003" / "eng.testb",
-            "qa": data / "squad" / "dev-v1.1.json"}[name]
-    examples = list(task.spec.read_data(str(path), "test"))[:limit or (1000 if name == "qa" else None)]
+    examples = list(task.spec.read_data(str(data / DATA_FILES[name]), "test"))[:limit or (1000 if name == "qa" else None)]
     return [dict(x) for x, _ in examples]
 
 
@@ -494,12 +494,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--merge needs --json FILE")
     if args.device != "cpu" and args.peers:
         parser.error("--peers runs ONNX Runtime and transformers 4.57 on the CPU: not with --device " + args.device)
-    files = {"sentiment": "sst2/dev.tsv", "ner": "conll2003/eng.testb", "qa": "squad/dev-v1.1.json",
-             "fill_mask": "wikitext2/wiki.test.tokens"}
-    unknown = [t for t in args.tasks.split(",") if t not in files]
+    unknown = [t for t in args.tasks.split(",") if t not in DATA_FILES]
     if unknown:
-        parser.error(f"--tasks: unknown {', '.join(unknown)}; known: {', '.join(files)}")
-    missing = [str(Path(args.data) / files[t]) for t in args.tasks.split(",") if not (Path(args.data) / files[t]).is_file()]
+        parser.error(f"--tasks: unknown {', '.join(unknown)}; known: {', '.join(DATA_FILES)}")
+    missing = [str(Path(args.data) / DATA_FILES[t]) for t in args.tasks.split(",")
+               if not (Path(args.data) / DATA_FILES[t]).is_file()]
     if missing:
         parser.error(f"the workloads' data is not there: {', '.join(missing)}; pass --data FOLDER (the shared data folder)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
