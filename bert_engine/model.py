@@ -223,8 +223,16 @@ class BertLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
+    # Set by runtime.fast.use_kernels where the projections run bert_engine's own AVX2 kernel: the whole layer
+    # in one C call for inference (fast.fused_layer), which answers None where it does not apply.
+    fused: Callable[..., Tensor | None] | None = None
+
     def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool = False,
                 unpadded: Unpadded | None = None) -> tuple[Tensor, Tensor | None]:
+        if self.fused is not None and not need_weights and not self.training:
+            out = self.fused(self, x, mask, unpadded)
+            if out is not None:
+                return out, None
         attended, weights = self.attention(x, mask, need_weights, unpadded)
         x = self.attention_norm(x + self.dropout(attended))  # (B, T, H) or (R, H)
         x = self.ffn_norm(x + self.dropout(self.ffn(x)))

@@ -145,7 +145,7 @@ def test_a_silent_failing_compiler_is_named(fresh_native, monkeypatch):
 def test_a_failed_build_is_named_and_leaves_nothing_behind(fresh_native, monkeypatch, tmp_path):
     broken = tmp_path / "tiled_matmul.c"
     broken.write_text("int tiled_matmul_version(void) { return }\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "SOURCES", (broken, *native.SOURCES[1:]))
     assert native.library() is None
     assert native.unavailable().startswith("its build failed: ") and "error" in native.unavailable()
     assert list(fresh_native.glob("*")) == []

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import platform
+import threading
 import time
 import warnings
 from collections.abc import Iterable
@@ -633,8 +634,114 @@ def use_kernels(model: nn.Module, choice: dict[str, tuple[str, str]]) -> nn.Modu
             fused = _fuses(kernels[0], ffn.act) and _fuses(kernels[1], ffn.act)
             ffn.up, ffn.act = up, (_identity if fused else ffn.act)
         ffn.down = swap(ffn.down, "down") or ffn.down
+        if all("tiled" in kept.get(name, ()) for name in PROJECTIONS):
+            layer.fused = fused_layer
     model.eval()
     return model
+
+
+FUSED_ACTIVATIONS = {F.gelu: 0, gelu_tanh: 1, F.relu: 2}  # fused_layer.c's codes
+
+
+def _tiled_at(module: nn.Module, rows: int) -> TiledLinear | None:
+    """The TiledLinear `module` runs `rows` rows through, if it is one (or a RowSwitch choosing one)."""
+    if isinstance(module, RowSwitch):
+        module = module.short if rows <= module.rows else module.long
+    return module if isinstance(module, TiledLinear) else None
+
+
+def _sequence_offsets(x: Tensor, mask: Tensor | None, unpadded: Any) -> Tensor | None:
+    """Where each sequence's rows start in `x` laid out flat, and where the last ends ((S + 1,) int64), for
+    fused_layer.c; None where the rows are not whole sequences end to end (padding left in: `mask` without
+    `unpadded`, or a padding mask with holes)."""
+    if unpadded is None:
+        if mask is not None or x.dim() != 3:
+            return None
+        batch, tokens = x.shape[:2]
+        return torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int64)
+    offsets = getattr(unpadded, "sequence_offsets", False)
+    if offsets is False:  # worked out once per forward, by the first layer
+        index, tokens = unpadded.index, unpadded.tokens
+        sequence = torch.div(index, tokens, rounding_mode="floor")
+        steps, same = index[1:] - index[:-1], sequence[1:] == sequence[:-1]
+        offsets = None
+        if bool((steps[same] == 1).all()):  # each sequence's real tokens next to each other
+            counts = torch.bincount(sequence, minlength=unpadded.batch)
+            offsets = torch.cat([counts.new_zeros(1), counts[counts > 0].cumsum(0)])
+        unpadded.sequence_offsets = offsets
+    return offsets
+
+
+class ScratchPool:
+    """Working memory for fused_layer.c, kept between calls. A fresh tensor of a few hundred KB per layer
+    comes from mmap and goes back on free: its page faults and unmapping cost about 0.5 ms a layer on the
+    2-core EPYC VMs, as much as the layer's attention. At most `keep` buffers of up to `largest` bytes
+    each are kept; bigger ones (long batches) are allocated per call."""
+
+    def __init__(self, keep: int = 2, largest: int = 16 << 20) -> None:
+        self.keep, self.largest = keep, largest
+        self._free: list[Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, floats: int) -> Tensor:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= floats]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(floats, dtype=torch.float32)
+
+    def give(self, buffer: Tensor) -> None:
+        if buffer.numel() * 4 > self.largest:
+            return
+        with self._lock:
+            self._free.append(buffer)
+            if len(self._free) > self.keep:  # the smallest goes
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+
+SCRATCH = ScratchPool()
+
+
+def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any) -> Tensor | None:
+    """`layer`'s output (model.BertLayer, in inference) from one call of fused_layer.c, or None where that does
+    not apply and the torch modules must run: a projection at this many rows is not a TiledLinear (a RowSwitch
+    past COLD_ROWS may run packed), an activation or norm the C code lacks, padding left in the rows,
+    gradients wanted, BERT_ENGINE_FUSED_LAYERS off. The projections are the same kernel's, so the layer
+    differs from the modules only in the attention's, LayerNorms' and GELU's last bits (1e-6; tested)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
+        return None
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
+    attention, ffn = layer.attention, layer.ffn
+    qkv, out, up, down = (_tiled_at(m, rows) for m in (attention.qkv, attention.out, ffn.up, ffn.down))
+    if qkv is None or out is None or up is None or down is None or rows == 0:
+        return None
+    activation = up.activation if ffn.act is _identity else (ffn.act if up.activation is None else None)
+    code = FUSED_ACTIVATIONS.get(activation)
+    norms = (layer.attention_norm, layer.ffn_norm)
+    if code is None or not all(type(n) is nn.LayerNorm and n.weight is not None and n.bias is not None
+                               and n.normalized_shape == (hidden,) for n in norms):
+        return None
+    if any(m.bias is None for m in (qkv, out, up, down)):  # (`None in` would compare tensors: 70 us)
+        return None
+    offsets = _sequence_offsets(x, mask, unpadded)
+    if offsets is None:
+        return None
+    inner = up.out_features
+    y = x.reshape(rows, hidden).clone(memory_format=torch.contiguous_format)
+    scratch = SCRATCH.take(rows * (5 * hidden + inner))
+    try:
+        status = native.library().fused_layer(
+            y.data_ptr(), rows, offsets.data_ptr(), offsets.numel() - 1, hidden, attention.num_heads, inner,
+            qkv.panels.data_ptr(), qkv.bias.data_ptr(), out.panels.data_ptr(), out.bias.data_ptr(),
+            norms[0].weight.data_ptr(), norms[0].bias.data_ptr(), norms[0].eps, up.panels.data_ptr(),
+            up.bias.data_ptr(), code, down.panels.data_ptr(), down.bias.data_ptr(), norms[1].weight.data_ptr(),
+            norms[1].bias.data_ptr(), norms[1].eps, scratch.data_ptr(), torch.get_num_threads())
+    finally:
+        SCRATCH.give(scratch)
+    return y.view(x.shape) if status == 0 else None
 
 
 def pack_linear_layers(model: nn.Module, only: Iterable[str] = PROJECTIONS, kernel: str = "packed") -> nn.Module:

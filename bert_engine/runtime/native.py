@@ -1,6 +1,7 @@
-"""bert_engine's own C kernel (tiled_matmul.c: an fp32 matmul for AVX2 + FMA CPUs), built at first use.
+"""bert_engine's own C kernels for AVX2 + FMA CPUs, built at first use: tiled_matmul.c (an fp32 matmul) and
+fused_layer.c (a whole encoder layer around it, for inference: fast.fused_layer).
 
-`library()` compiles the source with the system's C compiler once per source, compiler and flags (about a
+`library()` compiles the sources with the system's C compiler once per sources, compiler and flags (about a
 second), keeps the shared library under the kernel cache's folder (~/.cache/bert_engine/native, or beside
 BERT_ENGINE_KERNEL_CACHE), loads it with ctypes and returns it; or returns None, logging the reason once,
 where it cannot run: not Linux on x86-64, a CPU without AVX2 and FMA (or BERT_ENGINE_CPU_CAPABILITY below
@@ -31,8 +32,9 @@ from .. import settings
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("tiled_matmul.c")
+SOURCES = (Path(__file__).with_name("tiled_matmul.c"), Path(__file__).with_name("fused_layer.c"))
 FLAGS = ("-O3", "-funroll-loops", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")  # unrolled: 2-9 % faster at 12-128 rows
+LIBS = ("-lm",)
 BUILD_TIMEOUT_S = 120
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "library": the loaded CDLL or None; "reason": why None
@@ -75,8 +77,8 @@ def cpu_supported() -> str | None:
 
 
 def _build(cc: list[str]) -> Path:
-    """The library built from SOURCE with `cc` (kept; rebuilt only when the source, compiler or flags change)."""
-    source = SOURCE.read_bytes()
+    """The library built from SOURCES with `cc` (kept; rebuilt only when a source, the compiler or flags change)."""
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode()])).hexdigest()[:16]
     target = cache_folder() / f"tiled_matmul-{key}.so"
@@ -89,7 +91,7 @@ def _build(cc: list[str]) -> Path:
         folder = Path(tempfile.mkdtemp(prefix="bert_engine_native_"))
         target = folder / target.name
     partial = folder / f".{target.name}.{os.getpid()}.{threading.get_ident()}.partial"
-    done = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
+    done = subprocess.run([*cc, *FLAGS, *map(str, SOURCES), "-o", str(partial), *LIBS], capture_output=True, text=True,
                           timeout=BUILD_TIMEOUT_S)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
@@ -106,6 +108,12 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.tiled_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.tiled_matmul_version.restype = ctypes.c_int
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.fused_layer.restype = ctypes.c_int
+    lib.fused_layer.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr,
+                                ctypes.c_int, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int]
+    lib.fused_activation.restype = None
+    lib.fused_activation.argtypes = [ptr, i64, ctypes.c_int, ctypes.c_int]
     return lib
 
 

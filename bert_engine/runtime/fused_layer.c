@@ -1,0 +1,281 @@
+/* One whole BERT encoder layer in a single call, for inference on x86-64 CPUs with AVX2 and FMA:
+ *
+ *     x = LayerNorm(x + out(attention(qkv(x))));  x = LayerNorm(x + down(act(up(x))))
+ *
+ * the post-LN layer of bert_engine/model.py (BertLayer), with every projection through tiled_matmul (built
+ * into the same library) and the rest here: attention per sequence and head, the residual adds, the
+ * LayerNorms and the activation (exact erf GELU, tanh GELU or ReLU). At the few rows of one request the
+ * layer's ~20 small torch operators, each dispatched from Python, cost about as much as its matmuls'
+ * arithmetic; here they are a few loops over data already in cache.
+ *
+ * Rows are the tokens of `seqs` sequences laid end to end (no padding): sequence s is rows offsets[s] ..
+ * offsets[s+1]-1, and attends only to itself. x (rows x H) is read and overwritten with the layer's output.
+ * Each sequence's result does not depend on the others beside it (rows are computed on their own; attention
+ * and the norms in a fixed order per sequence), nor on the number of threads.
+ *
+ * erf and exp are polynomial approximations evaluated in float32 (coefficients fitted for this file by
+ * Chebyshev least squares in float64: erf on [0, 1] as x P(x^2), on [1, 4] as 1 - exp(-x^2) R(1/(1+x)), 1
+ * past 4; exp as 2^n times a degree-7 Taylor series on |r| <= ln(2)/2): erf within 1.6e-7 of the true value
+ * and exp within a few ulp, against 3e-8 for torch's (tests/test_fused_layer.py checks both, and the whole
+ * layer against the torch modules).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void tiled_matmul(const float *x, int64_t M, int64_t K, const float *panels, int64_t P, const float *bias,
+                  float *y, int64_t N, int threads);
+
+int fused_layer_version(void) { return 1; }
+
+enum { ACT_GELU = 0, ACT_GELU_TANH = 1, ACT_RELU = 2 };
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts, so r is exact to float precision), e^r by
+ * its Taylor series to r^7 (|r| <= 0.347: the first term left out is below 2.3e-9), times 2^n built in the
+ * exponent bits. Inputs below -87.3 give 0 (softmax's masked and far-below-the-maximum scores). */
+static inline __m256 exp_ps(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+static inline __m256 poly(const float *c, int degree, __m256 t) {
+    __m256 p = _mm256_set1_ps(c[degree]);
+    for (int i = degree - 1; i >= 0; --i) p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(c[i]));
+    return p;
+}
+
+static const float ERF_SMALL[7] = {1.128379167e+00f, -3.761262988e-01f, 1.128362573e-01f, -2.685539945e-02f,
+                                   5.191218377e-03f, -8.034846649e-04f, 7.933493884e-05f};
+static const float ERFCX_MID[9] = {2.509716729e-05f, 5.633214956e-01f, 5.773973028e-01f, 1.663578951e-01f,
+                                   3.572578061e-01f, -2.973094108e+00f, 4.763207845e+00f, -3.467291429e+00f,
+                                   1.023318628e+00f};
+
+static inline __m256 erf_ps(__m256 x) {
+    const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+    const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), one = _mm256_set1_ps(1.0f);
+    const __m256 a2 = _mm256_mul_ps(a, a);
+    const __m256 small = _mm256_mul_ps(a, poly(ERF_SMALL, 6, a2));
+    const __m256 t = _mm256_div_ps(one, _mm256_add_ps(one, a));
+    const __m256 mid = _mm256_fnmadd_ps(exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), a2)), poly(ERFCX_MID, 8, t), one);
+    __m256 y = _mm256_blendv_ps(mid, small, _mm256_cmp_ps(a, one, _CMP_LT_OQ));
+    y = _mm256_blendv_ps(y, one, _mm256_cmp_ps(a, _mm256_set1_ps(4.0f), _CMP_GE_OQ));
+    return _mm256_or_ps(y, sign);
+}
+
+static inline __m256 act_ps(__m256 x, int act) {
+    const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    if (act == ACT_RELU) return _mm256_max_ps(x, _mm256_setzero_ps());
+    if (act == ACT_GELU)
+        return _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, erf_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)))));
+    /* tanh form: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3); 1 + tanh(u) = 2 - 2 / (e^(2u) + 1) */
+    const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.79788456080286536f),
+                                   _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x));
+    const __m256 e = exp_ps(_mm256_add_ps(u, u));
+    const __m256 onep = _mm256_sub_ps(_mm256_set1_ps(2.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    return _mm256_mul_ps(_mm256_mul_ps(half, x), onep);
+}
+
+/* y[i] = act(y[i]) over n floats, n a multiple of 8 (the caller's widths are). */
+static void activate(float *y, int64_t n, int act, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 8192)
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, act_ps(_mm256_loadu_ps(y + i), act));
+}
+
+/* The activation alone, exported for the tests (n a multiple of 8). */
+void fused_activation(float *y, int64_t n, int act, int threads) {
+    if (n > 0 && n % 8 == 0 && act >= 0 && act <= 2) activate(y, n, act, threads);
+}
+
+/* x[r] = LayerNorm(x[r] + add[r]) * w + b for every row, H a multiple of 8; mean and variance in double. */
+static void add_norm(float *x, const float *add, int64_t rows, int64_t H, const float *w, const float *b, float eps,
+                     int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * H >= 8192)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *row = x + r * H;
+        const float *more = add + r * H;
+        double sum = 0.0;
+        for (int64_t i = 0; i < H; i += 8) {
+            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(more + i));
+            _mm256_storeu_ps(row + i, v);
+            sum += hsum(v);
+        }
+        const float mean = (float)(sum / (double)H);
+        const __m256 m = _mm256_set1_ps(mean);
+        double squares = 0.0;
+        for (int64_t i = 0; i < H; i += 8) {
+            const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(row + i), m);
+            squares += hsum(_mm256_mul_ps(d, d));
+        }
+        const __m256 scale = _mm256_set1_ps((float)(1.0 / sqrt(squares / (double)H + (double)eps)));
+        for (int64_t i = 0; i < H; i += 8) {
+            const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + i), m), scale);
+            _mm256_storeu_ps(row + i, _mm256_fmadd_ps(d, _mm256_loadu_ps(w + i), _mm256_loadu_ps(b + i)));
+        }
+    }
+}
+
+#define QB 4 /* queries at a time: each key and value row loaded serves four */
+
+/* softmax(q k^T / sqrt(D)) v for one sequence of L rows and one head (D a multiple of 8, at most 256):
+ * q, k, v rows `stride` floats apart; context rows H apart. Scratch: kt (D x Lp, Lp = L rounded up to 16),
+ * vc (L x D), scores (QB x Lp). k is transposed and v copied next to each other first: read in place, each
+ * of their rows lies on another page (3H floats apart), and every block of queries would walk them again. */
+static void attend_head(const float *q, const float *k, const float *v, int64_t stride, int64_t L, int64_t D,
+                        float *context, int64_t H, float *kt, float *vc, float *scores) {
+    const int64_t Lp = (L + 15) & ~(int64_t)15;
+    for (int64_t j = 0; j < L; ++j) {
+        for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = k[j * stride + d];
+        memcpy(vc + j * D, v + j * stride, sizeof(float) * (size_t)D);
+    }
+    for (int64_t d = 0; d < D; ++d)
+        for (int64_t j = L; j < Lp; ++j) kt[d * Lp + j] = 0.0f;
+    const __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)D));
+    for (int64_t i0 = 0; i0 < L; i0 += QB) {
+        const float *qr[QB];
+        for (int r = 0; r < QB; ++r) qr[r] = q + (i0 + r < L ? i0 + r : L - 1) * stride; /* past L: repeats, unused */
+        /* scores: QB queries x 16 keys per step, eight sums in registers */
+        for (int64_t j = 0; j < Lp; j += 16) {
+            __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00,
+                   s31 = s00;
+            const float *col = kt + j;
+            for (int64_t d = 0; d < D; ++d) {
+                const __m256 k0 = _mm256_loadu_ps(col + d * Lp), k1 = _mm256_loadu_ps(col + d * Lp + 8);
+                __m256 b = _mm256_set1_ps(qr[0][d]);
+                s00 = _mm256_fmadd_ps(b, k0, s00), s01 = _mm256_fmadd_ps(b, k1, s01);
+                b = _mm256_set1_ps(qr[1][d]);
+                s10 = _mm256_fmadd_ps(b, k0, s10), s11 = _mm256_fmadd_ps(b, k1, s11);
+                b = _mm256_set1_ps(qr[2][d]);
+                s20 = _mm256_fmadd_ps(b, k0, s20), s21 = _mm256_fmadd_ps(b, k1, s21);
+                b = _mm256_set1_ps(qr[3][d]);
+                s30 = _mm256_fmadd_ps(b, k0, s30), s31 = _mm256_fmadd_ps(b, k1, s31);
+            }
+            _mm256_storeu_ps(scores + 0 * Lp + j, _mm256_mul_ps(s00, scale));
+            _mm256_storeu_ps(scores + 0 * Lp + j + 8, _mm256_mul_ps(s01, scale));
+            _mm256_storeu_ps(scores + 1 * Lp + j, _mm256_mul_ps(s10, scale));
+            _mm256_storeu_ps(scores + 1 * Lp + j + 8, _mm256_mul_ps(s11, scale));
+            _mm256_storeu_ps(scores + 2 * Lp + j, _mm256_mul_ps(s20, scale));
+            _mm256_storeu_ps(scores + 2 * Lp + j + 8, _mm256_mul_ps(s21, scale));
+            _mm256_storeu_ps(scores + 3 * Lp + j, _mm256_mul_ps(s30, scale));
+            _mm256_storeu_ps(scores + 3 * Lp + j + 8, _mm256_mul_ps(s31, scale));
+        }
+        float inv[QB];
+        for (int r = 0; r < QB; ++r) { /* softmax of each row; the padded keys' scores are set to -inf first */
+            float *row = scores + r * Lp;
+            for (int64_t j = L; j < Lp; ++j) row[j] = -INFINITY;
+            __m256 top = _mm256_set1_ps(-INFINITY);
+            for (int64_t j = 0; j < Lp; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(row + j));
+            top = _mm256_set1_ps(hmax(top));
+            __m256 total = _mm256_setzero_ps();
+            for (int64_t j = 0; j < Lp; j += 8) {
+                const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(row + j), top));
+                _mm256_storeu_ps(row + j, e);
+                total = _mm256_add_ps(total, e);
+            }
+            inv[r] = 1.0f / hsum(total);
+        }
+        /* context: QB queries x 16 of D per step, over the keys; D % 16 == 8 leaves one step of 8 */
+        for (int64_t d = 0; d < D; d += 16) {
+            const int wide = d + 16 <= D;
+            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+                   a31 = a00;
+            for (int64_t j = 0; j < L; ++j) {
+                const __m256 v0 = _mm256_loadu_ps(vc + j * D + d);
+                const __m256 v1 = wide ? _mm256_loadu_ps(vc + j * D + d + 8) : _mm256_setzero_ps();
+                __m256 b = _mm256_set1_ps(scores[j]);
+                a00 = _mm256_fmadd_ps(b, v0, a00), a01 = _mm256_fmadd_ps(b, v1, a01);
+                b = _mm256_set1_ps(scores[Lp + j]);
+                a10 = _mm256_fmadd_ps(b, v0, a10), a11 = _mm256_fmadd_ps(b, v1, a11);
+                b = _mm256_set1_ps(scores[2 * Lp + j]);
+                a20 = _mm256_fmadd_ps(b, v0, a20), a21 = _mm256_fmadd_ps(b, v1, a21);
+                b = _mm256_set1_ps(scores[3 * Lp + j]);
+                a30 = _mm256_fmadd_ps(b, v0, a30), a31 = _mm256_fmadd_ps(b, v1, a31);
+            }
+            const __m256 out[QB][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+            for (int r = 0; r < QB && i0 + r < L; ++r) {
+                float *dst = context + (i0 + r) * H + d;
+                const __m256 m = _mm256_set1_ps(inv[r]);
+                _mm256_storeu_ps(dst, _mm256_mul_ps(out[r][0], m));
+                if (wide) _mm256_storeu_ps(dst + 8, _mm256_mul_ps(out[r][1], m));
+            }
+        }
+    }
+}
+
+/* The layer over x (rows x H) in place; see the top of this file. qkv panels give 3H outputs ordered
+ * [q | k | v], each H = heads x D wide; up gives I. scratch: rows x (5H + I) floats. Returns 0, or -1 where
+ * the shapes are not ones this code handles (the caller then runs the torch modules). */
+int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, int64_t H, int64_t heads, int64_t I,
+                const float *qkv_panels, const float *qkv_bias, const float *out_panels, const float *out_bias,
+                const float *ln1_w, const float *ln1_b, float eps1, const float *up_panels, const float *up_bias,
+                int act, const float *down_panels, const float *down_bias, const float *ln2_w, const float *ln2_b,
+                float eps2, float *scratch, int threads) {
+    const int64_t D = heads > 0 ? H / heads : 0;
+    if (rows <= 0 || seqs <= 0 || H % 8 || I % 8 || D * heads != H || D % 8 || D > 256 || act < 0 || act > 2)
+        return -1;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t L = offsets[s + 1] - offsets[s];
+        if (L <= 0 || offsets[s] < 0 || offsets[s + 1] > rows) return -1;
+        if (L > longest) longest = L;
+    }
+    float *qkv = scratch, *context = qkv + rows * 3 * H, *inner = context + rows * H, *projected = inner + rows * I;
+    tiled_matmul(x, rows, H, qkv_panels, (3 * H + 15) / 16, qkv_bias, qkv, 3 * H, threads);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && seqs * heads > 1)
+    {
+        const int64_t padded = (longest + 15) & ~(int64_t)15;
+        float *kt = malloc(sizeof(float) * (size_t)(2 * D * padded + QB * padded));
+        if (kt == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < seqs * heads; ++item) {
+            if (kt == NULL) continue;
+            const int64_t s = item / heads, h = item % heads, start = offsets[s], L = offsets[s + 1] - start;
+            const float *base = qkv + start * 3 * H + h * D;
+            attend_head(base, base + H, base + 2 * H, 3 * H, L, D, context + start * H + h * D, H, kt, kt + D * padded,
+                        kt + 2 * D * padded);
+        }
+        free(kt);
+    }
+    if (failed) return -2;
+    tiled_matmul(context, rows, H, out_panels, (H + 15) / 16, out_bias, projected, H, threads);
+    add_norm(x, projected, rows, H, ln1_w, ln1_b, eps1, threads);
+    tiled_matmul(x, rows, H, up_panels, (I + 15) / 16, up_bias, inner, I, threads);
+    activate(inner, rows * I, act, threads);
+    tiled_matmul(inner, rows, I, down_panels, (H + 15) / 16, down_bias, projected, H, threads);
+    add_norm(x, projected, rows, H, ln2_w, ln2_b, eps2, threads);
+    return 0;
+}

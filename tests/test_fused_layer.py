@@ -1,0 +1,144 @@
+"""A whole encoder layer in one C call (bert_engine/runtime/fused_layer.c, runtime.fast.fused_layer): the same
+outputs as the torch modules it replaces, on every shape it takes (odd lengths, head widths of 8, 16 and 24,
+batches with and without padding, each activation), independent of the batch and the threads, and the
+modules running wherever it does not apply."""
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bert_engine import BertModel
+from bert_engine.config import BertConfig
+from bert_engine.model import encoder_of
+from bert_engine.runtime import fast, native
+
+reason = native.unavailable()
+pytestmark = pytest.mark.skipif(reason is not None, reason=f"the AVX2 kernels cannot run here: {reason}")
+
+
+def _model(hidden=64, heads=4, inner=128, act="gelu", layers=2, seed=0):
+    """A random encoder with every projection through the tiled kernel; LayerNorms not at their identity."""
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=120, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        intermediate_size=inner, hidden_act=act, max_position_embeddings=128)
+    model = BertModel(config, add_pooler=False).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0, 0.1)
+    model.padding_free = True  # as prepare_for_inference sets it
+    return fast.pack_linear_layers(model, kernel="tiled")
+
+
+def _run(model, monkeypatch, fused, ids, mask=None):
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "1" if fused else "0")
+    with torch.inference_mode():
+        return model(ids, mask).last_hidden_state
+
+
+def _activation(values, code, threads=2):
+    out = values.clone()
+    native.library().fused_activation(ctypes.c_void_p(out.data_ptr()), out.numel(), code, threads)
+    return out
+
+
+def test_its_gelu_and_relu_are_as_close_to_the_truth_as_torchs():
+    x = torch.linspace(-12, 12, 96_000)
+    truth = F.gelu(x.double())
+    assert float((_activation(x, 0).double() - truth).abs().max()) < 2 * float((F.gelu(x).double() - truth).abs().max())
+    truth = F.gelu(x.double(), approximate="tanh")
+    assert float((_activation(x, 1).double() - truth).abs().max()) < 5e-7
+    assert torch.equal(_activation(x, 2), F.relu(x))
+    assert torch.equal(_activation(x, 0, threads=1), _activation(x, 0, threads=2))
+
+
+@pytest.mark.parametrize(("hidden", "heads", "act"), [(64, 4, "gelu"), (48, 6, "relu"), (96, 4, "gelu_new")])
+@pytest.mark.parametrize("length", [1, 5, 17, 40])
+def test_one_text_gets_the_modules_answer(monkeypatch, hidden, heads, act, length):
+    """Head widths 16, 8 and 24 (the context's steps of 16 and 8), lengths that are not multiples of the
+    4 queries or 16 keys it takes at once."""
+    model = _model(hidden, heads, 2 * hidden, act, seed=length)
+    assert all(layer.fused is fast.fused_layer for layer in encoder_of(model).layers)
+    ids = torch.randint(1, 120, (1, length))
+    fused, modules = _run(model, monkeypatch, True, ids), _run(model, monkeypatch, False, ids)
+    torch.testing.assert_close(fused, modules, atol=3e-6, rtol=1e-5)
+
+
+def test_a_padded_batch_gets_the_modules_answer_and_each_text_its_own(monkeypatch):
+    """Right and left padding (the real tokens of each row next to each other) run fused, each row attending
+    to itself only; a text's output is the same to the bit alone as anywhere in the batch."""
+    model = _model()
+    ids = torch.randint(1, 120, (4, 23))
+    mask = torch.ones(4, 23, dtype=torch.long)
+    mask[1, 9:] = 0
+    mask[2, :20] = 0  # left padding
+    mask[3, 1:] = 0
+    fused, modules = _run(model, monkeypatch, True, ids, mask), _run(model, monkeypatch, False, ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(fused[real], modules[real], atol=3e-6, rtol=1e-5)
+    for row in (0, 1, 3):  # (left padding moves the positions, alone or not)
+        keep = real[row]
+        alone = _run(model, monkeypatch, True, ids[row:row + 1, keep])
+        assert torch.equal(alone[0], fused[row, keep])
+    equal = _run(model, monkeypatch, True, ids[:, :9])  # no padding: no mask, rows end to end
+    assert torch.equal(equal[1], _run(model, monkeypatch, True, ids[1:2, :9])[0])
+
+
+def test_the_thread_count_does_not_change_a_bit(monkeypatch):
+    model = _model(seed=3)
+    ids = torch.randint(1, 120, (2, 37))
+    before = torch.get_num_threads()
+    two = _run(model, monkeypatch, True, ids)
+    try:
+        torch.set_num_threads(1)
+        one = _run(model, monkeypatch, True, ids)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_the_modules_run_where_it_does_not_apply(monkeypatch):
+    """SiLU (no code for it), a padding mask with a hole, gradients, the setting off, a packed projection:
+    fused_layer answers None and the layer's modules give the output."""
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "1")
+    silu = _model(act="silu")
+    layer = encoder_of(silu).layers[0]
+    x = torch.randn(1, 6, 64)
+    with torch.inference_mode():
+        assert fast.fused_layer(layer, x, None, None) is None
+    model = _model()
+    layer = encoder_of(model).layers[0]
+    from bert_engine.model import Unpadded, additive_padding_mask
+
+    holed = torch.tensor([[1, 0, 1, 1]])
+    unpadded = Unpadded(holed)
+    with torch.inference_mode():
+        assert fast.fused_layer(layer, torch.randn(3, 64), additive_padding_mask(holed, torch.float32), unpadded) is None
+        assert fast.fused_layer(layer, x, additive_padding_mask(torch.ones(1, 6), torch.float32), None) is None
+        assert fast.fused_layer(layer, x, None, None) is not None
+    assert fast.fused_layer(layer, x.requires_grad_(), None, None) is None
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "0")
+    with torch.inference_mode():
+        assert fast.fused_layer(layer, x.detach(), None, None) is None
+    packed = fast.pack_linear_layers(BertModel(BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1,
+                                                          num_attention_heads=4, intermediate_size=64)).eval())
+    assert encoder_of(packed).layers[0].fused is None
+
+
+def test_a_real_checkpoint_stays_within_the_parity_bound(monkeypatch, tmp_path, minilm_dir):
+    """MiniLM, fused, against transformers' fp32 output: within the 4e-6 the tiled kernel's modules keep."""
+    transformers = pytest.importorskip("transformers")
+    from bert_engine.checkpoints.loader import load_pretrained
+
+    folder = minilm_dir
+    monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    model = fast.pack_linear_layers(load_pretrained(str(folder)).eval(), kernel="tiled")
+    reference = transformers.AutoModel.from_pretrained(str(folder)).eval()
+    ids = torch.randint(1000, 20000, (1, 30))
+    with torch.inference_mode():
+        want = reference(input_ids=ids).last_hidden_state
+    got = _run(model, monkeypatch, True, ids)
+    assert float((got - want).abs().max()) < 4e-6
