@@ -22,11 +22,15 @@
 #define MR 6       /* rows per tile: 12 accumulators + 2 panel halves + 1 broadcast = 15 of 16 registers */
 #define KBLOCK 128 /* steps of k summed in registers before they are added into the tile's totals */
 #define MCHUNK 192 /* rows a thread takes at once on long inputs (a multiple of MR) */
+#define FETCH_TILES 8 /* the most tiles of rows a panel may take for them to fetch the next panel */
 
-int tiled_matmul_version(void) { return 1; }
+int tiled_matmul_version(void) { return 2; }
 
+/* A tile of `rows` rows against one panel. With `next` (not NULL), one cache line of the next panel is
+ * fetched every `every` steps of k, starting there: see tiled_matmul. */
 static inline void tile(int rows, const float *a, int64_t lda, const float *panel, int64_t K,
-                        float totals[MR][NR]) {
+                        float totals[MR][NR], const float *next, int every) {
+    int count = 0;
     for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
         const int64_t k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
         __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
@@ -41,11 +45,23 @@ static inline void tile(int rows, const float *a, int64_t lda, const float *pane
         c##r##0 = _mm256_fmadd_ps(x, b0, c##r##0);                                                       \
         c##r##1 = _mm256_fmadd_ps(x, b1, c##r##1);                                                       \
     }
-#define LOOP(BODY)                                                                                       \
+#define PLAIN_LOOP(BODY)                                                                                 \
     for (int64_t k = k0; k < k1; ++k) {                                                                  \
         const __m256 b0 = _mm256_loadu_ps(panel + k * NR), b1 = _mm256_loadu_ps(panel + k * NR + 8);     \
         BODY                                                                                             \
     }
+#define FETCHING_LOOP(BODY)                                                                              \
+    for (int64_t k = k0; k < k1; ++k) {                                                                  \
+        if (++count == every) {                                                                          \
+            count = 0;                                                                                   \
+            _mm_prefetch((const char *)next, _MM_HINT_T0);                                               \
+            next += NR;                                                                                  \
+        }                                                                                                \
+        const __m256 b0 = _mm256_loadu_ps(panel + k * NR), b1 = _mm256_loadu_ps(panel + k * NR + 8);     \
+        BODY                                                                                             \
+    }
+/* two copies of each loop: a test for `next` inside one costs 5-20 % where it is NULL */
+#define LOOP(BODY) if (next != NULL) { FETCHING_LOOP(BODY) } else { PLAIN_LOOP(BODY) }
         switch (rows) {
         case 6: LOOP(STEP_ROW(0) STEP_ROW(1) STEP_ROW(2) STEP_ROW(3) STEP_ROW(4) STEP_ROW(5)) break;
         case 5: LOOP(STEP_ROW(0) STEP_ROW(1) STEP_ROW(2) STEP_ROW(3) STEP_ROW(4)) break;
@@ -55,6 +71,8 @@ static inline void tile(int rows, const float *a, int64_t lda, const float *pane
         default: LOOP(STEP_ROW(0)) break;
         }
 #undef LOOP
+#undef PLAIN_LOOP
+#undef FETCHING_LOOP
 #undef STEP_ROW
         const __m256 sums[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
         for (int r = 0; r < rows; ++r) {
@@ -85,7 +103,15 @@ void tiled_matmul(const float *x, int64_t M, int64_t K, const float *panels, int
             const int rows = m_end - m < MR ? (int)(m_end - m) : MR;
             float totals[MR][NR];
             for (int r = 0; r < rows; ++r) memcpy(totals[r], start, sizeof start);
-            tile(rows, x + m * K, K, panel, K, totals);
+            /* Where a panel takes 2 to FETCH_TILES tiles (7-48 rows), each tile fetches its share of the
+             * next panel, spread over its steps, while it computes from cache: the next panel's trip from
+             * memory overlaps this one's arithmetic, where alone the first tile of each panel waits for it.
+             * Measured on the AVX2 EPYC (MiniLM's 24 projections in turn): 12 rows 18-22 % faster, 24 rows
+             * 4-16 %, 1 and 48-128 rows level. Fetching changes no value. */
+            const int64_t tiles = (m_end - m_start + MR - 1) / MR, t = (m - m_start) / MR;
+            const float *next = tiles > 1 && tiles <= FETCH_TILES && p + 1 < P && !rows_first
+                                    ? panel + K * NR + (t * K / tiles) * NR : NULL;
+            tile(rows, x + m * K, K, panel, K, totals, next, (int)tiles);
             for (int r = 0; r < rows; ++r) memcpy(y + (m + r) * N + col, totals[r], (size_t)cols * sizeof(float));
         }
     }
