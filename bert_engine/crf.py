@@ -134,7 +134,20 @@ class CRF(nn.Module):
         """p(tag at position t = l | emissions) as (B, T, L); rows of unselected positions are 0. With
         `with_log_z`, also log Z per row (B,), as log_partition gives it (0 for a row with nothing selected),
         from the same pass. Not differentiable: training uses log_likelihood."""
-        compact, valid, index, lengths, trans, start, end = self._prepare(emissions, mask, constrained, begins, ends)
+        prepared = self._prepare(emissions, mask, constrained, begins, ends)
+        return self._marginals(emissions, prepared, with_log_z)
+
+    def decode_with_marginals(self, emissions: Tensor, mask: Tensor | None = None, *, nbest: int = 1,
+                              constrained: bool = True, begins: Tensor | None = None, ends: Tensor | None = None
+                              ) -> tuple[list[list[tuple[list[int], float]]], Tensor, Tensor]:
+        """`decode`'s paths, `marginals` and log Z (with_log_z) in one call, the inputs compacted once (a
+        third of the CRF's time on a visitor's sentence)."""
+        prepared = self._prepare(emissions, mask, constrained, begins, ends)
+        marginals, log_z = self._marginals(emissions, prepared, True)
+        return self._decode(prepared, nbest, constrained), marginals, log_z
+
+    def _marginals(self, emissions: Tensor, prepared: tuple, with_log_z: bool) -> Tensor | tuple[Tensor, Tensor]:
+        compact, valid, index, lengths, trans, start, end = prepared
         B, S, L = compact.shape
         found = _scaled_forward_backward(compact, valid, trans, start, end)
         probs, log_z = found if found is not None else self._log_space_marginals(compact, valid, trans, start, end)
@@ -174,9 +187,13 @@ class CRF(nn.Module):
             Paths that need a forbidden transition are left out; a row with no selected position
             has one empty path with score 0.
         """
+        return self._decode(self._prepare(emissions, mask, constrained, begins, ends), nbest, constrained)
+
+    @staticmethod
+    def _decode(prepared: tuple, nbest: int, constrained: bool) -> list[list[tuple[list[int], float]]]:
         if nbest < 1:
             raise ValueError(f"nbest must be at least 1, got {nbest}")
-        compact, valid, _, lengths, trans, start, end = self._prepare(emissions, mask, constrained, begins, ends)
+        compact, valid, _, lengths, trans, start, end = prepared
         paths = _viterbi_nbest(compact, valid, trans, start, end, nbest)
         results = []
         for n, row in zip(lengths.tolist(), paths):

@@ -173,8 +173,7 @@ def postprocess(output: NerOutput, batch, *, max_length, stride, nbest, constrai
     mask, begins, ends, spans = word_layout(batch)
     emissions = output.logits.float().cpu()
     kwargs = dict(constrained=constrained, begins=begins, ends=ends)
-    paths = crf.decode(emissions, mask, nbest=nbest, **kwargs)
-    marginals, log_z = crf.marginals(emissions, mask, with_log_z=True, **kwargs)  # (B, T, L), (B,)
+    paths, marginals, log_z = crf.decode_with_marginals(emissions, mask, nbest=nbest, **kwargs)  # marginals (B, T, L)
     rows_of: dict[int, list[int]] = {}
     for r, sample in enumerate(batch.sample_index):
         rows_of.setdefault(sample, []).append(r)

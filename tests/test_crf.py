@@ -213,3 +213,23 @@ def test_marginals_fall_back_to_log_space_where_every_path_underflows():
     # Two best paths tie at -2000 (0 -> 1 and 1 -> 1): position 0 is even, position 1 is tag 1.
     torch.testing.assert_close(marginals[0], torch.tensor([[0.5, 0.5], [0.0, 1.0]]))
     assert float(log_z[0]) == pytest.approx(-2000 + math.log(2), abs=1e-3)
+
+
+def test_decoding_with_marginals_at_once_answers_as_the_two_calls_do():
+    """The NER postprocess's one call (the inputs compacted once) gives decode's paths and marginals' values."""
+    torch.manual_seed(5)
+    crf = CRF(5)
+    with torch.no_grad():
+        crf.transitions.normal_()
+        crf.start_transitions.normal_()
+    emissions = torch.randn(3, 9, 5)
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, 6:] = False
+    mask[2, ::2] = False
+    kwargs = dict(constrained=False, begins=torch.tensor([True, False, True]), ends=torch.tensor([True, True, False]))
+    paths, marginals, log_z = crf.decode_with_marginals(emissions, mask, nbest=3, **kwargs)
+    assert paths == crf.decode(emissions, mask, nbest=3, **kwargs)
+    want, want_log_z = crf.marginals(emissions, mask, with_log_z=True, **kwargs)
+    assert torch.equal(marginals, want) and torch.equal(log_z, want_log_z)
+    with pytest.raises(ValueError, match="nbest must be at least 1"):
+        crf.decode_with_marginals(emissions, mask, nbest=0)
