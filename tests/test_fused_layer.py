@@ -55,11 +55,12 @@ def test_its_gelu_and_relu_are_as_close_to_the_truth_as_torchs():
     assert torch.equal(_activation(x, 0, threads=1), _activation(x, 0, threads=2))
 
 
-@pytest.mark.parametrize(("hidden", "heads", "act"), [(64, 4, "gelu"), (48, 6, "relu"), (96, 4, "gelu_new")])
+@pytest.mark.parametrize(("hidden", "heads", "act"), [(64, 4, "gelu"), (48, 6, "relu"), (96, 4, "gelu_new"),
+                                                     (128, 2, "gelu")])
 @pytest.mark.parametrize("length", [1, 5, 17, 40])
 def test_one_text_gets_the_modules_answer(monkeypatch, hidden, heads, act, length):
-    """Head widths 16, 8 and 24 (the context's steps of 16 and 8), lengths that are not multiples of the
-    4 queries or 16 keys it takes at once."""
+    """Head widths 16, 8, 24 and 64 (BERT-base's; the context's steps of 16 and 8), lengths that are not
+    multiples of the 4 queries or 16 keys it takes at once."""
     model = _model(hidden, heads, 2 * hidden, act, seed=length)
     assert all(layer.fused is fast.fused_layer for layer in encoder_of(model).layers)
     ids = torch.randint(1, 120, (1, length))
