@@ -11,11 +11,19 @@ Shape legend: B batch, T tokens, S selected positions per row (≤ T), L tags, K
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from .heads import IGNORE_INDEX
+
+# bert_engine's C library (runtime/native.py sets it when it loads; None until then, or where it cannot be
+# built): the n-best Viterbi and forward-backward below run there a row at a time (crf_decode.c), the same
+# answers as the numpy code without its ~35 us of dispatch a step. The numpy code stays the reference.
+NATIVE: Any = None
 
 # Forbidden transitions score FORBIDDEN instead of -inf: log-sum-exp over a row of -inf has a NaN
 # gradient, and a finite penalty this large still gives such paths a probability of exactly 0.0.
@@ -231,6 +239,8 @@ def _scaled_forward_backward(compact: Tensor, valid: Tensor, trans: Tensor, star
     ok = valid.cpu().numpy()  # (B, S)
     tr = trans.detach().double().cpu().numpy()  # (L, L)
     st, en = start.detach().double().cpu().numpy(), end.detach().double().cpu().numpy()  # (B, L)
+    if NATIVE is not None:
+        return _native_forward_backward(NATIVE, em, ok, tr, st, en)
     B, S, L = em.shape
     moves = tr[None, None] + em[:, 1:, None, :]  # (B, S-1, L_from, L_to)
     shift = moves.max(axis=(2, 3)) if S > 1 else np.zeros((B, 0))  # (B, S-1)
@@ -278,6 +288,8 @@ def _viterbi_nbest(compact: Tensor, valid: Tensor, trans: Tensor, start: Tensor,
     `nbest` exist) are left out."""
     em = compact.detach().float().cpu().numpy()  # (B, S, L)
     ok = valid.cpu().numpy()  # (B, S)
+    if NATIVE is not None:
+        return _native_viterbi(NATIVE, em, ok, trans, start, end, nbest)
     B, S, L = em.shape
     K = nbest
     # (B, S-1, L_to, L_from): the transition plus the next step's emission, for every step at once
@@ -319,3 +331,51 @@ def _viterbi_nbest(compact: Tensor, valid: Tensor, trans: Tensor, start: Tensor,
             paths.append((path[::-1], score))
         out.append(paths)
     return out
+
+
+def _pointer(array: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(array.ctypes.data)
+
+
+def _native_viterbi(lib: Any, em: np.ndarray, ok: np.ndarray, trans: Tensor, start: Tensor, end: Tensor,
+                    nbest: int) -> list[list[tuple[list[int], float]]]:
+    """_viterbi_nbest's answer through crf_decode.c, a row at a time over its own steps (a path covers the
+    row's length; decode keeps that much of the numpy one's too)."""
+    B, _, L = em.shape
+    tr = np.ascontiguousarray(trans.detach().float().cpu().numpy())
+    st = np.ascontiguousarray(start.detach().float().cpu().numpy())
+    en = np.ascontiguousarray(end.detach().float().cpu().numpy())
+    out = []
+    for b, n in enumerate(ok.sum(1).tolist()):
+        if n == 0:
+            out.append([])
+            continue
+        row = np.ascontiguousarray(em[b, :n])
+        paths, scores = np.empty((nbest, n), dtype=np.int64), np.empty(nbest, dtype=np.float32)
+        found = lib.crf_viterbi_nbest(_pointer(row), n, L, _pointer(tr), _pointer(st[b]), _pointer(en[b]), nbest,
+                                      _pointer(paths), _pointer(scores))
+        if found < 0:
+            raise MemoryError("the CRF's n-best Viterbi could not allocate its lists")
+        out.append([(paths[k].tolist(), float(scores[k])) for k in range(found)])
+    return out
+
+
+def _native_forward_backward(lib: Any, em: np.ndarray, ok: np.ndarray, tr: np.ndarray, st: np.ndarray,
+                             en: np.ndarray) -> tuple[Tensor, Tensor] | None:
+    """_scaled_forward_backward's answer through crf_decode.c, a row at a time; None as there."""
+    B, S, L = em.shape
+    probs, log_z = np.zeros((B, S, L)), np.zeros(B)
+    tr = np.ascontiguousarray(tr)
+    for b, n in enumerate(ok.sum(1).tolist()):
+        if n == 0:
+            continue
+        row, part = np.ascontiguousarray(em[b, :n]), np.empty((n, L))
+        z = ctypes.c_double()
+        status = lib.crf_forward_backward(_pointer(row), n, L, _pointer(tr), _pointer(np.ascontiguousarray(st[b])),
+                                          _pointer(np.ascontiguousarray(en[b])), _pointer(part), ctypes.byref(z))
+        if status < 0:
+            raise MemoryError("the CRF's forward-backward could not allocate its steps")
+        if status:
+            return None
+        probs[b, :n], log_z[b] = part, z.value
+    return torch.from_numpy(probs).float(), torch.from_numpy(log_z)

@@ -233,3 +233,35 @@ def test_decoding_with_marginals_at_once_answers_as_the_two_calls_do():
     assert torch.equal(marginals, want) and torch.equal(log_z, want_log_z)
     with pytest.raises(ValueError, match="nbest must be at least 1"):
         crf.decode_with_marginals(emissions, mask, nbest=0)
+
+
+def test_the_c_recursions_answer_as_the_numpy_ones(monkeypatch):
+    """crf_decode.c (bert_engine's C library, where it builds): the same n-best paths and scores to the bit,
+    ties included (whole-number scores), and the same marginals and log Z, on ragged rows, constrained or
+    not; numpy's code is the reference."""
+    from bert_engine import crf as crf_module
+    from bert_engine.runtime import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip(f"bert_engine's C library cannot run here: {native.unavailable()}")
+    torch.manual_seed(11)
+    crf = CRF(6)
+    with torch.no_grad():
+        crf.transitions.copy_(torch.randint(-2, 3, (6, 6)).float())
+        crf.start_transitions.normal_()
+    crf.set_constraints(*(torch.rand(6, 6) > 0.2, torch.ones(6, dtype=torch.bool), torch.rand(6) > 0.3))
+    for emissions in (torch.randint(-3, 4, (4, 11, 6)).float(), torch.randn(4, 11, 6) * 4):
+        mask = torch.ones(4, 11, dtype=torch.bool)
+        mask[1, 7:] = False
+        mask[2, 1:] = False
+        mask[3] = False
+        for constrained in (True, False):
+            kwargs = dict(nbest=5, constrained=constrained, begins=torch.tensor([True, False, True, True]))
+            monkeypatch.setattr(crf_module, "NATIVE", lib)
+            native_answer = crf.decode_with_marginals(emissions, mask, **kwargs)
+            monkeypatch.setattr(crf_module, "NATIVE", None)
+            numpy_answer = crf.decode_with_marginals(emissions, mask, **kwargs)
+            assert native_answer[0] == numpy_answer[0]
+            torch.testing.assert_close(native_answer[1], numpy_answer[1], atol=1e-6, rtol=0)
+            torch.testing.assert_close(native_answer[2], numpy_answer[2], atol=1e-9, rtol=1e-12)

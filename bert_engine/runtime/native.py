@@ -1,5 +1,6 @@
-"""bert_engine's own C kernels for AVX2 + FMA CPUs, built at first use: tiled_matmul.c (an fp32 matmul) and
-fused_layer.c (a whole encoder layer around it, for inference: fast.fused_layer).
+"""bert_engine's own C kernels for AVX2 + FMA CPUs, built at first use: tiled_matmul.c (an fp32 matmul),
+fused_layer.c (a whole encoder layer around it, for inference: fast.fused_layer) and crf_decode.c (the CRF's
+n-best Viterbi and forward-backward for one row, which bert_engine/crf.py runs once the library has loaded).
 
 `library()` compiles the sources with the system's C compiler once per sources, compiler and flags (about a
 second), keeps the shared library under the kernel cache's folder (~/.cache/bert_engine/native, or beside
@@ -28,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from .. import settings
+from .. import crf, settings
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("tiled_matmul.c"), Path(__file__).with_name("fused_layer.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("tiled_matmul.c", "fused_layer.c", "crf_decode.c"))
 FLAGS = ("-O3", "-funroll-loops", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")  # unrolled: 2-9 % faster at 12-128 rows
 LIBS = ("-lm",)
 BUILD_TIMEOUT_S = 120
@@ -114,6 +115,10 @@ def _load(path: Path) -> ctypes.CDLL:
                                 ctypes.c_int, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int]
     lib.fused_activation.restype = None
     lib.fused_activation.argtypes = [ptr, i64, ctypes.c_int, ctypes.c_int]
+    lib.crf_viterbi_nbest.restype = i64
+    lib.crf_viterbi_nbest.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]
+    lib.crf_forward_backward.restype = ctypes.c_int
+    lib.crf_forward_backward.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr]
     return lib
 
 
@@ -149,6 +154,7 @@ def library() -> ctypes.CDLL | None:
             logger.info("bert_engine's AVX2 kernel is not available: %s; the matmuls use oneDNN's and MKL's kernels",
                         reason)
         _state.update(library=lib, reason=reason)
+        crf.NATIVE = lib  # the CRF's recursions in C (crf_decode.c) from now on; None: numpy's
         return lib
 
 
@@ -175,3 +181,4 @@ def forget() -> None:
     """Drop what `library()` found, so the next call looks again (tests change the compiler or the CPU's flags)."""
     with _lock:
         _state.clear()
+        crf.NATIVE = None
