@@ -206,12 +206,15 @@ class BertWithHead(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None, position_ids: Tensor | None = None,
                 output_attentions: bool = False, output_hidden_states: bool = False,
-                predict_positions: Tensor | None = None):
+                predict_positions: Tensor | None = None, first_token_only: bool = False):
         """`predict_positions` ((B, T) bool), for the masked-LM heads only: vocabulary logits at those
         positions alone, (N, V), as training needs them; the V-wide matmul over every other position
-        is most of an MLM step's time on a small encoder."""
+        is most of an MLM step's time on a small encoder. `first_token_only` (BertModel's), for a caller
+        that reads nothing but what the head makes of [CLS] (a task puts it in its batch's
+        meta["model_kwargs"]): the last layer computes each row's first token alone, and the output's
+        encoder.last_hidden_state is (B, 1, H)."""
         encoded = self.encoder(input_ids, attention_mask, token_type_ids, position_ids, output_attentions,
-                               output_hidden_states)
+                               output_hidden_states, first_token_only=first_token_only and predict_positions is None)
         if predict_positions is None:
             output = self.head(encoded)
         elif isinstance(self.head, (MaskedLMHead, PretrainingHead)):

@@ -228,15 +228,34 @@ class BertLayer(nn.Module):
     fused: Callable[..., Tensor | None] | None = None
 
     def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool = False,
-                unpadded: Unpadded | None = None) -> tuple[Tensor, Tensor | None]:
+                unpadded: Unpadded | None = None, first_only: bool = False) -> tuple[Tensor, Tensor | None]:
+        """`first_only`: only each sequence's first token's output, (B, 1, H) (its keys and values are every
+        token's): for the last layer under a head that reads [CLS] alone (BertModel's first_token_only)."""
         if self.fused is not None and not need_weights and not self.training:
-            out = self.fused(self, x, mask, unpadded)
+            out = self.fused(self, x, mask, unpadded, first_only)
             if out is not None:
                 return out, None
+        if first_only:
+            return self._first_rows(x, mask, unpadded), None
         attended, weights = self.attention(x, mask, need_weights, unpadded)
         x = self.attention_norm(x + self.dropout(attended))  # (B, T, H) or (R, H)
         x = self.ffn_norm(x + self.dropout(self.ffn(x)))
         return x, weights
+
+    def _first_rows(self, x: Tensor, mask: Tensor | None, unpadded: Unpadded | None) -> Tensor:
+        """The layer's output at position 0 of each row alone, (B, 1, H): one query per head against every key."""
+        attention = self.attention
+        qkv = attention.qkv(x)  # (B, T, 3H) or (R, 3H)
+        if unpadded is not None:
+            qkv, x = unpadded.pad(qkv), unpadded.pad(x)  # (B, T, ...)
+        B, T, H3 = qkv.shape
+        N = attention.num_heads
+        qkv = qkv.view(B, T, 3, N, H3 // (3 * N)).permute(2, 0, 3, 1, 4)  # (3, B, N, T, D)
+        context, _ = attention.attend(qkv[0][:, :, :1], qkv[1], qkv[2], mask,
+                                      attention.dropout_p if self.training else 0.0, False)  # (B, N, 1, D)
+        attended = attention.out(context.transpose(1, 2).reshape(B, 1, H3 // 3))  # (B, 1, H)
+        x = self.attention_norm(x[:, :1] + self.dropout(attended))
+        return self.ffn_norm(x + self.dropout(self.ffn(x)))
 
 
 class Pooler(nn.Module):
@@ -284,7 +303,8 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None, position_ids: Tensor | None = None,
-                output_attentions: bool = False, output_hidden_states: bool = False) -> EncoderOutput:
+                output_attentions: bool = False, output_hidden_states: bool = False,
+                first_token_only: bool = False) -> EncoderOutput:
         """Encode a batch.
 
         Args:
@@ -295,6 +315,9 @@ class BertModel(nn.Module):
             output_attentions: also return every layer's (B, N, T, T) weights; this runs the
                 eager backend, the only one that materialises them.
             output_hidden_states: also return the input of the first layer and each layer's output.
+            first_token_only: the last layer computes each row's first token alone (a classifier over [CLS]
+                reads nothing else: most of that layer's work saved), and last_hidden_state is (B, 1, H).
+                Ignored where attentions or hidden states are asked for, or a row's first token is padding.
         Raises:
             ValueError: if the batch is longer than the position table, or an id is out of range.
         """
@@ -314,8 +337,14 @@ class BertModel(nn.Module):
         attentions, states = [], [x]
         if unpadded is not None:
             x = unpadded.unpad(x)  # (R, H): the real tokens only
+        first_only = (first_token_only and not output_attentions and not output_hidden_states
+                      and (attention_mask is None or bool(attention_mask[:, 0].all())))
         between = BETWEEN_LAYERS.get()
         for applied, index in enumerate(self.schedule, 1):
+            if first_only and applied == len(self.schedule):
+                x, weights = self.layers[index](x, mask, False, unpadded, first_only=True)  # (B, 1, H)
+                unpadded = None  # nothing left to pad
+                continue
             x, weights = self.layers[index](x, mask, output_attentions, unpadded)
             if output_attentions:
                 attentions.append(weights)

@@ -106,6 +106,8 @@ def preprocess(inputs, tokenizer, *, top_k, function, long_input, max_length, st
                              "shorten the first text, or use long_input='truncate'") from None
         raise InputError(f"sentiment: this input cannot be cut to {max_length} tokens ({err})") from None
     batch.meta.update(num_inputs=len(texts), policy=long_input)
+    # The logits come from [CLS] alone and postprocess reads nothing else: the last layer computes only it.
+    batch.meta["model_kwargs"] = {**batch.meta.get("model_kwargs", {}), "first_token_only": True}
     return batch
 
 

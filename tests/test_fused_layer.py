@@ -143,3 +143,45 @@ def test_a_real_checkpoint_stays_within_the_parity_bound(monkeypatch, tmp_path, 
         want = reference(input_ids=ids).last_hidden_state
     got = _run(model, monkeypatch, True, ids)
     assert float((got - want).abs().max()) < 4e-6
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_classifier_over_cls_gets_the_last_layer_for_cls_alone(monkeypatch, fused):
+    """first_token_only: the last layer computes each row's first token, (B, 1, H), equal to the whole
+    layer's first row (to the bit where fused, whose query rows are computed alike); padding at the end is
+    fine, a row whose first token is padding turns it off; attentions or hidden states asked for too."""
+    model = _model(seed=7)
+    ids = torch.randint(1, 120, (3, 14))
+    mask = torch.ones(3, 14, dtype=torch.long)
+    mask[1, 5:] = 0
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "1" if fused else "0")
+    with torch.inference_mode():
+        whole = model(ids, mask).last_hidden_state
+        first = model(ids, mask, first_token_only=True).last_hidden_state
+        unmasked = model(ids, first_token_only=True).last_hidden_state
+        left = mask.flip(1)
+        ignored = model(ids, left, first_token_only=True).last_hidden_state
+        with_states = model(ids, mask, output_hidden_states=True, first_token_only=True).last_hidden_state
+    assert first.shape == (3, 1, 64) and unmasked.shape == (3, 1, 64)
+    if fused:
+        assert torch.equal(first, whole[:, :1])
+    else:
+        torch.testing.assert_close(first, whole[:, :1], atol=2e-6, rtol=1e-5)
+    assert ignored.shape == (3, 14, 64) and with_states.shape == (3, 14, 64)
+
+
+def test_a_sequence_head_asked_for_cls_alone_answers_alike_and_trains(tiny_config):
+    """BertWithHead(first_token_only=True), as the sentiment task's batches ask: the same logits, the
+    encoder's output (B, 1, H), gradients through the first-row path; unasked, the full output as documented."""
+    from bert_engine.heads import BertWithHead
+
+    torch.manual_seed(0)
+    model = BertWithHead(tiny_config.with_labels(["a", "b"]), "sequence").train()
+    ids = torch.randint(5, 99, (2, 6))
+    model(ids, first_token_only=True).logits.sum().backward()
+    assert model.encoder.layers[-1].ffn.up.weight.grad is not None
+    model.eval()
+    with torch.no_grad():
+        first, whole = model(ids, first_token_only=True), model(ids)
+    assert first.encoder.last_hidden_state.shape == (2, 1, 32) and whole.encoder.last_hidden_state.shape == (2, 6, 32)
+    torch.testing.assert_close(first.logits, whole.logits, atol=1e-6, rtol=1e-5)

@@ -702,12 +702,15 @@ class ScratchPool:
 SCRATCH = ScratchPool()
 
 
-def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any) -> Tensor | None:
+def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
+                first_only: bool = False) -> Tensor | None:
     """`layer`'s output (model.BertLayer, in inference) from one call of fused_layer.c, or None where that does
     not apply and the torch modules must run: a projection at this many rows is not a TiledLinear (a RowSwitch
     past COLD_ROWS may run packed), an activation or norm the C code lacks, padding left in the rows,
     gradients wanted, BERT_ENGINE_FUSED_LAYERS off. The projections are the same kernel's, so the layer
-    differs from the modules only in the attention's, LayerNorms' and GELU's last bits (1e-6; tested)."""
+    differs from the modules only in the attention's, LayerNorms' and GELU's last bits (1e-6; tested).
+    `first_only` (BertLayer's): only each sequence's first row, (B, 1, H), the same bits as the whole
+    layer's first row; every sequence must start at its row's position 0."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
         return None
     if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
@@ -729,6 +732,14 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any)
     offsets = _sequence_offsets(x, mask, unpadded)
     if offsets is None:
         return None
+    batch = x.shape[0] if unpadded is None else unpadded.batch
+    first = None
+    if first_only:
+        starts = offsets[:-1] if unpadded is None else unpadded.index[offsets[:-1]]
+        tokens = x.shape[1] if unpadded is None else unpadded.tokens
+        if offsets.numel() - 1 != batch or not bool((starts == torch.arange(batch) * tokens).all()):
+            return None
+        first = torch.empty(batch, 1, hidden, dtype=torch.float32)
     inner = up.out_features
     y = x.reshape(rows, hidden).clone(memory_format=torch.contiguous_format)
     scratch = SCRATCH.take(rows * (5 * hidden + inner))
@@ -738,10 +749,13 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any)
             qkv.panels.data_ptr(), qkv.bias.data_ptr(), out.panels.data_ptr(), out.bias.data_ptr(),
             norms[0].weight.data_ptr(), norms[0].bias.data_ptr(), norms[0].eps, up.panels.data_ptr(),
             up.bias.data_ptr(), code, down.panels.data_ptr(), down.bias.data_ptr(), norms[1].weight.data_ptr(),
-            norms[1].bias.data_ptr(), norms[1].eps, scratch.data_ptr(), torch.get_num_threads())
+            norms[1].bias.data_ptr(), norms[1].eps, scratch.data_ptr(), torch.get_num_threads(),
+            None if first is None else first.data_ptr())
     finally:
         SCRATCH.give(scratch)
-    return y.view(x.shape) if status == 0 else None
+    if status != 0:
+        return None
+    return first if first is not None else y.view(x.shape)
 
 
 def pack_linear_layers(model: nn.Module, only: Iterable[str] = PROJECTIONS, kernel: str = "packed") -> nn.Module:

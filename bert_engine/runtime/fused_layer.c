@@ -28,7 +28,7 @@
 void tiled_matmul(const float *x, int64_t M, int64_t K, const float *panels, int64_t P, const float *bias,
                   float *y, int64_t N, int threads);
 
-int fused_layer_version(void) { return 1; }
+int fused_layer_version(void) { return 2; }
 
 enum { ACT_GELU = 0, ACT_GELU_TANH = 1, ACT_RELU = 2 };
 
@@ -147,12 +147,13 @@ static void add_norm(float *x, const float *add, int64_t rows, int64_t H, const 
 
 #define QB 4 /* queries at a time: each key and value row loaded serves four */
 
-/* softmax(q k^T / sqrt(D)) v for one sequence of L rows and one head (D a multiple of 8, at most 256):
+/* softmax(q k^T / sqrt(D)) v for one sequence of L rows and one head (D a multiple of 8, at most 256), for its
+ * first `queries` rows (the query rows are computed as they are with all L: the first alone is the same bits):
  * q, k, v rows `stride` floats apart; context rows H apart. Scratch: kt (D x Lp, Lp = L rounded up to 16),
  * vc (L x D), scores (QB x Lp). k is transposed and v copied next to each other first: read in place, each
  * of their rows lies on another page (3H floats apart), and every block of queries would walk them again. */
-static void attend_head(const float *q, const float *k, const float *v, int64_t stride, int64_t L, int64_t D,
-                        float *context, int64_t H, float *kt, float *vc, float *scores) {
+static void attend_head(const float *q, const float *k, const float *v, int64_t stride, int64_t L, int64_t queries,
+                        int64_t D, float *context, int64_t H, float *kt, float *vc, float *scores) {
     const int64_t Lp = (L + 15) & ~(int64_t)15;
     for (int64_t j = 0; j < L; ++j) {
         for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = k[j * stride + d];
@@ -161,7 +162,7 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
     for (int64_t d = 0; d < D; ++d)
         for (int64_t j = L; j < Lp; ++j) kt[d * Lp + j] = 0.0f;
     const __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)D));
-    for (int64_t i0 = 0; i0 < L; i0 += QB) {
+    for (int64_t i0 = 0; i0 < queries; i0 += QB) { /* the first `queries` rows: all L, or the first alone */
         const float *qr[QB];
         for (int r = 0; r < QB; ++r) qr[r] = q + (i0 + r < L ? i0 + r : L - 1) * stride; /* past L: repeats, unused */
         /* scores: QB queries x 16 keys per step, eight sums in registers */
@@ -222,7 +223,7 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
                 a30 = _mm256_fmadd_ps(b, v0, a30), a31 = _mm256_fmadd_ps(b, v1, a31);
             }
             const __m256 out[QB][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
-            for (int r = 0; r < QB && i0 + r < L; ++r) {
+            for (int r = 0; r < QB && i0 + r < queries; ++r) {
                 float *dst = context + (i0 + r) * H + d;
                 const __m256 m = _mm256_set1_ps(inv[r]);
                 _mm256_storeu_ps(dst, _mm256_mul_ps(out[r][0], m));
@@ -233,13 +234,16 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
 }
 
 /* The layer over x (rows x H) in place; see the top of this file. qkv panels give 3H outputs ordered
- * [q | k | v], each H = heads x D wide; up gives I. scratch: rows x (5H + I) floats. Returns 0, or -1 where
- * the shapes are not ones this code handles (the caller then runs the torch modules). */
+ * [q | k | v], each H = heads x D wide; up gives I. scratch: rows x (5H + I) floats. With `first` (not NULL:
+ * seqs x H), only each sequence's first row goes on past the attention (what a classifier over [CLS] reads):
+ * its keys and values are every row's, and its output, the same bits as the whole layer's first row, is
+ * written to `first`, x left as it came. Returns 0, -1 where the shapes are not ones this code handles (the
+ * caller then runs the torch modules), -2 where memory runs out. */
 int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, int64_t H, int64_t heads, int64_t I,
                 const float *qkv_panels, const float *qkv_bias, const float *out_panels, const float *out_bias,
                 const float *ln1_w, const float *ln1_b, float eps1, const float *up_panels, const float *up_bias,
                 int act, const float *down_panels, const float *down_bias, const float *ln2_w, const float *ln2_b,
-                float eps2, float *scratch, int threads) {
+                float eps2, float *scratch, int threads, float *first) {
     const int64_t D = heads > 0 ? H / heads : 0;
     if (rows <= 0 || seqs <= 0 || H % 8 || I % 8 || D * heads != H || D % 8 || D > 256 || act < 0 || act > 2)
         return -1;
@@ -265,17 +269,23 @@ int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, in
             if (kt == NULL) continue;
             const int64_t s = item / heads, h = item % heads, start = offsets[s], L = offsets[s + 1] - start;
             const float *base = qkv + start * 3 * H + h * D;
-            attend_head(base, base + H, base + 2 * H, 3 * H, L, D, context + start * H + h * D, H, kt, kt + D * padded,
-                        kt + 2 * D * padded);
+            attend_head(base, base + H, base + 2 * H, 3 * H, L, first != NULL ? 1 : L, D,
+                        context + (first != NULL ? s : start) * H + h * D, H, kt, kt + D * padded, kt + 2 * D * padded);
         }
         free(kt);
     }
     if (failed) return -2;
-    tiled_matmul(context, rows, H, out_panels, (H + 15) / 16, out_bias, projected, H, threads);
-    add_norm(x, projected, rows, H, ln1_w, ln1_b, eps1, threads);
-    tiled_matmul(x, rows, H, up_panels, (I + 15) / 16, up_bias, inner, I, threads);
-    activate(inner, rows * I, act, threads);
-    tiled_matmul(inner, rows, I, down_panels, (H + 15) / 16, down_bias, projected, H, threads);
-    add_norm(x, projected, rows, H, ln2_w, ln2_b, eps2, threads);
+    float *out = x;
+    int64_t n = rows;
+    if (first != NULL) { /* from here on, the first rows alone */
+        for (int64_t s = 0; s < seqs; ++s) memcpy(first + s * H, x + offsets[s] * H, sizeof(float) * (size_t)H);
+        out = first, n = seqs;
+    }
+    tiled_matmul(context, n, H, out_panels, (H + 15) / 16, out_bias, projected, H, threads);
+    add_norm(out, projected, n, H, ln1_w, ln1_b, eps1, threads);
+    tiled_matmul(out, n, H, up_panels, (I + 15) / 16, up_bias, inner, I, threads);
+    activate(inner, n * I, act, threads);
+    tiled_matmul(inner, n, I, down_panels, (H + 15) / 16, down_bias, projected, H, threads);
+    add_norm(out, projected, n, H, ln2_w, ln2_b, eps2, threads);
     return 0;
 }

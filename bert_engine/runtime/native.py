@@ -112,7 +112,7 @@ def _load(path: Path) -> ctypes.CDLL:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.fused_layer.restype = ctypes.c_int
     lib.fused_layer.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr,
-                                ctypes.c_int, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int]
+                                ctypes.c_int, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int, ptr]
     lib.fused_activation.restype = None
     lib.fused_activation.argtypes = [ptr, i64, ctypes.c_int, ctypes.c_int]
     lib.crf_viterbi_nbest.restype = i64

@@ -117,6 +117,7 @@ class DistillJob(TaskJob):
         if next(self.teacher.parameters()).device != device:
             self.teacher.to(device)
         inputs = batch.to(device).model_inputs()
+        inputs.pop("first_token_only", None)  # the cosine loss reads every token's last hidden state
         with torch.no_grad():
             teacher_out = self.teacher(**inputs)
         student_out = model(**inputs)
