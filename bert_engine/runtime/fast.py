@@ -709,7 +709,7 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
     not apply and the torch modules must run: a projection at this many rows is not a TiledLinear (a RowSwitch
     past COLD_ROWS may run packed), an activation or norm the C code lacks, padding left in the rows,
     gradients wanted, BERT_ENGINE_FUSED_LAYERS off. The projections are the same kernel's, so the layer
-    differs from the modules only in the attention's, LayerNorms' and GELU's last bits (1e-6; tested).
+    differs from the modules only in the attention's, LayerNorms' and GELU's last bits (3e-6; tested).
     `first_only` (BertLayer's): only each sequence's first row, (B, 1, H), the same bits as the whole
     layer's first row; every sequence must start at its row's position 0."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
