@@ -5,6 +5,9 @@ ONNX Runtime's fused fp32 graph of the same checkpoint beside them.
     python -m benchmarks.fp32_kernels                                 # MiniLM, 1x12 ... 32x128
     python -m benchmarks.fp32_kernels --shapes 1x24,1x128 --rounds 20 --json out.json
 
+"tiled" and "auto" include the fused layer (bert_engine/runtime/fused_layer.c) wherever all four projections
+of a layer run the tiled kernel; run with BERT_ENGINE_FUSED_LAYERS=0 to time them unfused.
+
 Loads MiniLM (the offline backbone) once per BERT_ENGINE_KERNELS value, each as the Predictor prepares it
 (`prepare_for_inference`, fp32); "auto" reads or makes this machine's kernel timings (the choice is printed).
 Per shape: each contender's max |difference| from transformers' fp32 output, then `--rounds` rounds in

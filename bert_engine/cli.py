@@ -49,11 +49,12 @@ def _info(args: argparse.Namespace) -> dict:
     }
     if args.kernels:  # timed on this machine's first ask, then read from the cache
         from .runtime import native
-        from .runtime.fast import choose_kernels, int8_kernel, kernel_label
+        from .runtime.fast import choose_kernels, fused_label, int8_kernel, kernel_label
         from .runtime.precision import kernel_cache
 
-        info["kernels"] = {name: {**choice, "runs": kernel_label(choice)}
-                           for name, choice in choose_kernels(model.eval(), kernel_cache()).items()}
+        choice = choose_kernels(model.eval(), kernel_cache())
+        info["kernels"] = {name: {**c, "runs": kernel_label(c)} for name, c in choice.items()}
+        info["fused_layers"] = fused_label(choice) if native.unavailable() is None else "not used: no tiled kernel here"
         info["tiled_kernel"] = native.unavailable() or "available"  # why bert_engine's own kernel is not a candidate
         info["int8_kernel"] = int8_kernel()  # what --precision int8 runs its projections' matmuls with
     return info

@@ -185,3 +185,23 @@ def test_a_sequence_head_asked_for_cls_alone_answers_alike_and_trains(tiny_confi
         first, whole = model(ids, first_token_only=True), model(ids)
     assert first.encoder.last_hidden_state.shape == (2, 1, 32) and whole.encoder.last_hidden_state.shape == (2, 6, 32)
     torch.testing.assert_close(first.logits, whole.logits, atol=1e-6, rtol=1e-5)
+
+
+def test_the_provenance_and_info_say_where_layers_run_fused(monkeypatch, tmp_path):
+    """fused_label reads choose_kernels' answer: every input, short inputs only, or which projection keeps
+    it from running; the setting off says so. A tiled sentiment predictor's provenance carries it."""
+    from bert_engine.runtime.inference import Predictor
+    from bert_engine.tasks.registry import load_registry
+
+    tiled = {name: {"chose": "tiled"} for name in fast.PROJECTIONS}
+    assert fast.fused_label(tiled) == "every input: each layer in one C call"
+    short = {**tiled, "up": {"chose": "tiled", "past_rows": [256, "packed"]}}
+    assert fast.fused_label(short) == "inputs of up to 256 rows: each layer in one C call"
+    assert fast.fused_label({**tiled, "up": {"chose": "packed"}}) == "not used: up does not run the tiled kernel"
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "0")
+    assert fast.fused_label(tiled) == "off (BERT_ENGINE_FUSED_LAYERS=0)"
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "1")
+    monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setenv("BERT_ENGINE_KERNELS", "tiled")
+    predictor = Predictor.load(load_registry(entry_points=False).task("sentiment"), None, precision="fp32")
+    assert predictor.provenance()["fused_layers"] == "every input: each layer in one C call"

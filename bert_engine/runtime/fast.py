@@ -856,6 +856,21 @@ def kernel_label(choice: dict[str, Any]) -> str:
     return f"{choice['chose']} up to {rows} rows, then {long}"
 
 
+def fused_label(choice: dict[str, dict[str, Any]]) -> str:
+    """Where the fused layer (fused_layer.c) runs under `choice` (choose_kernels' answer), in words: it needs
+    all four projections on the tiled kernel at the input's number of rows."""
+    if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
+        return "off (BERT_ENGINE_FUSED_LAYERS=0)"
+    short = [name for name in PROJECTIONS if choice.get(name, {}).get("chose") != "tiled"]
+    long = [name for name in PROJECTIONS if (choice.get(name, {}).get("past_rows") or [0, choice.get(name, {})
+                                                                                        .get("chose")])[1] != "tiled"]
+    if not short and not long:
+        return "every input: each layer in one C call"
+    if not short:
+        return f"inputs of up to {COLD_ROWS} rows: each layer in one C call"
+    return f"not used: {', '.join(short)} {'does' if len(short) == 1 else 'do'} not run the tiled kernel"
+
+
 def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dict[str, Any]]:
     """For each projection of the encoder's layers (all layers share the shapes), with the timings: the
     kernel for inputs of up to COLD_ROWS rows ("chose") and, where another, for longer ones ("past_rows"),

@@ -390,6 +390,8 @@ class Predictor:
         kernels = getattr(self.model, "kernel_choice", None)
         if kernels:  # which matmul kernel each projection uses on this machine (runtime.fast.choose_kernels)
             info["kernels"] = {name: fast.kernel_label(choice) for name, choice in kernels.items()}
+            if next(self.model.parameters()).dtype == torch.float32 and not getattr(self.model, "int8_kernel", None):
+                info["fused_layers"] = fast.fused_label(kernels)  # where each layer runs as one C call
         int8 = getattr(self.model, "int8_kernel", None)
         if int8:  # whose int8 matmuls the quantised projections run (runtime.fast.int8_kernel)
             info["int8_kernel"] = int8
