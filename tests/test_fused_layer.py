@@ -205,3 +205,35 @@ def test_the_provenance_and_info_say_where_layers_run_fused(monkeypatch, tmp_pat
     monkeypatch.setenv("BERT_ENGINE_KERNELS", "tiled")
     predictor = Predictor.load(load_registry(entry_points=False).task("sentiment"), None, precision="fp32")
     assert predictor.provenance()["fused_layers"] == "every input: each layer in one C call"
+
+
+def test_short_inputs_keep_every_projection_tiled_where_fusing_costs_their_matmuls_little(monkeypatch):
+    """favour_fusion (AVX2 CPUs, where the tiled kernel is the incumbent): one projection whose short rows
+    timed 15 % faster packed joins the others on the tiled kernel when the layer's matmuls lose at most 10 %,
+    keeping its long-input kernel; past 10 %, or with the setting off or another incumbent, nothing changes."""
+    monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "tiled")
+
+    def choice(up_packed):
+        rows = {"24": {"packed": 1.0, "plain": 1.2, "tiled": 1.0}, "128": {"packed": 2.0, "plain": 2.4, "tiled": 2.0},
+                "2048": {"packed": 30, "plain": 31, "tiled": 33}}
+        up = {n: {**t, "packed": t["packed"] * up_packed} for n, t in rows.items()}
+        made = {name: {"rows": rows, "chose": "tiled", "past_rows": [256, "packed"]} for name in fast.PROJECTIONS}
+        made["up"] = {"rows": up, "chose": "packed"}
+        return made
+
+    near = choice(0.85)  # up: tiled 1/0.85 = 1.18x its packed; the layer: 4.0 against 3.85 (1.04x)
+    fast.favour_fusion(near)
+    assert fast.kernel_label(near["up"]) == "tiled up to 256 rows, then packed"
+    assert fast.fused_label(near) == "inputs of up to 256 rows: each layer in one C call"
+    far = choice(0.5)  # the layer: 4.0 against 3.5 (1.14x)
+    fast.favour_fusion(far)
+    assert far["up"]["chose"] == "packed" and fast.fused_label(far) == "not used: up does not run the tiled kernel"
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "0")
+    off = choice(0.85)
+    fast.favour_fusion(off)
+    assert off["up"]["chose"] == "packed"
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "1")
+    monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")
+    elsewhere = choice(0.85)
+    fast.favour_fusion(elsewhere)
+    assert elsewhere["up"]["chose"] == "packed"

@@ -856,6 +856,43 @@ def kernel_label(choice: dict[str, Any]) -> str:
     return f"{choice['chose']} up to {rows} rows, then {long}"
 
 
+FUSION_MARGIN = 1.10  # the matmul time short inputs may give up for their layers to run fused (favour_fusion)
+
+
+def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
+    """Short inputs' kernels, chosen projection by projection (choose_kernels), cannot see that a layer whose
+    four projections all run the tiled kernel runs in one C call: 25 % faster than the modules around the
+    same matmuls at 24 tokens, AVX2 EPYC (benchmarks/README.md, session 36). So where the tiled kernel is
+    short inputs' incumbent (AVX2-only CPUs), was timed for all four and kept for some, and all four on it
+    would cost the layer's matmuls at most FUSION_MARGIN over the choices (summed over the projections,
+    each number of rows alike), all four take it for short inputs: one noisy timing at first load no longer
+    turns fusion off for good. Elsewhere (where the fused layer's gain was not measured) nothing changes."""
+    if short_rows_incumbent() != "tiled" or not settings.get("BERT_ENGINE_FUSED_LAYERS"):
+        return
+    if any(name not in choice or "rows" not in choice[name] for name in PROJECTIONS):
+        return
+    chosen = [choice[name]["chose"] for name in PROJECTIONS]
+    if "tiled" not in chosen or all(kernel == "tiled" for kernel in chosen):
+        return
+    rows = [{n: t for n, t in choice[name]["rows"].items() if int(n) <= COLD_ROWS} for name in PROJECTIONS]
+    counts = set.intersection(*(set(r) for r in rows))
+    if not counts or not all("tiled" in r[n] for r in rows for n in counts):
+        return
+
+    def layer(kernels: list[str]) -> float:
+        return math.prod(sum(r[n][k] for r, k in zip(rows, kernels)) for n in counts) ** (1 / len(counts))
+
+    if layer(["tiled"] * len(PROJECTIONS)) > FUSION_MARGIN * layer(chosen):
+        return
+    for name in PROJECTIONS:
+        entry = choice[name]
+        if entry["chose"] != "tiled":
+            long = entry.pop("past_rows", [COLD_ROWS, entry["chose"]])[1]
+            entry["chose"] = "tiled"
+            if long != "tiled":
+                entry["past_rows"] = [COLD_ROWS, long]
+
+
 def fused_label(choice: dict[str, dict[str, Any]]) -> str:
     """Where the fused layer (fused_layer.c) runs under `choice` (choose_kernels' answer), in words: it needs
     all four projections on the tiled kernel at the input's number of rows."""
@@ -916,6 +953,7 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
                             short_rows_incumbent())
         long = pick_kernel({"rows": {n: t for n, t in found["rows"].items() if int(n) > COLD_ROWS}}) or short
         choice[name] = {**found, "chose": short, **({"past_rows": [COLD_ROWS, long]} if long != short else {})}
+    favour_fusion(choice)
     if changed and cache is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
