@@ -52,7 +52,8 @@ SETTINGS = {s.name: s for s in (
             "where it is at least 10 % faster), packed, plain, tiled"),
     Setting("BERT_ENGINE_FUSED_LAYERS", "bool", True, "use", "run an encoder layer whose four projections use "
             "bert_engine's tiled kernel as one C call (fused_layer.c: attention, residual adds, LayerNorms and the "
-            "activation around the matmuls), for inference on unpadded or right-padded rows; off: the torch modules"),
+            "activation around the matmuls), for inference on rows whose real tokens lie together (no padding, or "
+            "padding at either end); off: the torch modules"),
     Setting("BERT_ENGINE_INT8_KERNEL", "str", "auto", "start", "int8 models' matmuls: auto (FBGEMM where the CPU "
             "has no VNNI, oneDNN where it has), onednn, fbgemm"),
     Setting("BERT_ENGINE_KERNEL_CACHE", "str", "", "start", "the file those timings are kept in (default "
