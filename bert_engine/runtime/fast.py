@@ -578,8 +578,12 @@ class RowSwitch(nn.Module):
         super().__init__()
         self.short, self.long, self.rows, self.in_features = short, long, rows, in_features
 
+    def kernel_at(self, rows: int) -> nn.Module:
+        """The kernel an input of `rows` rows runs through."""
+        return self.short if rows <= self.rows else self.long
+
     def forward(self, x: Tensor) -> Tensor:
-        return (self.short if x.numel() <= self.rows * self.in_features else self.long)(x)
+        return self.kernel_at(x.numel() // self.in_features)(x)
 
     def extra_repr(self) -> str:
         return f"up to {self.rows} rows: short, past them: long"
@@ -646,7 +650,7 @@ FUSED_ACTIVATIONS = {F.gelu: 0, gelu_tanh: 1, F.relu: 2}  # fused_layer.c's code
 def _tiled_at(module: nn.Module, rows: int) -> TiledLinear | None:
     """The TiledLinear `module` runs `rows` rows through, if it is one (or a RowSwitch choosing one)."""
     if isinstance(module, RowSwitch):
-        module = module.short if rows <= module.rows else module.long
+        module = module.kernel_at(rows)
     return module if isinstance(module, TiledLinear) else None
 
 
@@ -848,12 +852,15 @@ def short_rows_incumbent() -> str:
     return "tiled" if cpu_isa() == "AVX2" else "packed"
 
 
+def short_and_long(choice: dict[str, Any]) -> tuple[str | None, str | None]:
+    """A projection's choice (choose_kernels') as its kernels for short inputs and for long ones."""
+    return choice.get("chose"), choice["past_rows"][1] if "past_rows" in choice else choice.get("chose")
+
+
 def kernel_label(choice: dict[str, Any]) -> str:
     """How a projection's choice reads in the provenance: "tiled", or "tiled up to 256 rows, then packed"."""
-    if "past_rows" not in choice:
-        return choice["chose"]
-    rows, long = choice["past_rows"]
-    return f"{choice['chose']} up to {rows} rows, then {long}"
+    short, long = short_and_long(choice)
+    return short if long == short else f"{short} up to {choice['past_rows'][0]} rows, then {long}"
 
 
 FUSION_MARGIN = 1.10  # the matmul time short inputs may give up for their layers to run fused (favour_fusion)
@@ -886,11 +893,11 @@ def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
         return
     for name in PROJECTIONS:
         entry = choice[name]
-        if entry["chose"] != "tiled":
-            long = entry.pop("past_rows", [COLD_ROWS, entry["chose"]])[1]
-            entry["chose"] = "tiled"
-            if long != "tiled":
-                entry["past_rows"] = [COLD_ROWS, long]
+        long = short_and_long(entry)[1]
+        entry.pop("past_rows", None)
+        entry["chose"] = "tiled"
+        if long != "tiled":
+            entry["past_rows"] = [COLD_ROWS, long]
 
 
 def fused_label(choice: dict[str, dict[str, Any]]) -> str:
@@ -898,9 +905,9 @@ def fused_label(choice: dict[str, dict[str, Any]]) -> str:
     all four projections on the tiled kernel at the input's number of rows."""
     if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
         return "off (BERT_ENGINE_FUSED_LAYERS=0)"
-    short = [name for name in PROJECTIONS if choice.get(name, {}).get("chose") != "tiled"]
-    long = [name for name in PROJECTIONS if (choice.get(name, {}).get("past_rows") or [0, choice.get(name, {})
-                                                                                        .get("chose")])[1] != "tiled"]
+    kernels = {name: short_and_long(choice.get(name, {})) for name in PROJECTIONS}
+    short = [name for name, (kernel, _) in kernels.items() if kernel != "tiled"]
+    long = [name for name, (_, kernel) in kernels.items() if kernel != "tiled"]
     if not short and not long:
         return "every input: each layer in one C call"
     if not short:
