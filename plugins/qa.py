@@ -49,8 +49,7 @@ def preprocess(inputs, tokenizer, *, top_k, max_seq_len, doc_stride, max_questio
     check_options({"top_k": top_k, "max_question_len": max_question_len, "max_answer_len": max_answer_len,
                    "null_threshold": null_threshold, "no_answer": no_answer, "answerability": answerability})
     # Cut the question to max_question_len word pieces, at a character boundary of the original.
-    question_batch = tokenizer(question, truncation=None)
-    pieces = [o for o, s in zip(question_batch.offsets[0], question_batch.sequence_ids[0]) if s == 0]
+    pieces = tokenizer.pieces([question])[0].offsets  # its word pieces' character spans (no special tokens)
     question_cut = len(pieces) > max_question_len
     if question_cut:
         question = question[:pieces[max_question_len - 1][1]]
@@ -144,7 +143,7 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
     context = batch.meta["context"]
     starts, ends = output.start_logits.float().cpu(), output.end_logits.float().cpu()  # (W, T)
     W, T = starts.shape
-    home = max_context_windows(batch)
+    home = max_context_windows(batch) if W > 1 else None  # one window: every context token's home
     # (start, end) pairs that may be an answer: in the context, start <= end < start + A; a band (T x A), not T x T
     A = min(max_answer_len, T)
     spans: dict[tuple[int, int], float] = {}
@@ -154,8 +153,9 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
         null_score = null if null_score is None else min(null_score, null)  # SQuAD 2.0: the minimum over windows
         in_context = torch.tensor([s == 1 for s in sequence_ids] + [False] * (T - len(sequence_ids)))
         # A start token counts only in the window where it has most context.
-        is_home = torch.tensor([s == 1 and home.get(tuple(batch.offsets[row][t])) == row
-                                for t, s in enumerate(sequence_ids)] + [False] * (T - len(sequence_ids)))
+        is_home = in_context if home is None else torch.tensor(
+            [s == 1 and home.get(tuple(batch.offsets[row][t])) == row for t, s in enumerate(sequence_ids)]
+            + [False] * (T - len(sequence_ids)))
         band_context = torch.cat([in_context, torch.zeros(A - 1, dtype=torch.bool)]).unfold(0, A, 1)  # (T, A)
         band_ends = torch.cat([ends[row], torch.full((A - 1,), float("-inf"))]).unfold(0, A, 1)  # (T, A): its ends
         allowed = is_home[:, None] & band_context
@@ -223,7 +223,7 @@ def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: 
     batches = []
     for i, item in enumerate(items):
         try:
-            predictor.check_inputs(item, {})
+            predictor.check_fields(item)  # the options, checked once above
             batches.append(preprocess(item, predictor.tokenizer, **options))
         except InputError as err:
             raise InputError.at("qa", i, str(err).removeprefix("qa: ")) from None

@@ -285,6 +285,12 @@ class Predictor:
 
     def check_inputs(self, inputs: Any, options: Mapping[str, Any]) -> dict[str, Any]:
         """Raise InputError naming the problem; return the options merged with the task's defaults."""
+        self.check_fields(inputs)
+        return self.check_options(options)
+
+    def check_fields(self, inputs: Any) -> None:
+        """Raise InputError on inputs that are not a mapping of the task's fields to text within the limits
+        (`check_inputs` without the options: for callers that checked those once for many inputs)."""
         spec = self.task.spec
         if not isinstance(inputs, Mapping):
             raise InputError(f"{spec.name}: inputs must be a mapping with {spec.input_fields}, got {type(inputs).__name__}")
@@ -301,7 +307,6 @@ class Predictor:
                 raise InputError(f"{spec.name}: input {field!r} has {len(value):,} characters; "
                                  f"the limit is {MAX_INPUT_CHARS:,}")
             check_unicode(spec.name, field, value)
-        return self.check_options(options)
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """Raise InputError on an option the task does not declare, or on a value the task's check_options
@@ -535,7 +540,7 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
         raise err
     if not checked:
         for item in items:
-            predictor.check_inputs(item, {})
+            predictor.check_fields(item)
         options = predictor.check_options(options)
     results: list[Any] = [None] * len(items)
     # One input needs no lengths: skip tokenising it twice.
