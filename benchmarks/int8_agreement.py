@@ -1,8 +1,9 @@
-"""How many predictions an int8 model keeps identical to fp32, for each int8 kernel this torch has
-(oneDNN's and FBGEMM's: bert_engine.runtime.fast.int8_kernel), on the starter models.
+"""How many predictions an int8 model keeps identical to fp32, for each int8 kernel that runs here
+(oneDNN's, FBGEMM's and bert_engine's own AVX2 one: bert_engine.runtime.fast.int8_kernel), on the starter models.
 
     python -m benchmarks.int8_agreement                               # sentiment, ner, qa; first 1,000 items
     python -m benchmarks.int8_agreement --tasks qa --limit 300 --json out.json
+    python -m benchmarks.int8_agreement --kernels tiled,fbgemm
 
 The workloads are benchmarks.int8_sensitivity's: sentiment labels on SST-2 dev (872 items), NER entity
 sets (CRF decoding) on CoNLL eng.testb sentences, QA answers on SQuAD dev-v1.1 questions, each the
@@ -23,21 +24,26 @@ from benchmarks.workloads import DATA
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from bert_engine.runtime.fast import fbgemm_int8_available, int8_kernel, onednn_int8_available
+    from bert_engine.runtime.fast import fbgemm_int8_available, int8_kernel, onednn_int8_available, tiled_int8_available
     from bert_engine.runtime.inference import Predictor
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default="sentiment,ner,qa")
     parser.add_argument("--limit", type=int, default=1000, help="items per task (the first N)")
     parser.add_argument("--data", default=str(DATA))
+    parser.add_argument("--kernels", default="onednn,fbgemm,tiled", help="int8 kernels to compare, of those that run here")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    kernels = [k for k, ok in (("onednn", onednn_int8_available()), ("fbgemm", fbgemm_int8_available())) if ok]
+    runs = {"onednn": onednn_int8_available, "fbgemm": fbgemm_int8_available, "tiled": tiled_int8_available}
+    asked = args.kernels.split(",")
+    if sorted(set(asked) - set(runs)):
+        raise SystemExit(f"--kernels: {sorted(set(asked) - set(runs))} unknown; choose from {', '.join(runs)}")
+    kernels = [k for k in asked if runs[k]()]
     unknown = sorted(set(args.tasks.split(",")) - set(TARGETS))
     if unknown or not kernels:
         raise SystemExit(f"--tasks: {unknown} unknown; choose from {', '.join(TARGETS)}" if unknown
-                         else "this torch build has neither oneDNN's nor FBGEMM's int8 matmul")
+                         else f"none of the int8 kernels {', '.join(asked)} runs here")
     rows = []
     for name in args.tasks.split(","):
         task, predict = _workload(name, Path(args.data), args.limit)

@@ -1,4 +1,5 @@
-"""Whose int8 matmuls an int8 model runs: oneDNN's and FBGEMM's (bert_engine.runtime.fast.int8_kernel),
+"""Whose int8 matmuls an int8 model runs: oneDNN's, FBGEMM's and bert_engine's own AVX2 one with its whole
+layer in one C call ("tiled"; bert_engine.runtime.fast.int8_kernel),
 timed in turn beside the engine's fp32 and ONNX Runtime's fp32 and int8 graphs.
 
     python -m benchmarks.int8_kernels                                 # MiniLM, 1x1 ... 32x128
@@ -35,7 +36,7 @@ def load_int8(folder: Path, kernel: str):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from bert_engine.runtime.fast import fbgemm_int8_available, int8_kernel, onednn_int8_available
+    from bert_engine.runtime.fast import fbgemm_int8_available, int8_kernel, onednn_int8_available, tiled_int8_available
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=SHAPES, help="BxT,... (batch x tokens)")
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-onnx", action="store_true", help="leave ONNX Runtime out")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    kernels = [k for k, ok in (("onednn", onednn_int8_available()), ("fbgemm", fbgemm_int8_available())) if ok]
+    kernels = [k for k, ok in (("onednn", onednn_int8_available()), ("fbgemm", fbgemm_int8_available()),
+                               ("tiled", tiled_int8_available())) if ok]
     if not kernels:
         raise SystemExit("this torch build has neither oneDNN's nor FBGEMM's int8 matmul")
     with tempfile.TemporaryDirectory() as tmp:

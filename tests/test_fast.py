@@ -19,6 +19,7 @@ from bert_engine.runtime.fast import (
     onednn_int8_available,
     pack_linear_layers,
     quantize_int8,
+    tiled_int8_available,
 )
 from bert_engine.runtime.precision import prepare_for_inference
 
@@ -68,7 +69,9 @@ def test_packing_twice_is_a_no_op_and_other_devices_or_dtypes_are_left_alone():
 needs_onednn_int8 = pytest.mark.skipif(not onednn_int8_available(), reason="this torch build has no oneDNN int8")
 INT8_KERNELS = [pytest.param("onednn", marks=needs_onednn_int8),
                 pytest.param("fbgemm", marks=pytest.mark.skipif(not fbgemm_int8_available(),
-                                                                reason="this torch build has no FBGEMM int8"))]
+                                                                reason="this torch build has no FBGEMM int8")),
+                pytest.param("tiled", marks=pytest.mark.skipif(not tiled_int8_available(),
+                                                               reason="bert_engine's AVX2 kernels cannot run here"))]
 
 
 @pytest.fixture
@@ -142,8 +145,13 @@ def test_int8_linear_gives_a_row_the_same_output_alone_or_in_any_batch(kernel, o
 def test_int8_kernel_follows_the_cpu_and_the_setting(monkeypatch):
     from bert_engine.runtime.fast import int8_kernel
 
-    monkeypatch.setenv("BERT_ENGINE_CPU_CAPABILITY", "avx2")  # no VNNI: FBGEMM first (benchmarks/README.md)
-    assert int8_kernel() == ("fbgemm" if fbgemm_int8_available() else "onednn" if onednn_int8_available() else None)
+    monkeypatch.setenv("BERT_ENGINE_CPU_CAPABILITY", "avx2")  # AVX2 without VNNI: the tiled kernel, else FBGEMM
+    assert int8_kernel() == ("tiled" if tiled_int8_available() else "fbgemm" if fbgemm_int8_available()
+                             else "onednn" if onednn_int8_available() else None)
+    monkeypatch.setenv("BERT_ENGINE_CPU_CAPABILITY", "default")  # no VNNI, not AVX2 either: FBGEMM first
+    assert int8_kernel() == ("fbgemm" if fbgemm_int8_available() else "onednn" if onednn_int8_available() else
+                             "tiled" if tiled_int8_available() else None)
+    monkeypatch.setenv("BERT_ENGINE_CPU_CAPABILITY", "avx2")
     for kernel, available in (("onednn", onednn_int8_available()), ("fbgemm", fbgemm_int8_available())):
         monkeypatch.setenv("BERT_ENGINE_INT8_KERNEL", kernel)
         if available:
@@ -152,7 +160,7 @@ def test_int8_kernel_follows_the_cpu_and_the_setting(monkeypatch):
             with pytest.raises(ValueError, match=f"has no {kernel} int8"):
                 int8_kernel()
     monkeypatch.setenv("BERT_ENGINE_INT8_KERNEL", "mkl")
-    with pytest.raises(ValueError, match="BERT_ENGINE_INT8_KERNEL='mkl': choose auto, onednn, fbgemm"):
+    with pytest.raises(ValueError, match="BERT_ENGINE_INT8_KERNEL='mkl': choose auto, onednn, fbgemm, tiled"):
         int8_kernel()
     with pytest.raises(ValueError, match="kernel 'mkl'"):
         Int8Linear(nn.Linear(8, 8), kernel="mkl")

@@ -54,12 +54,20 @@ def fbgemm_int8_available() -> bool:
             and hasattr(torch.ops.quantized, "linear_dynamic") and hasattr(torch.ops.quantized, "linear_prepack"))
 
 
-INT8_KERNELS = ("onednn", "fbgemm")
+INT8_KERNELS = ("onednn", "fbgemm", "tiled")
+
+
+def tiled_int8_available() -> bool:
+    """bert_engine's own AVX2 int8 matmul (int8_matmul.c) builds and runs here (native.py)."""
+    return native.library() is not None
 
 
 def int8_kernel() -> str | None:
-    """Which int8 matmul Int8Linear runs (BERT_ENGINE_INT8_KERNEL): "onednn", "fbgemm", or None where this
-    torch has neither. auto: FBGEMM where the CPU has no VNNI, oneDNN where it has. Measured on a real
+    """Which int8 matmul Int8Linear runs (BERT_ENGINE_INT8_KERNEL): "onednn", "fbgemm", "tiled" (bert_engine's
+    own, int8_matmul.c), or None where none runs. auto: on an AVX2 CPU without VNNI or AVX-512, the tiled
+    kernel where it builds (it runs the FBGEMM path's scheme, and a whole layer in one C call, fused_layer:
+    `python -m benchmarks.encoder --precisions int8` on the real AVX2 EPYC, benchmarks/README.md); else FBGEMM
+    where the CPU has no VNNI, oneDNN where it has. Measured on a real
     AVX2-only EPYC (benchmarks/README.md, "Real AVX2, end to end and short rows"): oneDNN's u8 x s8 matmul
     there is its generic jit gemm, which re-packs the whole weight on every call; with FBGEMM's pre-packed
     AVX2 kernels MiniLM's int8 forward ran 1.11-1.56x faster at 1-128 tokens and 0.87x on a 32x128 batch
@@ -69,13 +77,28 @@ def int8_kernel() -> str | None:
     choice = settings.get("BERT_ENGINE_INT8_KERNEL").strip().lower()
     if choice not in ("auto", *INT8_KERNELS):
         raise ValueError(f"BERT_ENGINE_INT8_KERNEL={choice!r}: choose auto, {', '.join(INT8_KERNELS)}")
-    available = {"onednn": onednn_int8_available(), "fbgemm": fbgemm_int8_available()}
+    available = {"onednn": onednn_int8_available, "fbgemm": fbgemm_int8_available, "tiled": tiled_int8_available}
     if choice != "auto":
-        if not available[choice]:
-            raise ValueError(f"BERT_ENGINE_INT8_KERNEL={choice}: this torch build has no {choice} int8 matmul")
+        if not available[choice]():
+            where = (f"bert_engine's AVX2 kernel cannot run here: {native.unavailable()}" if choice == "tiled"
+                     else f"this torch build has no {choice} int8 matmul")
+            raise ValueError(f"BERT_ENGINE_INT8_KERNEL={choice}: {where}")
         return choice
-    preferred = ("onednn", "fbgemm") if int8_weight_limit() == 127 else ("fbgemm", "onednn")
-    return next((kernel for kernel in preferred if available[kernel]), None)
+    if int8_weight_limit() == 127:
+        preferred: tuple[str, ...] = ("onednn", "fbgemm", "tiled")
+    elif _avx2_only():
+        preferred = ("tiled", "fbgemm", "onednn")
+    else:
+        preferred = ("fbgemm", "onednn", "tiled")
+    return next((kernel for kernel in preferred if available[kernel]()), None)
+
+
+def _avx2_only() -> bool:
+    """The CPU runs AVX2 and not AVX-512 (torch's own reading, or BERT_ENGINE_CPU_CAPABILITY's)."""
+    capability = (settings.get("BERT_ENGINE_CPU_CAPABILITY") or "").strip().lower()
+    if capability in ("avx2", "default"):
+        return capability == "avx2"
+    return torch.backends.cpu.get_cpu_capability().upper() == "AVX2"
 
 
 _BELOW_VNNI = {"SSE41", "AVX", "AVX2", "AVX512_CORE"}  # ONEDNN_MAX_CPU_ISA values without u8 x s8 dot products
@@ -143,27 +166,39 @@ class Int8Linear(nn.Module):
                 raise ValueError(f"input_rotation of size {block} does not divide in_features {self.in_features}")
             weight = (weight.view(self.out_features, -1, block) @ input_rotation).view_as(weight)
         # FBGEMM keeps 8-bit weights everywhere and, without VNNI, halves the activations' range instead
-        # (reduce_range: 7-bit activation codes), which keeps AVX2's int16 pair sums from saturating as well
+        # (reduce_range: 7-bit activation codes), which keeps AVX2's int16 pair sums from saturating as well;
+        # the tiled kernel always does (int8_matmul.c)
         self.reduce_range = kernel == "fbgemm" and int8_weight_limit() < 127
-        self.levels = 127 if kernel == "fbgemm" else int8_weight_limit()
+        self.levels = 127 if kernel in ("fbgemm", "tiled") else int8_weight_limit()
         quantised, scale = quantize_weight(weight, self.levels)
         # An input far from symmetric about 0 (a GELU's output: >= -0.17, up to several units) would use
         # about half the 255 codes with steps symmetric about 0; each row's own [min, max] in 255 steps
         # uses them all. The offset's share of the output, midpoint x (row sums of W), is added back.
         self.one_sided_input = one_sided_input
         self.register_buffer("weight_row_sum", (quantised.float() * scale[:, None]).sum(dim=1)
-                             if one_sided_input or kernel == "fbgemm" else None, persistent=False)
-        if kernel == "fbgemm":
+                             if one_sided_input or kernel != "onednn" else None, persistent=False)
+        # the tiled kernel rotates blocks of 16 itself, on the way to its codes; other blocks, and smoothing, here
+        self.rotates_inside = (kernel == "tiled" and input_divisor is None and input_rotation is not None
+                               and input_rotation.shape[0] == 16)
+        self._fbgemm = None
+        self.register_buffer("packed", None, persistent=False)
+        if kernel == "tiled":
+            lib = native.library()
+            if lib is None:
+                raise RuntimeError(f"the AVX2 int8 kernel cannot run here: {native.unavailable()}")
+            panels = torch.empty(-(-self.out_features // 16) * -(-self.in_features // 4) * 64, dtype=torch.int8)
+            codes = quantised.contiguous()
+            lib.int8_pack(codes.data_ptr(), self.out_features, self.in_features, panels.data_ptr())
+            self.register_buffer("packed", panels, persistent=False)
+        elif kernel == "fbgemm":
             with warnings.catch_warnings():  # torch marks its quantised tensors deprecated; FBGEMM's prepack takes one
                 warnings.simplefilter("ignore", (UserWarning, DeprecationWarning, FutureWarning))
                 codes = torch._make_per_channel_quantized_tensor(quantised, scale.double(), torch.zeros(
                     self.out_features, dtype=torch.long), 0)
                 self._fbgemm = torch.ops.quantized.linear_prepack(codes, None)  # bias added after the row scales
-            self.register_buffer("packed", None, persistent=False)
         else:
-            self._fbgemm = None
             self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(quantised, None), persistent=False)
-        self.register_buffer("weight_scale", scale, persistent=False)
+        self.register_buffer("weight_scale", scale.float().contiguous(), persistent=False)
         self.register_buffer("weight_zero_point", torch.zeros(self.out_features, dtype=torch.long), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.post_op, self.algorithm = ("gelu", self._GELU[activation]) if activation is not None else ("none", "")
@@ -174,6 +209,8 @@ class Int8Linear(nn.Module):
         x = x.reshape(-1, self.in_features).float()
         if self._fbgemm is not None:
             return self._fbgemm_forward(x).reshape(*shape[:-1], self.out_features)
+        if self.kernel == "tiled":
+            return self._tiled_forward(x).reshape(*shape[:-1], self.out_features)
         if self.fused_quantiser is not None and x.shape[0] >= FUSED_MIN_ROWS:  # compiled: one pass to uint8 codes
             qx, row_scale, mid = self.fused_quantiser(x, self.input_multiplier, self.input_rotation)
             input_scale = 1.0 if self.one_sided_input else 1.0 / 127
@@ -213,6 +250,30 @@ class Int8Linear(nn.Module):
             out = torch.ops.aten.gelu_(out, approximate=self.algorithm)
         return out
 
+    def _tiled_forward(self, x: Tensor) -> Tensor:
+        """int8_matmul.c: the FBGEMM path's scheme (each row's [min, max] onto 7-bit codes, 8-bit weights)
+        in one call, rotation included where it is in blocks of 16."""
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("the tiled int8 kernel is for inference: it has no backward")
+        if not self.rotates_inside:
+            x = _prepared_rows(x, self.input_multiplier, self.input_rotation)
+        x = x.contiguous()
+        rows = x.shape[0]
+        out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        if rows:
+            codes = torch.empty(rows * -(-self.in_features // 4) * 4, dtype=torch.uint8)
+            row_steps = torch.empty(2 * rows, dtype=torch.float32)
+            status = native.library().int8_matmul(
+                x.data_ptr(), rows, self.in_features, int(self.rotates_inside), self.packed.data_ptr(),
+                -(-self.out_features // 16), self.weight_scale.data_ptr(), self.weight_row_sum.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.out_features,
+                codes.data_ptr(), row_steps.data_ptr(), torch.get_num_threads())
+            if status != 0:
+                raise RuntimeError(f"int8_matmul.c refused {self.in_features} input features")
+        if self.post_op == "gelu":
+            out = torch.ops.aten.gelu_(out, approximate=self.algorithm)
+        return out
+
     @staticmethod
     def _codes(x: Tensor) -> tuple[Tensor, float, Tensor, None]:
         """Each row to int8 codes in [-127, 127] by its own largest |value| s (made by hand: torch's
@@ -234,12 +295,14 @@ class Int8Linear(nn.Module):
         return codes, 1.0, step, mid
 
     def extra_repr(self) -> str:
-        inputs = "per-token [min, max] input steps" if self.one_sided_input else "per-token input scales"
+        inputs = ("per-token [min, max] input steps" if self.one_sided_input or self.kernel != "onednn"
+                  else "per-token input scales")
         smoothed = ", smoothed" if self.input_multiplier is not None else ""
         rotated = "" if self.input_rotation is None else f", inputs rotated in blocks of {self.input_rotation.shape[0]}"
         fused = "" if self.fused_quantiser is None else ", fused quantiser"
         kernel = "FBGEMM, 7-bit activation codes" if self.reduce_range else (
-            "FBGEMM" if self.kernel == "fbgemm" else "oneDNN")
+            "FBGEMM" if self.kernel == "fbgemm" else "bert_engine's AVX2 kernel, 7-bit activation codes"
+            if self.kernel == "tiled" else "oneDNN")
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 {kernel} "
                 f"(weights +-{self.levels}), "
                 f"activation={self.post_op}, {inputs}{smoothed}{rotated}{fused}")
@@ -466,6 +529,8 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
             setattr(owner, attr, replacement)
         if isinstance(layer.ffn.up, Int8Linear) or isinstance(layer.ffn.down, Int8Linear):
             layer.ffn.chunk_rows = FFN_CHUNK_ROWS
+        if all(_fusable_int8(getattr(getattr(layer, name.split(".")[0]), name.split(".")[1])) for name in LINEAR_NAMES):
+            layer.fused = fused_layer  # the whole layer in one C call (fused_layer.c), the int8 matmuls in it
     model.int8_kernel = kernel
     logger.info("quantised %d of %d encoder projections to int8 (%s; smoothing %s), kept %s in fp32", quantised,
                 len(encoder.layers) * len(LINEAR_NAMES), kernel, smoothing, sorted(keep) or "none")
@@ -647,11 +712,33 @@ def use_kernels(model: nn.Module, choice: dict[str, tuple[str, str]]) -> nn.Modu
 FUSED_ACTIVATIONS = {F.gelu: 0, gelu_tanh: 1, F.relu: 2}  # fused_layer.c's codes
 
 
-def _tiled_at(module: nn.Module, rows: int) -> TiledLinear | None:
-    """The TiledLinear `module` runs `rows` rows through, if it is one (or a RowSwitch choosing one)."""
+def _fusable_int8(module: nn.Module) -> bool:
+    """An Int8Linear fused_layer.c can run: the tiled kernel's, its input rotated there or not at all."""
+    return (isinstance(module, Int8Linear) and module.kernel == "tiled" and module.input_multiplier is None
+            and (module.input_rotation is None or module.rotates_inside))
+
+
+def _tiled_at(module: nn.Module, rows: int) -> TiledLinear | Int8Linear | None:
+    """The TiledLinear `module` runs `rows` rows through, if it is one (or a RowSwitch choosing one), or the
+    module itself where it is an Int8Linear fused_layer.c can run."""
     if isinstance(module, RowSwitch):
         module = module.kernel_at(rows)
-    return module if isinstance(module, TiledLinear) else None
+    return module if isinstance(module, TiledLinear) or _fusable_int8(module) else None
+
+
+def _activation_of(module: TiledLinear | Int8Linear):
+    """The activation a projection applies to its own output (None: none)."""
+    if isinstance(module, TiledLinear):
+        return module.activation
+    return {"none": F.gelu, "tanh": gelu_tanh}[module.algorithm] if module.post_op == "gelu" else None
+
+
+def _projection(module: TiledLinear | Int8Linear) -> native.Projection:
+    """fused_layer.c's record of one projection (its tensors stay alive: the module holds them)."""
+    if isinstance(module, TiledLinear):
+        return native.Projection(module.panels.data_ptr(), module.bias.data_ptr(), None, None, 0, 0)
+    return native.Projection(module.packed.data_ptr(), module.bias.data_ptr(), module.weight_scale.data_ptr(),
+                             module.weight_row_sum.data_ptr(), 1, int(module.rotates_inside))
 
 
 def _sequence_offsets(x: Tensor, mask: Tensor | None, unpadded: Any) -> Tensor | None:
@@ -726,7 +813,8 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
     qkv, out, up, down = (_tiled_at(m, rows) for m in (attention.qkv, attention.out, ffn.up, ffn.down))
     if qkv is None or out is None or up is None or down is None or rows == 0:
         return None
-    activation = up.activation if ffn.act is _identity else (ffn.act if up.activation is None else None)
+    own = _activation_of(up)
+    activation = own if ffn.act is _identity else (ffn.act if own is None else None)
     code = FUSED_ACTIVATIONS.get(activation)
     norms = (layer.attention_norm, layer.ffn_norm)
     if code is None or not all(type(n) is nn.LayerNorm and n.weight is not None and n.bias is not None
@@ -747,15 +835,16 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
         first = torch.empty(batch, 1, hidden, dtype=torch.float32)
     inner = up.out_features
     y = x.reshape(rows, hidden).clone(memory_format=torch.contiguous_format)
-    scratch = SCRATCH.take(rows * (5 * hidden + inner))
+    projections = (native.Projection * 4)(*(_projection(m) for m in (qkv, out, up, down)))
+    # fused_layer.c's working rows, and an int8 projection's codes (the widest input's bytes) and row steps
+    int8_room = -(-max(hidden, inner) // 4) + 3 if any(isinstance(m, Int8Linear) for m in (qkv, out, up, down)) else 0
+    scratch = SCRATCH.take(rows * (5 * hidden + inner + int8_room))
     try:
         status = native.library().fused_layer(
             y.data_ptr(), rows, offsets.data_ptr(), offsets.numel() - 1, hidden, attention.num_heads, inner,
-            qkv.panels.data_ptr(), qkv.bias.data_ptr(), out.panels.data_ptr(), out.bias.data_ptr(),
-            norms[0].weight.data_ptr(), norms[0].bias.data_ptr(), norms[0].eps, up.panels.data_ptr(),
-            up.bias.data_ptr(), code, down.panels.data_ptr(), down.bias.data_ptr(), norms[1].weight.data_ptr(),
-            norms[1].bias.data_ptr(), norms[1].eps, scratch.data_ptr(), torch.get_num_threads(),
-            None if first is None else first.data_ptr())
+            projections, norms[0].weight.data_ptr(), norms[0].bias.data_ptr(), norms[0].eps, code,
+            norms[1].weight.data_ptr(), norms[1].bias.data_ptr(), norms[1].eps, scratch.data_ptr(),
+            torch.get_num_threads(), None if first is None else first.data_ptr())
     finally:
         SCRATCH.give(scratch)
     if status != 0:
@@ -913,6 +1002,17 @@ def fused_label(choice: dict[str, dict[str, Any]]) -> str:
     if not short:
         return f"inputs of up to {COLD_ROWS} rows: each layer in one C call"
     return f"not used: {', '.join(short)} {'does' if len(short) == 1 else 'do'} not run the tiled kernel"
+
+
+def int8_fused_label(model: nn.Module) -> str:
+    """Where an int8 model's layers run as one C call (fused_layer.c with int8_matmul.c), in words."""
+    if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
+        return "off (BERT_ENGINE_FUSED_LAYERS=0)"
+    layers = encoder_of(model).layers
+    if len(layers) and all(getattr(layer, "fused", None) is fused_layer for layer in layers):
+        return "every input: each layer in one C call"
+    kernel = getattr(model, "int8_kernel", None)
+    return f"not used: the int8 matmuls are {kernel}'s" if kernel != "tiled" else "not used: a projection stays fp32"
 
 
 def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dict[str, Any]]:

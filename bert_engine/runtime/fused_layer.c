@@ -2,8 +2,8 @@
  *
  *     x = LayerNorm(x + out(attention(qkv(x))));  x = LayerNorm(x + down(act(up(x))))
  *
- * the post-LN layer of bert_engine/model.py (BertLayer), with every projection through tiled_matmul (built
- * into the same library) and the rest here: attention per sequence and head, the residual adds, the
+ * the post-LN layer of bert_engine/model.py (BertLayer), with every projection through tiled_matmul or, in an
+ * int8 model, int8_matmul (both built into the same library) and the rest here: attention per sequence and head, the residual adds, the
  * LayerNorms and the activation (exact erf GELU, tanh GELU or ReLU). At the few rows of one request the
  * layer's ~20 small torch operators, each dispatched from Python, cost about as much as its matmuls'
  * arithmetic; here they are a few loops over data already in cache.
@@ -27,8 +27,34 @@
 
 void tiled_matmul(const float *x, int64_t M, int64_t K, const float *panels, int64_t P, const float *bias,
                   float *y, int64_t N, int threads);
+int int8_matmul(const float *x, int64_t M, int64_t K, int rotate, const int8_t *panels, int64_t P,
+                const float *scale, const float *rowsum, const float *bias, float *y, int64_t N, uint8_t *codes,
+                float *rowq, int threads);
 
-int fused_layer_version(void) { return 2; }
+int fused_layer_version(void) { return 3; }
+
+/* One projection of the layer: fp32 panels (tiled_matmul.c) or, with `int8` set, int8 panels with their
+ * per-column scales and row sums (int8_matmul.c; `rotate`: its input rotated in Hadamard blocks of 16). */
+typedef struct {
+    const void *panels;
+    const float *bias;
+    const float *scale;
+    const float *rowsum;
+    int64_t int8;
+    int64_t rotate;
+} projection;
+
+/* y (M x N) = x (M x K) through projection p; codes and rowq: int8's scratch (M x K bytes rounded up, 2 M floats) */
+static int project(const projection *p, const float *x, int64_t M, int64_t K, float *y, int64_t N, uint8_t *codes,
+                   float *rowq, int threads) {
+    const int64_t P = (N + 15) / 16;
+    if (!p->int8) {
+        tiled_matmul(x, M, K, (const float *)p->panels, P, p->bias, y, N, threads);
+        return 0;
+    }
+    return int8_matmul(x, M, K, (int)p->rotate, (const int8_t *)p->panels, P, p->scale, p->rowsum, p->bias, y, N,
+                       codes, rowq, threads);
+}
 
 enum { ACT_GELU = 0, ACT_GELU_TANH = 1, ACT_RELU = 2 };
 
@@ -233,17 +259,16 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
     }
 }
 
-/* The layer over x (rows x H) in place; see the top of this file. qkv panels give 3H outputs ordered
- * [q | k | v], each H = heads x D wide; up gives I. scratch: rows x (5H + I) floats. With `first` (not NULL:
+/* The layer over x (rows x H) in place; see the top of this file. proj: the four projections qkv, out, up,
+ * down; qkv gives 3H outputs ordered [q | k | v], each H = heads x D wide; up gives I. scratch: rows x
+ * (5H + I) floats, and where a projection is int8, rows x (I / 4 + 3) more. With `first` (not NULL:
  * seqs x H), only each sequence's first row goes on past the attention (what a classifier over [CLS] reads):
  * its keys and values are every row's, and its output, the same bits as the whole layer's first row, is
  * written to `first`, x left as it came. Returns 0, -1 where the shapes are not ones this code handles (the
  * caller then runs the torch modules), -2 where memory runs out. */
 int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, int64_t H, int64_t heads, int64_t I,
-                const float *qkv_panels, const float *qkv_bias, const float *out_panels, const float *out_bias,
-                const float *ln1_w, const float *ln1_b, float eps1, const float *up_panels, const float *up_bias,
-                int act, const float *down_panels, const float *down_bias, const float *ln2_w, const float *ln2_b,
-                float eps2, float *scratch, int threads, float *first) {
+                const projection *proj, const float *ln1_w, const float *ln1_b, float eps1, int act,
+                const float *ln2_w, const float *ln2_b, float eps2, float *scratch, int threads, float *first) {
     const int64_t D = heads > 0 ? H / heads : 0;
     if (rows <= 0 || seqs <= 0 || H % 8 || I % 8 || D * heads != H || D % 8 || D > 256 || act < 0 || act > 2)
         return -1;
@@ -254,7 +279,9 @@ int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, in
         if (L > longest) longest = L;
     }
     float *qkv = scratch, *context = qkv + rows * 3 * H, *inner = context + rows * H, *projected = inner + rows * I;
-    tiled_matmul(x, rows, H, qkv_panels, (3 * H + 15) / 16, qkv_bias, qkv, 3 * H, threads);
+    float *rowq = projected + rows * H;
+    uint8_t *codes = (uint8_t *)(rowq + 2 * rows); /* rows x (I rounded up to 4) bytes: the widest input */
+    if (project(&proj[0], x, rows, H, qkv, 3 * H, codes, rowq, threads)) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && seqs * heads > 1)
     {
@@ -281,11 +308,11 @@ int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, in
         for (int64_t s = 0; s < seqs; ++s) memcpy(first + s * H, x + offsets[s] * H, sizeof(float) * (size_t)H);
         out = first, n = seqs;
     }
-    tiled_matmul(context, n, H, out_panels, (H + 15) / 16, out_bias, projected, H, threads);
+    if (project(&proj[1], context, n, H, projected, H, codes, rowq, threads)) return -1;
     add_norm(out, projected, n, H, ln1_w, ln1_b, eps1, threads);
-    tiled_matmul(out, n, H, up_panels, (I + 15) / 16, up_bias, inner, I, threads);
+    if (project(&proj[2], out, n, H, inner, I, codes, rowq, threads)) return -1;
     activate(inner, n * I, act, threads);
-    tiled_matmul(inner, n, I, down_panels, (H + 15) / 16, down_bias, projected, H, threads);
+    if (project(&proj[3], inner, n, I, projected, H, codes, rowq, threads)) return -1;
     add_norm(out, projected, n, H, ln2_w, ln2_b, eps2, threads);
     return 0;
 }

@@ -400,6 +400,7 @@ class Predictor:
         int8 = getattr(self.model, "int8_kernel", None)
         if int8:  # whose int8 matmuls the quantised projections run (runtime.fast.int8_kernel)
             info["int8_kernel"] = int8
+            info["fused_layers"] = fast.int8_fused_label(self.model)
         compiled = getattr(self.model, "compiled", False)
         if compiled:  # True: torch.compile'd encoder layers; int8 says which part (load(compile=True), a compiler found)
             info["compiled"] = compiled

@@ -1,5 +1,6 @@
 """bert_engine's own C kernels for AVX2 + FMA CPUs, built at first use: tiled_matmul.c (an fp32 matmul),
-fused_layer.c (a whole encoder layer around it, for inference: fast.fused_layer) and crf_decode.c (the CRF's
+int8_matmul.c (an int8 one for CPUs without VNNI: fast.Int8Linear's "tiled" kernel), fused_layer.c (a whole
+encoder layer around either, for inference: fast.fused_layer) and crf_decode.c (the CRF's
 n-best Viterbi and forward-backward for one row, which bert_engine/crf.py runs once the library has loaded).
 
 `library()` compiles the sources with the system's C compiler once per sources, compiler and flags (about a
@@ -33,7 +34,8 @@ from .. import crf, settings
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("tiled_matmul.c", "fused_layer.c", "crf_decode.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("tiled_matmul.c", "int8_matmul.c", "fused_layer.c", "crf_decode.c"))
 FLAGS = ("-O3", "-funroll-loops", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")  # unrolled: 2-9 % faster at 12-128 rows
 LIBS = ("-lm",)
 BUILD_TIMEOUT_S = 120
@@ -111,8 +113,13 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.tiled_matmul_version.restype = ctypes.c_int
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.fused_layer.restype = ctypes.c_int
-    lib.fused_layer.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr,
-                                ctypes.c_int, ptr, ptr, ptr, ptr, f32, ptr, ctypes.c_int, ptr]
+    lib.fused_layer.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32, ctypes.c_int, ptr, ptr, f32,
+                                ptr, ctypes.c_int, ptr]
+    lib.int8_pack.restype = None
+    lib.int8_pack.argtypes = [ptr, i64, i64, ptr]
+    lib.int8_matmul.restype = ctypes.c_int
+    lib.int8_matmul.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.int8_matmul_version.restype = ctypes.c_int
     lib.fused_activation.restype = None
     lib.fused_activation.argtypes = [ptr, i64, ctypes.c_int, ctypes.c_int]
     lib.crf_viterbi_nbest.restype = i64
@@ -120,6 +127,13 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.crf_forward_backward.restype = ctypes.c_int
     lib.crf_forward_backward.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr]
     return lib
+
+
+class Projection(ctypes.Structure):
+    """fused_layer.c's `projection`: one of a layer's four matmuls, fp32 panels (TiledLinear) or int8 ones
+    (fast.Int8Linear with the "tiled" kernel: its scales, row sums, and whether it rotates its input)."""
+    _fields_ = [("panels", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("rowsum", ctypes.c_void_p), ("int8", ctypes.c_int64), ("rotate", ctypes.c_int64)]
 
 
 def _load_or_rebuild(cc: list[str]) -> ctypes.CDLL:
