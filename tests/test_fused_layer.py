@@ -237,3 +237,25 @@ def test_short_inputs_keep_every_projection_tiled_where_fusing_costs_their_matmu
     elsewhere = choice(0.85)
     fast.favour_fusion(elsewhere)
     assert elsewhere["up"]["chose"] == "packed"
+
+
+@pytest.mark.parametrize("group", [1, 20, 45, 10_000])
+def test_sequences_in_groups_get_the_same_bits(monkeypatch, group):
+    """A batch goes through fused_layer.c in groups of whole sequences (FUSED_GROUP_ROWS rows, one longer sequence
+    alone): each step works per row or per sequence, so any grouping gives every text the same bits, [CLS]-only
+    runs included."""
+    model = _model(seed=5)
+    ids = torch.randint(1, 120, (5, 23))
+    mask = torch.ones(5, 23, dtype=torch.long)
+    mask[1, 9:] = 0
+    mask[3, 17:] = 0
+    whole = _run(model, monkeypatch, True, ids, mask)
+    monkeypatch.setattr(fast, "FUSED_GROUP_ROWS", group)
+    grouped = _run(model, monkeypatch, True, ids, mask)
+    assert torch.equal(grouped[mask.bool()], whole[mask.bool()])
+    layer = encoder_of(model).layers[0]
+    x = torch.randn(5, 23, 64)
+    with torch.inference_mode():
+        first = fast.fused_layer(layer, x, None, None, first_only=True)
+        monkeypatch.setattr(fast, "FUSED_GROUP_ROWS", 10_000)
+        assert torch.equal(first, fast.fused_layer(layer, x, None, None, first_only=True))

@@ -710,6 +710,9 @@ def use_kernels(model: nn.Module, choice: dict[str, tuple[str, str]]) -> nn.Modu
 
 
 FUSED_ACTIVATIONS = {F.gelu: 0, gelu_tanh: 1, F.relu: 2}  # fused_layer.c's codes
+# fused_layer.c takes a batch's sequences in groups of whole sequences of up to this many rows (one longer sequence
+# alone): the same values, with each group's intermediates in cache and in a scratch buffer the pool keeps.
+FUSED_GROUP_ROWS = 512
 
 
 def _fusable_int8(module: nn.Module) -> bool:
@@ -836,15 +839,17 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
     inner = up.out_features
     y = x.reshape(rows, hidden).clone(memory_format=torch.contiguous_format)
     projections = (native.Projection * 4)(*(_projection(m) for m in (qkv, out, up, down)))
-    # fused_layer.c's working rows, and an int8 projection's codes (the widest input's bytes) and row steps
+    # fused_layer.c's working rows (a group of whole sequences at a time: FUSED_GROUP_ROWS, or the longest), and an
+    # int8 projection's codes (the widest input's bytes) and row steps
+    group = rows if rows <= FUSED_GROUP_ROWS else min(rows, max(FUSED_GROUP_ROWS, int((offsets[1:] - offsets[:-1]).max())))
     int8_room = -(-max(hidden, inner) // 4) + 3 if any(isinstance(m, Int8Linear) for m in (qkv, out, up, down)) else 0
-    scratch = SCRATCH.take(rows * (5 * hidden + inner + int8_room))
+    scratch = SCRATCH.take(group * (5 * hidden + inner + int8_room))
     try:
         status = native.library().fused_layer(
             y.data_ptr(), rows, offsets.data_ptr(), offsets.numel() - 1, hidden, attention.num_heads, inner,
             projections, norms[0].weight.data_ptr(), norms[0].bias.data_ptr(), norms[0].eps, code,
             norms[1].weight.data_ptr(), norms[1].bias.data_ptr(), norms[1].eps, scratch.data_ptr(),
-            torch.get_num_threads(), None if first is None else first.data_ptr())
+            torch.get_num_threads(), None if first is None else first.data_ptr(), FUSED_GROUP_ROWS)
     finally:
         SCRATCH.give(scratch)
     if status != 0:

@@ -259,25 +259,16 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
     }
 }
 
-/* The layer over x (rows x H) in place; see the top of this file. proj: the four projections qkv, out, up,
- * down; qkv gives 3H outputs ordered [q | k | v], each H = heads x D wide; up gives I. scratch: rows x
- * (5H + I) floats, and where a projection is int8, rows x (I / 4 + 3) more. With `first` (not NULL:
- * seqs x H), only each sequence's first row goes on past the attention (what a classifier over [CLS] reads):
- * its keys and values are every row's, and its output, the same bits as the whole layer's first row, is
- * written to `first`, x left as it came. Returns 0, -1 where the shapes are not ones this code handles (the
- * caller then runs the torch modules), -2 where memory runs out. */
-int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, int64_t H, int64_t heads, int64_t I,
-                const projection *proj, const float *ln1_w, const float *ln1_b, float eps1, int act,
-                const float *ln2_w, const float *ln2_b, float eps2, float *scratch, int threads, float *first) {
-    const int64_t D = heads > 0 ? H / heads : 0;
-    if (rows <= 0 || seqs <= 0 || H % 8 || I % 8 || D * heads != H || D % 8 || D > 256 || act < 0 || act > 2)
-        return -1;
+/* The layer over the rows of sequences s0 .. s0 + seqs - 1 (x: the first of them; offsets: the whole call's,
+ * `base` = offsets[s0]); see fused_layer. */
+static int layer_part(float *x, int64_t rows, const int64_t *offsets, int64_t base, int64_t seqs, int64_t H,
+                      int64_t heads, int64_t I, const projection *proj, const float *ln1_w, const float *ln1_b,
+                      float eps1, int act, const float *ln2_w, const float *ln2_b, float eps2, float *scratch,
+                      int threads, float *first) {
+    const int64_t D = H / heads;
     int64_t longest = 0;
-    for (int64_t s = 0; s < seqs; ++s) {
-        const int64_t L = offsets[s + 1] - offsets[s];
-        if (L <= 0 || offsets[s] < 0 || offsets[s + 1] > rows) return -1;
-        if (L > longest) longest = L;
-    }
+    for (int64_t s = 0; s < seqs; ++s)
+        if (offsets[s + 1] - offsets[s] > longest) longest = offsets[s + 1] - offsets[s];
     float *qkv = scratch, *context = qkv + rows * 3 * H, *inner = context + rows * H, *projected = inner + rows * I;
     float *rowq = projected + rows * H;
     uint8_t *codes = (uint8_t *)(rowq + 2 * rows); /* rows x (I rounded up to 4) bytes: the widest input */
@@ -294,7 +285,7 @@ int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, in
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < seqs * heads; ++item) {
             if (kt == NULL) continue;
-            const int64_t s = item / heads, h = item % heads, start = offsets[s], L = offsets[s + 1] - start;
+            const int64_t s = item / heads, h = item % heads, start = offsets[s] - base, L = offsets[s + 1] - offsets[s];
             const float *base = qkv + start * 3 * H + h * D;
             attend_head(base, base + H, base + 2 * H, 3 * H, L, first != NULL ? 1 : L, D,
                         context + (first != NULL ? s : start) * H + h * D, H, kt, kt + D * padded, kt + 2 * D * padded);
@@ -305,7 +296,7 @@ int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, in
     float *out = x;
     int64_t n = rows;
     if (first != NULL) { /* from here on, the first rows alone */
-        for (int64_t s = 0; s < seqs; ++s) memcpy(first + s * H, x + offsets[s] * H, sizeof(float) * (size_t)H);
+        for (int64_t s = 0; s < seqs; ++s) memcpy(first + s * H, x + (offsets[s] - base) * H, sizeof(float) * (size_t)H);
         out = first, n = seqs;
     }
     if (project(&proj[1], context, n, H, projected, H, codes, rowq, threads)) return -1;
@@ -314,5 +305,37 @@ int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, in
     activate(inner, n * I, act, threads);
     if (project(&proj[3], inner, n, I, projected, H, codes, rowq, threads)) return -1;
     add_norm(out, projected, n, H, ln2_w, ln2_b, eps2, threads);
+    return 0;
+}
+
+/* The layer over x (rows x H) in place; see the top of this file. proj: the four projections qkv, out, up,
+ * down; qkv gives 3H outputs ordered [q | k | v], each H = heads x D wide; up gives I. The sequences go through
+ * in groups of whole sequences of at most `group_rows` rows (one longer sequence alone): every step works per
+ * row or per sequence, so the grouping changes no value, and a group's intermediates (5H + I floats a row) stay
+ * in cache and in the caller's scratch: G x (5H + I) floats, G the largest group's rows (group_rows, or the
+ * longest sequence past it, at most `rows`), and where a projection is int8, G x (ceil(max(H, I) / 4) + 2)
+ * more. With `first` (not NULL: seqs x H), only each sequence's first row goes on past the attention (what a
+ * classifier over [CLS] reads): its keys and values are every row's, and its output, the same bits as the whole
+ * layer's first row, is written to `first`, x left as it came. Returns 0, -1 where the shapes are not ones this
+ * code handles (the caller then runs the torch modules), -2 where memory runs out. */
+int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, int64_t H, int64_t heads, int64_t I,
+                const projection *proj, const float *ln1_w, const float *ln1_b, float eps1, int act,
+                const float *ln2_w, const float *ln2_b, float eps2, float *scratch, int threads, float *first,
+                int64_t group_rows) {
+    const int64_t D = heads > 0 ? H / heads : 0;
+    if (rows <= 0 || seqs <= 0 || H % 8 || I % 8 || D * heads != H || D % 8 || D > 256 || act < 0 || act > 2 ||
+        offsets[0] != 0 || offsets[seqs] != rows)
+        return -1;
+    for (int64_t s = 0; s < seqs; ++s)
+        if (offsets[s + 1] <= offsets[s]) return -1;
+    for (int64_t s0 = 0; s0 < seqs;) {
+        int64_t s1 = s0 + 1;
+        while (s1 < seqs && offsets[s1 + 1] - offsets[s0] <= group_rows) ++s1;
+        const int status = layer_part(x + offsets[s0] * H, offsets[s1] - offsets[s0], offsets + s0, offsets[s0],
+                                      s1 - s0, H, heads, I, proj, ln1_w, ln1_b, eps1, act, ln2_w, ln2_b, eps2, scratch,
+                                      threads, first != NULL ? first + s0 * H : NULL);
+        if (status) return status;
+        s0 = s1;
+    }
     return 0;
 }

@@ -114,7 +114,7 @@ def _load(path: Path) -> ctypes.CDLL:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.fused_layer.restype = ctypes.c_int
     lib.fused_layer.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32, ctypes.c_int, ptr, ptr, f32,
-                                ptr, ctypes.c_int, ptr]
+                                ptr, ctypes.c_int, ptr, i64]
     lib.int8_pack.restype = None
     lib.int8_pack.argtypes = [ptr, i64, i64, ptr]
     lib.int8_matmul.restype = ctypes.c_int
