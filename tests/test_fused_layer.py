@@ -259,3 +259,22 @@ def test_sequences_in_groups_get_the_same_bits(monkeypatch, group):
         first = fast.fused_layer(layer, x, None, None, first_only=True)
         monkeypatch.setattr(fast, "FUSED_GROUP_ROWS", 10_000)
         assert torch.equal(first, fast.fused_layer(layer, x, None, None, first_only=True))
+
+
+@pytest.mark.parametrize(("tiled_long", "fused_everywhere"), [(31.0, True), (32.0, False)])
+def test_long_inputs_join_the_tiled_kernel_where_their_matmuls_lose_at_most_five_percent(monkeypatch, tiled_long,
+                                                                                         fused_everywhere):
+    """favour_fusion for batches past COLD_ROWS rows: where every projection runs the tiled kernel for short
+    inputs and all four on it cost long inputs' matmuls at most FUSION_MARGIN_LONG (5 %) over their packed
+    choice, long inputs run it too, and so each layer in one C call at every length."""
+    monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "tiled")
+    rows = {"24": {"packed": 1.2, "plain": 1.2, "tiled": 1.0}, "128": {"packed": 2.4, "plain": 2.4, "tiled": 2.0},
+            "2048": {"packed": 30.0, "plain": 31.0, "tiled": tiled_long}}
+    choice = {name: {"rows": rows, "chose": "tiled", "past_rows": [256, "packed"]} for name in fast.PROJECTIONS}
+    fast.favour_fusion(choice)
+    if fused_everywhere:
+        assert all(fast.kernel_label(c) == "tiled" for c in choice.values())
+        assert fast.fused_label(choice) == "every input: each layer in one C call"
+    else:
+        assert all(fast.kernel_label(c) == "tiled up to 256 rows, then packed" for c in choice.values())
+        assert fast.fused_label(choice) == "inputs of up to 256 rows: each layer in one C call"

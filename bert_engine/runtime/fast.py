@@ -958,40 +958,54 @@ def kernel_label(choice: dict[str, Any]) -> str:
 
 
 FUSION_MARGIN = 1.10  # the matmul time short inputs may give up for their layers to run fused (favour_fusion)
+# ... and long ones (batches past COLD_ROWS rows), where the layer's work outside its matmuls is a smaller share: run
+# fused with the tiled kernel in groups of sequences, MiniLM's 32x128 fp32 forward took 0.86-0.93x the packed
+# modules' time with the tiled matmuls timed at 1.02x the packed ones (AVX2 EPYC, session 37, benchmarks/README.md)
+FUSION_MARGIN_LONG = 1.05
 
 
 def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
-    """Short inputs' kernels, chosen projection by projection (choose_kernels), cannot see that a layer whose
-    four projections all run the tiled kernel runs in one C call: 25 % faster than the modules around the
-    same matmuls at 24 tokens, AVX2 EPYC (benchmarks/README.md, session 36). So where the tiled kernel is
-    short inputs' incumbent (AVX2-only CPUs), was timed for all four and kept for some, and all four on it
-    would cost the layer's matmuls at most FUSION_MARGIN over the choices (summed over the projections,
-    each number of rows alike), all four take it for short inputs: one noisy timing at first load no longer
-    turns fusion off for good. Elsewhere (where the fused layer's gain was not measured) nothing changes."""
+    """Kernels chosen projection by projection (choose_kernels) cannot see that a layer whose four projections
+    all run the tiled kernel runs in one C call: 25 % faster than the modules around the same matmuls at 24
+    tokens, AVX2 EPYC (benchmarks/README.md, session 36), 7-14 % on a 32x128 batch (session 37). So where the
+    tiled kernel is short inputs' incumbent (AVX2-only CPUs) and was timed for all four, and all four on it
+    would cost the layer's matmuls at most FUSION_MARGIN over the choices for short inputs (summed over the
+    projections, each number of rows alike; and where it was kept for some of them), or FUSION_MARGIN_LONG for
+    long ones, all four take it for those inputs: one noisy timing at first load no longer turns fusion off
+    for good. Elsewhere (where the fused layer's gain was not measured) nothing changes."""
     if short_rows_incumbent() != "tiled" or not settings.get("BERT_ENGINE_FUSED_LAYERS"):
         return
     if any(name not in choice or "rows" not in choice[name] for name in PROJECTIONS):
         return
-    chosen = [choice[name]["chose"] for name in PROJECTIONS]
-    if "tiled" not in chosen or all(kernel == "tiled" for kernel in chosen):
-        return
-    rows = [{n: t for n, t in choice[name]["rows"].items() if int(n) <= COLD_ROWS} for name in PROJECTIONS]
+    kernels = {name: short_and_long(choice[name]) for name in PROJECTIONS}
+    short = [kernels[name][0] for name in PROJECTIONS]
+    if "tiled" in short and not all(kernel == "tiled" for kernel in short) and _fusing_costs_little(
+            choice, short, lambda n: n <= COLD_ROWS, FUSION_MARGIN):
+        short = ["tiled"] * len(PROJECTIONS)
+    long = [kernels[name][1] for name in PROJECTIONS]
+    if short == ["tiled"] * len(PROJECTIONS) and not all(kernel == "tiled" for kernel in long) and _fusing_costs_little(
+            choice, long, lambda n: n > COLD_ROWS, FUSION_MARGIN_LONG):
+        long = ["tiled"] * len(PROJECTIONS)
+    for name, short_kernel, long_kernel in zip(PROJECTIONS, short, long):
+        entry = choice[name]
+        entry.pop("past_rows", None)
+        entry["chose"] = short_kernel
+        if long_kernel != short_kernel:
+            entry["past_rows"] = [COLD_ROWS, long_kernel]
+
+
+def _fusing_costs_little(choice: dict[str, dict[str, Any]], chosen: list[str], counts_taken, margin: float) -> bool:
+    """Whether all four projections on the tiled kernel cost their matmuls at most `margin` times the `chosen`
+    kernels, at the timed row counts `counts_taken` accepts (a geometric mean over them)."""
+    rows = [{n: t for n, t in choice[name]["rows"].items() if counts_taken(int(n))} for name in PROJECTIONS]
     counts = set.intersection(*(set(r) for r in rows))
-    if not counts or not all("tiled" in r[n] for r in rows for n in counts):
-        return
+    if not counts or not all("tiled" in r[n] and kernel in r[n] for r in rows for n in counts for kernel in chosen):
+        return False
 
     def layer(kernels: list[str]) -> float:
         return math.prod(sum(r[n][k] for r, k in zip(rows, kernels)) for n in counts) ** (1 / len(counts))
 
-    if layer(["tiled"] * len(PROJECTIONS)) > FUSION_MARGIN * layer(chosen):
-        return
-    for name in PROJECTIONS:
-        entry = choice[name]
-        long = short_and_long(entry)[1]
-        entry.pop("past_rows", None)
-        entry["chose"] = "tiled"
-        if long != "tiled":
-            entry["past_rows"] = [COLD_ROWS, long]
+    return layer(["tiled"] * len(PROJECTIONS)) <= margin * layer(chosen)
 
 
 def fused_label(choice: dict[str, dict[str, Any]]) -> str:
