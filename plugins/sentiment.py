@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -135,11 +136,12 @@ def postprocess(output: SentimentOutput, batch, *, top_k, function, long_input, 
     logits = output.logits.float().cpu()  # the model's device (a GPU's); the batch comes on the CPU
     _, used = probabilities(logits, function, output.problem_type)
     scores, _ = probabilities(logits / temperature if used != "none" else logits, used, None)  # (rows, L)
-    sample = torch.tensor(batch.sample_index)
-    weights = batch.attention_mask.sum(-1).float()[:, None]  # a window counts by its number of tokens
+    sample = np.asarray(batch.sample_index)
+    weights = batch.attention_mask.sum(-1).float()[:, None].numpy()  # a window counts by its number of tokens
+    scores, logits = scores.numpy(), logits.numpy()  # (a few rows: numpy's small-array ops cost less than torch's)
     results = []
     for i in range(batch.meta["num_inputs"]):
-        rows = (sample == i).nonzero().squeeze(-1)
+        rows = np.flatnonzero(sample == i)
         averaged = (scores[rows] * weights[rows]).sum(0) / weights[rows].sum()  # (L,)
         ranked = sorted(zip(output.labels, averaged.tolist()), key=lambda item: -item[1])
         ranked = ranked[:top_k] if top_k else ranked

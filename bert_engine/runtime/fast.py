@@ -797,33 +797,81 @@ class ScratchPool:
 SCRATCH = ScratchPool()
 
 
+class _FusedPlan:
+    """What fused_layer.c needs of one layer with one set of projection modules, worked out once per layer and
+    set (a RowSwitch gives short and long inputs their own): the activation's code, the projection records, the
+    norms' pointers, and the tensors those point into, kept here and checked at each call to still be the
+    modules' own (a module given new tensors gets a new plan, not a pointer into freed memory)."""
+
+    def __init__(self, layer: nn.Module, modules: tuple, hidden: int) -> None:
+        qkv, out, up, down = modules
+        ffn = layer.ffn
+        norms = (layer.attention_norm, layer.ffn_norm)
+        own = _activation_of(up)
+        activation = own if ffn.act is _identity else (ffn.act if own is None else None)
+        self.code = FUSED_ACTIVATIONS.get(activation)
+        self.hidden, self.act = hidden, ffn.act
+        supported = (self.code is not None and all(m.bias is not None for m in modules)
+                     and all(type(n) is nn.LayerNorm and n.weight is not None and n.bias is not None
+                             and n.normalized_shape == (hidden,) for n in norms))
+        # (the owners' own parameter and buffer dicts: read through nn.Module's __getattr__, 12 tensors took 25 us)
+        self.tensors: list[tuple[dict, str, Tensor]] = []
+        if not supported:
+            self.code = None
+            return
+        for module in modules:
+            names = ("panels", "bias") if isinstance(module, TiledLinear) else ("packed", "bias", "weight_scale",
+                                                                                 "weight_row_sum")
+            self.tensors += [(_holder(module, name), name, getattr(module, name)) for name in names]
+        self.tensors += [(_holder(n, name), name, getattr(n, name)) for n in norms for name in ("weight", "bias")]
+        self.projections = (native.Projection * 4)(*(_projection(m) for m in modules))
+        self.norms = [(n.weight.data_ptr(), n.bias.data_ptr(), n.eps) for n in norms]
+        self.inner, self.heads = up.out_features, layer.attention.num_heads
+        # an int8 projection's codes (the widest input's bytes) and row steps, per row of scratch
+        self.int8_room = -(-max(hidden, self.inner) // 4) + 3 if any(isinstance(m, Int8Linear) for m in modules) else 0
+
+    def current(self, act: Any, hidden: int) -> bool:
+        return (hidden == self.hidden and act is self.act
+                and all(holder.get(name) is tensor for holder, name, tensor in self.tensors))
+
+
+def _holder(module: nn.Module, name: str) -> dict:
+    """The dict of `module` that holds its tensor `name`: its parameters' or its buffers'."""
+    return module._parameters if name in module._parameters else module._buffers
+
+
+def _plan(layer: nn.Module, rows: int, hidden: int) -> _FusedPlan | None:
+    children = layer._modules  # (nn.Module's __getattr__ costs about a microsecond a name)
+    attention, ffn = children["attention"]._modules, children["ffn"]
+    projections = (attention["qkv"], attention["out"], ffn._modules["up"], ffn._modules["down"])
+    modules = tuple(_tiled_at(m, rows) for m in projections)
+    if any(m is None for m in modules):
+        return None
+    plans = layer.__dict__.setdefault("_fused_plans", {})  # (not a registered attribute of the module)
+    key = (*modules, children["attention_norm"], children["ffn_norm"])
+    plan = plans.get(key)
+    if plan is None or not plan.current(ffn.__dict__.get("act", ffn._modules.get("act")), hidden):
+        plan = plans[key] = _FusedPlan(layer, modules, hidden)
+    return plan if plan.code is not None else None
+
+
 def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
                 first_only: bool = False) -> Tensor | None:
     """`layer`'s output (model.BertLayer, in inference) from one call of fused_layer.c, or None where that does
     not apply and the torch modules must run: a projection at this many rows is not a TiledLinear (a RowSwitch
-    past COLD_ROWS may run packed), an activation or norm the C code lacks, padding left in the rows,
-    gradients wanted, BERT_ENGINE_FUSED_LAYERS off. The projections are the same kernel's, so the layer
-    differs from the modules only in the attention's, LayerNorms' and GELU's last bits (3e-6; tested).
-    `first_only` (BertLayer's): only each sequence's first row, (B, 1, H), the same bits as the whole
-    layer's first row; every sequence must start at its row's position 0."""
+    past COLD_ROWS may run packed) or an int8 one the C code runs, an activation or norm the C code lacks,
+    padding left in the rows, gradients wanted, BERT_ENGINE_FUSED_LAYERS off. The projections are the same
+    kernels', so the layer differs from the modules only in the attention's, LayerNorms' and GELU's last bits
+    (3e-6; tested). `first_only` (BertLayer's): only each sequence's first row, (B, 1, H), the same bits as the
+    whole layer's first row; every sequence must start at its row's position 0."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
         return None
     if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
         return None
     hidden = x.shape[-1]
     rows = x.numel() // hidden
-    attention, ffn = layer.attention, layer.ffn
-    qkv, out, up, down = (_tiled_at(m, rows) for m in (attention.qkv, attention.out, ffn.up, ffn.down))
-    if qkv is None or out is None or up is None or down is None or rows == 0:
-        return None
-    own = _activation_of(up)
-    activation = own if ffn.act is _identity else (ffn.act if own is None else None)
-    code = FUSED_ACTIVATIONS.get(activation)
-    norms = (layer.attention_norm, layer.ffn_norm)
-    if code is None or not all(type(n) is nn.LayerNorm and n.weight is not None and n.bias is not None
-                               and n.normalized_shape == (hidden,) for n in norms):
-        return None
-    if any(m.bias is None for m in (qkv, out, up, down)):  # (`None in` would compare tensors: 70 us)
+    plan = _plan(layer, rows, hidden) if rows else None
+    if plan is None:
         return None
     offsets = _sequence_offsets(x, mask, unpadded)
     if offsets is None:
@@ -836,20 +884,16 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
         if offsets.numel() - 1 != batch or not bool((starts == torch.arange(batch) * tokens).all()):
             return None
         first = torch.empty(batch, 1, hidden, dtype=torch.float32)
-    inner = up.out_features
     y = x.reshape(rows, hidden).clone(memory_format=torch.contiguous_format)
-    projections = (native.Projection * 4)(*(_projection(m) for m in (qkv, out, up, down)))
-    # fused_layer.c's working rows (a group of whole sequences at a time: FUSED_GROUP_ROWS, or the longest), and an
-    # int8 projection's codes (the widest input's bytes) and row steps
+    # fused_layer.c's working rows: a group of whole sequences at a time (FUSED_GROUP_ROWS, or the longest)
     group = rows if rows <= FUSED_GROUP_ROWS else min(rows, max(FUSED_GROUP_ROWS, int((offsets[1:] - offsets[:-1]).max())))
-    int8_room = -(-max(hidden, inner) // 4) + 3 if any(isinstance(m, Int8Linear) for m in (qkv, out, up, down)) else 0
-    scratch = SCRATCH.take(group * (5 * hidden + inner + int8_room))
+    scratch = SCRATCH.take(group * (5 * hidden + plan.inner + plan.int8_room))
+    (w1, b1, eps1), (w2, b2, eps2) = plan.norms
     try:
         status = native.library().fused_layer(
-            y.data_ptr(), rows, offsets.data_ptr(), offsets.numel() - 1, hidden, attention.num_heads, inner,
-            projections, norms[0].weight.data_ptr(), norms[0].bias.data_ptr(), norms[0].eps, code,
-            norms[1].weight.data_ptr(), norms[1].bias.data_ptr(), norms[1].eps, scratch.data_ptr(),
-            torch.get_num_threads(), None if first is None else first.data_ptr(), FUSED_GROUP_ROWS)
+            y.data_ptr(), rows, offsets.data_ptr(), offsets.numel() - 1, hidden, plan.heads, plan.inner,
+            plan.projections, w1, b1, eps1, plan.code, w2, b2, eps2, scratch.data_ptr(), torch.get_num_threads(),
+            None if first is None else first.data_ptr(), FUSED_GROUP_ROWS)
     finally:
         SCRATCH.give(scratch)
     if status != 0:
