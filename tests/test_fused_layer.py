@@ -278,3 +278,18 @@ def test_long_inputs_join_the_tiled_kernel_where_their_matmuls_lose_at_most_five
     else:
         assert all(fast.kernel_label(c) == "tiled up to 256 rows, then packed" for c in choice.values())
         assert fast.fused_label(choice) == "inputs of up to 256 rows: each layer in one C call"
+
+
+def test_a_layer_given_new_weights_is_planned_again(monkeypatch):
+    """fused_layer works out a layer's plan once (pointers into its tensors); a norm or projection given a new
+    tensor afterwards must be read, not the old one's memory."""
+    model = _model(seed=7)
+    ids = torch.randint(1, 120, (1, 11))
+    before = _run(model, monkeypatch, True, ids)
+    layer = encoder_of(model).layers[1]
+    with torch.no_grad():
+        layer.ffn_norm.weight = torch.nn.Parameter(layer.ffn_norm.weight * 2)
+        layer.attention.qkv.register_buffer("panels", layer.attention.qkv.panels * 0.5, persistent=False)
+    fused, modules = _run(model, monkeypatch, True, ids), _run(model, monkeypatch, False, ids)
+    torch.testing.assert_close(fused, modules, atol=3e-6, rtol=1e-5)
+    assert not torch.allclose(fused, before)
