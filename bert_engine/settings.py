@@ -51,7 +51,7 @@ SETTINGS = {s.name: s for s in (
             "once per machine, for short inputs (up to 256 rows) and long ones apart; another than packed only "
             "where it is at least 10 % faster), packed, plain, tiled"),
     Setting("BERT_ENGINE_FUSED_LAYERS", "bool", True, "use", "run an encoder layer whose four projections use "
-            "bert_engine's tiled kernel as one C call (fused_layer.c: attention, residual adds, LayerNorms and the "
+            "bert_engine's tiled kernels (fp32, or int8's on AVX2 CPUs) as one C call (fused_layer.c: attention, residual adds, LayerNorms and the "
             "activation around the matmuls), for inference on rows whose real tokens lie together (no padding, or "
             "padding at either end); off: the torch modules"),
     Setting("BERT_ENGINE_INT8_KERNEL", "str", "auto", "start", "int8 models' matmuls: auto (bert_engine's own "
