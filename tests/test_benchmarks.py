@@ -117,7 +117,7 @@ def test_profile_ops_profiles_onnx_runtime_beside_the_engine(tmp_path):
 
 def test_int8_kernels_benchmark_times_each_int8_kernel_beside_fp32(tmp_path):
     from benchmarks import int8_kernels
-    from bert_engine.runtime.fast import fbgemm_int8_available
+    from bert_engine.runtime.fast import fbgemm_int8_available, tiled_int8_available
 
     if not (onednn_int8_available() or fbgemm_int8_available()):
         pytest.skip("no int8 matmul in this torch")
@@ -126,7 +126,7 @@ def test_int8_kernels_benchmark_times_each_int8_kernel_beside_fp32(tmp_path):
     rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
     assert rows == {row["impl"]: row for row in result["rows"]} and "engine fp32" in rows
     int8 = [name for name in rows if name.startswith("engine int8")]
-    assert len(int8) == onednn_int8_available() + fbgemm_int8_available()
+    assert len(int8) == onednn_int8_available() + fbgemm_int8_available() + tiled_int8_available()
     # each kernel's model really is int8: close to fp32, not equal to it
     assert all(0 < rows[name]["max_abs_diff"] < 0.5 and rows[name]["vs_engine_fp32"] > 0 for name in int8)
     assert rows["engine fp32"]["max_abs_diff"] < 1e-4
@@ -134,7 +134,7 @@ def test_int8_kernels_benchmark_times_each_int8_kernel_beside_fp32(tmp_path):
 
 def test_int8_agreement_benchmark_scores_each_int8_kernel_against_fp32(tmp_path):
     from benchmarks import int8_agreement
-    from bert_engine.runtime.fast import fbgemm_int8_available
+    from bert_engine.runtime.fast import fbgemm_int8_available, tiled_int8_available
 
     if not (onednn_int8_available() or fbgemm_int8_available()):
         pytest.skip("no int8 matmul in this torch")
@@ -145,11 +145,14 @@ def test_int8_agreement_benchmark_scores_each_int8_kernel_against_fp32(tmp_path)
     rows = json.loads(out.read_text())["rows"]
     assert rows == result["rows"]
     assert [r["int8_kernel"] for r in rows] == [k for k, ok in (("onednn", onednn_int8_available()),
-                                                                ("fbgemm", fbgemm_int8_available())) if ok]
+                                                                ("fbgemm", fbgemm_int8_available()),
+                                                                ("tiled", tiled_int8_available())) if ok]
     assert all(r["task"] == "sentiment" and r["items"] == 6 and 0 <= r["identical"] <= 100 for r in rows)
     assert all(r["met"] == (r["identical"] >= 99.0) for r in rows)
     with pytest.raises(SystemExit, match="unknown"):
         int8_agreement.main(["--tasks", "translation"])
+    with pytest.raises(SystemExit, match=r"--kernels: \['mkl'\] unknown"):
+        int8_agreement.main(["--kernels", "mkl"])
 
 
 def test_fp32_kernels_benchmark_times_a_whole_forward_with_each_kernel(tmp_path):

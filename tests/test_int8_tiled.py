@@ -143,3 +143,13 @@ def test_without_a_compiler_auto_falls_back_and_tiled_is_refused_with_the_reason
     finally:
         monkeypatch.undo()
         native.forget()
+
+
+def test_a_projection_wider_than_the_kernel_takes_runs_another_int8_kernel(monkeypatch):
+    monkeypatch.setattr(fast, "TILED_INT8_MAX_FEATURES", 32)
+    monkeypatch.setenv("BERT_ENGINE_INT8_KERNEL", "tiled")
+    model = _int8_model()  # hidden 64: every projection is wider than 32
+    layer = encoder_of(model).layers[0]
+    assert layer.attention.qkv.kernel in ("fbgemm", "onednn") and layer.fused is None
+    with pytest.raises(ValueError, match="at most 32 input features, not 64"):
+        Int8Linear(nn.Linear(64, 8), kernel="tiled")

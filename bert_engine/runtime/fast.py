@@ -186,6 +186,9 @@ class Int8Linear(nn.Module):
             lib = native.library()
             if lib is None:
                 raise RuntimeError(f"the AVX2 int8 kernel cannot run here: {native.unavailable()}")
+            if self.in_features > TILED_INT8_MAX_FEATURES:
+                raise ValueError(f"the AVX2 int8 kernel takes at most {TILED_INT8_MAX_FEATURES} input features, "
+                                 f"not {self.in_features}")
             panels = torch.empty(-(-self.out_features // 16) * -(-self.in_features // 4) * 64, dtype=torch.int8)
             codes = quantised.contiguous()
             lib.int8_pack(codes.data_ptr(), self.out_features, self.in_features, panels.data_ptr())
@@ -522,7 +525,8 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
                 size = rotation_block(linear.in_features, rotation) if rotation and name != "attention.out" else 1
                 replacement = Int8Linear(linear, owner.act if fused_gelu else None,
                                          one_sided_input=one_sided and size == 1, input_divisor=divisors,
-                                         input_rotation=hadamard(size) if size > 1 else None, kernel=kernel)
+                                         input_rotation=hadamard(size) if size > 1 else None,
+                                         kernel=_int8_kernel_for(kernel, linear))
                 quantised += 1
             if fused_gelu and replacement is not linear:
                 owner.act = _identity
@@ -535,6 +539,16 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
     logger.info("quantised %d of %d encoder projections to int8 (%s; smoothing %s), kept %s in fp32", quantised,
                 len(encoder.layers) * len(LINEAR_NAMES), kernel, smoothing, sorted(keep) or "none")
     return model
+
+
+TILED_INT8_MAX_FEATURES = 16384  # int8_matmul.c's QMAX_K: the longest input rows its quantiser holds
+
+
+def _int8_kernel_for(kernel: str, linear: nn.Linear) -> str:
+    """`kernel`, or for the tiled one a projection wider than it takes, FBGEMM's (else oneDNN's)."""
+    if kernel != "tiled" or linear.in_features <= TILED_INT8_MAX_FEATURES:
+        return kernel
+    return "fbgemm" if fbgemm_int8_available() else "onednn"
 
 
 # Empty by measurement: kept alone in fp32, the projection that bought most on 150 probe questions
