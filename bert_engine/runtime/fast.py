@@ -122,7 +122,9 @@ def quantize_weight(weight: Tensor, levels: int) -> tuple[Tensor, Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """An inference-only nn.Linear in int8 on the CPU, through oneDNN: the weight quantised once per
+    """An inference-only nn.Linear in int8 on the CPU, through oneDNN (`kernel`; FBGEMM's and bert_engine's own
+    "tiled" one, int8_matmul.c, quantise as `_fbgemm_forward` says, 8-bit weights and 7-bit row codes, and the
+    tiled one runs inside fused_layer.c too): the weight quantised once per
     output channel (symmetric; 8 bits with VNNI, 7 without, see int8_weight_limit) and pre-packed;
     each call quantises its input per token (each row scaled by its own largest |value|, so one
     token with large activations, such as [SEP], does not coarsen every other token's steps) to
