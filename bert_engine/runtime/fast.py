@@ -867,6 +867,8 @@ def _plan(layer: nn.Module, rows: int, hidden: int) -> _FusedPlan | None:
     key = (*modules, children["attention_norm"], children["ffn_norm"])
     plan = plans.get(key)
     if plan is None or not plan.current(ffn.__dict__.get("act", ffn._modules.get("act")), hidden):
+        if len(plans) >= 4:  # a short and a long set at most in use: older ones would hold old tensors alive
+            plans.clear()
         plan = plans[key] = _FusedPlan(layer, modules, hidden)
     return plan if plan.code is not None else None
 
