@@ -56,7 +56,10 @@ def _info(args: argparse.Namespace) -> dict:
         info["kernels"] = {name: {**c, "runs": kernel_label(c)} for name, c in choice.items()}
         info["fused_layers"] = fused_label(choice) if native.unavailable() is None else "not used: no tiled kernel here"
         info["tiled_kernel"] = native.unavailable() or "available"  # why bert_engine's own kernel is not a candidate
-        info["int8_kernel"] = int8_kernel()  # what --precision int8 runs its projections' matmuls with
+        info["int8_kernel"] = int8 = int8_kernel()  # what --precision int8 runs its projections' matmuls with
+        info["int8_fused_layers"] = ("off (BERT_ENGINE_FUSED_LAYERS=0)" if not settings.get("BERT_ENGINE_FUSED_LAYERS")
+                                     else "every input: each layer in one C call" if int8 == "tiled"
+                                     else f"not used: the int8 matmuls are {int8}'s")
     return info
 
 

@@ -54,9 +54,9 @@ SETTINGS = {s.name: s for s in (
             "bert_engine's tiled kernels (fp32, or int8's on AVX2 CPUs) as one C call (fused_layer.c: attention, residual adds, LayerNorms and the "
             "activation around the matmuls), for inference on rows whose real tokens lie together (no padding, or "
             "padding at either end); off: the torch modules"),
-    Setting("BERT_ENGINE_INT8_KERNEL", "str", "auto", "start", "int8 models' matmuls: auto (bert_engine's own "
+    Setting("BERT_ENGINE_INT8_KERNEL", "str", "auto", "use", "int8 models' matmuls: auto (bert_engine's own "
             "AVX2 kernel where the CPU has AVX2 and neither VNNI nor AVX-512, and it builds; else FBGEMM where the CPU "
-            "has no VNNI, oneDNN where it has), onednn, fbgemm, tiled"),
+            "has no VNNI, oneDNN where it has), onednn, fbgemm, tiled; read at each int8 model's load"),
     Setting("BERT_ENGINE_KERNEL_CACHE", "str", "", "start", "the file those timings are kept in (default "
             "~/.cache/bert_engine/kernels.json)"),
     Setting("BERT_ENGINE_CPU_CAPABILITY", "str", "", "start", "pretend the CPU has only this capability (avx2, "

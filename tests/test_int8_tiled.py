@@ -153,3 +153,19 @@ def test_a_projection_wider_than_the_kernel_takes_runs_another_int8_kernel(monke
     assert layer.attention.qkv.kernel in ("fbgemm", "onednn") and layer.fused is None
     with pytest.raises(ValueError, match="at most 32 input features, not 64"):
         Int8Linear(nn.Linear(64, 8), kernel="tiled")
+
+
+def test_info_says_where_int8_layers_run_fused(monkeypatch, tmp_path, capsys, minilm_dir):
+    import json
+
+    from bert_engine.cli import main
+
+    monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    cases = [("tiled", "every input: each layer in one C call")]
+    if fast.fbgemm_int8_available():
+        cases.append(("fbgemm", "not used: the int8 matmuls are fbgemm's"))
+    for kernel, expected in cases:
+        monkeypatch.setenv("BERT_ENGINE_INT8_KERNEL", kernel)
+        assert main(["info", "--model", str(minilm_dir), "--kernels"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["int8_kernel"] == kernel and info["int8_fused_layers"] == expected

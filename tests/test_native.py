@@ -112,7 +112,8 @@ def test_without_a_compiler_the_other_kernels_run_and_one_line_says_why(fresh_na
     expected = native.cpu_supported() or "CC='/nonexistent/cc' is not a program found here"
     assert native.unavailable() == expected
     assert [r.getMessage() for r in caplog.records] == [
-        f"bert_engine's AVX2 kernel is not available: {expected}; the matmuls use oneDNN's and MKL's kernels"]
+        f"bert_engine's AVX2 kernel is not available: {expected}; the matmuls use oneDNN's and MKL's kernels "
+        "(int8: FBGEMM's or oneDNN's)"]
     model = BertModel(PRESETS["tiny"]).eval()
     choice = fast.choose_kernels(model)
     assert choice and all("tiled_ms" not in c and c["chose"] in ("packed", "plain") for c in choice.values())

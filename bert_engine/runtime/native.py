@@ -165,8 +165,8 @@ def library() -> ctypes.CDLL | None:
                 except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                     reason = f"its build failed: {err}"
         if lib is None:
-            logger.info("bert_engine's AVX2 kernel is not available: %s; the matmuls use oneDNN's and MKL's kernels",
-                        reason)
+            logger.info("bert_engine's AVX2 kernel is not available: %s; the matmuls use oneDNN's and MKL's kernels "
+                        "(int8: FBGEMM's or oneDNN's)", reason)
         _state.update(library=lib, reason=reason)
         crf.NATIVE = lib  # the CRF's recursions in C (crf_decode.c) from now on; None: numpy's
         return lib
