@@ -97,12 +97,27 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _launch(app, **kwargs) -> int:
+    """app.launch on a free loopback port, returned. Gradio gives its new server about 2.5 s to answer its own
+    check of the port; on a machine busy with the rest of the suite that check once timed out ("localhost is
+    not accessible"), so such a launch is tried again, three times at most."""
+    for attempt in range(3):
+        port = _free_port()
+        try:
+            app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **kwargs)
+            return port
+        except ValueError as err:
+            if "localhost is not accessible" not in str(err) or attempt == 2:
+                raise
+            app.close()
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def served(registry):
     app = build_app(registry)
     app.queue(default_concurrency_limit=2)
-    port = _free_port()
-    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    port = _launch(app)
     try:
         yield app, f"http://127.0.0.1:{port}/"
     finally:
@@ -190,8 +205,7 @@ def test_every_task_is_an_mcp_tool_answering_a_real_mcp_client(registry):
 
     app = build_app(registry)
     app.queue(default_concurrency_limit=2)
-    port = _free_port()
-    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, mcp_server=True)
+    port = _launch(app, mcp_server=True)
 
     async def session_calls():
         async with streamable_http_client(f"http://127.0.0.1:{port}/gradio_api/mcp/") as (read, write, _):
@@ -730,8 +744,7 @@ def test_gradios_queue_never_holds_a_light_request_behind_long_ones(tmp_path):
     tiny = str(reference_checkpoint(tmp_path / "tiny", "BertModel"))
     app = serve_queue(build_app(registry, checkpoints={"slowtask": tiny}, timeout_s=60))
     assert ADMITTED >= 32
-    port = _free_port()
-    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    port = _launch(app)
     url = f"http://127.0.0.1:{port}/"
     SlowWhenAskedPlugin.waiting = 0
     SlowWhenAskedPlugin.release.clear()
@@ -761,8 +774,7 @@ def test_one_session_sending_four_at_once_gets_two_running_two_waiting_and_four_
     registry.load_plugin("slow", "0.1", "test", SlowWhenAskedPlugin)
     tiny = str(reference_checkpoint(tmp_path / "tiny", "BertModel"))
     app = serve_queue(build_app(registry, checkpoints={"slowtask": tiny}, timeout_s=60))
-    port = _free_port()
-    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    port = _launch(app)
     SlowWhenAskedPlugin.waiting = 0
     SlowWhenAskedPlugin.release.clear()
     try:
@@ -797,8 +809,7 @@ def test_each_mcp_session_is_its_own_visitor(tmp_path):
     registry.load_plugin("slow", "0.1", "test", SlowWhenAskedPlugin)
     tiny = str(reference_checkpoint(tmp_path / "tiny", "BertModel"))
     app = serve_queue(build_app(registry, checkpoints={"slowtask": tiny}, timeout_s=60))
-    port = _free_port()
-    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, mcp_server=True)
+    port = _launch(app, mcp_server=True)
     SlowWhenAskedPlugin.waiting = 0
     SlowWhenAskedPlugin.release.clear()
 
@@ -1020,8 +1031,7 @@ def test_a_value_the_tab_adds_that_json_cannot_hold_is_the_tabs_recorded_failure
     assert registry.load_plugin("tabby", "0.1", "test", _tab_plugin("tabby", _add_a_numpy_number))
     tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
     app = build_app(registry, checkpoints={"tabby": tiny})
-    port = _free_port()
-    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    port = _launch(app)
     try:
         with pytest.raises(Exception, match="tabby: the tab's answer is not JSON data \\(Object of type float32"):
             Client(f"http://127.0.0.1:{port}/", verbose=False).predict("hello", api_name="/tabby")
