@@ -535,7 +535,7 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
             setattr(owner, attr, replacement)
         if isinstance(layer.ffn.up, Int8Linear) or isinstance(layer.ffn.down, Int8Linear):
             layer.ffn.chunk_rows = FFN_CHUNK_ROWS
-        if all(_fusable_int8(getattr(getattr(layer, name.split(".")[0]), name.split(".")[1])) for name in LINEAR_NAMES):
+        if all(_fusable_int8(module) for module, _ in _projections(layer).values()):
             layer.fused = fused_layer  # the whole layer in one C call (fused_layer.c), the int8 matmuls in it
     model.int8_kernel = kernel
     logger.info("quantised %d of %d encoder projections to int8 (%s; smoothing %s), kept %s in fp32", quantised,
