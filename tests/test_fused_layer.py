@@ -4,6 +4,7 @@ batches with and without padding, each activation), independent of the batch and
 modules running wherever it does not apply."""
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +54,22 @@ def test_its_gelu_and_relu_are_as_close_to_the_truth_as_torchs():
     assert float((_activation(x, 1).double() - truth).abs().max()) < 5e-7
     assert torch.equal(_activation(x, 2), F.relu(x))
     assert torch.equal(_activation(x, 0, threads=1), _activation(x, 0, threads=2))
+
+
+def test_its_erf_table_is_what_scripts_fit_erf_prints_and_within_its_bound():
+    from scripts.fit_erf import c_table, fit, largest_error
+
+    table = fit()
+    source = (Path(native.__file__).parent / "fused_layer.c").read_text()
+    assert c_table(table) in source
+    error, _ = largest_error(table)
+    assert error < 9e-8  # the bound fused_layer.c states
+    # the GELU on what it is fed between the pieces' edges, NaN and the infinities, against float64
+    x = torch.tensor([-4.0, -3.0, -2.0, -1.0, -0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.65685, -5.65685] * 4) * 2 ** 0.5
+    assert float((_activation(x, 0).double() - F.gelu(x.double())).abs().max()) < 4e-7
+    odd = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-30, -1e-30, 1e-40, 0.0, 0.0])
+    assert torch.equal(_activation(odd, 0).isnan(), F.gelu(odd).isnan())
+    assert torch.equal(_activation(odd, 0).nan_to_num(), F.gelu(odd).nan_to_num())
 
 
 @pytest.mark.parametrize(("hidden", "heads", "act"), [(64, 4, "gelu"), (48, 6, "relu"), (96, 4, "gelu_new"),
