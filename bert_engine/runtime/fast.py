@@ -760,6 +760,9 @@ def _projection(module: TiledLinear | Int8Linear) -> native.Projection:
                              module.weight_row_sum.data_ptr(), 1, int(module.rotates_inside))
 
 
+_WHOLE_ROWS: dict[tuple[int, int], Tensor] = {}  # offsets of (batch, tokens) unpadded rows: the C code only reads them
+
+
 def _sequence_offsets(x: Tensor, mask: Tensor | None, unpadded: Any) -> Tensor | None:
     """Where each sequence's rows start in `x` laid out flat, and where the last ends ((S + 1,) int64), for
     fused_layer.c; None where the rows are not whole sequences end to end (padding left in: `mask` without
@@ -767,8 +770,13 @@ def _sequence_offsets(x: Tensor, mask: Tensor | None, unpadded: Any) -> Tensor |
     if unpadded is None:
         if mask is not None or x.dim() != 3:
             return None
-        batch, tokens = x.shape[:2]
-        return torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int64)
+        shape = (x.shape[0], x.shape[1])
+        offsets = _WHOLE_ROWS.get(shape)
+        if offsets is None:  # made once per shape (each layer of each request asked for it anew: 5-20 us)
+            if len(_WHOLE_ROWS) >= 256:
+                _WHOLE_ROWS.clear()
+            offsets = _WHOLE_ROWS[shape] = torch.arange(0, shape[0] * shape[1] + 1, shape[1], dtype=torch.int64)
+        return offsets
     offsets = getattr(unpadded, "sequence_offsets", False)
     if offsets is False:  # worked out once per forward, by the first layer
         index, tokens = unpadded.index, unpadded.tokens
@@ -796,9 +804,13 @@ class ScratchPool:
 
     def take(self, floats: int) -> Tensor:
         with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= floats]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            best = None
+            for i, buffer in enumerate(self._free):  # the smallest that fits
+                size = buffer.numel()
+                if size >= floats and (best is None or size < self._free[best].numel()):
+                    best = i
+            if best is not None:
+                return self._free.pop(best)
         return torch.empty(floats, dtype=torch.float32)
 
     def give(self, buffer: Tensor) -> None:
@@ -847,8 +859,12 @@ class _FusedPlan:
         self.int8_room = -(-max(hidden, self.inner) // 4) + 3 if any(isinstance(m, Int8Linear) for m in modules) else 0
 
     def current(self, act: Any, hidden: int) -> bool:
-        return (hidden == self.hidden and act is self.act
-                and all(holder.get(name) is tensor for holder, name, tensor in self.tensors))
+        if hidden != self.hidden or act is not self.act:
+            return False
+        for holder, name, tensor in self.tensors:  # (a loop: all() over a generator took twice as long)
+            if holder.get(name) is not tensor:
+                return False
+        return True
 
 
 def _holder(module: nn.Module, name: str) -> dict:
@@ -859,12 +875,12 @@ def _holder(module: nn.Module, name: str) -> dict:
 def _plan(layer: nn.Module, rows: int, hidden: int) -> _FusedPlan | None:
     children = layer._modules  # (nn.Module's __getattr__ costs about a microsecond a name)
     attention, ffn = children["attention"]._modules, children["ffn"]
-    projections = (attention["qkv"], attention["out"], ffn._modules["up"], ffn._modules["down"])
-    modules = tuple(_tiled_at(m, rows) for m in projections)
-    if any(m is None for m in modules):
+    key = (_tiled_at(attention["qkv"], rows), _tiled_at(attention["out"], rows), _tiled_at(ffn._modules["up"], rows),
+           _tiled_at(ffn._modules["down"], rows), children["attention_norm"], children["ffn_norm"])
+    if None in key:
         return None
+    modules = key[:4]
     plans = layer.__dict__.setdefault("_fused_plans", {})  # (not a registered attribute of the module)
-    key = (*modules, children["attention_norm"], children["ffn_norm"])
     plan = plans.get(key)
     if plan is None or not plan.current(ffn.__dict__.get("act", ffn._modules.get("act")), hidden):
         if len(plans) >= 4:  # a short and a long set at most in use: older ones would hold old tensors alive
@@ -882,7 +898,7 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
     kernels', so the layer differs from the modules only in the attention's, LayerNorms' and GELU's last bits
     (3e-6; tested). `first_only` (BertLayer's): only each sequence's first row, (B, 1, H), the same bits as the
     whole layer's first row; every sequence must start at its row's position 0."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
+    if x.dtype != torch.float32 or not x.is_cpu or (x.requires_grad and torch.is_grad_enabled()):
         return None
     if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
         return None
@@ -894,15 +910,14 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
     offsets = _sequence_offsets(x, mask, unpadded)
     if offsets is None:
         return None
-    batch = x.shape[0] if unpadded is None else unpadded.batch
     first = None
     if first_only:
-        starts = offsets[:-1] if unpadded is None else unpadded.index[offsets[:-1]]
-        tokens = x.shape[1] if unpadded is None else unpadded.tokens
-        if offsets.numel() - 1 != batch or not bool((starts == torch.arange(batch) * tokens).all()):
-            return None
-        first = torch.empty(batch, 1, hidden, dtype=torch.float32)
-    y = x.reshape(rows, hidden).clone(memory_format=torch.contiguous_format)
+        if unpadded is not None:  # (rows without padding are whole sequences, each starting at its position 0)
+            starts, batch = unpadded.index[offsets[:-1]], unpadded.batch
+            if offsets.numel() - 1 != batch or not bool((starts == torch.arange(batch) * unpadded.tokens).all()):
+                return None
+        first = torch.empty(offsets.numel() - 1, 1, hidden, dtype=torch.float32)
+    y = x.clone(memory_format=torch.contiguous_format)  # (x's shape: the C code reads it as rows x hidden)
     # fused_layer.c's working rows: a group of whole sequences at a time (FUSED_GROUP_ROWS, or the longest)
     group = rows if rows <= FUSED_GROUP_ROWS else min(rows, max(FUSED_GROUP_ROWS, int((offsets[1:] - offsets[:-1]).max())))
     scratch = SCRATCH.take(group * (5 * hidden + plan.inner + plan.int8_room))
@@ -916,7 +931,7 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
         SCRATCH.give(scratch)
     if status != 0:
         return None
-    return first if first is not None else y.view(x.shape)
+    return first if first is not None else y
 
 
 def pack_linear_layers(model: nn.Module, only: Iterable[str] = PROJECTIONS, kernel: str = "packed") -> nn.Module:
