@@ -265,3 +265,50 @@ def test_the_c_recursions_answer_as_the_numpy_ones(monkeypatch):
             assert native_answer[0] == numpy_answer[0]
             torch.testing.assert_close(native_answer[1], numpy_answer[1], atol=1e-6, rtol=0)
             torch.testing.assert_close(native_answer[2], numpy_answer[2], atol=1e-9, rtol=1e-12)
+
+
+def test_the_requests_decode_in_numpy_is_the_general_paths_to_the_bit_and_sees_new_weights(monkeypatch):
+    """decode_with_marginals on the CPU with the C library (NER's postprocess) runs per row in numpy: the same
+    paths, marginals and log Z, bit for bit, as the torch-compacted path over the same C recursions, on ragged
+    masks, windows inside a document and n-best lists; its cached potentials follow weights changed in place."""
+    from bert_engine import crf as crf_module
+    from bert_engine.runtime import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip(f"bert_engine's C library cannot run here: {native.unavailable()}")
+    monkeypatch.setattr(crf_module, "NATIVE", lib)
+    general = crf_module._native_decode_with_marginals
+    torch.manual_seed(3)
+    crf = CRF(7)
+    with torch.no_grad():
+        crf.transitions.normal_()
+        crf.start_transitions.normal_()
+        crf.end_transitions.normal_()
+    crf.set_constraints(torch.rand(7, 7) > 0.25, torch.rand(7) > 0.2, torch.rand(7) > 0.2)
+
+    def both(emissions, mask, **kwargs):
+        fast = crf.decode_with_marginals(emissions, mask, **kwargs)
+        monkeypatch.setattr(crf_module, "_native_decode_with_marginals", lambda *args: None)
+        slow = crf.decode_with_marginals(emissions, mask, **kwargs)
+        monkeypatch.setattr(crf_module, "_native_decode_with_marginals", general)
+        return fast, slow
+
+    mask = torch.rand(5, 13) > 0.3
+    mask[1, 6:] = False
+    mask[3] = False
+    mask[4, 0] = False
+    for emissions in (torch.randn(5, 13, 7) * 3, torch.randint(-2, 3, (5, 13, 7)).float()):
+        for kwargs in (dict(nbest=1, constrained=True), dict(nbest=4, constrained=False),
+                       dict(nbest=3, constrained=True, begins=torch.tensor([True, False, True, True, False]),
+                            ends=torch.tensor([False, True, True, True, True]))):
+            (paths, marginals, log_z), (want_paths, want_marginals, want_log_z) = both(emissions, mask, **kwargs)
+            assert paths == want_paths
+            assert torch.equal(marginals, want_marginals) and torch.equal(log_z, want_log_z)
+    emissions = torch.randn(2, 6, 7)
+    before = both(emissions, None)[0]
+    with torch.no_grad():
+        crf.transitions.mul_(-2.0)
+    after, want = both(emissions, None)
+    assert after[0] == want[0] and torch.equal(after[1], want[1]) and torch.equal(after[2], want[2])
+    assert not torch.equal(after[1], before[1])  # the new weights were read, not the kept ones
