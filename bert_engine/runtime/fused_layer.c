@@ -182,7 +182,7 @@ static void add_norm(float *x, const float *add, int64_t rows, int64_t H, const 
     }
 }
 
-#define QB 4 /* queries at a time: each key and value row loaded serves four */
+#define QB 6 /* queries at a time: each key and value row loaded serves six (12 sums in registers) */
 
 /* softmax(q k^T / sqrt(D)) v for one sequence of L rows and one head (D a multiple of 8, at most 256), for its
  * first `queries` rows (the query rows are computed as they are with all L: the first alone is the same bits):
@@ -202,10 +202,10 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
     for (int64_t i0 = 0; i0 < queries; i0 += QB) { /* the first `queries` rows: all L, or the first alone */
         const float *qr[QB];
         for (int r = 0; r < QB; ++r) qr[r] = q + (i0 + r < L ? i0 + r : L - 1) * stride; /* past L: repeats, unused */
-        /* scores: QB queries x 16 keys per step, eight sums in registers */
+        /* scores: QB queries x 16 keys per step, twelve sums in registers */
         for (int64_t j = 0; j < Lp; j += 16) {
             __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00,
-                   s31 = s00;
+                   s31 = s00, s40 = s00, s41 = s00, s50 = s00, s51 = s00;
             const float *col = kt + j;
             for (int64_t d = 0; d < D; ++d) {
                 const __m256 k0 = _mm256_loadu_ps(col + d * Lp), k1 = _mm256_loadu_ps(col + d * Lp + 8);
@@ -217,6 +217,10 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
                 s20 = _mm256_fmadd_ps(b, k0, s20), s21 = _mm256_fmadd_ps(b, k1, s21);
                 b = _mm256_set1_ps(qr[3][d]);
                 s30 = _mm256_fmadd_ps(b, k0, s30), s31 = _mm256_fmadd_ps(b, k1, s31);
+                b = _mm256_set1_ps(qr[4][d]);
+                s40 = _mm256_fmadd_ps(b, k0, s40), s41 = _mm256_fmadd_ps(b, k1, s41);
+                b = _mm256_set1_ps(qr[5][d]);
+                s50 = _mm256_fmadd_ps(b, k0, s50), s51 = _mm256_fmadd_ps(b, k1, s51);
             }
             _mm256_storeu_ps(scores + 0 * Lp + j, _mm256_mul_ps(s00, scale));
             _mm256_storeu_ps(scores + 0 * Lp + j + 8, _mm256_mul_ps(s01, scale));
@@ -226,6 +230,10 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
             _mm256_storeu_ps(scores + 2 * Lp + j + 8, _mm256_mul_ps(s21, scale));
             _mm256_storeu_ps(scores + 3 * Lp + j, _mm256_mul_ps(s30, scale));
             _mm256_storeu_ps(scores + 3 * Lp + j + 8, _mm256_mul_ps(s31, scale));
+            _mm256_storeu_ps(scores + 4 * Lp + j, _mm256_mul_ps(s40, scale));
+            _mm256_storeu_ps(scores + 4 * Lp + j + 8, _mm256_mul_ps(s41, scale));
+            _mm256_storeu_ps(scores + 5 * Lp + j, _mm256_mul_ps(s50, scale));
+            _mm256_storeu_ps(scores + 5 * Lp + j + 8, _mm256_mul_ps(s51, scale));
         }
         float inv[QB];
         for (int r = 0; r < QB; ++r) { /* softmax of each row; the padded keys' scores are set to -inf first */
@@ -246,7 +254,7 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
         for (int64_t d = 0; d < D; d += 16) {
             const int wide = d + 16 <= D;
             __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
-                   a31 = a00;
+                   a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
             for (int64_t j = 0; j < L; ++j) {
                 const __m256 v0 = _mm256_loadu_ps(vc + j * D + d);
                 const __m256 v1 = wide ? _mm256_loadu_ps(vc + j * D + d + 8) : _mm256_setzero_ps();
@@ -258,8 +266,12 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
                 a20 = _mm256_fmadd_ps(b, v0, a20), a21 = _mm256_fmadd_ps(b, v1, a21);
                 b = _mm256_set1_ps(scores[3 * Lp + j]);
                 a30 = _mm256_fmadd_ps(b, v0, a30), a31 = _mm256_fmadd_ps(b, v1, a31);
+                b = _mm256_set1_ps(scores[4 * Lp + j]);
+                a40 = _mm256_fmadd_ps(b, v0, a40), a41 = _mm256_fmadd_ps(b, v1, a41);
+                b = _mm256_set1_ps(scores[5 * Lp + j]);
+                a50 = _mm256_fmadd_ps(b, v0, a50), a51 = _mm256_fmadd_ps(b, v1, a51);
             }
-            const __m256 out[QB][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+            const __m256 out[QB][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
             for (int r = 0; r < QB && i0 + r < queries; ++r) {
                 float *dst = context + (i0 + r) * H + d;
                 const __m256 m = _mm256_set1_ps(inv[r]);
