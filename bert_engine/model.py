@@ -137,7 +137,15 @@ class BertEmbeddings(nn.Module):
         self.roberta_padding = padding
         self.register_buffer("position_ids", torch.arange(config.max_position_embeddings), persistent=False)
 
+    # Set by runtime.fast.use_kernels where the layers run as one C call each: the embeddings in one too, for
+    # inference (fast.fused_embeddings), which answers None where it does not apply.
+    fused: Callable[..., Tensor | None] | None = None
+
     def forward(self, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        if self.fused is not None and not self.training:
+            out = self.fused(self, input_ids, token_type_ids, position_ids)
+            if out is not None:
+                return out
         B, T = input_ids.shape
         if position_ids is None:
             if self.roberta_padding is None:

@@ -310,3 +310,77 @@ def test_a_layer_given_new_weights_is_planned_again(monkeypatch):
     fused, modules = _run(model, monkeypatch, True, ids), _run(model, monkeypatch, False, ids)
     torch.testing.assert_close(fused, modules, atol=3e-6, rtol=1e-5)
     assert not torch.allclose(fused, before)
+
+
+def _embeddings_both_ways(monkeypatch, embeddings, *args):
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "1")
+    with torch.inference_mode():
+        fused = embeddings(*args)
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "0")
+    with torch.inference_mode():
+        plain = embeddings(*args)
+    return fused, plain
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert"])
+def test_the_embeddings_in_one_call_get_the_modules_answer(monkeypatch, family):
+    """fused_embeddings (a fused model's BertEmbeddings in inference): torch's sums in torch's order and the
+    layers' LayerNorm, within 1e-6 of the modules, segments or none, given positions or its own, a batch."""
+    model = _model(hidden=64)
+    embeddings = encoder_of(model).embeddings
+    assert embeddings.fused is fast.fused_embeddings
+    if family == "distilbert":
+        embeddings.token_type_embeddings = None
+    with torch.no_grad():
+        for table in (embeddings.word_embeddings, embeddings.position_embeddings):
+            table.weight.normal_()
+    calls = 0
+    real = native.library().fused_embeddings
+
+    def counted(*args):
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    monkeypatch.setattr(native.library(), "fused_embeddings", counted)
+    ids = torch.randint(0, 120, (3, 17))
+    types = torch.randint(0, 2, (3, 17))
+    for positions in (None, torch.arange(5, 22), torch.randint(0, 128, (3, 17))):
+        fused, plain = _embeddings_both_ways(monkeypatch, embeddings, ids, types, positions)
+        assert calls and fused.shape == plain.shape == (3, 17, 64)
+        assert float((fused - plain).abs().max()) < 1e-6
+        calls = 0
+    one = _embeddings_both_ways(monkeypatch, embeddings, ids[1:2], types[1:2], None)[0]
+    assert torch.equal(one[0], _embeddings_both_ways(monkeypatch, embeddings, ids, types, None)[0][1])
+
+
+def test_the_embeddings_fall_back_to_the_modules_where_the_c_code_does_not_apply(monkeypatch):
+    """An id outside its table: nothing read past it, the modules run and name it; RoBERTa's positions, a
+    renormalising table, gradients wanted: the modules' answer; new weights: read, not the planned ones."""
+    model = _model(hidden=64)
+    embeddings = encoder_of(model).embeddings
+    ids, types = torch.randint(0, 120, (2, 9)), torch.zeros(2, 9, dtype=torch.int64)
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "1")
+    for bad_ids, bad_types, bad_positions in ((ids + 120, types, None), (ids, types + 2, None),
+                                             (ids, types, torch.full((9,), 128))):
+        with torch.inference_mode():
+            assert fast.fused_embeddings(embeddings, bad_ids, bad_types, bad_positions) is None
+        with pytest.raises(IndexError), torch.inference_mode():
+            embeddings(bad_ids, bad_types, bad_positions)
+    with torch.inference_mode():
+        assert fast.fused_embeddings(embeddings, ids, types, None) is not None
+    assert fast.fused_embeddings(embeddings, ids, types, None) is None  # gradients wanted: the modules
+    with torch.no_grad():
+        replaced = torch.nn.Parameter(embeddings.word_embeddings.weight * 3)
+    embeddings.word_embeddings.weight = replaced
+    fused, plain = _embeddings_both_ways(monkeypatch, embeddings, ids, types, None)
+    assert float((fused - plain).abs().max()) < 1e-6 and float(plain.abs().max()) > 0
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "1")
+    with torch.inference_mode():
+        embeddings.word_embeddings.max_norm = 1.0
+        assert fast.fused_embeddings(embeddings, ids, types, None) is None
+        embeddings.word_embeddings.max_norm = None
+        assert fast.fused_embeddings(embeddings, ids, types, None) is not None
+        roberta = encoder_of(_model(hidden=64)).embeddings
+        roberta.roberta_padding = 1
+        assert fast.fused_embeddings(roberta, ids, types, None) is None

@@ -120,6 +120,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.int8_matmul.restype = ctypes.c_int
     lib.int8_matmul.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.int8_matmul_version.restype = ctypes.c_int
+    lib.fused_embeddings.restype = ctypes.c_int
+    lib.fused_embeddings.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, f32, ptr,
+                                     ctypes.c_int]
     lib.fused_activation.restype = None
     lib.fused_activation.argtypes = [ptr, i64, ctypes.c_int, ctypes.c_int]
     lib.crf_viterbi_nbest.restype = i64
