@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import as_strided
 from tqdm.auto import tqdm
 
 from bert_engine import ui
@@ -24,6 +23,7 @@ from bert_engine.tokenizer import Batch
 from plugins.qa_answerability import features, no_answer_probability
 from plugins.qa_data import read_data
 from plugins.qa_metric import metric
+from plugins.qa_spans import bands, whole_words
 from plugins.qa_view import answer_view, candidate_scores
 from plugins.starter import starter_checkpoint
 
@@ -162,8 +162,8 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
         is_home = in_context[:T] if home is None else np.array(
             [s == 1 and home.get(tuple(batch.offsets[row][t])) == row for t, s in enumerate(sequence_ids)]
             + [False] * (T - len(sequence_ids)))
-        band_context = _bands(in_context, T, A)  # (T, A): whether start + d is in the context
-        band_ends = _bands(np.concatenate([ends_np[row], beyond]), T, A)  # (T, A): its end scores
+        band_context = bands(in_context, T, A)  # (T, A): whether start + d is in the context
+        band_ends = bands(np.concatenate([ends_np[row], beyond]), T, A)  # (T, A): its end scores
         allowed = is_home[:, None] & band_context
         k = min(N_BEST_PER_WINDOW, int(allowed.sum()))
         if k == 0:
@@ -204,23 +204,6 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
         "no_answer": verdict,
         "windows": len(batch), "question_truncated": batch.meta["question_truncated"],
     }
-
-
-def _bands(values: np.ndarray, T: int, A: int) -> np.ndarray:
-    """(T, A) read-only view of `values` (T + A - 1,): row t holds values[t:t + A] (numpy's sliding_window_view,
-    without its checks, which cost more than the rest of a window's span search)."""
-    step = values.strides[0]
-    return as_strided(values, shape=(T, A), strides=(step, step), writeable=False)
-
-
-def whole_words(text: str, start: int, end: int) -> tuple[int, int]:
-    """A character span widened to whole words: a span whose edge falls inside a word (a word piece
-    boundary, e.g. "20:1" of "20:17") takes the rest of that word."""
-    while 0 < start < len(text) and text[start - 1].isalnum() and text[start].isalnum():
-        start -= 1
-    while 0 < end < len(text) and text[end - 1].isalnum() and text[end].isalnum():
-        end += 1
-    return start, end
 
 
 def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: bool = False, **options) -> list[dict]:
