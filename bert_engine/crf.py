@@ -361,11 +361,35 @@ def _pointer(array: np.ndarray) -> ctypes.c_void_p:
     return ctypes.c_void_p(array.ctypes.data)
 
 
+def _viterbi_row(lib: Any, row: np.ndarray, trans: np.ndarray, start: np.ndarray, end: np.ndarray,
+                 nbest: int) -> list[tuple[list[int], float]]:
+    """One row's (n, L) float32 n-best paths and scores through crf_decode.c (contiguous float32 inputs)."""
+    n, L = row.shape
+    paths, scores = np.empty((nbest, n), dtype=np.int64), np.empty(nbest, dtype=np.float32)
+    found = lib.crf_viterbi_nbest(_pointer(row), n, L, _pointer(trans), _pointer(start), _pointer(end), nbest,
+                                  _pointer(paths), _pointer(scores))
+    if found < 0:
+        raise MemoryError("the CRF's n-best Viterbi could not allocate its lists")
+    return [(paths[k].tolist(), float(scores[k])) for k in range(found)]
+
+
+def _forward_backward_row(lib: Any, row: np.ndarray, trans: np.ndarray, start: np.ndarray,
+                          end: np.ndarray) -> tuple[np.ndarray, float] | None:
+    """One row's (n, L) float64 marginals and log Z through crf_decode.c (contiguous float64 inputs); None where
+    the scaled recursion cannot represent a step."""
+    n, L = row.shape
+    part, z = np.empty((n, L)), ctypes.c_double()
+    status = lib.crf_forward_backward(_pointer(row), n, L, _pointer(trans), _pointer(start), _pointer(end),
+                                      _pointer(part), ctypes.byref(z))
+    if status < 0:
+        raise MemoryError("the CRF's forward-backward could not allocate its steps")
+    return None if status else (part, z.value)
+
+
 def _native_viterbi(lib: Any, em: np.ndarray, ok: np.ndarray, trans: Tensor, start: Tensor, end: Tensor,
                     nbest: int) -> list[list[tuple[list[int], float]]]:
     """_viterbi_nbest's answer through crf_decode.c, a row at a time over its own steps (a path covers the
     row's length; decode keeps that much of the numpy one's too)."""
-    B, _, L = em.shape
     tr = np.ascontiguousarray(trans.detach().float().cpu().numpy())
     st = np.ascontiguousarray(start.detach().float().cpu().numpy())
     en = np.ascontiguousarray(end.detach().float().cpu().numpy())
@@ -374,13 +398,7 @@ def _native_viterbi(lib: Any, em: np.ndarray, ok: np.ndarray, trans: Tensor, sta
         if n == 0:
             out.append([])
             continue
-        row = np.ascontiguousarray(em[b, :n])
-        paths, scores = np.empty((nbest, n), dtype=np.int64), np.empty(nbest, dtype=np.float32)
-        found = lib.crf_viterbi_nbest(_pointer(row), n, L, _pointer(tr), _pointer(st[b]), _pointer(en[b]), nbest,
-                                      _pointer(paths), _pointer(scores))
-        if found < 0:
-            raise MemoryError("the CRF's n-best Viterbi could not allocate its lists")
-        out.append([(paths[k].tolist(), float(scores[k])) for k in range(found)])
+        out.append(_viterbi_row(lib, np.ascontiguousarray(em[b, :n]), tr, st[b], en[b], nbest))
     return out
 
 
@@ -411,23 +429,13 @@ def _native_decode_with_marginals(lib: Any, crf: CRF, emissions: Tensor, mask: T
         # a window inside a document gets no start / end scores: the scores times False, as _per_row does
         st = start if first is None else start * np.float32(first[b])
         en = end if last is None else end * np.float32(last[b])
-        tags, scores = np.empty((nbest, n), dtype=np.int64), np.empty(nbest, dtype=np.float32)
-        found = lib.crf_viterbi_nbest(_pointer(row), n, L, _pointer(trans), _pointer(st), _pointer(en), nbest,
-                                      _pointer(tags), _pointer(scores))
-        if found < 0:
-            raise MemoryError("the CRF's n-best Viterbi could not allocate its lists")
-        paths.append([(tags[k].tolist(), float(scores[k])) for k in range(found)
-                      if not (constrained and float(scores[k]) < FORBIDDEN / 2)])
-        part, z = np.empty((n, L)), ctypes.c_double()
-        row64, st64, en64 = row.astype(np.float64), st.astype(np.float64), en.astype(np.float64)  # (held: C reads them)
-        status = lib.crf_forward_backward(_pointer(row64), n, L, _pointer(trans64), _pointer(st64), _pointer(en64),
-                                          _pointer(part), ctypes.byref(z))
-        if status < 0:
-            raise MemoryError("the CRF's forward-backward could not allocate its steps")
-        if status:
+        paths.append([(path, score) for path, score in _viterbi_row(lib, row, trans, st, en, nbest)
+                      if not (constrained and score < FORBIDDEN / 2)])
+        found = _forward_backward_row(lib, row.astype(np.float64), trans64, st.astype(np.float64),
+                                      en.astype(np.float64))
+        if found is None:
             return None
-        probs[b, positions] = part
-        log_z[b] = z.value
+        probs[b, positions], log_z[b] = found
     return paths, torch.from_numpy(probs), torch.from_numpy(log_z)
 
 
@@ -440,13 +448,9 @@ def _native_forward_backward(lib: Any, em: np.ndarray, ok: np.ndarray, tr: np.nd
     for b, n in enumerate(ok.sum(1).tolist()):
         if n == 0:
             continue
-        row, part = np.ascontiguousarray(em[b, :n]), np.empty((n, L))
-        z = ctypes.c_double()
-        status = lib.crf_forward_backward(_pointer(row), n, L, _pointer(tr), _pointer(np.ascontiguousarray(st[b])),
-                                          _pointer(np.ascontiguousarray(en[b])), _pointer(part), ctypes.byref(z))
-        if status < 0:
-            raise MemoryError("the CRF's forward-backward could not allocate its steps")
-        if status:
+        found = _forward_backward_row(lib, np.ascontiguousarray(em[b, :n]), tr, np.ascontiguousarray(st[b]),
+                                      np.ascontiguousarray(en[b]))
+        if found is None:
             return None
-        probs[b, :n], log_z[b] = part, z.value
+        probs[b, :n], log_z[b] = found
     return torch.from_numpy(probs).float(), torch.from_numpy(log_z)
