@@ -233,13 +233,17 @@ TASK_INPUTS = {"sentiment": {"text": "Alice was happy."}, "ner": {"text": "Alice
                "fill_mask": {"text": "Alice was [MASK] of sitting by her sister."}}
 
 
+@pytest.mark.parametrize("kernels", ["packed", "tiled"])
 @pytest.mark.parametrize("family", KINDS)
-def test_every_task_answers_on_every_family(family, tmp_path):
+def test_every_task_answers_on_every_family(family, kernels, tmp_path, monkeypatch):
     """A task's head sees an encoder output, never the family: each task answers on a RoBERTa-, ALBERT-
     and DistilBERT-shaped checkpoint (random weights, a real tokenizer); the tab's "[MASK]" works with
-    RoBERTa's "<mask>", and candidates read without their "Ġ"/"▁" marks."""
+    RoBERTa's "<mask>", and candidates read without their "Ġ"/"▁" marks. Under both kernel choices (which
+    "auto" makes per machine by timing): "tiled" runs the fused C embeddings and layers where they apply."""
     from bert_engine.serving.predictors import LazyPredictor
     from bert_engine.tasks.registry import load_registry
+
+    monkeypatch.setenv("BERT_ENGINE_KERNELS", kernels)
 
     folder = _family_checkpoint(family, tmp_path / family)
     registry = load_registry(entry_points=False)

@@ -19,11 +19,13 @@ reason = native.unavailable()
 pytestmark = pytest.mark.skipif(reason is not None, reason=f"the AVX2 kernels cannot run here: {reason}")
 
 
-def _model(hidden=64, heads=4, inner=128, act="gelu", layers=2, seed=0):
-    """A random encoder with every projection through the tiled kernel; LayerNorms not at their identity."""
+def _model(hidden=64, heads=4, inner=128, act="gelu", layers=2, seed=0, family="bert"):
+    """A random encoder with every projection through the tiled kernel; LayerNorms not at their identity.
+    family "distilbert": built without a token-type table, as a DistilBERT checkpoint's model is."""
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=120, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                        intermediate_size=inner, hidden_act=act, max_position_embeddings=128)
+                        intermediate_size=inner, hidden_act=act, max_position_embeddings=128,
+                        model_type=family, type_vocab_size=0 if family == "distilbert" else 2)
     model = BertModel(config, add_pooler=False).eval()
     with torch.no_grad():
         for module in model.modules():
@@ -326,11 +328,10 @@ def _embeddings_both_ways(monkeypatch, embeddings, *args):
 def test_the_embeddings_in_one_call_get_the_modules_answer(monkeypatch, family):
     """fused_embeddings (a fused model's BertEmbeddings in inference): torch's sums in torch's order and the
     layers' LayerNorm, within 1e-6 of the modules, segments or none, given positions or its own, a batch."""
-    model = _model(hidden=64)
+    model = _model(hidden=64, family=family)
     embeddings = encoder_of(model).embeddings
     assert embeddings.fused is fast.fused_embeddings
-    if family == "distilbert":
-        embeddings.token_type_embeddings = None
+    assert (embeddings.token_type_embeddings is None) == (family == "distilbert")
     with torch.no_grad():
         for table in (embeddings.word_embeddings, embeddings.position_embeddings):
             table.weight.normal_()

@@ -901,8 +901,10 @@ class _EmbeddingPlan:
 
     def __init__(self, embeddings: nn.Module) -> None:
         children = embeddings._modules
+        # (a DistilBERT's or RoBERTa's None table is a plain attribute where the module was built without one,
+        # an entry of _modules where it was set to None afterwards: getattr finds either)
         word, positions, segments, norm = (children["word_embeddings"], children["position_embeddings"],
-                                           children["token_type_embeddings"], children["layer_norm"])
+                                           getattr(embeddings, "token_type_embeddings", None), children["layer_norm"])
         tables = [word, positions] + ([segments] if segments is not None else [])
         E = word.weight.shape[1]
         self.supported = (E % 8 == 0 and embeddings.roberta_padding is None
