@@ -112,16 +112,19 @@ def preprocess(inputs, tokenizer, *, top_k, function, long_input, max_length, st
     return batch
 
 
+def resolved(function: str, problem_type: str | None, labels: int) -> str:
+    """The function "auto" stands for (see probabilities); any other as it is."""
+    if function != "auto":
+        return function
+    if problem_type == "multi_label_classification" or labels == 1:
+        return "sigmoid"
+    return "none" if problem_type == "regression" else "softmax"
+
+
 def probabilities(logits: Tensor, function: str, problem_type: str | None) -> tuple[Tensor, str]:
     """Scores from logits (…, L) with the pipeline's rule for "auto": sigmoid for one label or
     multi-label heads, none for regression, softmax otherwise."""
-    if function == "auto":
-        if problem_type == "multi_label_classification" or logits.shape[-1] == 1:
-            function = "sigmoid"
-        elif problem_type == "regression":
-            function = "none"
-        else:
-            function = "softmax"
+    function = resolved(function, problem_type, logits.shape[-1])
     logits = logits.float()
     if function == "softmax":
         return logits.softmax(-1), function
@@ -134,11 +137,13 @@ def postprocess(output: SentimentOutput, batch, *, top_k, function, long_input, 
     """Per input: the top label and score, all labels ranked (or `top_k`), the raw logits (of the one
     window, or the windows' token-weighted mean) and the long-input policy."""
     logits = output.logits.float().cpu()  # the model's device (a GPU's); the batch comes on the CPU
-    _, used = probabilities(logits, function, output.problem_type)
-    scores, _ = probabilities(logits / temperature if used != "none" else logits, used, None)  # (rows, L)
+    used = resolved(function, output.problem_type, logits.shape[-1])
+    scaled = logits / temperature if used != "none" and temperature != 1 else logits  # (x / 1 is x: skipped)
+    scores = probabilities(scaled, used, None)[0].numpy()  # (rows, L)
+    # (a few rows: numpy's small-array operators cost less than torch's, which cost 10-20 us each in a request)
     sample = np.asarray(batch.sample_index)
-    weights = batch.attention_mask.sum(-1).float()[:, None].numpy()  # a window counts by its number of tokens
-    scores, logits = scores.numpy(), logits.numpy()  # (a few rows: numpy's small-array ops cost less than torch's)
+    weights = batch.attention_mask.numpy().sum(-1, dtype=np.float32)[:, None]  # a window counts by its tokens
+    logits = logits.numpy()
     results = []
     for i in range(batch.meta["num_inputs"]):
         rows = np.flatnonzero(sample == i)

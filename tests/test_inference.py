@@ -181,3 +181,24 @@ def test_compile_without_a_cpp_compiler_falls_back_to_eager_and_says_so(tiny_con
         monkeypatch.undo()
         cpp_builder.cpp_compiler_search.cache_clear()
     assert fast.cpp_compiler()  # this machine has one: found again once the setting is back
+
+
+def test_the_provenance_is_worked_out_once_and_follows_the_model(monkeypatch):
+    """provenance() keeps what it worked out while the model, precision and kernels stay as they were: a
+    caller changing an answer's provenance changes no later one, and a model cast after loading is named."""
+    monkeypatch.setenv("BERT_ENGINE_KERNELS", "packed")
+    predictor = tiny_predictor(BUILTIN.task("sentiment"))
+    prepare_for_inference(predictor.model)
+    first = predictor.predict({"text": "a fine film"})["provenance"]
+    assert first["dtype"] == "float32" and first["latency_ms"] >= 0 and first["kernels"]["qkv"] == "packed"
+    first["dtype"] = "changed"
+    first["kernels"]["qkv"] = "changed"
+    again = predictor.provenance()
+    assert again["dtype"] == "float32" and again["kernels"]["qkv"] == "packed"
+    assert "latency_ms" not in again
+    plain = tiny_predictor(BUILTIN.task("sentiment"))  # (packed weights cannot be cast)
+    assert plain.provenance()["dtype"] == "float32"
+    plain.model.to(torch.bfloat16)
+    assert plain.provenance()["dtype"] == "bfloat16"
+    plain.precision = "int8"
+    assert plain.provenance()["dtype"] == "int8"
