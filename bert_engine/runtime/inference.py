@@ -62,8 +62,7 @@ def __getattr__(name: str) -> Any:  # MAX_REQUEST_TOKENS, as plugins written aga
 def check_request_cost(task: str, batch: Batch, limit: int | None = None) -> None:
     """InputError when one input of `batch` needs more than `limit` tokens over all its window rows."""
     limit = max_request_tokens() if limit is None else limit
-    mask = batch.attention_mask
-    real = (mask if mask.device.type == "cpu" else mask.cpu()).numpy().sum(1).tolist()  # (numpy: cheaper on few rows)
+    real = batch.attention_mask.sum(dim=1).tolist()
     per_input: dict[int, list[int]] = {}
     for tokens, index in zip(real, batch.sample_index):  # a task may keep fewer rows than it windowed
         per_input.setdefault(index, []).append(tokens)
@@ -391,11 +390,12 @@ class Predictor:
         """Which plugin, model, device, precision and kernels answered (and the request's latency): worked out
         once per state of those, as a request's cost is mostly its cold Python (0.17 ms worked out each time)."""
         model = self.model
-        first = next(model.parameters(), None)  # (its dtype: a model cast after loading says so)
-        key = (self.precision, None if first is None else first.dtype, self.model_id, self.revision, self.device,
-               self.untrained_head, model, getattr(model, "kernel_choice", None), getattr(model, "int8_kernel", None),
-               getattr(model, "compiled", False))
         kept = self.__dict__.get("_provenance")
+        # the model's first parameter, whose dtype follows a cast after loading (found again for another model)
+        first = kept[0][1] if kept is not None and kept[0][0] is model else next(model.parameters(), None)
+        key = (model, first, self.precision, None if first is None else first.dtype, self.model_id, self.revision,
+               self.device, self.untrained_head, getattr(model, "kernel_choice", None),
+               getattr(model, "int8_kernel", None), getattr(model, "compiled", False))
         if kept is None or kept[0] != key:
             kept = self._provenance = (key, self._provenance_now())
         info = {name: dict(value) if isinstance(value, dict) else value for name, value in kept[1].items()}
