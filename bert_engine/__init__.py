@@ -24,12 +24,12 @@ _EXPORTS = {
     "load": "checkpoints.loader", "load_pretrained": "checkpoints.loader", "load_tokenizer": "checkpoints.loader",
     "CheckpointError": "checkpoints.loading", "Loaded": "checkpoints.loading", "save_pretrained": "checkpoints.loading",
     "BertModel": "model", "EncoderOutput": "model", "Pipeline": "serving.pipeline", "pipeline": "serving.pipeline",
-    "Batch": "tokenizer", "Tokenizer": "tokenizer",
+    "Batch": "tokenizer", "Tokenizer": "tokenizer", "InputError": "errors",
 }
 __all__ = [
     "PRESETS", "BertConfig", "HEADS", "BertWithHead", "HubError", "default_backbone", "resolve", "load", "load_pretrained",
     "load_tokenizer", "CheckpointError", "Loaded", "save_pretrained", "BertModel", "EncoderOutput", "Pipeline",
-    "pipeline", "Batch", "Tokenizer",
+    "pipeline", "Batch", "Tokenizer", "InputError",
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below imports on first use
@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
     from .checkpoints.loader import load, load_pretrained, load_tokenizer
     from .checkpoints.loading import CheckpointError, Loaded, save_pretrained
     from .config import PRESETS, BertConfig
+    from .errors import InputError
     from .heads import HEADS, BertWithHead
     from .model import BertModel, EncoderOutput
     from .serving.pipeline import Pipeline, pipeline
