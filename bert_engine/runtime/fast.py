@@ -900,11 +900,9 @@ class _EmbeddingPlan:
     be the modules' own (as _FusedPlan's)."""
 
     def __init__(self, embeddings: nn.Module) -> None:
-        children = embeddings._modules
-        # (a DistilBERT's or RoBERTa's None table is a plain attribute where the module was built without one,
-        # an entry of _modules where it was set to None afterwards: getattr finds either)
-        word, positions, segments, norm = (children["word_embeddings"], children["position_embeddings"],
-                                           getattr(embeddings, "token_type_embeddings", None), children["layer_norm"])
+        # (attributes, not _modules: a table built as None, DistilBERT's token types, is a plain attribute)
+        word, positions, segments, norm = (embeddings.word_embeddings, embeddings.position_embeddings,
+                                           embeddings.token_type_embeddings, embeddings.layer_norm)
         tables = [word, positions] + ([segments] if segments is not None else [])
         E = word.weight.shape[1]
         self.supported = (E % 8 == 0 and embeddings.roberta_padding is None
