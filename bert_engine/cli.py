@@ -55,7 +55,8 @@ def _info(args: argparse.Namespace) -> dict:
         choice = choose_kernels(model.eval(), kernel_cache())
         info["kernels"] = {name: {**c, "runs": kernel_label(c)} for name, c in choice.items()}
         info["fused_layers"] = fused_label(choice) if native.unavailable() is None else "not used: no tiled kernel here"
-        info["tiled_kernel"] = native.unavailable() or "available"  # why bert_engine's own kernel is not a candidate
+        # why bert_engine's own kernel is not a candidate, or the vector width it runs at
+        info["tiled_kernel"] = native.unavailable() or f"available ({'AVX-512' if native.isa() == 512 else 'AVX2'})"
         info["int8_kernel"] = int8 = int8_kernel()  # what --precision int8 runs its projections' matmuls with
         info["int8_fused_layers"] = ("off (BERT_ENGINE_FUSED_LAYERS=0)" if not settings.get("BERT_ENGINE_FUSED_LAYERS")
                                      else "every input: each layer in one C call" if int8 == "tiled"

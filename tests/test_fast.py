@@ -386,12 +386,12 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
         expected[name] = picked
     fast.favour_fusion(expected)
     for name, found in choice.items():
-        assert fast.short_and_long(found) == fast.short_and_long(expected[name]), name
-        module = kinds[name]
-        if isinstance(module, fast.RowSwitch):
-            assert (classes[type(module.short)], classes[type(module.long)]) == (found["chose"], found["past_rows"][1])
-        else:
-            assert classes[type(module)] == found["chose"] and "past_rows" not in found, name
+        assert fast.choice_tiers(found) == fast.choice_tiers(expected[name]), name
+        module, tiers = kinds[name], []
+        while isinstance(module, fast.RowSwitch):  # tiers: kernel up to rows, then the next ...
+            tiers += [classes[type(module.short)], module.rows]
+            module = module.long
+        assert (*tiers, classes[type(module)]) == fast.choice_tiers(found), name
     assert predictor.provenance()["kernels"] == {name: fast.kernel_label(c) for name, c in choice.items()}
     assert len(json.loads(cache.read_text())) == 4
     # keyed by what the kernels can use, not the model name alone (an "AMD EPYC" VM is AVX2 or AVX-512)

@@ -169,7 +169,8 @@ def test_short_and_long_rows_get_their_own_kernel_and_the_provenance_says_so(mon
     }
     order = iter(["qkv", "out", "up", "down"])
     monkeypatch.setattr(fast, "time_kernels", lambda *args, **kwargs: timings[next(order)])
-    monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")  # as on an AVX-512 CPU
+    monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")  # as on an AVX-512 CPU ...
+    monkeypatch.setattr(native, "isa", lambda: 256)  # ... without the wide kernel's rule (tested on its own below)
     model = BertModel(PRESETS["tiny"]).eval()
     reference = copy.deepcopy(model)
     monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
@@ -190,6 +191,109 @@ def test_short_and_long_rows_get_their_own_kernel_and_the_provenance_says_so(mon
             out = model(input_ids=batch).last_hidden_state
             torch.testing.assert_close(out, reference(input_ids=batch).last_hidden_state, atol=2e-5, rtol=0)
     assert seen == ["short", "long"]
+
+
+wide = pytest.mark.skipif(reason is not None or native.wanted_isa() != 512,
+                          reason="the kernel's AVX-512 width needs a CPU whose torch capability is AVX512")
+
+
+@wide
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [
+    (1, 16, 8), (5, 24, 33), (12, 40, 128), (13, 100, 130), (25, 1152, 384), (40, 8, 300), (193, 48, 1536),
+    (1500, 40, 400),  # 2.4 MB of input: chunks of rows first
+])
+def test_the_avx512_width_gives_the_avx2_widths_bits(rows, out_features, in_features):
+    """Each output is the same chain of fused multiply-adds at either width: the same bits, whatever the rows,
+    an odd number of panels (run as a pair with itself), k blocks and the threads."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(in_features, out_features).requires_grad_(False)
+    module = fast.TiledLinear(linear)
+    x = torch.randn(rows, in_features)
+    lib = native.library()
+    got = {}
+    try:
+        for bits in (256, 512):
+            assert lib.tiled_matmul_set_isa(bits) == bits
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                with torch.inference_mode():
+                    got[bits, threads] = module(x)
+    finally:
+        lib.tiled_matmul_set_isa(native.isa())
+        torch.set_num_threads(2)
+    assert all(torch.equal(out, got[256, 1]) for out in got.values())
+    error = float((got[512, 2].double() - _reference(x, linear)).abs().max())
+    assert error <= 3 * float((linear(x).double() - _reference(x, linear)).abs().max()) + 1e-7
+
+
+def test_the_width_follows_torchs_capability_and_the_setting(monkeypatch):
+    monkeypatch.setenv("BERT_ENGINE_CPU_CAPABILITY", "avx2")
+    assert native.wanted_isa() == 256
+    monkeypatch.delenv("BERT_ENGINE_CPU_CAPABILITY")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert native.wanted_isa() == 256
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(native, "_cpu_flags", lambda: ["avx2", "fma", "avx512f"])
+    assert native.wanted_isa() == 512
+    monkeypatch.setattr(native, "_cpu_flags", lambda: ["avx2", "fma"])
+    assert native.wanted_isa() == 256
+
+
+def test_a_wide_kernel_runs_a_visitors_rows_fused_in_front_of_the_choices(monkeypatch):
+    """Where the tiled kernel is AVX-512 wide and packed is the incumbent, inputs of up to FUSED_ROWS_WIDE rows run
+    all four projections tiled (each layer in one C call) where, timed at those rows, that costs the matmuls at
+    most 10 %; each projection keeps its own choices past them. Past 10 %, at AVX2's width, or with the setting
+    off, nothing changes."""
+    monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")
+    monkeypatch.setattr(native, "isa", lambda: 512)
+
+    def choice(tiled_short):
+        rows = {"24": {"packed": 1.0, "plain": 1.2, "tiled": tiled_short},
+                "128": {"packed": 2.0, "plain": 2.4, "tiled": 3.0}, "2048": {"packed": 30, "plain": 28, "tiled": 40}}
+        made = {name: {"rows": rows, "chose": "packed"} for name in fast.PROJECTIONS}
+        made["out"]["past_rows"] = [256, "plain"]
+        made["down"] = {"rows": rows, "chose": "tiled", "past_rows": [256, "packed"]}
+        return made
+
+    near = choice(1.08)
+    fast.favour_fusion(near)
+    labels = {name: fast.kernel_label(c) for name, c in near.items()}
+    assert labels == {"qkv": "tiled up to 64 rows, then packed", "up": "tiled up to 64 rows, then packed",
+                      "out": "tiled up to 64 rows, then packed up to 256 rows, then plain",
+                      "down": "tiled up to 256 rows, then packed"}
+    assert fast.fused_label(near) == f"inputs of up to {fast.FUSED_ROWS_WIDE} rows: each layer in one C call"
+    for made in (choice(1.15), None, "off"):
+        if made == "off":
+            monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "0")
+        elif made is None:
+            monkeypatch.setattr(native, "isa", lambda: 256)
+        kept = choice(1.0) if not isinstance(made, dict) else made
+        fast.favour_fusion(kept)
+        assert kept["qkv"] == {"rows": kept["qkv"]["rows"], "chose": "packed"}
+        assert fast.kernel_label(kept["out"]) == "packed up to 256 rows, then plain"
+
+
+@needs_kernel
+def test_three_tiers_run_in_turn_and_a_visitors_rows_fuse(monkeypatch):
+    """A projection's tiers (tiled up to 64 rows, packed up to 256, plain past): each length runs its own kernel,
+    the answers agree with the unswapped model, and only the rows every projection runs tiled are fused."""
+    model = BertModel(PRESETS["tiny"]).eval()
+    reference = copy.deepcopy(model)
+    tiers = ("tiled", 64, "packed", 256, "plain")
+    fast.use_kernels(model, {name: tiers for name in fast.PROJECTIONS})
+    layer = model.layers[0]
+    qkv = layer.attention.qkv
+    assert isinstance(qkv, fast.RowSwitch) and isinstance(qkv.long, fast.RowSwitch)
+    assert isinstance(qkv.kernel_at(64), fast.TiledLinear)
+    assert isinstance(qkv.long.kernel_at(65), fast.PackedLinear) and type(qkv.long.kernel_at(300)) is nn.Linear
+    assert layer.fused is fast.fused_layer
+    hidden = model.config.hidden_size
+    assert fast._plan(layer, 64, hidden) is not None and fast._plan(layer, 65, hidden) is None
+    with torch.inference_mode():
+        for shape in ((1, 11), (2, 50), (6, 60)):  # 11, 100 and 360 rows
+            ids = torch.randint(5, 99, shape)
+            torch.testing.assert_close(model(input_ids=ids).last_hidden_state,
+                                       reference(input_ids=ids).last_hidden_state, atol=2e-5, rtol=0)
 
 
 def test_the_incumbent_keeps_its_place_unless_another_is_ten_percent_faster():

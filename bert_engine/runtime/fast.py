@@ -7,9 +7,10 @@ or MKL's sgemm behind plain nn.Linear, depends on the CPU (MKL runs its AVX2 cod
 its AVX-512 one; on AVX2-only parts either may win): `choose_kernels` times both on the model's own
 shapes once per machine and keeps the faster per projection (BERT_ENGINE_KERNELS). A third candidate is
 bert_engine's own AVX2 matmul (`TiledLinear`, tiled_matmul.c built by native.py where a C compiler is
-found): at the few rows of one request it reads each weight from memory once, where oneDNN and MKL lose
-time. Short inputs (up to COLD_ROWS rows) and long ones are timed and chosen apart (`RowSwitch` runs the
-two kernels where they differ). Which precision uses which kernel, and what the CPU must support for it,
+found; at AVX-512's width where the CPU has it): at the few rows of one request it reads each weight from
+memory once, where oneDNN and MKL lose time. Short inputs (up to COLD_ROWS rows) and long ones are timed and
+chosen apart (`RowSwitch` runs the kernels where they differ; on AVX-512 CPUs a visitor's inputs, up to
+FUSED_ROWS_WIDE rows, may run the tiled kernel in front of both: `favour_fusion`). Which precision uses which kernel, and what the CPU must support for it,
 is decided in precision.py.
 
 `benchmarks/encoder.py` measures the speed of each and `benchmarks/workloads.py` the share of
@@ -671,6 +672,15 @@ class RowSwitch(nn.Module):
         return f"up to {self.rows} rows: short, past them: long"
 
 
+def kernel_tiers(kernels: tuple) -> tuple:
+    """A projection's kernels as (kernel, rows, kernel, rows, ..., kernel): the first up to the rows after it,
+    the next from there, and so on. `kernels` is that already, or (short, long): short up to COLD_ROWS rows."""
+    if len(kernels) == 2:
+        short, long = kernels
+        return (short,) if short == long else (short, COLD_ROWS, long)
+    return tuple(kernels)
+
+
 def _fuses(kernel: str, activation) -> bool:
     """Whether `kernel` (KERNELS) applies `activation` itself: oneDNN's a GELU, the tiled kernel any."""
     return kernel == "tiled" or (kernel == "packed" and activation in PackedLinear._GELU)
@@ -683,29 +693,32 @@ def _kernel_module(kernel: str, linear: nn.Linear, activation) -> nn.Module:
     return PackedLinear(linear, activation) if kernel == "packed" else linear
 
 
-def use_kernels(model: nn.Module, choice: dict[str, tuple[str, str]]) -> nn.Module:
+def use_kernels(model: nn.Module, choice: dict[str, tuple]) -> nn.Module:
     """Run each projection named in `choice` (KERNEL_CHOICES: PROJECTIONS, and "decoder" for a masked-LM
-    head's) through its kernels (short rows, long rows: KERNELS; see `choose_kernels`), in place. Kernels
+    head's) through its kernels (short rows, long rows: KERNELS; or tiers, see `kernel_tiers` and
+    `choose_kernels`), in place. Kernels
     this model or machine cannot run are left out (packed: fp32 or oneDNN bf16 on a CPU; tiled: fp32 where
     native.py builds it), as is a projection already swapped or quantised. The feed-forward's activation
     moves into its first projection where every kernel of it fuses it (oneDNN a GELU, the tiled kernel any);
     else it stays after it. A swapped decoder is a copy: the word embeddings it was tied to stay."""
-    wanted = {k for kernels in choice.values() for k in kernels}  # the tiled kernel is built only if asked for
+    choice = {name: kernel_tiers(kernels) for name, kernels in choice.items()}
+    wanted = {k for kernels in choice.values() for k in kernels[::2]}  # the tiled kernel is built only if asked for
     runs = {"plain": True, "packed": "packed" in wanted and can_pack(model),
             "tiled": "tiled" in wanted and next(model.parameters()).dtype == torch.float32
             and native.library() is not None}
-    kept = {name: kernels for name, kernels in choice.items() if all(runs[k] for k in kernels)
-            and kernels != ("plain", "plain")}
+    kept = {name: kernels for name, kernels in choice.items() if all(runs[k] for k in kernels[::2])
+            and kernels != ("plain",)}
 
     def swap(linear: nn.Module, name: str, activation=None) -> nn.Module | None:
         if name not in kept or not isinstance(linear, nn.Linear):
             return None
-        short, long = kept[name]
-        if activation is not None and not (_fuses(short, activation) and _fuses(long, activation)):
-            return None if short == long == "plain" else swap(linear, name)  # the activation stays after it
-        module = _kernel_module(short, linear, activation)
-        if long != short:
-            module = RowSwitch(module, _kernel_module(long, linear, activation), COLD_ROWS, linear.in_features)
+        tiers = kept[name]
+        if activation is not None and not all(_fuses(kernel, activation) for kernel in tiers[::2]):
+            return swap(linear, name)  # the activation stays after it
+        module = _kernel_module(tiers[-1], linear, activation)
+        for at in range(len(tiers) - 3, -1, -2):  # from the last boundary back: short up to it, the rest past it
+            module = RowSwitch(_kernel_module(tiers[at], linear, activation), module, tiers[at + 1],
+                               linear.in_features)
         return module
 
     for head in mlm_heads(model):
@@ -716,11 +729,10 @@ def use_kernels(model: nn.Module, choice: dict[str, tuple[str, str]]) -> nn.Modu
         attention.out = swap(attention.out, "out") or attention.out
         up = swap(ffn.up, "up", ffn.act)
         if up is not None:
-            kernels = kept["up"]
-            fused = _fuses(kernels[0], ffn.act) and _fuses(kernels[1], ffn.act)
+            fused = all(_fuses(kernel, ffn.act) for kernel in kept["up"][::2])
             ffn.up, ffn.act = up, (_identity if fused else ffn.act)
         ffn.down = swap(ffn.down, "down") or ffn.down
-        if all("tiled" in kept.get(name, ()) for name in PROJECTIONS):
+        if all("tiled" in kept.get(name, ())[::2] for name in PROJECTIONS):
             layer.fused = fused_layer
             encoder_of(model).embeddings.fused = fused_embeddings
     model.eval()
@@ -742,7 +754,7 @@ def _fusable_int8(module: nn.Module) -> bool:
 def _tiled_at(module: nn.Module, rows: int) -> TiledLinear | Int8Linear | None:
     """The TiledLinear `module` runs `rows` rows through, if it is one (or a RowSwitch choosing one), or the
     module itself where it is an Int8Linear fused_layer.c can run."""
-    if isinstance(module, RowSwitch):
+    while isinstance(module, RowSwitch):
         module = module.kernel_at(rows)
     return module if isinstance(module, TiledLinear) or _fusable_int8(module) else None
 
@@ -1097,14 +1109,30 @@ def short_rows_incumbent() -> str:
 
 
 def short_and_long(choice: dict[str, Any]) -> tuple[str | None, str | None]:
-    """A projection's choice (choose_kernels') as its kernels for short inputs and for long ones."""
-    return choice.get("chose"), choice["past_rows"][1] if "past_rows" in choice else choice.get("chose")
+    """A projection's choice (choose_kernels') as its kernels for the shortest inputs and for the longest."""
+    return choice.get("chose"), choice["past_rows"][-1] if "past_rows" in choice else choice.get("chose")
+
+
+def choice_tiers(choice: dict[str, Any]) -> tuple:
+    """A projection's choice (choose_kernels') as `kernel_tiers`: "chose", then "past_rows" (rows, kernel, ...)."""
+    return (choice.get("chose"), *choice.get("past_rows", ()))
 
 
 def kernel_label(choice: dict[str, Any]) -> str:
-    """How a projection's choice reads in the provenance: "tiled", or "tiled up to 256 rows, then packed"."""
-    short, long = short_and_long(choice)
-    return short if long == short else f"{short} up to {choice['past_rows'][0]} rows, then {long}"
+    """How a projection's choice reads in the provenance: "tiled", or "tiled up to 256 rows, then packed"
+    (or "tiled up to 64 rows, then packed up to 256 rows, then plain")."""
+    tiers = choice_tiers(choice)
+    return str(tiers[0]) + "".join(f" up to {rows} rows, then {kernel}" for rows, kernel in zip(tiers[1::2], tiers[2::2]))
+
+
+def _tiled_rows(tiers: tuple) -> float:
+    """Up to how many rows a projection's tiers run the tiled kernel from the first row on (0: not at 1 row)."""
+    if tiers[0] != "tiled":
+        return 0
+    for rows, kernel in zip(tiers[1::2], tiers[2::2]):
+        if kernel != "tiled":
+            return rows
+    return math.inf
 
 
 FUSION_MARGIN = 1.10  # the matmul time short inputs may give up for their layers to run fused (favour_fusion)
@@ -1112,6 +1140,12 @@ FUSION_MARGIN = 1.10  # the matmul time short inputs may give up for their layer
 # fused with the tiled kernel in groups of sequences, MiniLM's 32x128 fp32 forward took 0.86-0.93x the packed
 # modules' time with the tiled matmuls timed at 1.02x the packed ones (AVX2 EPYC, session 37, benchmarks/README.md)
 FUSION_MARGIN_LONG = 1.05
+# Where the tiled kernel runs at AVX-512's width (native.isa() == 512) and oneDNN's packed kernel stays short inputs'
+# incumbent, inputs of up to this many rows (a visitor's sentence) run all four projections tiled, so each layer in
+# one C call, where at FUSED_ROWS_WIDE's timed rows that costs the matmuls at most FUSION_MARGIN. A whole MiniLM
+# forward on the Cascade Lake Xeon: 2.1x / 1.9x / 1.45x / 1.3x packed's at 12 / 24 / 48 / 64 tokens, 0.98x at 96,
+# 0.92x at 128 (benchmarks/README.md, session 40).
+FUSED_ROWS_WIDE = 64
 
 
 def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
@@ -1122,10 +1156,14 @@ def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
     would cost the layer's matmuls at most FUSION_MARGIN over the choices for short inputs (summed over the
     projections, each number of rows alike; and where it was kept for some of them), or FUSION_MARGIN_LONG for
     long ones, all four take it for those inputs: one noisy timing at first load no longer turns fusion off
-    for good. Elsewhere (where the fused layer's gain was not measured) nothing changes."""
-    if short_rows_incumbent() != "tiled" or not settings.get("BERT_ENGINE_FUSED_LAYERS"):
+    for good. Where the tiled kernel runs at AVX-512's width instead, inputs of up to FUSED_ROWS_WIDE rows take
+    it in front of the choices (`_favour_fusion_wide`). Elsewhere nothing changes."""
+    if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
         return
     if any(name not in choice or "rows" not in choice[name] for name in PROJECTIONS):
+        return
+    if short_rows_incumbent() != "tiled":
+        _favour_fusion_wide(choice)
         return
     kernels = {name: short_and_long(choice[name]) for name in PROJECTIONS}
     short = [kernels[name][0] for name in PROJECTIONS]
@@ -1142,6 +1180,25 @@ def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
         entry["chose"] = short_kernel
         if long_kernel != short_kernel:
             entry["past_rows"] = [COLD_ROWS, long_kernel]
+
+
+def _favour_fusion_wide(choice: dict[str, dict[str, Any]]) -> None:
+    """favour_fusion where the tiled kernel is AVX-512 wide: every projection runs it up to FUSED_ROWS_WIDE rows,
+    then its own choices, where at the timed rows up to there the four tiled cost at most FUSION_MARGIN times
+    the kernels chosen for them."""
+    timed = all("tiled" in row for name in PROJECTIONS for row in choice[name]["rows"].values())
+    if not timed or native.isa() != 512:  # (timed: the library is loaded, so asking its width builds nothing)
+        return
+    short = [short_and_long(choice[name])[0] for name in PROJECTIONS]
+    if all(kernel == "tiled" for kernel in short) or not _fusing_costs_little(
+            choice, short, lambda n: n <= FUSED_ROWS_WIDE, FUSION_MARGIN):
+        return
+    for name in PROJECTIONS:
+        tiers = choice_tiers(choice[name])
+        if tiers[0] == "tiled":  # already tiled past FUSED_ROWS_WIDE: unchanged
+            continue
+        choice[name]["chose"] = "tiled"
+        choice[name]["past_rows"] = [FUSED_ROWS_WIDE, *tiers]
 
 
 def _fusing_costs_little(choice: dict[str, dict[str, Any]], chosen: list[str], counts_taken, margin: float) -> bool:
@@ -1163,14 +1220,13 @@ def fused_label(choice: dict[str, dict[str, Any]]) -> str:
     all four projections on the tiled kernel at the input's number of rows."""
     if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
         return "off (BERT_ENGINE_FUSED_LAYERS=0)"
-    kernels = {name: short_and_long(choice.get(name, {})) for name in PROJECTIONS}
-    short = [name for name, (kernel, _) in kernels.items() if kernel != "tiled"]
-    long = [name for name, (_, kernel) in kernels.items() if kernel != "tiled"]
-    if not short and not long:
-        return "every input: each layer in one C call"
-    if not short:
-        return f"inputs of up to {COLD_ROWS} rows: each layer in one C call"
-    return f"not used: {', '.join(short)} {'does' if len(short) == 1 else 'do'} not run the tiled kernel"
+    reach = {name: _tiled_rows(choice_tiers(choice.get(name, {}))) for name in PROJECTIONS}
+    short = [name for name, rows in reach.items() if not rows]
+    if short:
+        return f"not used: {', '.join(short)} {'does' if len(short) == 1 else 'do'} not run the tiled kernel"
+    rows = min(reach.values())
+    return ("every input: each layer in one C call" if rows == math.inf
+            else f"inputs of up to {rows} rows: each layer in one C call")
 
 
 def int8_fused_label(model: nn.Module) -> str:

@@ -1,4 +1,5 @@
-"""bert_engine's own C kernels for AVX2 + FMA CPUs, built at first use: tiled_matmul.c (an fp32 matmul),
+"""bert_engine's own C kernels for AVX2 + FMA CPUs, built at first use: tiled_matmul.c (an fp32 matmul, run at
+AVX-512's width where torch's own capability reading is AVX512: `isa()`),
 int8_matmul.c (an int8 one for CPUs without VNNI: fast.Int8Linear's "tiled" kernel), fused_layer.c (a whole
 encoder layer around either, for inference: fast.fused_layer) and crf_decode.c (the CRF's
 n-best Viterbi and forward-backward for one row, which bert_engine/crf.py runs once the library has loaded).
@@ -70,13 +71,30 @@ def cpu_supported() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return f"the CPU's capability is {capability}: the kernel needs AVX2 and FMA"
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = _cpu_flags()
     missing = [flag for flag in ("avx2", "fma") if flag not in flags]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        return next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
+def wanted_isa() -> int:
+    """The vector width for tiled_matmul here: 512 where torch reads the CPU as AVX512 (BERT_ENGINE_CPU_CAPABILITY=avx2
+    holds it to 256) and the CPU lists avx512f, else 256. Both widths give the same bits."""
+    if settings.get("BERT_ENGINE_CPU_CAPABILITY").lower() in ("avx2", "default"):
+        return 256
+    return 512 if torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in _cpu_flags() else 256
+
+
+def isa() -> int | None:
+    """The vector width the loaded library's tiled_matmul runs at (256 or 512); None where it is not loaded."""
+    return _state.get("isa") if library() is not None else None  # type: ignore[return-value]
 
 
 def _build(cc: list[str]) -> Path:
@@ -111,6 +129,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.tiled_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.tiled_matmul_version.restype = ctypes.c_int
+    lib.tiled_matmul_set_isa.restype = ctypes.c_int
+    lib.tiled_matmul_set_isa.argtypes = [ctypes.c_int]
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.fused_layer.restype = ctypes.c_int
     lib.fused_layer.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32, ctypes.c_int, ptr, ptr, f32,
@@ -170,7 +190,7 @@ def library() -> ctypes.CDLL | None:
         if lib is None:
             logger.info("bert_engine's AVX2 kernel is not available: %s; the matmuls use oneDNN's and MKL's kernels "
                         "(int8: FBGEMM's or oneDNN's)", reason)
-        _state.update(library=lib, reason=reason)
+        _state.update(library=lib, reason=reason, isa=None if lib is None else lib.tiled_matmul_set_isa(wanted_isa()))
         crf.NATIVE = lib  # the CRF's recursions in C (crf_decode.c) from now on; None: numpy's
         return lib
 
@@ -185,7 +205,10 @@ def build() -> str | None:
     """Which build of the kernel `library()` loaded (its source, compiler and flags, hashed), or None: kernel
     timings taken with one build are not a choice for another (fast.choose_kernels times again)."""
     lib = library()
-    return None if lib is None else Path(lib._name).stem.removeprefix("tiled_matmul-")
+    if lib is None:
+        return None
+    stem = Path(lib._name).stem.removeprefix("tiled_matmul-")
+    return stem if _state.get("isa") == 256 else f"{stem}-avx512"  # AVX2's builds keep the name they had
 
 
 def unavailable() -> str | None:

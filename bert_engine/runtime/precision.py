@@ -215,7 +215,7 @@ def _choose_kernels(model: nn.Module, names: tuple[str, ...]) -> None:
     else:
         choice = {name: {"chose": kernels} for name in names}
     model.kernel_choice = choice
-    fast.use_kernels(model, {name: fast.short_and_long(c) for name, c in choice.items()})
+    fast.use_kernels(model, {name: fast.choice_tiers(c) for name, c in choice.items()})
 
 
 def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = True,

@@ -24,7 +24,18 @@
 #define MCHUNK 192 /* rows a thread takes at once on long inputs (a multiple of MR) */
 #define FETCH_TILES 8 /* the most tiles of rows a panel may take for them to fetch the next panel */
 
-int tiled_matmul_version(void) { return 2; }
+int tiled_matmul_version(void) { return 3; }
+
+/* The vector width tiled_matmul runs at: 256 (AVX2 + FMA) unless tiled_matmul_set_isa(512) was called on a CPU
+ * with AVX-512F (native.py calls it where torch's own capability is AVX512). Both give the same bits: each
+ * output is the same chain of fused multiply-adds over k in either. */
+static int isa512 = 0;
+
+int tiled_matmul_set_isa(int bits) {
+    __builtin_cpu_init();
+    isa512 = bits == 512 && __builtin_cpu_supports("avx512f");
+    return isa512 ? 512 : 256;
+}
 
 /* A tile of `rows` rows against one panel. With `next` (not NULL), one cache line of the next panel is
  * fetched every `every` steps of k, starting there: see tiled_matmul. */
@@ -82,6 +93,130 @@ static inline void tile(int rows, const float *a, int64_t lda, const float *pane
     }
 }
 
+/* AVX-512: a tile of up to MR512 rows x two panels (32 columns) sums in 2 x MR512 of the 32 ZMM registers;
+ * each step of k loads one cache line of each panel and broadcasts one float of each row. A single panel (the
+ * last of an odd count) runs as a pair with itself and its second half is dropped. The sums restart every
+ * KBLOCK steps as above: each output is the same chain of operations as in the AVX2 tile. */
+#define MR512 12
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+AVX512 static inline void tile512(int rows, const float *a, int64_t lda, const float *p0, const float *p1,
+                                  int64_t K, float totals[MR512][2 * NR], const float *next, int64_t next_gap,
+                                  int every) {
+    int count = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
+        const int64_t k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
+        __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+               c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00,
+               c80 = c00, c81 = c00, c90 = c00, c91 = c00, cA0 = c00, cA1 = c00, cB0 = c00, cB1 = c00;
+        const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda, *a4 = a + 4 * lda,
+                    *a5 = a + 5 * lda, *a6 = a + 6 * lda, *a7 = a + 7 * lda, *a8 = a + 8 * lda, *a9 = a + 9 * lda,
+                    *aA = a + 10 * lda, *aB = a + 11 * lda;
+#define STEP_ROW(r)                                                                                      \
+    {                                                                                                    \
+        const __m512 x = _mm512_set1_ps(a##r[k]);                                                        \
+        c##r##0 = _mm512_fmadd_ps(x, b0, c##r##0);                                                       \
+        c##r##1 = _mm512_fmadd_ps(x, b1, c##r##1);                                                       \
+    }
+#define PLAIN_LOOP(BODY)                                                                                 \
+    for (int64_t k = k0; k < k1; ++k) {                                                                  \
+        const __m512 b0 = _mm512_loadu_ps(p0 + k * NR), b1 = _mm512_loadu_ps(p1 + k * NR);               \
+        BODY                                                                                             \
+    }
+#define FETCHING_LOOP(BODY)                                                                              \
+    for (int64_t k = k0; k < k1; ++k) {                                                                  \
+        if (++count == every) {                                                                          \
+            count = 0;                                                                                   \
+            _mm_prefetch((const char *)next, _MM_HINT_T0);                                               \
+            _mm_prefetch((const char *)(next + next_gap), _MM_HINT_T0);                                  \
+            next += NR;                                                                                  \
+        }                                                                                                \
+        const __m512 b0 = _mm512_loadu_ps(p0 + k * NR), b1 = _mm512_loadu_ps(p1 + k * NR);               \
+        BODY                                                                                             \
+    }
+#define LOOP(BODY) if (next != NULL) { FETCHING_LOOP(BODY) } else { PLAIN_LOOP(BODY) }
+#define R1 STEP_ROW(0)
+#define R2 R1 STEP_ROW(1)
+#define R3 R2 STEP_ROW(2)
+#define R4 R3 STEP_ROW(3)
+#define R5 R4 STEP_ROW(4)
+#define R6 R5 STEP_ROW(5)
+#define R7 R6 STEP_ROW(6)
+#define R8 R7 STEP_ROW(7)
+#define R9 R8 STEP_ROW(8)
+#define R10 R9 STEP_ROW(9)
+#define R11 R10 STEP_ROW(A)
+#define R12 R11 STEP_ROW(B)
+        switch (rows) {
+        case 12: LOOP(R12) break;
+        case 11: LOOP(R11) break;
+        case 10: LOOP(R10) break;
+        case 9: LOOP(R9) break;
+        case 8: LOOP(R8) break;
+        case 7: LOOP(R7) break;
+        case 6: LOOP(R6) break;
+        case 5: LOOP(R5) break;
+        case 4: LOOP(R4) break;
+        case 3: LOOP(R3) break;
+        case 2: LOOP(R2) break;
+        default: LOOP(R1) break;
+        }
+#undef R12
+#undef R11
+#undef R10
+#undef R9
+#undef R8
+#undef R7
+#undef R6
+#undef R5
+#undef R4
+#undef R3
+#undef R2
+#undef R1
+#undef LOOP
+#undef PLAIN_LOOP
+#undef FETCHING_LOOP
+#undef STEP_ROW
+        const __m512 sums[MR512][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51},
+                                       {c60, c61}, {c70, c71}, {c80, c81}, {c90, c91}, {cA0, cA1}, {cB0, cB1}};
+        for (int r = 0; r < rows; ++r) {
+            _mm512_storeu_ps(totals[r], _mm512_add_ps(_mm512_loadu_ps(totals[r]), sums[r][0]));
+            _mm512_storeu_ps(totals[r] + NR, _mm512_add_ps(_mm512_loadu_ps(totals[r] + NR), sums[r][1]));
+        }
+    }
+}
+
+/* tiled_matmul on AVX-512: as below, over pairs of panels and tiles of MR512 rows. */
+AVX512 static void tiled_matmul512(const float *x, int64_t M, int64_t K, const float *panels, int64_t P,
+                                   const float *bias, float *y, int64_t N, int threads) {
+    const int64_t pairs = (P + 1) / 2, chunks = (M + MCHUNK - 1) / MCHUNK, work = pairs * chunks;
+    const int rows_first = M * K * (int64_t)sizeof(float) > ((int64_t)2 << 20);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 1)
+    for (int64_t item = 0; item < work; ++item) {
+        const int64_t q = rows_first ? item % pairs : item / chunks;
+        const int64_t m_start = (rows_first ? item / pairs : item % chunks) * MCHUNK;
+        const int64_t m_end = m_start + MCHUNK < M ? m_start + MCHUNK : M;
+        const int64_t col = q * 2 * NR, cols = N - col < 2 * NR ? N - col : 2 * NR;
+        const float *p0 = panels + 2 * q * K * NR, *p1 = 2 * q + 1 < P ? p0 + K * NR : p0;
+        float start[2 * NR];
+        for (int j = 0; j < 2 * NR; ++j) start[j] = bias != NULL && j < cols ? bias[col + j] : 0.0f;
+        for (int64_t m = m_start; m < m_end; m += MR512) {
+            const int rows = m_end - m < MR512 ? (int)(m_end - m) : MR512;
+            float totals[MR512][2 * NR];
+            for (int r = 0; r < rows; ++r) memcpy(totals[r], start, sizeof start);
+            /* The next pair's panels fetched as in tiled_matmul, both at once, and from a single tile too (12 rows:
+             * 8-15 % faster on the Cascade Lake Xeon it was measured on, MiniLM's 24 projections in turn). */
+            const int64_t tiles = (m_end - m_start + MR512 - 1) / MR512, t = (m - m_start) / MR512;
+            const int have_next = 2 * q + 2 < P;
+            const float *next = tiles <= FETCH_TILES && have_next && !rows_first
+                                    ? p0 + 2 * K * NR + (t * K / tiles) * NR : NULL;
+            const int64_t gap = 2 * q + 3 < P ? K * NR : 0;
+            tile512(rows, x + m * K, K, p0, p1, K, totals, next, gap, (int)tiles);
+            for (int r = 0; r < rows; ++r) memcpy(y + (m + r) * N + col, totals[r], (size_t)cols * sizeof(float));
+        }
+    }
+}
+
 /* y[M x N] = x[M x K] W^T + bias (bias may be NULL); panels as above, P = ceil(N / 16) of them. */
 void tiled_matmul(const float *x, int64_t M, int64_t K, const float *panels, int64_t P, const float *bias,
                   float *y, int64_t N, int threads) {
@@ -90,6 +225,10 @@ void tiled_matmul(const float *x, int64_t M, int64_t K, const float *panels, int
      * inputs past that, chunks of rows first, so a chunk of x stays in cache while the panels pass. */
     const int rows_first = M * K * (int64_t)sizeof(float) > ((int64_t)2 << 20);
     if (M <= 0 || N <= 0) return;
+    if (isa512) {
+        tiled_matmul512(x, M, K, panels, P, bias, y, N, threads);
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 1)
     for (int64_t item = 0; item < work; ++item) {
         const int64_t p = rows_first ? item % P : item / chunks;
