@@ -143,6 +143,7 @@ def test_int8_linear_gives_a_row_the_same_output_alone_or_in_any_batch(kernel, o
 
 
 def test_int8_kernel_follows_the_cpu_and_the_setting(monkeypatch):
+    from bert_engine.runtime import fast
     from bert_engine.runtime.fast import int8_kernel
 
     monkeypatch.setenv("BERT_ENGINE_CPU_CAPABILITY", "avx2")  # AVX2 without VNNI: the tiled kernel, else FBGEMM
@@ -151,6 +152,13 @@ def test_int8_kernel_follows_the_cpu_and_the_setting(monkeypatch):
     monkeypatch.setenv("BERT_ENGINE_CPU_CAPABILITY", "default")  # no VNNI, not AVX2 either: FBGEMM first
     assert int8_kernel() == ("fbgemm" if fbgemm_int8_available() else "onednn" if onednn_int8_available() else
                              "tiled" if tiled_int8_available() else None)
+    monkeypatch.delenv("BERT_ENGINE_CPU_CAPABILITY")  # VNNI: the tiled kernel where it sums with VNNI, else oneDNN
+    monkeypatch.setattr(fast, "int8_weight_limit", lambda: 127)
+    for width, first in ((512, "tiled"), (256, "onednn")):
+        monkeypatch.setattr(fast.native, "int8_isa", lambda width=width: width)
+        if tiled_int8_available() and onednn_int8_available():
+            assert int8_kernel() == first, width
+    monkeypatch.undo()
     monkeypatch.setenv("BERT_ENGINE_CPU_CAPABILITY", "avx2")
     for kernel, available in (("onednn", onednn_int8_available()), ("fbgemm", fbgemm_int8_available())):
         monkeypatch.setenv("BERT_ENGINE_INT8_KERNEL", kernel)

@@ -56,6 +56,31 @@ def test_its_arithmetic_is_the_schemes(features, outputs, block, rows):
     assert float((out - expected).abs().mean()) < 1e-3 * float(expected.abs().mean())
 
 
+@pytest.mark.skipif(reason is not None or native.wanted_int8_isa() != 512,
+                    reason="the int8 kernel's VNNI width needs an AVX-512 VNNI CPU whose torch capability is AVX512")
+@pytest.mark.parametrize(("rows", "features", "outputs"), [(1, 64, 16), (5, 70, 33), (12, 384, 1152), (13, 96, 40),
+                                                          (25, 1536, 384), (200, 48, 20)])
+def test_the_vnni_width_gives_the_avx2_widths_bits(rows, features, outputs):
+    """vpdpbusd's int32 sums are the exact integers vpmaddubsw + vpmaddwd make of 7-bit codes: the same bits,
+    whatever the rows, an odd number of panels (a pair with itself), K not a multiple of 4 and the threads."""
+    torch.manual_seed(rows + features)
+    layer = Int8Linear(nn.Linear(features, outputs), kernel="tiled")
+    x = torch.randn(rows, features)
+    lib = native.library()
+    got = {}
+    try:
+        for bits in (256, 512):
+            assert lib.int8_matmul_set_isa(bits) == bits
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                with torch.inference_mode():
+                    got[bits, threads] = layer(x)
+    finally:
+        lib.int8_matmul_set_isa(native.int8_isa())
+        torch.set_num_threads(2)
+    assert all(torch.equal(out, got[256, 1]) for out in got.values())
+
+
 def test_a_row_gets_the_same_bits_alone_in_any_batch_and_on_any_thread_count():
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)

@@ -30,7 +30,17 @@
 #define QMCHUNK 192 /* rows a thread takes at once on long inputs (a multiple of QMR) */
 #define QMAX_K 16384 /* the longest rows the quantiser's stack buffer holds */
 
-int int8_matmul_version(void) { return 1; }
+int int8_matmul_version(void) { return 2; }
+
+/* On CPUs with AVX-512 VNNI, int8_matmul_set_isa(512) runs the sums over k through vpdpbusd instead (u8 x s8 in
+ * fours straight into int32, 16 columns a register): the same exact integer sums, so the same bits. */
+static int qisa512 = 0;
+
+int int8_matmul_set_isa(int bits) {
+    __builtin_cpu_init();
+    qisa512 = bits == 512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni");
+    return qisa512 ? 512 : 256;
+}
 
 /* codes (N x K int8, row-major) into panels as above; panels holds ceil(N/16) * ceil(K/4) * 64 bytes. */
 void int8_pack(const int8_t *codes, int64_t N, int64_t K, int8_t *panels) {
@@ -162,6 +172,138 @@ static inline void qtile(int rows, const uint8_t *a, int64_t lda, const int8_t *
     }
 }
 
+/* y's 16 columns from col (cols of them) for row m from a tile's int32 sums: the scale, row sums and bias applied
+ * (see the top of this file). */
+static inline void qfinish(const int32_t sum[QNR], float low, float step, const float s[QNR], const float sums[QNR],
+                           const float b[QNR], float *y, int cols) {
+    float out[QNR];
+    for (int half = 0; half < 2; ++half) {
+        const __m256 total = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(sum + 8 * half)));
+        const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(low), _mm256_loadu_ps(sums + 8 * half),
+                                         _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(step),
+                                                       _mm256_loadu_ps(s + 8 * half)), total),
+                                                       _mm256_loadu_ps(b + 8 * half)));
+        _mm256_storeu_ps(out + 8 * half, v);
+    }
+    memcpy(y, out, (size_t)cols * sizeof(float));
+}
+
+/* One panel's scales, row sums and bias (zero past N). */
+static inline void qcolumns(int64_t col, int64_t cols, const float *scale, const float *rowsum, const float *bias,
+                            float s[QNR], float sums[QNR], float b[QNR]) {
+    for (int j = 0; j < QNR; ++j) {
+        s[j] = j < cols ? scale[col + j] : 0.0f;
+        sums[j] = j < cols ? rowsum[col + j] : 0.0f;
+        b[j] = j < cols && bias != NULL ? bias[col + j] : 0.0f;
+    }
+}
+
+/* VNNI: a tile of up to QMR512 rows x two panels (32 columns) in 24 ZMM registers of int32 sums; a single last
+ * panel runs as a pair with itself (its second half dropped). */
+#define QMR512 12
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
+
+VNNI static inline void qtile512(int rows, const uint8_t *a, int64_t lda, const int8_t *p0, const int8_t *p1,
+                                 int64_t Kq, int32_t acc[QMR512][2 * QNR]) {
+    __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+            c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00,
+            c80 = c00, c81 = c00, c90 = c00, c91 = c00, cA0 = c00, cA1 = c00, cB0 = c00, cB1 = c00;
+    const uint8_t *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda, *a4 = a + 4 * lda, *a5 = a + 5 * lda,
+                  *a6 = a + 6 * lda, *a7 = a + 7 * lda, *a8 = a + 8 * lda, *a9 = a + 9 * lda, *aA = a + 10 * lda,
+                  *aB = a + 11 * lda;
+#define QSTEP(r)                                                                                          \
+    {                                                                                                     \
+        int32_t four;                                                                                     \
+        memcpy(&four, a##r + 4 * q, 4);                                                                   \
+        const __m512i x = _mm512_set1_epi32(four);                                                        \
+        c##r##0 = _mm512_dpbusd_epi32(c##r##0, x, b0);                                                    \
+        c##r##1 = _mm512_dpbusd_epi32(c##r##1, x, b1);                                                    \
+    }
+#define QLOOP(BODY)                                                                                       \
+    for (int64_t q = 0; q < Kq; ++q) {                                                                    \
+        const __m512i b0 = _mm512_loadu_si512((const void *)(p0 + q * 64));                               \
+        const __m512i b1 = _mm512_loadu_si512((const void *)(p1 + q * 64));                               \
+        BODY                                                                                              \
+    }
+#define Q1 QSTEP(0)
+#define Q2 Q1 QSTEP(1)
+#define Q3 Q2 QSTEP(2)
+#define Q4 Q3 QSTEP(3)
+#define Q5 Q4 QSTEP(4)
+#define Q6 Q5 QSTEP(5)
+#define Q7 Q6 QSTEP(6)
+#define Q8 Q7 QSTEP(7)
+#define Q9 Q8 QSTEP(8)
+#define Q10 Q9 QSTEP(9)
+#define Q11 Q10 QSTEP(A)
+#define Q12 Q11 QSTEP(B)
+    switch (rows) {
+    case 12: QLOOP(Q12) break;
+    case 11: QLOOP(Q11) break;
+    case 10: QLOOP(Q10) break;
+    case 9: QLOOP(Q9) break;
+    case 8: QLOOP(Q8) break;
+    case 7: QLOOP(Q7) break;
+    case 6: QLOOP(Q6) break;
+    case 5: QLOOP(Q5) break;
+    case 4: QLOOP(Q4) break;
+    case 3: QLOOP(Q3) break;
+    case 2: QLOOP(Q2) break;
+    default: QLOOP(Q1) break;
+    }
+#undef Q12
+#undef Q11
+#undef Q10
+#undef Q9
+#undef Q8
+#undef Q7
+#undef Q6
+#undef Q5
+#undef Q4
+#undef Q3
+#undef Q2
+#undef Q1
+#undef QLOOP
+#undef QSTEP
+    const __m512i sums[QMR512][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51},
+                                     {c60, c61}, {c70, c71}, {c80, c81}, {c90, c91}, {cA0, cA1}, {cB0, cB1}};
+    for (int r = 0; r < rows; ++r) {
+        _mm512_storeu_si512((void *)acc[r], sums[r][0]);
+        _mm512_storeu_si512((void *)(acc[r] + QNR), sums[r][1]);
+    }
+}
+
+/* int8_matmul's sums and outputs on VNNI, over pairs of panels. */
+VNNI static void int8_products512(const uint8_t *codes, int64_t M, int64_t Kp, const int8_t *panels, int64_t P,
+                                  const float *scale, const float *rowsum, const float *bias, float *y, int64_t N,
+                                  const float *rowq, int threads) {
+    const int64_t Kq = Kp / 4, pairs = (P + 1) / 2, chunks = (M + QMCHUNK - 1) / QMCHUNK, work = pairs * chunks;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 1)
+    for (int64_t item = 0; item < work; ++item) {
+        const int64_t pair = item / chunks, m_start = (item % chunks) * QMCHUNK;
+        const int64_t m_end = m_start + QMCHUNK < M ? m_start + QMCHUNK : M;
+        const int two = 2 * pair + 1 < P;
+        const int8_t *p0 = panels + 2 * pair * Kq * 64, *p1 = two ? p0 + Kq * 64 : p0;
+        float s[2][QNR], sums[2][QNR], b[2][QNR];
+        int64_t col[2], cols[2];
+        for (int h = 0; h < 2; ++h) {
+            col[h] = (2 * pair + h) * QNR;
+            cols[h] = h && !two ? 0 : N - col[h] < QNR ? N - col[h] : QNR;
+            qcolumns(col[h], cols[h], scale, rowsum, bias, s[h], sums[h], b[h]);
+        }
+        for (int64_t m = m_start; m < m_end; m += QMR512) {
+            const int rows = m_end - m < QMR512 ? (int)(m_end - m) : QMR512;
+            int32_t acc[QMR512][2 * QNR];
+            qtile512(rows, codes + m * Kp, Kp, p0, p1, Kq, acc);
+            for (int r = 0; r < rows; ++r)
+                for (int h = 0; h < 2; ++h)
+                    if (cols[h] > 0)
+                        qfinish(acc[r] + h * QNR, rowq[2 * (m + r)], rowq[2 * (m + r) + 1], s[h], sums[h], b[h],
+                                y + (m + r) * N + col[h], (int)cols[h]);
+        }
+    }
+}
+
 /* y (M x N) = x (M x K) W^T + bias through the int8 panels (P = ceil(N/16) of them) with per-column `scale`
  * and `rowsum` (see the top of this file); bias may be NULL. codes: M x Kp bytes (Kp = K rounded up to 4)
  * and rowq: 2 M floats, the caller's scratch. Returns 0, or -1 where K is beyond this code (rotation needs
@@ -174,6 +316,10 @@ int int8_matmul(const float *x, int64_t M, int64_t K, int rotate, const int8_t *
     const int64_t Kq = (K + 3) / 4, Kp = 4 * Kq;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M * K >= 4096)
     for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, Kp, rotate, codes + m * Kp, rowq + 2 * m, rowq + 2 * m + 1);
+    if (qisa512) {
+        int8_products512(codes, M, Kp, panels, P, scale, rowsum, bias, y, N, rowq, threads);
+        return 0;
+    }
     const int64_t chunks = (M + QMCHUNK - 1) / QMCHUNK, work = P * chunks;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work > 1)
     for (int64_t item = 0; item < work; ++item) {
@@ -182,28 +328,13 @@ int int8_matmul(const float *x, int64_t M, int64_t K, int rotate, const int8_t *
         const int64_t col = p * QNR, cols = N - col < QNR ? N - col : QNR;
         const int8_t *panel = panels + p * Kq * 64;
         float s[QNR], sums[QNR], b[QNR];
-        for (int j = 0; j < QNR; ++j) {
-            s[j] = j < cols ? scale[col + j] : 0.0f;
-            sums[j] = j < cols ? rowsum[col + j] : 0.0f;
-            b[j] = j < cols && bias != NULL ? bias[col + j] : 0.0f;
-        }
+        qcolumns(col, cols, scale, rowsum, bias, s, sums, b);
         for (int64_t m = m_start; m < m_end; m += QMR) {
             const int rows = m_end - m < QMR ? (int)(m_end - m) : QMR;
             int32_t acc[QMR][QNR];
             qtile(rows, codes + m * Kp, Kp, panel, Kq, acc);
-            for (int r = 0; r < rows; ++r) {
-                const float low = rowq[2 * (m + r)], step = rowq[2 * (m + r) + 1];
-                float out[QNR];
-                for (int half = 0; half < 2; ++half) {
-                    const __m256 total = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(acc[r] + 8 * half)));
-                    const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(low), _mm256_loadu_ps(sums + 8 * half),
-                                                     _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(step),
-                                                                   _mm256_loadu_ps(s + 8 * half)), total),
-                                                                   _mm256_loadu_ps(b + 8 * half)));
-                    _mm256_storeu_ps(out + 8 * half, v);
-                }
-                memcpy(y + (m + r) * N + col, out, (size_t)cols * sizeof(float));
-            }
+            for (int r = 0; r < rows; ++r)
+                qfinish(acc[r], rowq[2 * (m + r)], rowq[2 * (m + r) + 1], s, sums, b, y + (m + r) * N + col, (int)cols);
         }
     }
     return 0;

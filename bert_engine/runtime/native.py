@@ -92,6 +92,16 @@ def wanted_isa() -> int:
     return 512 if torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in _cpu_flags() else 256
 
 
+def wanted_int8_isa() -> int:
+    """int8_matmul's width here: 512 (vpdpbusd) where tiled_matmul runs at 512 and the CPU lists avx512_vnni."""
+    return 512 if wanted_isa() == 512 and "avx512_vnni" in _cpu_flags() else 256
+
+
+def int8_isa() -> int | None:
+    """The width the loaded library's int8_matmul sums at (256: AVX2's vpmaddubsw; 512: AVX-512 VNNI), or None."""
+    return _state.get("int8_isa") if library() is not None else None  # type: ignore[return-value]
+
+
 def isa() -> int | None:
     """The vector width the loaded library's tiled_matmul runs at (256 or 512); None where it is not loaded."""
     return _state.get("isa") if library() is not None else None  # type: ignore[return-value]
@@ -131,6 +141,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.tiled_matmul_version.restype = ctypes.c_int
     lib.tiled_matmul_set_isa.restype = ctypes.c_int
     lib.tiled_matmul_set_isa.argtypes = [ctypes.c_int]
+    lib.int8_matmul_set_isa.restype = ctypes.c_int
+    lib.int8_matmul_set_isa.argtypes = [ctypes.c_int]
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.fused_layer.restype = ctypes.c_int
     lib.fused_layer.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32, ctypes.c_int, ptr, ptr, f32,
@@ -190,7 +202,8 @@ def library() -> ctypes.CDLL | None:
         if lib is None:
             logger.info("bert_engine's AVX2 kernel is not available: %s; the matmuls use oneDNN's and MKL's kernels "
                         "(int8: FBGEMM's or oneDNN's)", reason)
-        _state.update(library=lib, reason=reason, isa=None if lib is None else lib.tiled_matmul_set_isa(wanted_isa()))
+        _state.update(library=lib, reason=reason, isa=None if lib is None else lib.tiled_matmul_set_isa(wanted_isa()),
+                      int8_isa=None if lib is None else lib.int8_matmul_set_isa(wanted_int8_isa()))
         crf.NATIVE = lib  # the CRF's recursions in C (crf_decode.c) from now on; None: numpy's
         return lib
 
