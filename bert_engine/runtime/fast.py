@@ -590,7 +590,7 @@ class PackedLinear(nn.Module):
 
 class TiledLinear(nn.Module):
     """An inference-only fp32 nn.Linear on the CPU through bert_engine's own AVX2 kernel (native.py,
-    tiled_matmul.c): the weight laid out once in panels of 16 output columns, each read from memory once per
+    tiled_matmul.c; at AVX-512's width where the CPU has it, the same bits): the weight laid out once in panels of 16 output columns, each read from memory once per
     call. Faster than oneDNN's and MKL's at the few rows of one request on the AVX2 EPYC it was written on;
     `choose_kernels` times it beside them. Each row's outputs are summed in a fixed order, whatever else is in
     the batch and however many threads run: a text's outputs do not depend on its batch."""

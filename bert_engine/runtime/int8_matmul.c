@@ -1,5 +1,5 @@
-/* bert_engine's own int8 matmul for x86-64 CPUs with AVX2 and no VNNI: y = x W^T + b, W in int8, x
- * quantised per row on the way in.
+/* bert_engine's own int8 matmul for x86-64 CPUs with AVX2 and no VNNI (and, with AVX-512 VNNI, the same sums
+ * through vpdpbusd: int8_products512 below): y = x W^T + b, W in int8, x quantised per row on the way in.
  *
  * The scheme is the one the engine's FBGEMM path uses on such CPUs (runtime/fast.py, Int8Linear), so its
  * answers agree with fp32 as that path's do: the weight's codes in [-127, 127] with one scale per output

@@ -1,4 +1,5 @@
-/* bert_engine's own fp32 matmul for x86-64 CPUs with AVX2 and FMA: y = x W^T + b.
+/* bert_engine's own fp32 matmul for x86-64 CPUs with AVX2 and FMA: y = x W^T + b (and, where the CPU has AVX-512F
+ * and native.py asks for it, the same sums at AVX-512's width: tiled_matmul512 below).
  *
  * The weight W (N x K) is laid out once in panels of 16 output columns, panel p holding W[16p .. 16p+15][k]
  * for k = 0 .. K-1 as K runs of 16 floats (zero-padded past N). A tile of up to 6 rows x 16 columns of y
