@@ -49,18 +49,23 @@ SETTINGS = {s.name: s for s in (
             "projections, and a fill-mask head's decoder, int8 models too): auto (time oneDNN's packed, MKL's "
             "plain and, fp32 on AVX2 CPUs with a C compiler, bert_engine's tiled kernel on the model's shapes "
             "once per machine, for short inputs (up to 256 rows) and long ones apart; another than packed only "
-            "where it is at least 10 % faster), packed, plain, tiled"),
+            "where it is at least 10 % faster (on AVX2-only CPUs the tiled one is short inputs' default); on "
+            "AVX-512 CPUs inputs of up to 64 rows run the tiled kernel, each layer in one C call, unless timed "
+            "1.5x slower there), packed, plain, tiled"),
     Setting("BERT_ENGINE_FUSED_LAYERS", "bool", True, "use", "run an encoder layer whose four projections use "
-            "bert_engine's tiled kernels (fp32, or int8's on AVX2 CPUs) as one C call (fused_layer.c: attention, residual adds, LayerNorms and the "
+            "bert_engine's tiled kernels (fp32, or int8's where the int8 kernel is tiled) as one C call (fused_layer.c: attention, residual adds, LayerNorms and the "
             "activation around the matmuls), for inference on rows whose real tokens lie together (no padding, or "
             "padding at either end); off: the torch modules"),
     Setting("BERT_ENGINE_INT8_KERNEL", "str", "auto", "use", "int8 models' matmuls: auto (bert_engine's own "
-            "AVX2 kernel where the CPU has AVX2 and neither VNNI nor AVX-512, and it builds; else FBGEMM where the CPU "
-            "has no VNNI, oneDNN where it has), onednn, fbgemm, tiled; read at each int8 model's load"),
+            "kernel where it builds and the CPU has AVX2 and neither VNNI nor AVX-512, or AVX-512 with VNNI; else "
+            "FBGEMM where the CPU has no VNNI, oneDNN where it has), onednn, fbgemm, tiled; read at each int8 "
+            "model's load"),
     Setting("BERT_ENGINE_KERNEL_CACHE", "str", "", "start", "the file those timings are kept in (default "
             "~/.cache/bert_engine/kernels.json)"),
     Setting("BERT_ENGINE_CPU_CAPABILITY", "str", "", "start", "pretend the CPU has only this capability (avx2, "
-            "default): to test the AVX2 paths on a bigger CPU"),
+            "default): bert_engine's own kernels and precision checks behave as on such a CPU (the tiled kernels "
+            "at AVX2's width, no bf16 or VNNI); oneDNN, MKL and torch's own kernels need their own variables "
+            "(README)"),
     Setting("BERT_ENGINE_MAX_TOKENS", "int", 65536, "use", "tokens one input may need over all its windows"),
     Setting("BERT_ENGINE_CHUNK_GFLOP", "float", 100.0, "use", "the work of one forward chunk, in GFLOP (padding "
             "included): the unit the fairness gate hands out and charges (rows of 128 tokens: MiniLM about 4,500 tokens, "

@@ -295,6 +295,23 @@ def install_dist(site: Path, name: str, module_source: str, entry_point: str | N
     (info / "entry_points.txt").write_text(f"[bert_engine]\n{entry_point or name} = {module}\n")
 
 
+def outputs_at_both_widths(set_width, width_now: int, run) -> dict[tuple[int, int], torch.Tensor]:
+    """run()'s output with a native kernel at AVX2's width and at AVX-512's (`set_width(bits)` returns the width it
+    took), on one thread and on two: {(bits, threads): output}. The width and thread count are put back after."""
+    threads_now, got = torch.get_num_threads(), {}
+    try:
+        for bits in (256, 512):
+            assert set_width(bits) == bits
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                with torch.inference_mode():
+                    got[bits, threads] = run()
+    finally:
+        set_width(width_now)
+        torch.set_num_threads(threads_now)
+    return got
+
+
 def assert_cpu_goes_quiet(limit: float = 0.3) -> None:
     """The process uses (almost) no CPU over a second once cancelled work has stopped."""
     import time

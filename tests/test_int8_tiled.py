@@ -5,6 +5,7 @@ against the int8 modules, the kernel chosen on AVX2 CPUs and refused, with its r
 
 import pytest
 import torch
+from conftest import outputs_at_both_widths
 from torch import nn
 
 from bert_engine import BertModel
@@ -66,18 +67,7 @@ def test_the_vnni_width_gives_the_avx2_widths_bits(rows, features, outputs):
     torch.manual_seed(rows + features)
     layer = Int8Linear(nn.Linear(features, outputs), kernel="tiled")
     x = torch.randn(rows, features)
-    lib = native.library()
-    got = {}
-    try:
-        for bits in (256, 512):
-            assert lib.int8_matmul_set_isa(bits) == bits
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                with torch.inference_mode():
-                    got[bits, threads] = layer(x)
-    finally:
-        lib.int8_matmul_set_isa(native.int8_isa())
-        torch.set_num_threads(2)
+    got = outputs_at_both_widths(native.library().int8_matmul_set_isa, native.int8_isa(), lambda: layer(x))
     assert all(torch.equal(out, got[256, 1]) for out in got.values())
 
 

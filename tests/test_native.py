@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from conftest import outputs_at_both_widths
 from torch import nn
 
 from bert_engine import PRESETS, BertModel
@@ -209,18 +210,7 @@ def test_the_avx512_width_gives_the_avx2_widths_bits(rows, out_features, in_feat
     linear = nn.Linear(in_features, out_features).requires_grad_(False)
     module = fast.TiledLinear(linear)
     x = torch.randn(rows, in_features)
-    lib = native.library()
-    got = {}
-    try:
-        for bits in (256, 512):
-            assert lib.tiled_matmul_set_isa(bits) == bits
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                with torch.inference_mode():
-                    got[bits, threads] = module(x)
-    finally:
-        lib.tiled_matmul_set_isa(native.isa())
-        torch.set_num_threads(2)
+    got = outputs_at_both_widths(native.library().tiled_matmul_set_isa, native.isa(), lambda: module(x))
     assert all(torch.equal(out, got[256, 1]) for out in got.values())
     error = float((got[512, 2].double() - _reference(x, linear)).abs().max())
     assert error <= 3 * float((linear(x).double() - _reference(x, linear)).abs().max()) + 1e-7
@@ -241,9 +231,9 @@ def test_the_width_follows_torchs_capability_and_the_setting(monkeypatch):
 
 def test_a_wide_kernel_runs_a_visitors_rows_fused_in_front_of_the_choices(monkeypatch):
     """Where the tiled kernel is AVX-512 wide and packed is the incumbent, inputs of up to FUSED_ROWS_WIDE rows run
-    all four projections tiled (each layer in one C call) where, timed at those rows, that costs the matmuls at
-    most 10 %; each projection keeps its own choices past them. Past 10 %, at AVX2's width, or with the setting
-    off, nothing changes."""
+    all four projections tiled (each layer in one C call) unless, timed at those rows, that costs the matmuls more
+    than FUSION_MARGIN_WIDE (1.5x); each projection keeps its own choices past them. Past it, at AVX2's width, or
+    with the setting off, nothing changes."""
     monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")
     monkeypatch.setattr(native, "isa", lambda: 512)
 
@@ -255,14 +245,14 @@ def test_a_wide_kernel_runs_a_visitors_rows_fused_in_front_of_the_choices(monkey
         made["down"] = {"rows": rows, "chose": "tiled", "past_rows": [256, "packed"]}
         return made
 
-    near = choice(1.08)
+    near = choice(1.45)  # the layer's matmuls 5.8 against 4.45 (down already tiled): 1.3x
     fast.favour_fusion(near)
     labels = {name: fast.kernel_label(c) for name, c in near.items()}
     assert labels == {"qkv": "tiled up to 64 rows, then packed", "up": "tiled up to 64 rows, then packed",
                       "out": "tiled up to 64 rows, then packed up to 256 rows, then plain",
                       "down": "tiled up to 256 rows, then packed"}
     assert fast.fused_label(near) == f"inputs of up to {fast.FUSED_ROWS_WIDE} rows: each layer in one C call"
-    for made in (choice(1.15), None, "off"):
+    for made in (choice(2.0), None, "off"):  # 2.0: the layer's matmuls 8.0 against 5.0 (1.6x)
         if made == "off":
             monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "0")
         elif made is None:

@@ -1147,10 +1147,13 @@ FUSION_MARGIN = 1.10  # the matmul time short inputs may give up for their layer
 FUSION_MARGIN_LONG = 1.05
 # Where the tiled kernel runs at AVX-512's width (native.isa() == 512) and oneDNN's packed kernel stays short inputs'
 # incumbent, inputs of up to this many rows (a visitor's sentence) run all four projections tiled, so each layer in
-# one C call, where at FUSED_ROWS_WIDE's timed rows that costs the matmuls at most FUSION_MARGIN. A whole MiniLM
-# forward on the Cascade Lake Xeon: 2.1x / 1.9x / 1.45x / 1.3x packed's at 12 / 24 / 48 / 64 tokens, 0.98x at 96,
-# 0.92x at 128 (benchmarks/README.md, session 40).
+# one C call, unless at FUSED_ROWS_WIDE's timed rows that costs the matmuls more than FUSION_MARGIN_WIDE. A whole
+# MiniLM forward on the Cascade Lake Xeon: 2.1x / 1.9x / 1.45x / 1.3x packed's at 12 / 24 / 48 / 64 tokens, 0.98x at
+# 96, 0.92x at 128 (benchmarks/README.md, session 40), where its 24 projections alone were 0.6-0.9x packed's at 12-48
+# rows: the layer in one call saves about as much again as the matmuls, so only a matmul loss past 1.5x undoes it.
+# (A margin of 10 % let one noisy first timing on a loaded machine turn it off: the fresh-clone check, session 40.)
 FUSED_ROWS_WIDE = 64
+FUSION_MARGIN_WIDE = 1.5
 
 
 def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
@@ -1189,14 +1192,14 @@ def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
 
 def _favour_fusion_wide(choice: dict[str, dict[str, Any]]) -> None:
     """favour_fusion where the tiled kernel is AVX-512 wide: every projection runs it up to FUSED_ROWS_WIDE rows,
-    then its own choices, where at the timed rows up to there the four tiled cost at most FUSION_MARGIN times
-    the kernels chosen for them."""
+    then its own choices, where at the timed rows up to there the four tiled cost at most FUSION_MARGIN_WIDE
+    times the kernels chosen for them."""
     timed = all("tiled" in row for name in PROJECTIONS for row in choice[name]["rows"].values())
     if not timed or native.isa() != 512:  # (timed: the library is loaded, so asking its width builds nothing)
         return
     short = [short_and_long(choice[name])[0] for name in PROJECTIONS]
     if all(kernel == "tiled" for kernel in short) or not _fusing_costs_little(
-            choice, short, lambda n: n <= FUSED_ROWS_WIDE, FUSION_MARGIN):
+            choice, short, lambda n: n <= FUSED_ROWS_WIDE, FUSION_MARGIN_WIDE):
         return
     for name in PROJECTIONS:
         tiers = choice_tiers(choice[name])
