@@ -57,7 +57,8 @@ SETTINGS = {s.name: s for s in (
             "activation around the matmuls), for inference on rows whose real tokens lie together (no padding, or "
             "padding at either end); off: the torch modules"),
     Setting("BERT_ENGINE_INT8_KERNEL", "str", "auto", "use", "int8 models' matmuls: auto (bert_engine's own "
-            "kernel where it builds and the CPU has AVX2 and neither VNNI nor AVX-512, or AVX-512 with VNNI; else "
+            "kernel where it builds and the CPU has AVX2 and neither VNNI nor AVX-512, or AVX-512 with VNNI and no "
+            "AMX; else "
             "FBGEMM where the CPU has no VNNI, oneDNN where it has), onednn, fbgemm, tiled; read at each int8 "
             "model's load"),
     Setting("BERT_ENGINE_KERNEL_CACHE", "str", "", "start", "the file those timings are kept in (default "

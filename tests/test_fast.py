@@ -154,10 +154,11 @@ def test_int8_kernel_follows_the_cpu_and_the_setting(monkeypatch):
                              "tiled" if tiled_int8_available() else None)
     monkeypatch.delenv("BERT_ENGINE_CPU_CAPABILITY")  # VNNI: the tiled kernel where it sums with VNNI, else oneDNN
     monkeypatch.setattr(fast, "int8_weight_limit", lambda: 127)
-    for width, first in ((512, "tiled"), (256, "onednn")):
+    for width, isa, first in ((512, "AVX512", "tiled"), (256, "AVX512", "onednn"), (512, "AVX512+AMX", "onednn")):
         monkeypatch.setattr(fast.native, "int8_isa", lambda width=width: width)
+        monkeypatch.setattr(fast, "cpu_isa", lambda isa=isa: isa)
         if tiled_int8_available() and onednn_int8_available():
-            assert int8_kernel() == first, width
+            assert int8_kernel() == first, (width, isa)
     monkeypatch.undo()
     monkeypatch.setenv("BERT_ENGINE_CPU_CAPABILITY", "avx2")
     for kernel, available in (("onednn", onednn_int8_available()), ("fbgemm", fbgemm_int8_available())):

@@ -73,8 +73,8 @@ def int8_kernel() -> str | None:
     there is its generic jit gemm, which re-packs the whole weight on every call; with FBGEMM's pre-packed
     AVX2 kernels MiniLM's int8 forward ran 1.11-1.56x faster at 1-128 tokens and 0.87x on a 32x128 batch
     (`python -m benchmarks.int8_kernels`). With VNNI, oneDNN's int8 kept level with ONNX Runtime's (AVX-512
-    EPYC); FBGEMM was not timed there. Where the tiled kernel sums with AVX-512 VNNI (native.int8_isa() == 512),
-    it comes first there too: on the Cascade Lake Xeon MiniLM's int8 forward ran 3.3-5x oneDNN's at 12-128 tokens
+    EPYC); FBGEMM was not timed there. Where the tiled kernel sums with AVX-512 VNNI (native.int8_isa() == 512)
+    and the CPU has no AMX, it comes first there too: on the Cascade Lake Xeon MiniLM's int8 forward ran 3.3-5x oneDNN's at 12-128 tokens
     and 1.2x on a 32x128 batch, 0.99-1.18x ONNX Runtime's int8 (`python -m benchmarks.int8_kernels`,
     benchmarks/README.md). A rule, not a timing at load as for the fp32 kernels: the kernels quantise
     differently, and a machine's int8 answers should not hang on a noisy first timing."""
@@ -88,7 +88,8 @@ def int8_kernel() -> str | None:
                      else f"this torch build has no {choice} int8 matmul")
             raise ValueError(f"BERT_ENGINE_INT8_KERNEL={choice}: {where}")
         return choice
-    if int8_weight_limit() == 127 and available["tiled"]() and native.int8_isa() == 512:
+    amx = cpu_isa().endswith("+AMX")  # oneDNN's int8 there runs AMX's tiles, far past VNNI's (not timed here)
+    if int8_weight_limit() == 127 and not amx and available["tiled"]() and native.int8_isa() == 512:
         preferred: tuple[str, ...] = ("tiled", "onednn", "fbgemm")
     elif int8_weight_limit() == 127:
         preferred = ("onednn", "fbgemm", "tiled")
