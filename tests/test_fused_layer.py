@@ -14,6 +14,7 @@ from bert_engine import BertModel
 from bert_engine.config import BertConfig
 from bert_engine.model import encoder_of
 from bert_engine.runtime import fast, native
+from conftest import outputs_at_both_widths
 
 reason = native.unavailable()
 pytestmark = pytest.mark.skipif(reason is not None, reason=f"the AVX2 kernels cannot run here: {reason}")
@@ -106,6 +107,26 @@ def test_a_padded_batch_gets_the_modules_answer_and_each_text_its_own(monkeypatc
         assert torch.equal(alone[0], fused[row, keep])
     equal = _run(model, monkeypatch, True, ids[:, :9])  # no padding: no mask, rows end to end
     assert torch.equal(equal[1], _run(model, monkeypatch, True, ids[1:2, :9])[0])
+
+
+@pytest.mark.skipif(reason is not None or native.wanted_isa() != 512,
+                    reason="the AVX-512 width needs a CPU whose torch capability is AVX512")
+@pytest.mark.parametrize(("hidden", "heads"), [(64, 8), (48, 2), (96, 4), (128, 4), (128, 2)])
+def test_the_avx512_width_gives_the_avx2_widths_bits(monkeypatch, hidden, heads):
+    """The attention follows the matmuls' width; at either, each score and context value is the same chain of
+    fused multiply-adds and each softmax total the same sum: head widths 8, 24, 24, 32 and 64 (a last step of
+    8, 16 or 24 of D; 16 or 32 keys), lengths across the 16 and 32 keys a step takes, padded rows."""
+    model = _model(hidden, heads, 2 * hidden, seed=hidden + heads)
+    ids = torch.randint(1, 120, (3, 49))
+    mask = torch.ones(3, 49, dtype=torch.long)
+    mask[1, 17:] = 0
+    mask[2, 33:] = 0
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "1")
+    got = outputs_at_both_widths(native.library().tiled_matmul_set_isa, native.isa(),
+                                 lambda: model(ids, mask).last_hidden_state)
+    assert all(torch.equal(out, got[256, 1]) for out in got.values())
+    modules = _run(model, monkeypatch, False, ids, mask)
+    torch.testing.assert_close(got[512, 2][mask.bool()], modules[mask.bool()], atol=3e-6, rtol=1e-5)
 
 
 def test_the_thread_count_does_not_change_a_bit(monkeypatch):

@@ -12,6 +12,8 @@
  * offsets[s+1]-1, and attends only to itself. x (rows x H) is read and overwritten with the layer's output.
  * Each sequence's result does not depend on the others beside it (rows are computed on their own; attention
  * and the norms in a fixed order per sequence), nor on the number of threads.
+ * The attention runs at the width the matmuls do (tiled_matmul_isa(): AVX-512 where native.py set it, two ZMM
+ * registers a query where AVX2 has two YMM; attend_head512), with the same bits at either width.
  *
  * erf and exp are polynomial approximations evaluated in float32: erf on [0, 4) in four pieces of degree 9 (the
  * table below, fitted by scripts/fit_erf.py), 1 past 4, within 8.8e-8 of the true value; exp as 2^n times a
@@ -26,6 +28,7 @@
 
 void tiled_matmul(const float *x, int64_t M, int64_t K, const float *panels, int64_t P, const float *bias,
                   float *y, int64_t N, int threads);
+int tiled_matmul_isa(void);
 int int8_matmul(const float *x, int64_t M, int64_t K, int rotate, const int8_t *panels, int64_t P,
                 const float *scale, const float *rowsum, const float *bias, float *y, int64_t N, uint8_t *codes,
                 float *rowq, int threads);
@@ -318,6 +321,122 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
     }
 }
 
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+/* e^x at AVX-512's width: exp_ps's operations, each the same in every lane, so the same bits. */
+AVX512 static inline __m512 exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.3f);
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~underflow, p, _mm512_castsi512_ps(bits));
+}
+
+/* attend_head at AVX-512's width: QB queries x 32 keys (scores) and QB queries x 32 of D (context) per step, two
+ * ZMM registers a query where attend_head has two YMM; the last step's second half (16 keys, or what is left of
+ * D) masked. Every score and context value is the same chain of fused multiply-adds as there, each softmax
+ * total is summed 8 lanes at a time in the same order, so the outputs are the same bits. */
+AVX512 static void attend_head512(const float *q, const float *k, const float *v, int64_t stride, int64_t L,
+                                  int64_t queries, int64_t D, float *context, int64_t H, float *kt, float *vc,
+                                  float *scores) {
+    const int64_t Lp = (L + 15) & ~(int64_t)15;
+    for (int64_t j = 0; j < L; ++j) {
+        for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = k[j * stride + d];
+        memcpy(vc + j * D, v + j * stride, sizeof(float) * (size_t)D);
+    }
+    for (int64_t d = 0; d < D; ++d)
+        for (int64_t j = L; j < Lp; ++j) kt[d * Lp + j] = 0.0f;
+    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)D));
+    for (int64_t i0 = 0; i0 < queries; i0 += QB) {
+        const float *qr[QB];
+        for (int r = 0; r < QB; ++r) qr[r] = q + (i0 + r < L ? i0 + r : L - 1) * stride;
+        for (int64_t j = 0; j < Lp; j += 32) {
+            const __mmask16 m1 = j + 32 <= Lp ? 0xFFFF : 0; /* Lp is a multiple of 16 */
+            __m512 s00 = _mm512_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00,
+                   s31 = s00, s40 = s00, s41 = s00, s50 = s00, s51 = s00;
+            const float *col = kt + j;
+            for (int64_t d = 0; d < D; ++d) {
+                const __m512 k0 = _mm512_loadu_ps(col + d * Lp), k1 = _mm512_maskz_loadu_ps(m1, col + d * Lp + 16);
+                __m512 b = _mm512_set1_ps(qr[0][d]);
+                s00 = _mm512_fmadd_ps(b, k0, s00), s01 = _mm512_fmadd_ps(b, k1, s01);
+                b = _mm512_set1_ps(qr[1][d]);
+                s10 = _mm512_fmadd_ps(b, k0, s10), s11 = _mm512_fmadd_ps(b, k1, s11);
+                b = _mm512_set1_ps(qr[2][d]);
+                s20 = _mm512_fmadd_ps(b, k0, s20), s21 = _mm512_fmadd_ps(b, k1, s21);
+                b = _mm512_set1_ps(qr[3][d]);
+                s30 = _mm512_fmadd_ps(b, k0, s30), s31 = _mm512_fmadd_ps(b, k1, s31);
+                b = _mm512_set1_ps(qr[4][d]);
+                s40 = _mm512_fmadd_ps(b, k0, s40), s41 = _mm512_fmadd_ps(b, k1, s41);
+                b = _mm512_set1_ps(qr[5][d]);
+                s50 = _mm512_fmadd_ps(b, k0, s50), s51 = _mm512_fmadd_ps(b, k1, s51);
+            }
+            const __m512 sums[QB][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}, {s40, s41}, {s50, s51}};
+            for (int r = 0; r < QB; ++r) {
+                _mm512_storeu_ps(scores + r * Lp + j, _mm512_mul_ps(sums[r][0], scale));
+                _mm512_mask_storeu_ps(scores + r * Lp + j + 16, m1, _mm512_mul_ps(sums[r][1], scale));
+            }
+        }
+        float inv[QB];
+        for (int r = 0; r < QB; ++r) {
+            float *row = scores + r * Lp;
+            for (int64_t j = L; j < Lp; ++j) row[j] = -INFINITY;
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int64_t j = 0; j < Lp; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
+            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top)); /* a maximum is exact in any order */
+            __m256 total = _mm256_setzero_ps();
+            for (int64_t j = 0; j < Lp; j += 16) {
+                const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), m));
+                _mm512_storeu_ps(row + j, e);
+                total = _mm256_add_ps(total, _mm512_castps512_ps256(e)); /* as attend_head: 8 at a time */
+                total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+            }
+            inv[r] = 1.0f / hsum(total);
+        }
+        for (int64_t d = 0; d < D; d += 32) {
+            const int64_t left = D - d;
+            const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            const __mmask16 m1 = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+                   a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+            for (int64_t j = 0; j < L; ++j) {
+                const __m512 v0 = _mm512_maskz_loadu_ps(m0, vc + j * D + d);
+                const __m512 v1 = _mm512_maskz_loadu_ps(m1, vc + j * D + d + 16);
+                __m512 b = _mm512_set1_ps(scores[j]);
+                a00 = _mm512_fmadd_ps(b, v0, a00), a01 = _mm512_fmadd_ps(b, v1, a01);
+                b = _mm512_set1_ps(scores[Lp + j]);
+                a10 = _mm512_fmadd_ps(b, v0, a10), a11 = _mm512_fmadd_ps(b, v1, a11);
+                b = _mm512_set1_ps(scores[2 * Lp + j]);
+                a20 = _mm512_fmadd_ps(b, v0, a20), a21 = _mm512_fmadd_ps(b, v1, a21);
+                b = _mm512_set1_ps(scores[3 * Lp + j]);
+                a30 = _mm512_fmadd_ps(b, v0, a30), a31 = _mm512_fmadd_ps(b, v1, a31);
+                b = _mm512_set1_ps(scores[4 * Lp + j]);
+                a40 = _mm512_fmadd_ps(b, v0, a40), a41 = _mm512_fmadd_ps(b, v1, a41);
+                b = _mm512_set1_ps(scores[5 * Lp + j]);
+                a50 = _mm512_fmadd_ps(b, v0, a50), a51 = _mm512_fmadd_ps(b, v1, a51);
+            }
+            const __m512 out[QB][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+            for (int r = 0; r < QB && i0 + r < queries; ++r) {
+                float *dst = context + (i0 + r) * H + d;
+                const __m512 m = _mm512_set1_ps(inv[r]);
+                _mm512_mask_storeu_ps(dst, m0, _mm512_mul_ps(out[r][0], m));
+                _mm512_mask_storeu_ps(dst + 16, m1, _mm512_mul_ps(out[r][1], m));
+            }
+        }
+    }
+}
+
 /* The layer over the rows of sequences s0 .. s0 + seqs - 1 (x: the first of them; offsets: the whole call's,
  * `base` = offsets[s0]); see fused_layer. */
 static int layer_part(float *x, int64_t rows, const int64_t *offsets, int64_t base, int64_t seqs, int64_t H,
@@ -333,6 +452,7 @@ static int layer_part(float *x, int64_t rows, const int64_t *offsets, int64_t ba
     uint8_t *codes = (uint8_t *)(rowq + 2 * rows); /* rows x (I rounded up to 4) bytes: the widest input */
     if (project(&proj[0], x, rows, H, qkv, 3 * H, codes, rowq, threads)) return -1;
     int failed = 0;
+    const int wide = tiled_matmul_isa() == 512; /* attention at the width the matmuls run at: the same bits */
 #pragma omp parallel num_threads(threads) if (threads > 1 && seqs * heads > 1)
     {
         const int64_t padded = (longest + 15) & ~(int64_t)15;
@@ -346,7 +466,7 @@ static int layer_part(float *x, int64_t rows, const int64_t *offsets, int64_t ba
             if (kt == NULL) continue;
             const int64_t s = item / heads, h = item % heads, start = offsets[s] - base, L = offsets[s + 1] - offsets[s];
             const float *base = qkv + start * 3 * H + h * D;
-            attend_head(base, base + H, base + 2 * H, 3 * H, L, first != NULL ? 1 : L, D,
+            (wide ? attend_head512 : attend_head)(base, base + H, base + 2 * H, 3 * H, L, first != NULL ? 1 : L, D,
                         context + (first != NULL ? s : start) * H + h * D, H, kt, kt + D * padded, kt + 2 * D * padded);
         }
         free(kt);

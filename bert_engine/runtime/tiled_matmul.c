@@ -32,6 +32,8 @@ int tiled_matmul_version(void) { return 3; }
  * output is the same chain of fused multiply-adds over k in either. */
 static int isa512 = 0;
 
+int tiled_matmul_isa(void) { return isa512 ? 512 : 256; }
+
 int tiled_matmul_set_isa(int bits) {
     __builtin_cpu_init();
     isa512 = bits == 512 && __builtin_cpu_supports("avx512f");
