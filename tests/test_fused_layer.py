@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import outputs_at_both_widths
 
 from bert_engine import BertModel
 from bert_engine.config import BertConfig
 from bert_engine.model import encoder_of
 from bert_engine.runtime import fast, native
-from conftest import outputs_at_both_widths
 
 reason = native.unavailable()
 pytestmark = pytest.mark.skipif(reason is not None, reason=f"the AVX2 kernels cannot run here: {reason}")
