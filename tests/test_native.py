@@ -229,38 +229,46 @@ def test_the_width_follows_torchs_capability_and_the_setting(monkeypatch):
     assert native.wanted_isa() == 256
 
 
-def test_a_wide_kernel_runs_a_visitors_rows_fused_in_front_of_the_choices(monkeypatch):
-    """Where the tiled kernel is AVX-512 wide and packed is the incumbent, inputs of up to FUSED_ROWS_WIDE rows run
-    all four projections tiled (each layer in one C call) unless, timed at those rows, that costs the matmuls more
-    than FUSION_MARGIN_WIDE (1.5x); each projection keeps its own choices past them. Past it, at AVX2's width, or
-    with the setting off, nothing changes."""
+def test_a_wide_kernel_runs_a_visitors_rows_fused_and_a_layer_one_kernel(monkeypatch):
+    """Where the tiled kernel is AVX-512 wide and packed is the incumbent, in each range of rows a layer's four
+    projections take one kernel: up to FUSED_ROWS_WIDE rows the tiled one unless, timed at those rows, that costs
+    the matmuls more than FUSION_MARGIN_WIDE (1.5x); past them the kernel all four pick from their timings there,
+    packed where they differ (a projection that chose tiled or plain alone loses it). At AVX2's width or with the
+    setting off, nothing changes."""
     monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")
     monkeypatch.setattr(native, "isa", lambda: 512)
 
-    def choice(tiled_short):
-        rows = {"24": {"packed": 1.0, "plain": 1.2, "tiled": tiled_short},
-                "128": {"packed": 2.0, "plain": 2.4, "tiled": 3.0}, "2048": {"packed": 30, "plain": 28, "tiled": 40}}
-        made = {name: {"rows": rows, "chose": "packed"} for name in fast.PROJECTIONS}
-        made["out"]["past_rows"] = [256, "plain"]
-        made["down"] = {"rows": rows, "chose": "tiled", "past_rows": [256, "packed"]}
+    def choice(tiled_short, tiled_mid=3.0, plain_long=28, out_plain_mid=2.4):
+        def rows(plain_mid):
+            return {"24": {"packed": 1.0, "plain": 1.2, "tiled": tiled_short},
+                    "128": {"packed": 2.0, "plain": plain_mid, "tiled": tiled_mid},
+                    "2048": {"packed": 30, "plain": plain_long, "tiled": 40}}
+        made = {name: {"rows": rows(2.4), "chose": "packed"} for name in fast.PROJECTIONS}
+        made["out"] = {"rows": rows(out_plain_mid), "chose": "packed", "past_rows": [256, "plain"]}
+        made["down"] = {"rows": rows(2.4), "chose": "tiled", "past_rows": [256, "packed"]}  # its own: tiled alone
         return made
 
-    near = choice(1.45)  # the layer's matmuls 5.8 against 4.45 (down already tiled): 1.3x
-    fast.favour_fusion(near)
-    labels = {name: fast.kernel_label(c) for name, c in near.items()}
-    assert labels == {"qkv": "tiled up to 64 rows, then packed", "up": "tiled up to 64 rows, then packed",
-                      "out": "tiled up to 64 rows, then packed up to 256 rows, then plain",
-                      "down": "tiled up to 256 rows, then packed"}
+    def labels(made):
+        fast.favour_fusion(made)
+        return {fast.kernel_label(c) for c in made.values()}
+
+    near = choice(1.45)  # the layer's matmuls 5.8 against 4.0 at 24 rows: 1.45x
+    assert labels(near) == {"tiled up to 64 rows, then packed"}
     assert fast.fused_label(near) == f"inputs of up to {fast.FUSED_ROWS_WIDE} rows: each layer in one C call"
-    for made in (choice(2.0), None, "off"):  # 2.0: the layer's matmuls 8.0 against 5.0 (1.6x)
+    assert labels(choice(1.45, plain_long=26)) == {"tiled up to 64 rows, then packed up to 256 rows, then plain"}
+    assert labels(choice(1.45, tiled_mid=1.7)) == {"tiled up to 256 rows, then packed"}  # each 15 % faster at 128
+    assert labels(choice(1.45, out_plain_mid=1.5)) == {"tiled up to 64 rows, then packed"}  # out's plain: alone
+    assert labels(choice(2.0)) == {"packed"}  # 8.0 against 4.0: 2x
+    for made in (None, "off"):
         if made == "off":
             monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "0")
-        elif made is None:
+        else:
             monkeypatch.setattr(native, "isa", lambda: 256)
-        kept = choice(1.0) if not isinstance(made, dict) else made
+        kept = choice(1.0)
         fast.favour_fusion(kept)
         assert kept["qkv"] == {"rows": kept["qkv"]["rows"], "chose": "packed"}
         assert fast.kernel_label(kept["out"]) == "packed up to 256 rows, then plain"
+        assert fast.kernel_label(kept["down"]) == "tiled up to 256 rows, then packed"
 
 
 @needs_kernel

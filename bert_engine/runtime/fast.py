@@ -10,7 +10,8 @@ bert_engine's own AVX2 matmul (`TiledLinear`, tiled_matmul.c built by native.py 
 found; at AVX-512's width where the CPU has it): at the few rows of one request it reads each weight from
 memory once, where oneDNN and MKL lose time. Short inputs (up to COLD_ROWS rows) and long ones are timed and
 chosen apart (`RowSwitch` runs the kernels where they differ; on AVX-512 CPUs a visitor's inputs, up to
-FUSED_ROWS_WIDE rows, may run the tiled kernel in front of both: `favour_fusion`). Which precision uses which kernel, and what the CPU must support for it,
+FUSED_ROWS_WIDE rows, may run the tiled kernel in front of both, and a layer's four projections run one kernel:
+`favour_fusion`). Which precision uses which kernel, and what the CPU must support for it,
 is decided in precision.py.
 
 `benchmarks/encoder.py` measures the speed of each and `benchmarks/workloads.py` the share of
@@ -1166,7 +1167,8 @@ def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
     projections, each number of rows alike; and where it was kept for some of them), or FUSION_MARGIN_LONG for
     long ones, all four take it for those inputs: one noisy timing at first load no longer turns fusion off
     for good. Where the tiled kernel runs at AVX-512's width instead, inputs of up to FUSED_ROWS_WIDE rows take
-    it in front of the choices (`_favour_fusion_wide`). Elsewhere nothing changes."""
+    it in front of the choices, and at every length a layer's four projections run one kernel
+    (`_favour_fusion_wide`). Elsewhere nothing changes."""
     if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
         return
     if any(name not in choice or "rows" not in choice[name] for name in PROJECTIONS):
@@ -1192,22 +1194,37 @@ def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
 
 
 def _favour_fusion_wide(choice: dict[str, dict[str, Any]]) -> None:
-    """favour_fusion where the tiled kernel is AVX-512 wide: every projection runs it up to FUSED_ROWS_WIDE rows,
-    then its own choices, where at the timed rows up to there the four tiled cost at most FUSION_MARGIN_WIDE
-    times the kernels chosen for them."""
+    """favour_fusion where the tiled kernel is AVX-512 wide. There a layer's four projections run one kernel: the
+    tiled one pays where the layer runs in one C call, and a layer of mixed kernels lost to the all-packed one in
+    whole forwards although each projection, timed alone, chose its own as faster (on the Cascade Lake Xeon,
+    session 41, benchmarks/README.md: out and down tiled, 0.91-0.93x at 96-160 tokens; out on MKL's, 0.92-0.95x;
+    all four on MKL's 0.89-0.91x). So in each range of rows all four projections take the same kernel: up to
+    FUSED_ROWS_WIDE rows the tiled one, unless at the rows timed up to there that costs the matmuls more than
+    FUSION_MARGIN_WIDE times the other kernels; there and past it (up to COLD_ROWS rows, and past that), the kernel
+    all four pick from their timings in that range (pick_kernel), and where they differ the incumbent, packed."""
     timed = all("tiled" in row for name in PROJECTIONS for row in choice[name]["rows"].values())
     if not timed or native.isa() != 512:  # (timed: the library is loaded, so asking its width builds nothing)
         return
-    short = [short_and_long(choice[name])[0] for name in PROJECTIONS]
-    if all(kernel == "tiled" for kernel in short) or not _fusing_costs_little(
-            choice, short, lambda n: n <= FUSED_ROWS_WIDE, FUSION_MARGIN_WIDE):
-        return
-    for name in PROJECTIONS:
-        tiers = choice_tiers(choice[name])
-        if tiers[0] == "tiled":  # already tiled past FUSED_ROWS_WIDE: unchanged
+    tiers: list = []
+    for low, high in ((0, FUSED_ROWS_WIDE), (FUSED_ROWS_WIDE, COLD_ROWS), (COLD_ROWS, math.inf)):
+        rows = [{n: t for n, t in choice[name]["rows"].items() if low < int(n) <= high} for name in PROJECTIONS]
+        if not all(rows):  # no row count timed in this range: the next range's kernel reaches down
             continue
-        choice[name]["chose"] = "tiled"
-        choice[name]["past_rows"] = [FUSED_ROWS_WIDE, *tiers]
+        others = [pick_kernel({"rows": {n: {k: ms for k, ms in t.items() if k != "tiled"} for n, t in r.items()}})
+                  for r in rows]
+        picks = [pick_kernel({"rows": r}) for r in rows]
+        if low == 0 and _fusing_costs_little(choice, others, lambda n: n <= FUSED_ROWS_WIDE, FUSION_MARGIN_WIDE):
+            kernel = "tiled"
+        else:
+            agreed = set(picks if low else others)
+            kernel = agreed.pop() if len(agreed) == 1 else "packed"
+        if not tiers or tiers[-1] != kernel:
+            tiers += [low, kernel] if tiers else [kernel]
+    for name in PROJECTIONS:
+        choice[name]["chose"] = tiers[0]
+        choice[name].pop("past_rows", None)
+        if len(tiers) > 1:
+            choice[name]["past_rows"] = tiers[1:]
 
 
 def _fusing_costs_little(choice: dict[str, dict[str, Any]], chosen: list[str], counts_taken, margin: float) -> bool:
