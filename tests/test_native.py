@@ -201,6 +201,7 @@ wide = pytest.mark.skipif(reason is not None or native.wanted_isa() != 512,
 @wide
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [
     (1, 16, 8), (5, 24, 33), (12, 40, 128), (13, 100, 130), (25, 1152, 384), (40, 8, 300), (193, 48, 1536),
+    (97, 1152, 384), (100, 40, 130),  # past 96 rows: x copied, the panels a block of k at a time
     (1500, 40, 400),  # 2.4 MB of input: chunks of rows first
 ])
 def test_the_avx512_width_gives_the_avx2_widths_bits(rows, out_features, in_features):
