@@ -59,6 +59,19 @@ def test_its_gelu_and_relu_are_as_close_to_the_truth_as_torchs():
     assert torch.equal(_activation(x, 0, threads=1), _activation(x, 0, threads=2))
 
 
+@pytest.mark.skipif(reason is not None or native.wanted_isa() != 512,
+                    reason="the AVX-512 width needs a CPU whose torch capability is AVX512")
+@pytest.mark.parametrize("code", [0, 1, 2])
+def test_each_activation_at_avx512s_width_is_avx2s_bits(code):
+    """16 lanes at a time where the matmuls run at AVX-512's width (the last 8 of a length 8 past a multiple of
+    16 as at AVX2's), every value the same bits: past erf's last piece, zeros of both signs, infinities, NaN."""
+    x = torch.cat([torch.linspace(-12, 12, 8_000), torch.tensor([0.0, -0.0, 4.0, -4.0, 3.9999998, float("inf"),
+                                                                   float("-inf"), float("nan")])])
+    assert x.numel() % 16 == 8
+    got = outputs_at_both_widths(native.library().tiled_matmul_set_isa, native.isa(), lambda: _activation(x, code))
+    assert all(torch.equal(out.view(torch.int32), got[256, 1].view(torch.int32)) for out in got.values())
+
+
 def test_its_erf_table_is_what_scripts_fit_erf_prints_and_within_its_bound():
     from scripts.fit_erf import c_table, fit, largest_error
 

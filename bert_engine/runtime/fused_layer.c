@@ -97,6 +97,29 @@ static inline __m256 exp_ps(__m256 x) {
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+/* e^x at AVX-512's width: exp_ps's operations, each the same in every lane, so the same bits. */
+AVX512 static inline __m512 exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.3f);
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~underflow, p, _mm512_castsi512_ps(bits));
+}
+
 /* erf on [0, 4) in 4 pieces of width 1, each a degree-9 polynomial in u, the distance from its middle
  * (coefficient k of piece i: ERF_PIECES[k][i]); 1 past 4 (erf(4) = 1 - 1.5e-8 rounds to 1). Each lane picks its
  * piece's coefficients by an in-lane permute (the 4 values sit in both halves of the register): 9 FMAs, 10
@@ -146,8 +169,51 @@ static inline __m256 act_ps(__m256 x, int act) {
     return _mm256_mul_ps(_mm256_mul_ps(half, x), onep);
 }
 
-/* y[i] = act(y[i]) over n floats, n a multiple of 8 (the caller's widths are). */
+/* erf_ps and act_ps at AVX-512's width: their operations, each the same in every lane, so the same bits (the
+ * coefficients' permute is within each 128-bit lane at either width). */
+AVX512 static inline __m512 erf512(__m512 x) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+    const __m512 a = _mm512_min_ps(_mm512_abs_ps(x), _mm512_set1_ps(3.9999998f));
+    const __m512i piece = _mm512_cvttps_epi32(a);
+    const __m512 u = _mm512_sub_ps(a, _mm512_add_ps(_mm512_cvtepi32_ps(piece), _mm512_set1_ps(0.5f)));
+#define COEFFICIENT(k) _mm512_permutevar_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(ERF_PIECES[k])), piece)
+    __m512 low = COEFFICIENT(4), high = COEFFICIENT(9);
+    for (int k = 3; k >= 0; --k) low = _mm512_fmadd_ps(low, u, COEFFICIENT(k));
+    for (int k = 8; k >= 5; --k) high = _mm512_fmadd_ps(high, u, COEFFICIENT(k));
+#undef COEFFICIENT
+    const __m512 u2 = _mm512_mul_ps(u, u);
+    const __m512 value = _mm512_fmadd_ps(high, _mm512_mul_ps(_mm512_mul_ps(u2, u2), u), low);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), _mm512_castps_si512(sign)));
+}
+
+AVX512 static inline __m512 act512(__m512 x, int act) {
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    if (act == ACT_RELU) return _mm512_max_ps(x, _mm512_setzero_ps());
+    if (act == ACT_GELU)
+        return _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, erf512(_mm512_mul_ps(x, _mm512_set1_ps(0.70710678118654752f)))));
+    const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.79788456080286536f),
+                                   _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
+    const __m512 e = exp512(_mm512_add_ps(u, u));
+    const __m512 onep = _mm512_sub_ps(_mm512_set1_ps(2.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+    return _mm512_mul_ps(_mm512_mul_ps(half, x), onep);
+}
+
+AVX512 static void activate512(float *y, int64_t n, int act, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 8192)
+    for (int64_t i = 0; i < n; i += 16) {
+        if (i + 16 <= n)
+            _mm512_storeu_ps(y + i, act512(_mm512_loadu_ps(y + i), act));
+        else /* n % 16 == 8: the last 8 as act_ps */
+            _mm256_storeu_ps(y + i, act_ps(_mm256_loadu_ps(y + i), act));
+    }
+}
+
+/* y[i] = act(y[i]) over n floats, n a multiple of 8 (the caller's widths are); at the matmuls' width. */
 static void activate(float *y, int64_t n, int act, int threads) {
+    if (tiled_matmul_isa() == 512) {
+        activate512(y, n, act, threads);
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 8192)
     for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, act_ps(_mm256_loadu_ps(y + i), act));
 }
@@ -319,29 +385,6 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
             }
         }
     }
-}
-
-#define AVX512 __attribute__((target("avx512f,avx2,fma")))
-
-/* e^x at AVX-512's width: exp_ps's operations, each the same in every lane, so the same bits. */
-AVX512 static inline __m512 exp512(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.3f);
-    const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~underflow, p, _mm512_castsi512_ps(bits));
 }
 
 /* attend_head at AVX-512's width: QB queries x 32 keys (scores) and QB queries x 32 of D (context) per step, two
