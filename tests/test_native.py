@@ -233,7 +233,8 @@ def test_the_width_follows_torchs_capability_and_the_setting(monkeypatch):
 def test_a_wide_kernel_runs_a_visitors_rows_fused_and_a_layer_one_kernel(monkeypatch):
     """Where the tiled kernel is AVX-512 wide and packed is the incumbent, in each range of rows a layer's four
     projections take one kernel: up to FUSED_ROWS_WIDE rows the tiled one unless, timed at those rows, that costs
-    the matmuls more than FUSION_MARGIN_WIDE (1.5x); past them the kernel all four pick from their timings there,
+    the matmuls more than FUSION_MARGIN_WIDE (1.5x); on up to FUSED_ROWS_WIDE_LONG rows where at 128 rows it costs
+    them at most FUSION_MARGIN_WIDE_LONG (1.1x); past that the kernel all four pick from their timings there,
     packed where they differ (a projection that chose tiled or plain alone loses it). At AVX2's width or with the
     setting off, nothing changes."""
     monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")
@@ -253,13 +254,17 @@ def test_a_wide_kernel_runs_a_visitors_rows_fused_and_a_layer_one_kernel(monkeyp
         fast.favour_fusion(made)
         return {fast.kernel_label(c) for c in made.values()}
 
-    near = choice(1.45)  # the layer's matmuls 5.8 against 4.0 at 24 rows: 1.45x
+    near = choice(1.45)  # the layer's matmuls 5.8 against 4.0 at 24 rows: 1.45x; 12 against 8 at 128: 1.5x
     assert labels(near) == {"tiled up to 64 rows, then packed"}
     assert fast.fused_label(near) == f"inputs of up to {fast.FUSED_ROWS_WIDE} rows: each layer in one C call"
     assert labels(choice(1.45, plain_long=26)) == {"tiled up to 64 rows, then packed up to 256 rows, then plain"}
+    middle = choice(1.45, tiled_mid=2.2)  # 1.1x at 128 rows
+    assert labels(middle) == {"tiled up to 144 rows, then packed"}
+    assert fast.fused_label(middle) == f"inputs of up to {fast.FUSED_ROWS_WIDE_LONG} rows: each layer in one C call"
+    assert labels(choice(1.45, tiled_mid=2.3)) == {"tiled up to 64 rows, then packed"}  # 1.15x
     assert labels(choice(1.45, tiled_mid=1.7)) == {"tiled up to 256 rows, then packed"}  # each 15 % faster at 128
     assert labels(choice(1.45, out_plain_mid=1.5)) == {"tiled up to 64 rows, then packed"}  # out's plain: alone
-    assert labels(choice(2.0)) == {"packed"}  # 8.0 against 4.0: 2x
+    assert labels(choice(2.0, tiled_mid=1.8)) == {"packed"}  # 8.0 against 4.0 at 24 rows: 2x; nothing fused
     for made in (None, "off"):
         if made == "off":
             monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "0")

@@ -1156,6 +1156,14 @@ FUSION_MARGIN_LONG = 1.05
 # (A margin of 10 % let one noisy first timing on a loaded machine turn it off: the fresh-clone check, session 40.)
 FUSED_ROWS_WIDE = 64
 FUSION_MARGIN_WIDE = 1.5
+# ... and past them, up to FUSED_ROWS_WIDE_LONG rows (a question with its paragraph is 100-200 tokens), where at the
+# timed rows past FUSED_ROWS_WIDE (128) the four tiled cost the matmuls at most FUSION_MARGIN_WIDE_LONG times the other
+# kernels. With the attention, GELU and the tiled kernel past 96 rows at AVX-512's width (session 41), a whole MiniLM
+# forward in one call per layer ran 1.15x / 1.06x / 1.05x / 1.0x / 0.97x packed's at 96 / 128 / 144 / 160 / 176
+# tokens on the Cascade Lake Xeon, its four tiled matmuls timed at 1.04x packed's at 128 rows: the layer in one call
+# makes up about 10 % of matmul time there.
+FUSED_ROWS_WIDE_LONG = 144
+FUSION_MARGIN_WIDE_LONG = 1.10
 
 
 def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
@@ -1200,23 +1208,37 @@ def _favour_fusion_wide(choice: dict[str, dict[str, Any]]) -> None:
     session 41, benchmarks/README.md: out and down tiled, 0.91-0.93x at 96-160 tokens; out on MKL's, 0.92-0.95x;
     all four on MKL's 0.89-0.91x). So in each range of rows all four projections take the same kernel: up to
     FUSED_ROWS_WIDE rows the tiled one, unless at the rows timed up to there that costs the matmuls more than
-    FUSION_MARGIN_WIDE times the other kernels; there and past it (up to COLD_ROWS rows, and past that), the kernel
-    all four pick from their timings in that range (pick_kernel), and where they differ the incumbent, packed."""
+    FUSION_MARGIN_WIDE times the other kernels, and on up to FUSED_ROWS_WIDE_LONG rows where it is fused below and
+    at the rows timed up to COLD_ROWS costs at most FUSION_MARGIN_WIDE_LONG times them; past that (up to COLD_ROWS
+    rows, and past it), the kernel all four pick from their timings in that range (pick_kernel), and where they
+    differ the incumbent, packed."""
     timed = all("tiled" in row for name in PROJECTIONS for row in choice[name]["rows"].values())
     if not timed or native.isa() != 512:  # (timed: the library is loaded, so asking its width builds nothing)
         return
+
+    def short(n: int) -> bool:
+        return n <= FUSED_ROWS_WIDE
+
+    def middle(n: int) -> bool:
+        return FUSED_ROWS_WIDE < n <= COLD_ROWS
+
+    def long(n: int) -> bool:
+        return n > COLD_ROWS
+
+    ranges = ((0, short, FUSION_MARGIN_WIDE), (FUSED_ROWS_WIDE, middle, FUSION_MARGIN_WIDE_LONG),
+              (FUSED_ROWS_WIDE_LONG, middle, None), (COLD_ROWS, long, None))
     tiers: list = []
-    for low, high in ((0, FUSED_ROWS_WIDE), (FUSED_ROWS_WIDE, COLD_ROWS), (COLD_ROWS, math.inf)):
-        rows = [{n: t for n, t in choice[name]["rows"].items() if low < int(n) <= high} for name in PROJECTIONS]
-        if not all(rows):  # no row count timed in this range: the next range's kernel reaches down
+    for low, judged, margin in ranges:
+        rows = [{n: t for n, t in choice[name]["rows"].items() if judged(int(n))} for name in PROJECTIONS]
+        if not all(rows):  # no row count timed for this range: the next range's kernel reaches down
             continue
         others = [pick_kernel({"rows": {n: {k: ms for k, ms in t.items() if k != "tiled"} for n, t in r.items()}})
                   for r in rows]
         picks = [pick_kernel({"rows": r}) for r in rows]
-        if low == 0 and _fusing_costs_little(choice, others, lambda n: n <= FUSED_ROWS_WIDE, FUSION_MARGIN_WIDE):
+        if margin is not None and tiers in ([], ["tiled"]) and _fusing_costs_little(choice, others, judged, margin):
             kernel = "tiled"
         else:
-            agreed = set(picks if low else others)
+            agreed = set(others if margin is not None else picks)
             kernel = agreed.pop() if len(agreed) == 1 else "packed"
         if not tiers or tiers[-1] != kernel:
             tiers += [low, kernel] if tiers else [kernel]
