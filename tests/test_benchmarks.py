@@ -170,6 +170,23 @@ def test_fp32_kernels_benchmark_times_a_whole_forward_with_each_kernel(tmp_path)
     assert saved["tiled_kernel"] == (native.unavailable() or "available")
 
 
+def test_native_ab_times_the_kernels_at_a_revision_beside_the_working_trees(tmp_path):
+    from benchmarks import native_ab
+    from bert_engine.runtime import native
+
+    root = Path(native.__file__).resolve().parents[2]
+    if native.library() is None or not (root / ".git").exists():
+        pytest.skip(f"needs the kernels and a git checkout: {native.unavailable() or 'no .git here'}")
+    out, ours = tmp_path / "ab.json", native.library()
+    result = native_ab.main(["--base", "HEAD", "--shapes", "1x5,2x9", "--rounds", "1", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == result["rows"] and [r["shape"] for r in saved["rows"]] == ["1x5", "2x9"]
+    assert all(r["max_abs_diff"] < 1e-4 and r["speedup"] > 0 and r["working_tree_vs_packed"] > 0 for r in saved["rows"])
+    assert native.library() is ours  # the working tree's library is put back
+    with pytest.raises(SystemExit, match="no-such-revision"):
+        native_ab.main(["--base", "no-such-revision", "--shapes", "1x5", "--rounds", "1"])
+
+
 def test_a_merged_workloads_run_replaces_only_what_it_measured(tmp_path):
     from benchmarks.workloads import merged
 
