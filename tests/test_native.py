@@ -265,6 +265,9 @@ def test_a_wide_kernel_runs_a_visitors_rows_fused_and_a_layer_one_kernel(monkeyp
     assert labels(choice(1.45, tiled_mid=1.7)) == {"tiled up to 256 rows, then packed"}  # each 15 % faster at 128
     assert labels(choice(1.45, out_plain_mid=1.5)) == {"tiled up to 64 rows, then packed"}  # out's plain: alone
     assert labels(choice(2.0, tiled_mid=1.8)) == {"packed"}  # 8.0 against 4.0 at 24 rows: 2x; nothing fused
+    untimed = {name: {"rows": {}, "chose": None} for name in fast.PROJECTIONS}  # a cache file with no timings
+    fast.favour_fusion(untimed)
+    assert all(c == {"rows": {}, "chose": None} for c in untimed.values())
     for made in (None, "off"):
         if made == "off":
             monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "0")

@@ -1242,6 +1242,8 @@ def _favour_fusion_wide(choice: dict[str, dict[str, Any]]) -> None:
             kernel = agreed.pop() if len(agreed) == 1 else "packed"
         if not tiers or tiers[-1] != kernel:
             tiers += [low, kernel] if tiers else [kernel]
+    if not tiers:  # no timings at all (a cache file with none): the choices stand
+        return
     for name in PROJECTIONS:
         choice[name]["chose"] = tiers[0]
         choice[name].pop("past_rows", None)
