@@ -1160,8 +1160,9 @@ FUSION_MARGIN_WIDE = 1.5
 # timed rows past FUSED_ROWS_WIDE (128) the four tiled cost the matmuls at most FUSION_MARGIN_WIDE_LONG times the other
 # kernels. With the attention, GELU and the tiled kernel past 96 rows at AVX-512's width (session 41), a whole MiniLM
 # forward in one call per layer ran 1.15x / 1.06x / 1.05x / 1.0x / 0.97x packed's at 96 / 128 / 144 / 160 / 176
-# tokens on the Cascade Lake Xeon, its four tiled matmuls timed at 1.04x packed's at 128 rows: the layer in one call
-# makes up about 10 % of matmul time there.
+# tokens on the Cascade Lake Xeon (`benchmarks.fp32_kernels`, one run; in another, `benchmarks.native_ab`, 1.10x at
+# 160 and 1.02x at 192), its four tiled matmuls timed at 1.04x packed's at 128 rows: the layer in one call makes up
+# about 10 % of matmul time there.
 FUSED_ROWS_WIDE_LONG = 144
 FUSION_MARGIN_WIDE_LONG = 1.10
 
