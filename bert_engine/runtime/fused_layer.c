@@ -287,6 +287,18 @@ int fused_embeddings(const int64_t *ids, const int64_t *types, const int64_t *po
     return 0;
 }
 
+/* A head's keys transposed (kt: D x Lp, zero past L) and its values copied (vc: L x D) next to each other, for
+ * attend_head and attend_head512. */
+static void stage_head(const float *k, const float *v, int64_t stride, int64_t L, int64_t Lp, int64_t D, float *kt,
+                       float *vc) {
+    for (int64_t j = 0; j < L; ++j) {
+        for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = k[j * stride + d];
+        memcpy(vc + j * D, v + j * stride, sizeof(float) * (size_t)D);
+    }
+    for (int64_t d = 0; d < D; ++d)
+        for (int64_t j = L; j < Lp; ++j) kt[d * Lp + j] = 0.0f;
+}
+
 #define QB 6 /* queries at a time: each key and value row loaded serves six (12 sums in registers) */
 
 /* softmax(q k^T / sqrt(D)) v for one sequence of L rows and one head (D a multiple of 8, at most 256), for its
@@ -297,12 +309,7 @@ int fused_embeddings(const int64_t *ids, const int64_t *types, const int64_t *po
 static void attend_head(const float *q, const float *k, const float *v, int64_t stride, int64_t L, int64_t queries,
                         int64_t D, float *context, int64_t H, float *kt, float *vc, float *scores) {
     const int64_t Lp = (L + 15) & ~(int64_t)15;
-    for (int64_t j = 0; j < L; ++j) {
-        for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = k[j * stride + d];
-        memcpy(vc + j * D, v + j * stride, sizeof(float) * (size_t)D);
-    }
-    for (int64_t d = 0; d < D; ++d)
-        for (int64_t j = L; j < Lp; ++j) kt[d * Lp + j] = 0.0f;
+    stage_head(k, v, stride, L, Lp, D, kt, vc);
     const __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)D));
     for (int64_t i0 = 0; i0 < queries; i0 += QB) { /* the first `queries` rows: all L, or the first alone */
         const float *qr[QB];
@@ -395,12 +402,7 @@ AVX512 static void attend_head512(const float *q, const float *k, const float *v
                                   int64_t queries, int64_t D, float *context, int64_t H, float *kt, float *vc,
                                   float *scores) {
     const int64_t Lp = (L + 15) & ~(int64_t)15;
-    for (int64_t j = 0; j < L; ++j) {
-        for (int64_t d = 0; d < D; ++d) kt[d * Lp + j] = k[j * stride + d];
-        memcpy(vc + j * D, v + j * stride, sizeof(float) * (size_t)D);
-    }
-    for (int64_t d = 0; d < D; ++d)
-        for (int64_t j = L; j < Lp; ++j) kt[d * Lp + j] = 0.0f;
+    stage_head(k, v, stride, L, Lp, D, kt, vc);
     const __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)D));
     for (int64_t i0 = 0; i0 < queries; i0 += QB) {
         const float *qr[QB];

@@ -105,6 +105,37 @@ static inline void tile(int rows, const float *a, int64_t lda, const float *pane
 #define MR512 12
 #define AVX512 __attribute__((target("avx512f,avx2,fma")))
 
+/* The AVX-512 kernels' tiles of 1 to MR512 rows: R<n> is STEP_ROW for rows 0 .. n-1 and BY_ROWS runs LOOP of the
+ * tile's row count (each kernel defines STEP_ROW and LOOP around its use): a loop per row count keeps every
+ * accumulator in a register. */
+#define R1 STEP_ROW(0)
+#define R2 R1 STEP_ROW(1)
+#define R3 R2 STEP_ROW(2)
+#define R4 R3 STEP_ROW(3)
+#define R5 R4 STEP_ROW(4)
+#define R6 R5 STEP_ROW(5)
+#define R7 R6 STEP_ROW(6)
+#define R8 R7 STEP_ROW(7)
+#define R9 R8 STEP_ROW(8)
+#define R10 R9 STEP_ROW(9)
+#define R11 R10 STEP_ROW(A)
+#define R12 R11 STEP_ROW(B)
+#define BY_ROWS(rows)                                                                                    \
+    switch (rows) {                                                                                      \
+    case 12: LOOP(R12) break;                                                                            \
+    case 11: LOOP(R11) break;                                                                            \
+    case 10: LOOP(R10) break;                                                                            \
+    case 9: LOOP(R9) break;                                                                              \
+    case 8: LOOP(R8) break;                                                                              \
+    case 7: LOOP(R7) break;                                                                              \
+    case 6: LOOP(R6) break;                                                                              \
+    case 5: LOOP(R5) break;                                                                              \
+    case 4: LOOP(R4) break;                                                                              \
+    case 3: LOOP(R3) break;                                                                              \
+    case 2: LOOP(R2) break;                                                                              \
+    default: LOOP(R1) break;                                                                             \
+    }
+
 AVX512 static inline void tile512(int rows, const float *a, int64_t lda, const float *p0, const float *p1,
                                   int64_t K, float totals[MR512][2 * NR], const float *next, int64_t next_gap,
                                   int every) {
@@ -140,44 +171,7 @@ AVX512 static inline void tile512(int rows, const float *a, int64_t lda, const f
         BODY                                                                                             \
     }
 #define LOOP(BODY) if (next != NULL) { FETCHING_LOOP(BODY) } else { PLAIN_LOOP(BODY) }
-#define R1 STEP_ROW(0)
-#define R2 R1 STEP_ROW(1)
-#define R3 R2 STEP_ROW(2)
-#define R4 R3 STEP_ROW(3)
-#define R5 R4 STEP_ROW(4)
-#define R6 R5 STEP_ROW(5)
-#define R7 R6 STEP_ROW(6)
-#define R8 R7 STEP_ROW(7)
-#define R9 R8 STEP_ROW(8)
-#define R10 R9 STEP_ROW(9)
-#define R11 R10 STEP_ROW(A)
-#define R12 R11 STEP_ROW(B)
-        switch (rows) {
-        case 12: LOOP(R12) break;
-        case 11: LOOP(R11) break;
-        case 10: LOOP(R10) break;
-        case 9: LOOP(R9) break;
-        case 8: LOOP(R8) break;
-        case 7: LOOP(R7) break;
-        case 6: LOOP(R6) break;
-        case 5: LOOP(R5) break;
-        case 4: LOOP(R4) break;
-        case 3: LOOP(R3) break;
-        case 2: LOOP(R2) break;
-        default: LOOP(R1) break;
-        }
-#undef R12
-#undef R11
-#undef R10
-#undef R9
-#undef R8
-#undef R7
-#undef R6
-#undef R5
-#undef R4
-#undef R3
-#undef R2
-#undef R1
+        BY_ROWS(rows)
 #undef LOOP
 #undef PLAIN_LOOP
 #undef FETCHING_LOOP
@@ -229,44 +223,7 @@ AVX512 static inline void block512(int rows, const float *a, const float *p0, co
             }                                                                                            \
         }                                                                                                \
     }
-#define R1 STEP_ROW(0)
-#define R2 R1 STEP_ROW(1)
-#define R3 R2 STEP_ROW(2)
-#define R4 R3 STEP_ROW(3)
-#define R5 R4 STEP_ROW(4)
-#define R6 R5 STEP_ROW(5)
-#define R7 R6 STEP_ROW(6)
-#define R8 R7 STEP_ROW(7)
-#define R9 R8 STEP_ROW(8)
-#define R10 R9 STEP_ROW(9)
-#define R11 R10 STEP_ROW(A)
-#define R12 R11 STEP_ROW(B)
-    switch (rows) {
-    case 12: LOOP(R12) break;
-    case 11: LOOP(R11) break;
-    case 10: LOOP(R10) break;
-    case 9: LOOP(R9) break;
-    case 8: LOOP(R8) break;
-    case 7: LOOP(R7) break;
-    case 6: LOOP(R6) break;
-    case 5: LOOP(R5) break;
-    case 4: LOOP(R4) break;
-    case 3: LOOP(R3) break;
-    case 2: LOOP(R2) break;
-    default: LOOP(R1) break;
-    }
-#undef R12
-#undef R11
-#undef R10
-#undef R9
-#undef R8
-#undef R7
-#undef R6
-#undef R5
-#undef R4
-#undef R3
-#undef R2
-#undef R1
+    BY_ROWS(rows)
 #undef LOOP
 #undef STEP_ROW
     const __m512 sums[MR512][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51},
