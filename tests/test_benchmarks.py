@@ -1,6 +1,8 @@
 """The benchmark scripts still run (tiny shapes, one repeat): their figures are in benchmarks/README.md."""
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -175,8 +177,11 @@ def test_native_ab_times_the_kernels_at_a_revision_beside_the_working_trees(tmp_
     from bert_engine.runtime import native
 
     root = Path(native.__file__).resolve().parents[2]
-    if native.library() is None or not (root / ".git").exists():
-        pytest.skip(f"needs the kernels and a git checkout: {native.unavailable() or 'no .git here'}")
+    git = shutil.which("git")
+    readable = git is not None and subprocess.run([git, "-C", str(root), "rev-parse", "HEAD"],
+                                                  capture_output=True).returncode == 0
+    if native.library() is None or not readable:
+        pytest.skip(f"needs the kernels and a git checkout git can read: {native.unavailable() or 'not one here'}")
     out, ours = tmp_path / "ab.json", native.library()
     result = native_ab.main(["--base", "HEAD", "--shapes", "1x5,2x9", "--rounds", "1", "--json", str(out)])
     saved = json.loads(out.read_text())
