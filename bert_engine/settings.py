@@ -50,9 +50,8 @@ SETTINGS = {s.name: s for s in (
             "plain and, fp32 on AVX2 CPUs with a C compiler, bert_engine's tiled kernel on the model's shapes "
             "once per machine, for short inputs (up to 256 rows) and long ones apart; another than packed only "
             "where it is at least 10 % faster (on AVX2-only CPUs the tiled one is short inputs' default); on "
-            "AVX-512 CPUs a layer's four projections take one kernel, and inputs of up to 64 rows run the tiled "
-            "kernel, each layer in one C call, unless timed 1.5x slower there, up to 144 rows where timed at most "
-            "1.1x slower at 128), packed, plain, tiled"),
+            "AVX-512 CPUs a layer's four projections take one kernel, and inputs run the tiled kernel, each layer in "
+            "one C call, up to as many rows as whole layers timed that way ran no slower), packed, plain, tiled"),
     Setting("BERT_ENGINE_FUSED_LAYERS", "bool", True, "use", "run an encoder layer whose four projections use "
             "bert_engine's tiled kernels (fp32, or int8's where the int8 kernel is tiled) as one C call (fused_layer.c: attention, residual adds, LayerNorms and the "
             "activation around the matmuls), for inference on rows whose real tokens lie together (no padding, or "

@@ -390,6 +390,7 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
         short = {n: t for n, t in found["rows"].items() if int(n) <= fast.COLD_ROWS}
         long = {n: t for n, t in found["rows"].items() if int(n) > fast.COLD_ROWS}
         picked = {"rows": found["rows"], "chose": fast.pick_kernel({"rows": short}, fast.short_rows_incumbent())}
+        picked |= {"layer_rows": found["layer_rows"]} if "layer_rows" in found else {}  # whole layers timed (AVX-512)
         if fast.pick_kernel({"rows": long}) != picked["chose"]:
             picked["past_rows"] = [fast.COLD_ROWS, fast.pick_kernel({"rows": long})]
         expected[name] = picked
@@ -402,7 +403,10 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
             module = module.long
         assert (*tiers, classes[type(module)]) == fast.choice_tiers(found), name
     assert predictor.provenance()["kernels"] == {name: fast.kernel_label(c) for name, c in choice.items()}
-    assert len(json.loads(cache.read_text())) == 4
+    layers = "layer_rows" in choice["qkv"]  # where the tiled kernel is AVX-512 wide: whole layers timed, kept too
+    assert len(json.loads(cache.read_text())) == 4 + layers
+    assert layers == (fast.short_rows_incumbent() != "tiled" and fast.native.library() is not None
+                      and fast.native.isa() == 512)
     # keyed by what the kernels can use, not the model name alone (an "AMD EPYC" VM is AVX2 or AVX-512)
     assert all(f"|{fast.cpu_isa()}|" in key for key in json.loads(cache.read_text()))
 
@@ -410,6 +414,7 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
         raise AssertionError("timed again although the cache holds this machine's timings")
 
     monkeypatch.setattr(fast, "time_kernels", no_timing)
+    monkeypatch.setattr(fast, "time_layers", no_timing)
     again = Predictor.load(task, None, precision="fp32").model.kernel_choice
     assert again == choice
     text = {"text": "A gorgeous, witty, seductive movie."}

@@ -3,6 +3,7 @@ outputs, its independence from the batch and the threads, how it is built and ke
 cannot be built, and how `choose_kernels` uses it."""
 
 import copy
+import json
 import logging
 import re
 
@@ -278,6 +279,71 @@ def test_a_wide_kernel_runs_a_visitors_rows_fused_and_a_layer_one_kernel(monkeyp
         assert kept["qkv"] == {"rows": kept["qkv"]["rows"], "chose": "packed"}
         assert fast.kernel_label(kept["out"]) == "packed up to 256 rows, then plain"
         assert fast.kernel_label(kept["down"]) == "tiled up to 256 rows, then packed"
+
+
+def test_a_wide_kernel_fuses_as_far_as_whole_layers_ran_no_slower(monkeypatch):
+    """Where whole layers were timed (choose_kernels, AVX-512), the fused reach is read from those timings, not from
+    the matmuls' margins: the most rows at which the fused stack ran no slower, none at fewer rows more than
+    LAYER_MARGIN slower; past it the kernel all four projections pick there (packed where they differ; up to
+    COLD_ROWS never tiled, which would be fused); fused nowhere where it lost at the fewest rows."""
+    monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")
+    monkeypatch.setattr(native, "isa", lambda: 512)
+
+    def labels(ratios, plain_long=28):
+        rows = {"24": {"packed": 1.0, "plain": 1.2, "tiled": 3.0},  # the matmuls alone: tiled 3x, never fused by margin
+                "128": {"packed": 2.0, "plain": 2.4, "tiled": 6.0},
+                "2048": {"packed": 30, "plain": plain_long, "tiled": 40}}
+        layer_rows = {str(n): {"fused": ratio, "unfused": 1.0} for n, ratio in ratios.items()}
+        made = {name: {"rows": rows, "chose": "packed", "layer_rows": layer_rows} for name in fast.PROJECTIONS}
+        fast.favour_fusion(made)
+        return {fast.kernel_label(c) for c in made.values()}
+
+    assert labels({16: 0.5, 64: 0.7, 128: 0.92, 160: 0.99, 192: 1.02, 256: 1.05}) == {"tiled up to 160 rows, then packed"}
+    assert labels({16: 0.5, 96: 1.02, 128: 0.98, 192: 1.1}) == {"tiled up to 128 rows, then packed"}  # a blip at 96
+    assert labels({16: 0.5, 96: 1.05, 128: 0.98}) == {"tiled up to 16 rows, then packed"}
+    assert labels({16: 0.5, 256: 0.9}, plain_long=26) == {"tiled up to 256 rows, then plain"}
+    assert labels({16: 0.5, 64: 0.8, 128: 1.1}, plain_long=26) == {
+        "tiled up to 64 rows, then packed up to 256 rows, then plain"}
+    assert labels({16: 1.1, 32: 0.9}) == {"packed"}
+    assert labels({}) == {"packed"}  # timed, but the layers cannot run fused (time_layers' {})
+
+
+@needs_kernel
+def test_whole_layers_are_timed_fused_and_not_and_kept_with_the_kernels_they_raced(monkeypatch, tmp_path):
+    """time_layers races a stack of the layers fused against one on the unfused kernels, at each number of rows;
+    choose_kernels (AVX-512's rule) keeps the timings in the cache with those kernels, reads them back, and times
+    again when the kernels they raced change. Layers that cannot run fused are not timed."""
+    monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")
+    monkeypatch.setattr(native, "isa", lambda: 512)  # the rule's width; the kernel runs at this machine's
+    model = BertModel(PRESETS["tiny"]).eval()
+    timed = fast.time_layers(model.layers, ["packed"], rows=(8, 40), repeats=2)
+    assert set(timed) == {"8", "40"}
+    assert all(set(t) == {"fused", "unfused"} and min(t.values()) > 0 for t in timed.values())
+    odd = copy.deepcopy(model)
+    for layer in odd.layers:
+        layer.ffn.act = torch.tanh  # an activation fused_layer.c lacks
+    assert fast.time_layers(odd.layers, ["packed"], rows=(8,)) == {}
+    assert all(type(layer.attention.qkv) is nn.Linear for layer in model.layers)  # copies were timed, not the model
+    cache = tmp_path / "kernels.json"
+    choice = fast.choose_kernels(model, cache)
+    kept = json.loads(cache.read_text())
+    key, = (k for k in kept if " layers|" in k)
+    layer_rows = choice["qkv"]["layer_rows"]
+    assert kept[key]["rows"] == layer_rows and set(layer_rows) == {str(n) for n in fast.LAYER_ROWS}
+    assert kept[key]["unfused"] == fast._unfused_wide_tiers(choice)
+    reach = fast.fused_reach(layer_rows)
+    assert fast.choice_tiers(choice["qkv"]) == tuple(fast._with_fusion(reach, kept[key]["unfused"]))
+    assert fast._tiled_rows(fast.choice_tiers(choice["qkv"])) >= reach  # (past 256 rows all four may pick tiled)
+    monkeypatch.setattr(fast, "time_layers", lambda *args, **kwargs: pytest.fail("timed again"))
+    assert fast.choose_kernels(model, cache) == choice
+    kept[key]["unfused"] = ["packed", 1, "plain"]  # raced against other kernels than today's choice would run
+    cache.write_text(json.dumps(kept))
+    raced = []
+    monkeypatch.setattr(fast, "time_layers", lambda layers, unfused: raced.append(unfused) or {
+        "16": {"fused": 1.0, "unfused": 2.0}, "32": {"fused": 2.0, "unfused": 1.0}})
+    again = fast.choose_kernels(model, cache)
+    assert raced == [fast._unfused_wide_tiers(choice)]
+    assert fast.choice_tiers(again["down"])[:2] == ("tiled", 16)
 
 
 @needs_kernel

@@ -9,9 +9,9 @@ shapes once per machine and keeps the faster per projection (BERT_ENGINE_KERNELS
 bert_engine's own AVX2 matmul (`TiledLinear`, tiled_matmul.c built by native.py where a C compiler is
 found; at AVX-512's width where the CPU has it): at the few rows of one request it reads each weight from
 memory once, where oneDNN and MKL lose time. Short inputs (up to COLD_ROWS rows) and long ones are timed and
-chosen apart (`RowSwitch` runs the kernels where they differ; on AVX-512 CPUs a visitor's inputs, up to
-FUSED_ROWS_WIDE rows, may run the tiled kernel in front of both, and a layer's four projections run one kernel:
-`favour_fusion`). Which precision uses which kernel, and what the CPU must support for it,
+chosen apart (`RowSwitch` runs the kernels where they differ; on AVX-512 CPUs inputs run the tiled kernel in
+front of both, each layer in one C call, as far as whole layers timed that way ran no slower, and a layer's four
+projections run one kernel: `favour_fusion`). Which precision uses which kernel, and what the CPU must support for it,
 is decided in precision.py.
 
 `benchmarks/encoder.py` measures the speed of each and `benchmarks/workloads.py` the share of
@@ -715,35 +715,43 @@ def use_kernels(model: nn.Module, choice: dict[str, tuple]) -> nn.Module:
             and native.library() is not None}
     kept = {name: kernels for name, kernels in choice.items() if all(runs[k] for k in kernels[::2])
             and kernels != ("plain",)}
-
-    def swap(linear: nn.Module, name: str, activation=None) -> nn.Module | None:
-        if name not in kept or not isinstance(linear, nn.Linear):
-            return None
-        tiers = kept[name]
-        if activation is not None and not all(_fuses(kernel, activation) for kernel in tiers[::2]):
-            return swap(linear, name)  # the activation stays after it
-        module = _kernel_module(tiers[-1], linear, activation)
-        for at in range(len(tiers) - 3, -1, -2):  # from the last boundary back: short up to it, the rest past it
-            module = RowSwitch(_kernel_module(tiers[at], linear, activation), module, tiers[at + 1],
-                               linear.in_features)
-        return module
-
     for head in mlm_heads(model):
-        head.decoder = swap(head.decoder, DECODER) or head.decoder
+        head.decoder = _swapped(head.decoder, kept.get(DECODER)) or head.decoder
     for layer in encoder_of(model).layers:
-        attention, ffn = layer.attention, layer.ffn
-        attention.qkv = swap(attention.qkv, "qkv") or attention.qkv
-        attention.out = swap(attention.out, "out") or attention.out
-        up = swap(ffn.up, "up", ffn.act)
-        if up is not None:
-            fused = all(_fuses(kernel, ffn.act) for kernel in kept["up"][::2])
-            ffn.up, ffn.act = up, (_identity if fused else ffn.act)
-        ffn.down = swap(ffn.down, "down") or ffn.down
-        if all("tiled" in kept.get(name, ())[::2] for name in PROJECTIONS):
-            layer.fused = fused_layer
+        if _swap_layer(layer, kept):
             encoder_of(model).embeddings.fused = fused_embeddings
     model.eval()
     return model
+
+
+def _swapped(linear: nn.Module, tiers: tuple | None, activation=None) -> nn.Module | None:
+    """`linear` (then `activation`) through the kernels `tiers` (kernel_tiers'), or None: no tiers, or not an
+    nn.Linear (already swapped or quantised). The activation stays after it unless every kernel fuses it."""
+    if tiers is None or not isinstance(linear, nn.Linear):
+        return None
+    if activation is not None and not all(_fuses(kernel, activation) for kernel in tiers[::2]):
+        return _swapped(linear, tiers)  # the activation stays after it
+    module = _kernel_module(tiers[-1], linear, activation)
+    for at in range(len(tiers) - 3, -1, -2):  # from the last boundary back: short up to it, the rest past it
+        module = RowSwitch(_kernel_module(tiers[at], linear, activation), module, tiers[at + 1], linear.in_features)
+    return module
+
+
+def _swap_layer(layer: nn.Module, kept: dict[str, tuple]) -> bool:
+    """An encoder layer's projections through their tiers in `kept` (use_kernels'), in place; True where the
+    layer runs in one C call (fused_layer) at some number of rows: all four take the tiled kernel there."""
+    attention, ffn = layer.attention, layer.ffn
+    attention.qkv = _swapped(attention.qkv, kept.get("qkv")) or attention.qkv
+    attention.out = _swapped(attention.out, kept.get("out")) or attention.out
+    up = _swapped(ffn.up, kept.get("up"), ffn.act)
+    if up is not None:
+        fused = all(_fuses(kernel, ffn.act) for kernel in kept["up"][::2])
+        ffn.up, ffn.act = up, (_identity if fused else ffn.act)
+    ffn.down = _swapped(ffn.down, kept.get("down")) or ffn.down
+    if all("tiled" in kept.get(name, ())[::2] for name in PROJECTIONS):
+        layer.fused = fused_layer
+        return True
+    return False
 
 
 FUSED_ACTIVATIONS = {F.gelu: 0, gelu_tanh: 1, F.relu: 2}  # fused_layer.c's codes
@@ -1165,6 +1173,15 @@ FUSION_MARGIN_WIDE = 1.5
 # about 10 % of matmul time there.
 FUSED_ROWS_WIDE_LONG = 144
 FUSION_MARGIN_WIDE_LONG = 1.10
+# Those margins judge a layer by its four matmuls timed alone. Where the whole layers can be timed (choose_kernels, on
+# the model's own layers), the reach is read from them instead: a stack of up to LAYER_STACK layers (their weights
+# come from memory in turn, as in a forward) fused and not, taking turns, at each of LAYER_ROWS rows. On the Cascade
+# Lake Xeon one first load timed the four tiled matmuls at 1.12x the others at 128 rows and so ran a question of 100-
+# 200 tokens unfused (session 42), where whole forwards ran fused 1.09x / 1.10x / 1.02x faster at 128 / 160 / 192
+# (session 41): per-projection timings miss what the one C call saves, and move with the machine's load.
+LAYER_ROWS = (16, 32, 64, 96, 128, 160, 192, 256)
+LAYER_STACK = 6
+LAYER_MARGIN = 1.03  # a loss this small at fewer rows is timing noise, not the end of fusion's reach
 
 
 def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
@@ -1175,8 +1192,9 @@ def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
     would cost the layer's matmuls at most FUSION_MARGIN over the choices for short inputs (summed over the
     projections, each number of rows alike; and where it was kept for some of them), or FUSION_MARGIN_LONG for
     long ones, all four take it for those inputs: one noisy timing at first load no longer turns fusion off
-    for good. Where the tiled kernel runs at AVX-512's width instead, inputs of up to FUSED_ROWS_WIDE rows take
-    it in front of the choices, and at every length a layer's four projections run one kernel
+    for good. Where the tiled kernel runs at AVX-512's width instead, inputs take it in front of the choices as far
+    as whole layers timed fused ran no slower (choose_kernels' "layer_rows"; without them, up to FUSED_ROWS_WIDE
+    rows by the matmuls' margins), and at every length a layer's four projections run one kernel
     (`_favour_fusion_wide`). Elsewhere nothing changes."""
     if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
         return
@@ -1212,9 +1230,15 @@ def _favour_fusion_wide(choice: dict[str, dict[str, Any]]) -> None:
     FUSION_MARGIN_WIDE times the other kernels, and on up to FUSED_ROWS_WIDE_LONG rows where it is fused below and
     at the rows timed up to COLD_ROWS costs at most FUSION_MARGIN_WIDE_LONG times them; past that (up to COLD_ROWS
     rows, and past it), the kernel all four pick from their timings in that range (pick_kernel), and where they
-    differ the incumbent, packed."""
-    timed = all("tiled" in row for name in PROJECTIONS for row in choice[name]["rows"].values())
-    if not timed or native.isa() != 512:  # (timed: the library is loaded, so asking its width builds nothing)
+    differ the incumbent, packed. Where choose_kernels timed whole layers ("layer_rows", time_layers), those
+    timings set how far the tiled kernel runs instead (fused_reach), and the margins are not read."""
+    if not _wide(choice):
+        return
+    layer_rows = choice[PROJECTIONS[0]].get("layer_rows")
+    if layer_rows is not None:  # whole layers timed (choose_kernels): fused as far as that ran no slower
+        unfused = _unfused_wide_tiers(choice)
+        if unfused:
+            _set_tiers(choice, _with_fusion(fused_reach(layer_rows), unfused))
         return
 
     def short(n: int) -> bool:
@@ -1243,13 +1267,108 @@ def _favour_fusion_wide(choice: dict[str, dict[str, Any]]) -> None:
             kernel = agreed.pop() if len(agreed) == 1 else "packed"
         if not tiers or tiers[-1] != kernel:
             tiers += [low, kernel] if tiers else [kernel]
-    if not tiers:  # no timings at all (a cache file with none): the choices stand
-        return
+    if tiers:  # (none: no timings at all, a cache file with none: the choices stand)
+        _set_tiers(choice, tiers)
+
+
+def _wide(choice: dict[str, dict[str, Any]]) -> bool:
+    """Whether favour_fusion's AVX-512 rule applies: the tiled kernel at AVX-512's width, timed for all four
+    projections at every number of rows."""
+    timed = all(name in choice and "rows" in choice[name] and choice[name]["rows"] for name in PROJECTIONS) and all(
+        "tiled" in row for name in PROJECTIONS for row in choice[name]["rows"].values())
+    return timed and native.isa() == 512  # (timed: the library is loaded, so asking its width builds nothing)
+
+
+def _set_tiers(choice: dict[str, dict[str, Any]], tiers: list) -> None:
     for name in PROJECTIONS:
         choice[name]["chose"] = tiers[0]
         choice[name].pop("past_rows", None)
         if len(tiers) > 1:
             choice[name]["past_rows"] = tiers[1:]
+
+
+def _unfused_wide_tiers(choice: dict[str, dict[str, Any]]) -> list:
+    """The tiers a layer's four projections take where it does not run fused (AVX-512): in each range of rows (up
+    to FUSED_ROWS_WIDE, up to COLD_ROWS, past it) the kernel all four pick from their timings there (pick_kernel;
+    up to COLD_ROWS between packed and plain, as four tiled ones would run fused), else packed. [] untimed."""
+    ranges = ((0, lambda n: n <= FUSED_ROWS_WIDE), (FUSED_ROWS_WIDE, lambda n: FUSED_ROWS_WIDE < n <= COLD_ROWS),
+              (COLD_ROWS, lambda n: n > COLD_ROWS))
+    tiers: list = []
+    for low, judged in ranges:
+        rows = [{n: {k: ms for k, ms in t.items() if k != "tiled" or low == COLD_ROWS}
+                 for n, t in choice[name]["rows"].items() if judged(int(n))} for name in PROJECTIONS]
+        if not all(rows):  # no row count timed for this range: the next range's kernel reaches down
+            continue
+        agreed = {pick_kernel({"rows": r}) for r in rows}
+        kernel = agreed.pop() if len(agreed) == 1 else "packed"
+        if not tiers or tiers[-1] != kernel:
+            tiers += [low, kernel] if tiers else [kernel]
+    return tiers
+
+
+def fused_reach(layer_rows: dict[str, dict[str, float]]) -> int:
+    """Up to how many rows layers run fused, from whole-layer timings (time_layers'): the most rows timed at which
+    the fused stack ran no slower than the other, with none at fewer rows more than LAYER_MARGIN slower. 0: none."""
+    reach = 0
+    for n in sorted(layer_rows, key=int):
+        ratio = layer_rows[n]["fused"] / layer_rows[n]["unfused"]
+        if ratio > LAYER_MARGIN:
+            break
+        if ratio <= 1.0:
+            reach = int(n)
+    return reach
+
+
+def _with_fusion(reach: int, unfused: list) -> list:
+    """Tiers: the tiled kernel (so each layer in one C call) up to `reach` rows, then `unfused`'s kernels past it."""
+    if reach <= 0:
+        return list(unfused)
+    tiers = ["tiled"]
+    bounds = [0, *unfused[1::2], math.inf]
+    for low, high, kernel in zip(bounds, bounds[1:], unfused[::2]):
+        if high > reach and tiers[-1] != kernel:
+            tiers += [max(low, reach), kernel]
+    return tiers
+
+
+def time_layers(layers: Iterable[nn.Module], unfused: Iterable, rows: Iterable[int] = LAYER_ROWS,
+                repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Milliseconds (the fastest of `repeats` rounds) of one sequence of each number of `rows` through a stack of
+    copies of up to LAYER_STACK of `layers`: "fused", all four projections on the tiled kernel and each layer in
+    one C call, and "unfused", on the kernels of the tiers `unfused`. The two take turns in each round; each
+    stack's weights come from memory after the other's, as in a forward. {} where the layers cannot run fused
+    (an activation or norm fused_layer.c lacks)."""
+    import copy  # noqa: PLC0415 - only a first load on a machine times layers
+
+    rows = tuple(rows)
+    stacks: dict[str, list[nn.Module]] = {}
+    for variant, tiers in (("fused", ("tiled",)), ("unfused", tuple(unfused))):
+        stacks[variant] = []
+        for layer in list(layers)[:LAYER_STACK]:
+            twin = copy.deepcopy(layer).eval()
+            _swap_layer(twin, dict.fromkeys(PROJECTIONS, tiers))
+            stacks[variant].append(twin)
+    hidden = stacks["fused"][0].attention_norm.normalized_shape[0]
+    if not rows or any(_plan(layer, rows[0], hidden) is None for layer in stacks["fused"]):
+        return {}
+    best = {n: dict.fromkeys(stacks, math.inf) for n in rows}
+    dtype = next(stacks["fused"][0].parameters()).dtype
+
+    def forward(stack: list[nn.Module], x: Tensor) -> None:
+        for layer in stack:
+            x = layer(x, None)[0]
+
+    with torch.inference_mode():
+        for n in rows:
+            x = torch.randn(1, n, hidden, dtype=dtype, generator=torch.Generator().manual_seed(n))
+            for stack in stacks.values():
+                forward(stack, x)  # warm-up: first-touch of the outputs and the scratch pool
+            for _ in range(repeats):
+                for variant, stack in stacks.items():
+                    start = time.perf_counter()
+                    forward(stack, x)
+                    best[n][variant] = min(best[n][variant], time.perf_counter() - start)
+    return {str(n): {variant: round(1000 * seconds, 4) for variant, seconds in best[n].items()} for n in rows}
 
 
 def _fusing_costs_little(choice: dict[str, dict[str, Any]], chosen: list[str], counts_taken, margin: float) -> bool:
@@ -1296,8 +1415,10 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
     kernel for inputs of up to COLD_ROWS rows ("chose") and, where another, for longer ones ("past_rows"),
     among the packed oneDNN, the plain MKL and (fp32, where it runs) the tiled AVX2 kernel on this machine:
     the incumbent (short_rows_incumbent for short inputs, packed for long ones) unless another is
-    PLAIN_MARGIN faster (pick_kernel). Timed once per CPU, torch version, threads, dtype and shape, and kept
-    in `cache` (a JSON file; None: not kept)."""
+    PLAIN_MARGIN faster (pick_kernel); where the tiled kernel is AVX-512 wide, whole layers too (time_layers:
+    fused, and on the kernels they would run unfused), which set how far the layers run fused (favour_fusion).
+    Timed once per CPU, torch version, threads, dtype and shape, and kept in `cache` (a JSON file; None: not
+    kept)."""
     encoder = encoder_of(model)
     if not can_pack(model) or not len(encoder.layers):
         return {}
@@ -1336,6 +1457,20 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
                             short_rows_incumbent())
         long = pick_kernel({"rows": {n: t for n, t in found["rows"].items() if int(n) > COLD_ROWS}}) or short
         choice[name] = {**found, "chose": short, **({"past_rows": [COLD_ROWS, long]} if long != short else {})}
+    if (settings.get("BERT_ENGINE_FUSED_LAYERS") and short_rows_incumbent() != "tiled" and _wide(choice)
+            and all(isinstance(linear, nn.Linear) for linear, _ in _projections(encoder.layers[0]).values())):
+        layer = encoder.layers[0]
+        unfused = _unfused_wide_tiers(choice)
+        key = (f"{machine}|{layer.ffn.up.weight.dtype}|{min(len(encoder.layers), LAYER_STACK)} layers|"
+               f"{layer.ffn.up.in_features}x{layer.ffn.up.out_features}|{layer.attention.num_heads} heads|"
+               f"{getattr(layer.ffn.act, '__name__', type(layer.ffn.act).__name__)}")
+        found = stored.get(key, {})
+        if "rows" not in found or found.get("tiled_build") != native.build() or found.get("unfused") != unfused:
+            found = stored[key] = {"rows": time_layers(encoder.layers, unfused), "unfused": unfused,
+                                   "tiled_build": native.build()}
+            changed = True
+        for name in PROJECTIONS:
+            choice[name]["layer_rows"] = found["rows"]
     favour_fusion(choice)
     if changed and cache is not None:
         try:
