@@ -120,6 +120,18 @@ class Peer:
         return {"seconds": seconds, "latencies": latencies,
                 "predictions": [self._normalise(pipe, o) for o in outputs]}
 
+    def one(self, contender: str, index: int) -> dict[str, Any]:
+        """One visitor's request: item `index` alone, its seconds and its normalised answer (the benchmark
+        takes turns with the engine request by request)."""
+        import torch  # noqa: PLC0415
+
+        pipe = self.pipelines[contender]
+        with torch.inference_mode():
+            started = time.perf_counter()
+            output = self._call(pipe, [self.items[index]], 1)
+            seconds = time.perf_counter() - started
+        return {"seconds": seconds, "prediction": self._normalise(pipe, output if self.task == "qa" else output[0])}
+
 
 def serve() -> None:
     """Answer the benchmark's requests on stdin, one JSON object per line, on the real stdout (libraries'
@@ -137,6 +149,8 @@ def serve() -> None:
             elif request["op"] == "run" and peer is not None:
                 reply = {"ok": True, **peer.run(request["contender"], request["mode"], request["batch"],
                                                 request.get("limit"))}
+            elif request["op"] == "one" and peer is not None:
+                reply = {"ok": True, **peer.one(request["contender"], request["index"])}
             else:
                 reply = {"ok": False, "error": f"unknown request {request.get('op')!r}"}
         except Exception as err:  # reported to the benchmark, which names the contender and stops

@@ -36,7 +36,8 @@ picks instead (optimum-onnx needs transformers < 4.58; see benchmarks/peers.py).
   engine's first candidate (the engine skips word pieces and punctuation, the pipeline does not).
 
 Modes: "batched" (a file: every item in one call, batches of 32) and "single" (a visitor: one request
-at a time, the first --single-limit items, each request's latency; p50 / p95 reported). Reported:
+at a time, the first --single-limit items, each request's latency; p50 / p95 reported; with --peers the
+engine and each peer take turns of 10 requests, so a slow spell of the machine falls on all). Reported:
 seconds (median of the repeats, contenders run in turn), items/s, tokens/s (the items' WordPiece
 tokens), the speed-up over each peer, the share of predictions identical to the engine's, and each
 side's task metric.
@@ -322,6 +323,49 @@ def _engine_single(name: str, engine):
     return predict
 
 
+# Visitors' requests go to the contenders in turns of VISITOR_TURN requests, each turn after a pause of PAUSE_S: an ONNX
+# Runtime process's threads keep spinning for a while after its request, and the engine's next request ran up to 2x
+# slower beside them when the turns were one request each with no pause (QA, the Cascade Lake Xeon, session 42);
+# after 0.2 s, within 5 % of alone.
+VISITOR_TURN = 10
+PAUSE_S = 0.2
+
+
+def visitors_in_turn(single, peer, items: list[dict], repeats: int, latencies: dict[str, list[float]],
+                     answers: dict[str, list]) -> dict[str, list[float]]:
+    """A visitor's requests, the engine and each peer taking turns of VISITOR_TURN requests (who goes first
+    rotates), each request timed on its own side's clock: a slow spell of the machine falls on every contender
+    alike, where 100 requests of one and then 100 of the next saw their ratio move 10-40 % between runs (session
+    41). Seconds per contender for each of `repeats` rounds over `items` (after a warm-up round); the last
+    round's latencies and answers go into `latencies` and `answers`."""
+    from benchmarks.peers import CONTENDERS
+
+    names = ("engine", *CONTENDERS)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(1 + repeats):
+        lat: dict[str, list[float]] = {name: [] for name in names}
+        got: dict[str, list] = {name: [] for name in names}
+        for turn, first in enumerate(range(0, len(items), VISITOR_TURN)):
+            for k in range(len(names)):
+                name = names[(turn + k) % len(names)]
+                time.sleep(PAUSE_S)
+                for i in range(first, min(first + VISITOR_TURN, len(items))):
+                    if name == "engine":
+                        start = time.perf_counter()
+                        got[name].append(single(items[i]))
+                        lat[name].append(time.perf_counter() - start)
+                    else:
+                        reply = peer.ask(op="one", contender=name, index=i)
+                        lat[name].append(reply["seconds"])
+                        got[name].append(reply["prediction"])
+        if round_:
+            for name in names:
+                times[name].append(sum(lat[name]))
+    latencies.update(lat)
+    answers.update(got)
+    return times
+
+
 def _same(a, b) -> bool:
     def norm(v):
         return [list(x) for x in v] if isinstance(v, (list, tuple)) else v
@@ -382,8 +426,11 @@ def measure(name: str, mode: str, precision: str, workload: tuple, items: list[d
         contenders.update({impl: peer_call(impl) for impl in CONTENDERS})
     elif reference:
         contenders["transformers"] = in_process
-    times = interleaved(contenders, repeats, warmup=1)
-    times.update({impl: seconds[-repeats:] for impl, seconds in peer_seconds.items()})  # the peer's own clock
+    if mode == "single" and peer is not None:
+        times = visitors_in_turn(single, peer, subset, repeats, latencies, answers)
+    else:
+        times = interleaved(contenders, repeats, warmup=1)
+        times.update({impl: seconds[-repeats:] for impl, seconds in peer_seconds.items()})  # the peer's own clock
     rows = []
     for impl, ts in times.items():
         s, lat = median(ts), latencies.get(impl, [])

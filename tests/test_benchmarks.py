@@ -238,3 +238,36 @@ def test_the_workloads_name_missing_data_and_unknown_tasks_in_one_line(tmp_path,
     with pytest.raises(SystemExit):
         workloads.main(["--tasks", "sentimnet"])
     assert "unknown sentimnet" in capsys.readouterr().err
+
+
+def test_a_visitors_requests_go_to_the_engine_and_the_peers_in_turns(monkeypatch):
+    """With peers, the single mode takes turns of VISITOR_TURN requests (who goes first rotating), so each
+    contender answers every request once a round on its own clock, and a slow spell falls on all alike."""
+    from benchmarks import workloads
+    from benchmarks.peers import CONTENDERS
+
+    monkeypatch.setattr(workloads, "PAUSE_S", 0.0)
+    calls = []
+
+    class Peer:
+        def ask(self, op, contender, index):
+            assert op == "one"
+            calls.append((contender, index))
+            return {"seconds": 0.5, "prediction": f"{contender} {index}"}
+
+    def single(item):
+        calls.append(("engine", item["i"]))
+        return f"engine {item['i']}"
+
+    items = [{"i": i} for i in range(workloads.VISITOR_TURN + 3)]
+    latencies, answers = {}, {}
+    times = workloads.visitors_in_turn(single, Peer(), items, 2, latencies, answers)
+    names = ("engine", *CONTENDERS)
+    assert set(times) == set(names) and all(len(t) == 2 for t in times.values())
+    assert [times[name][0] for name in CONTENDERS] == [0.5 * len(items)] * len(CONTENDERS)
+    assert all(answers[name] == [f"{name} {i}" for i in range(len(items))] for name in names)
+    assert all(len(latencies[name]) == len(items) for name in names)
+    turn = workloads.VISITOR_TURN
+    assert [calls[0][0], calls[turn * len(names)][0]] == ["engine", names[1]]  # who goes first rotates
+    assert calls[:turn] == [("engine", i) for i in range(turn)]  # a turn: that many requests of one contender
+    assert len(calls) == 3 * len(items) * len(names)  # a warm-up round and two timed ones
