@@ -1156,29 +1156,16 @@ FUSION_MARGIN = 1.10  # the matmul time short inputs may give up for their layer
 # modules' time with the tiled matmuls timed at 1.02x the packed ones (AVX2 EPYC, session 37, benchmarks/README.md)
 FUSION_MARGIN_LONG = 1.05
 # Where the tiled kernel runs at AVX-512's width (native.isa() == 512) and oneDNN's packed kernel stays short inputs'
-# incumbent, inputs of up to this many rows (a visitor's sentence) run all four projections tiled, so each layer in
-# one C call, unless at FUSED_ROWS_WIDE's timed rows that costs the matmuls more than FUSION_MARGIN_WIDE. A whole
-# MiniLM forward on the Cascade Lake Xeon: 2.1x / 1.9x / 1.45x / 1.3x packed's at 12 / 24 / 48 / 64 tokens, 0.98x at
-# 96, 0.92x at 128 (benchmarks/README.md, session 40), where its 24 projections alone were 0.6-0.9x packed's at 12-48
-# rows: the layer in one call saves about as much again as the matmuls, so only a matmul loss past 1.5x undoes it.
-# (A margin of 10 % let one noisy first timing on a loaded machine turn it off: the fresh-clone check, session 40.)
-FUSED_ROWS_WIDE = 64
-FUSION_MARGIN_WIDE = 1.5
-# ... and past them, up to FUSED_ROWS_WIDE_LONG rows (a question with its paragraph is 100-200 tokens), where at the
-# timed rows past FUSED_ROWS_WIDE (128) the four tiled cost the matmuls at most FUSION_MARGIN_WIDE_LONG times the other
-# kernels. With the attention, GELU and the tiled kernel past 96 rows at AVX-512's width (session 41), a whole MiniLM
-# forward in one call per layer ran 1.15x / 1.06x / 1.05x / 1.0x / 0.97x packed's at 96 / 128 / 144 / 160 / 176
-# tokens on the Cascade Lake Xeon (`benchmarks.fp32_kernels`, one run; in another, `benchmarks.native_ab`, 1.10x at
-# 160 and 1.02x at 192), its four tiled matmuls timed at 1.04x packed's at 128 rows: the layer in one call makes up
-# about 10 % of matmul time there.
-FUSED_ROWS_WIDE_LONG = 144
-FUSION_MARGIN_WIDE_LONG = 1.10
-# Those margins judge a layer by its four matmuls timed alone. Where the whole layers can be timed (choose_kernels, on
-# the model's own layers), the reach is read from them instead: a stack of up to LAYER_STACK layers (their weights
-# come from memory in turn, as in a forward) fused and not, taking turns, at each of LAYER_ROWS rows. On the Cascade
-# Lake Xeon one first load timed the four tiled matmuls at 1.12x the others at 128 rows and so ran a question of 100-
-# 200 tokens unfused (session 42), where whole forwards ran fused 1.09x / 1.10x / 1.02x faster at 128 / 160 / 192
-# (session 41): per-projection timings miss what the one C call saves, and move with the machine's load.
+# incumbent, a layer's four projections run one kernel in each range of rows: up to SHORT_ROWS_WIDE (a visitor's
+# sentence, judged on the timings at 24 rows), up to COLD_ROWS (judged at 128), past it; and in front of those the
+# tiled kernel, each layer in one C call, as far as whole layers timed that way ran no slower. Whole layers, not
+# their matmuls (the Cascade Lake Xeon): a first load on a busy machine timed the four tiled matmuls 1.65x oneDNN's
+# at 24 rows where whole forwards ran 1.2-1.8x faster fused (session 41's fresh-clone check), and another timed them
+# 1.12x at 128 rows where fused forwards ran 1.09-1.13x faster at 128-160 tokens (sessions 41-42): a matmul timed
+# alone cannot show what the one C call saves, and its timings move with the machine's load. So choose_kernels times a stack of up to LAYER_STACK of
+# the model's layers (their weights come from memory in turn, as in a forward) fused and not, taking turns, at each
+# of LAYER_ROWS rows (time_layers), and fused_reach reads how far fusion pays.
+SHORT_ROWS_WIDE = 64
 LAYER_ROWS = (16, 32, 64, 96, 128, 160, 192, 256)
 LAYER_STACK = 6
 LAYER_MARGIN = 1.03  # a loss this small at fewer rows is timing noise, not the end of fusion's reach
@@ -1193,9 +1180,8 @@ def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
     projections, each number of rows alike; and where it was kept for some of them), or FUSION_MARGIN_LONG for
     long ones, all four take it for those inputs: one noisy timing at first load no longer turns fusion off
     for good. Where the tiled kernel runs at AVX-512's width instead, inputs take it in front of the choices as far
-    as whole layers timed fused ran no slower (choose_kernels' "layer_rows"; without them, up to FUSED_ROWS_WIDE
-    rows by the matmuls' margins), and at every length a layer's four projections run one kernel
-    (`_favour_fusion_wide`). Elsewhere nothing changes."""
+    as whole layers timed fused ran no slower (choose_kernels' "layer_rows"), and at every length a layer's four
+    projections run one kernel (`_favour_fusion_wide`). Elsewhere nothing changes."""
     if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
         return
     if any(name not in choice or "rows" not in choice[name] for name in PROJECTIONS):
@@ -1221,54 +1207,18 @@ def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
 
 
 def _favour_fusion_wide(choice: dict[str, dict[str, Any]]) -> None:
-    """favour_fusion where the tiled kernel is AVX-512 wide. There a layer's four projections run one kernel: the
-    tiled one pays where the layer runs in one C call, and a layer of mixed kernels lost to the all-packed one in
-    whole forwards although each projection, timed alone, chose its own as faster (on the Cascade Lake Xeon,
-    session 41, benchmarks/README.md: out and down tiled, 0.91-0.93x at 96-160 tokens; out on MKL's, 0.92-0.95x;
-    all four on MKL's 0.89-0.91x). So in each range of rows all four projections take the same kernel: up to
-    FUSED_ROWS_WIDE rows the tiled one, unless at the rows timed up to there that costs the matmuls more than
-    FUSION_MARGIN_WIDE times the other kernels, and on up to FUSED_ROWS_WIDE_LONG rows where it is fused below and
-    at the rows timed up to COLD_ROWS costs at most FUSION_MARGIN_WIDE_LONG times them; past that (up to COLD_ROWS
-    rows, and past it), the kernel all four pick from their timings in that range (pick_kernel), and where they
-    differ the incumbent, packed. Where choose_kernels timed whole layers ("layer_rows", time_layers), those
-    timings set how far the tiled kernel runs instead (fused_reach), and the margins are not read."""
+    """favour_fusion where the tiled kernel is AVX-512 wide. There a layer's four projections run one kernel in
+    each range of rows (_unfused_wide_tiers: the one all four pick, else packed): a layer of mixed kernels lost to
+    the all-packed one in whole forwards although each projection, timed alone, chose its own as faster (on the
+    Cascade Lake Xeon, session 41, benchmarks/README.md: out and down tiled, 0.91-0.93x at 96-160 tokens; out on
+    MKL's, 0.92-0.95x). In front of them the tiled kernel runs, each layer in one C call, up to the most rows at
+    which whole layers timed that way ran no slower (choose_kernels' "layer_rows", time_layers; fused_reach).
+    Without such timings (layers choose_kernels could not time), nothing runs fused."""
     if not _wide(choice):
         return
-    layer_rows = choice[PROJECTIONS[0]].get("layer_rows")
-    if layer_rows is not None:  # whole layers timed (choose_kernels): fused as far as that ran no slower
-        unfused = _unfused_wide_tiers(choice)
-        if unfused:
-            _set_tiers(choice, _with_fusion(fused_reach(layer_rows), unfused))
-        return
-
-    def short(n: int) -> bool:
-        return n <= FUSED_ROWS_WIDE
-
-    def middle(n: int) -> bool:
-        return FUSED_ROWS_WIDE < n <= COLD_ROWS
-
-    def long(n: int) -> bool:
-        return n > COLD_ROWS
-
-    ranges = ((0, short, FUSION_MARGIN_WIDE), (FUSED_ROWS_WIDE, middle, FUSION_MARGIN_WIDE_LONG),
-              (FUSED_ROWS_WIDE_LONG, middle, None), (COLD_ROWS, long, None))
-    tiers: list = []
-    for low, judged, margin in ranges:
-        rows = [{n: t for n, t in choice[name]["rows"].items() if judged(int(n))} for name in PROJECTIONS]
-        if not all(rows):  # no row count timed for this range: the next range's kernel reaches down
-            continue
-        others = [pick_kernel({"rows": {n: {k: ms for k, ms in t.items() if k != "tiled"} for n, t in r.items()}})
-                  for r in rows]
-        picks = [pick_kernel({"rows": r}) for r in rows]
-        if margin is not None and tiers in ([], ["tiled"]) and _fusing_costs_little(choice, others, judged, margin):
-            kernel = "tiled"
-        else:
-            agreed = set(others if margin is not None else picks)
-            kernel = agreed.pop() if len(agreed) == 1 else "packed"
-        if not tiers or tiers[-1] != kernel:
-            tiers += [low, kernel] if tiers else [kernel]
-    if tiers:  # (none: no timings at all, a cache file with none: the choices stand)
-        _set_tiers(choice, tiers)
+    unfused = _unfused_wide_tiers(choice)
+    if unfused:
+        _set_tiers(choice, _with_fusion(fused_reach(choice[PROJECTIONS[0]].get("layer_rows") or {}), unfused))
 
 
 def _wide(choice: dict[str, dict[str, Any]]) -> bool:
@@ -1289,9 +1239,9 @@ def _set_tiers(choice: dict[str, dict[str, Any]], tiers: list) -> None:
 
 def _unfused_wide_tiers(choice: dict[str, dict[str, Any]]) -> list:
     """The tiers a layer's four projections take where it does not run fused (AVX-512): in each range of rows (up
-    to FUSED_ROWS_WIDE, up to COLD_ROWS, past it) the kernel all four pick from their timings there (pick_kernel;
+    to SHORT_ROWS_WIDE, up to COLD_ROWS, past it) the kernel all four pick from their timings there (pick_kernel;
     up to COLD_ROWS between packed and plain, as four tiled ones would run fused), else packed. [] untimed."""
-    ranges = ((0, lambda n: n <= FUSED_ROWS_WIDE), (FUSED_ROWS_WIDE, lambda n: FUSED_ROWS_WIDE < n <= COLD_ROWS),
+    ranges = ((0, lambda n: n <= SHORT_ROWS_WIDE), (SHORT_ROWS_WIDE, lambda n: SHORT_ROWS_WIDE < n <= COLD_ROWS),
               (COLD_ROWS, lambda n: n > COLD_ROWS))
     tiers: list = []
     for low, judged in ranges:
