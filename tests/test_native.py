@@ -343,6 +343,40 @@ def test_whole_layers_are_timed_fused_and_not_and_kept_with_the_kernels_they_rac
 
 
 @needs_kernel
+def test_a_kernel_cache_edited_by_hand_is_timed_again_not_read_into_a_crash(monkeypatch, tmp_path):
+    """Entries of the kernel cache that do not hold timings (a string, a figure that is not a number, a missing
+    kernel) are timed again; a file that is not a JSON object is started afresh."""
+    monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")
+    monkeypatch.setattr(native, "isa", lambda: 512)
+    model = BertModel(PRESETS["tiny"]).eval()
+    cache = tmp_path / "kernels.json"
+    choice = fast.choose_kernels(model, cache)
+    kept = json.loads(cache.read_text())
+    layers, = (k for k in kept if " layers|" in k)
+    projection = next(k for k in kept if k != layers)
+    timed = []
+    real_kernels, real_layers = fast.time_kernels, fast.time_layers
+    monkeypatch.setattr(fast, "time_kernels", lambda *a, **k: timed.append("kernels") or real_kernels(*a, **k))
+    monkeypatch.setattr(fast, "time_layers", lambda *a, **k: timed.append("layers") or real_layers(*a, **k))
+    for broken_layers, broken_projection in (("junk", {"rows": {"24": {"packed": "x"}}}),
+                                             ({"rows": {"16": {"fused": "x"}}}, "rows"),
+                                             ({"rows": {"16": {"fused": 1.0}}}, {"rows": {"24": {"packed": 1.0}}}),
+                                             ({"rows": ["16"]}, {"rows": {"24": {"packed": -1, "plain": 1, "tiled": 1}}})):
+        # each beside the entry's other fields as they were (its kernel build, the kernels raced)
+        broken_layers = broken_layers if isinstance(broken_layers, str) else {**kept[layers], **broken_layers}
+        broken_projection = (broken_projection if isinstance(broken_projection, str)
+                             else {**kept[projection], **broken_projection})
+        cache.write_text(json.dumps({**kept, layers: broken_layers, projection: broken_projection}))
+        timed.clear()
+        again = fast.choose_kernels(model, cache)
+        assert timed == ["kernels", "layers"] and set(again) == set(choice)
+        assert "layer_rows" in again["qkv"] and all(c["rows"] for c in again.values())
+    cache.write_text("[1, 2]")
+    assert set(fast.choose_kernels(model, cache)) == set(choice)
+    assert isinstance(json.loads(cache.read_text()), dict)
+
+
+@needs_kernel
 def test_three_tiers_run_in_turn_and_a_visitors_rows_fuse(monkeypatch):
     """A projection's tiers (tiled up to 64 rows, packed up to 256, plain past): each length runs its own kernel,
     the answers agree with the unswapped model, and only the rows every projection runs tiled are fused."""

@@ -1360,6 +1360,18 @@ def int8_fused_label(model: nn.Module) -> str:
     return f"not used: the int8 matmuls are {kernel}'s" if kernel != "tiled" else "not used: a projection stays fp32"
 
 
+def _kept_timings(found: Any, columns: tuple[str, ...], empty: bool = False) -> bool:
+    """Whether a kernel cache entry holds usable timings: {"rows": {"<rows>": {column: ms > 0, ...}, ...}, ...}
+    with every one of `columns` (`empty`: no rows at all is an answer too). A file edited by hand, or written by
+    another version, is timed again rather than read into a crash."""
+    rows = found.get("rows") if isinstance(found, dict) else None
+    if not isinstance(rows, dict) or not (rows or empty):
+        return False
+    return all(isinstance(n, str) and n.isdigit() and isinstance(t, dict) and all(
+        isinstance(t.get(c), (int, float)) and not isinstance(t.get(c), bool) and 0 < t[c] < math.inf for c in columns)
+        for n, t in rows.items())
+
+
 def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dict[str, Any]]:
     """For each projection of the encoder's layers (all layers share the shapes), with the timings: the
     kernel for inputs of up to COLD_ROWS rows ("chose") and, where another, for longer ones ("past_rows"),
@@ -1378,6 +1390,8 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
             stored = json.loads(cache.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             stored = {}
+    if not isinstance(stored, dict):  # (a JSON list, say: nothing of ours)
+        stored = {}
     machine = f"{cpu_name()}|{cpu_isa()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
     choice, changed = {}, False
     candidates = {name: (linear, activation, KERNEL_ROWS) for name, (linear, activation)
@@ -1393,7 +1407,8 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
         key = f"{machine}|{linear.weight.dtype}|{linear.in_features}x{linear.out_features}|{act}"
         tiled = native.build() if linear.weight.dtype == torch.float32 else None
         found = stored.get(key, {})
-        if "rows" not in found or (tiled and found.get("tiled_build") != tiled):  # before this build of the kernel
+        columns = ("packed", "plain", "tiled") if tiled else ("packed", "plain")
+        if not _kept_timings(found, columns) or (tiled and found.get("tiled_build") != tiled):  # or another build's
             timed = time_kernels(linear, None if isinstance(activation, str) else activation, rows)
             found = {f"{kernel}_ms": round(1000 * sum(by_rows.values()), 3) for kernel, by_rows in timed.items()}
             found["rows"] = {str(n): {kernel: round(1000 * timed[kernel][n], 4) for kernel in timed} for n in rows}
@@ -1415,7 +1430,8 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
                f"{layer.ffn.up.in_features}x{layer.ffn.up.out_features}|{layer.attention.num_heads} heads|"
                f"{getattr(layer.ffn.act, '__name__', type(layer.ffn.act).__name__)}")
         found = stored.get(key, {})
-        if "rows" not in found or found.get("tiled_build") != native.build() or found.get("unfused") != unfused:
+        if (not _kept_timings(found, ("fused", "unfused"), empty=True) or found.get("tiled_build") != native.build()
+                or found.get("unfused") != unfused):
             found = stored[key] = {"rows": time_layers(encoder.layers, unfused), "unfused": unfused,
                                    "tiled_build": native.build()}
             changed = True
