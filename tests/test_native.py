@@ -261,7 +261,15 @@ def test_a_wide_kernel_gives_a_layers_projections_one_kernel_in_each_range_of_ro
     assert labels(choice(plain_long=26)) == {"packed up to 256 rows, then plain"}
     assert labels(choice(plain_mid=1.7)) == {"packed up to 64 rows, then plain up to 256 rows, then packed"}
     assert labels(choice(plain_mid=1.7, out_plain_mid=2.4)) == {"packed"}  # out's packed at 128: they differ
-    assert labels(choice(tiled_long=20)) == {"packed up to 256 rows, then tiled"}  # fused past it: all four picked it
+    past = choice(tiled_long=20)
+    assert labels(past) == {"packed up to 256 rows, then tiled"}  # fused past it: all four picked it
+    assert fast.fused_label(past) == "inputs past 256 rows: each layer in one C call"
+    assert fast.fused_label({name: {"chose": "tiled", "past_rows": [64, "packed", 256, "tiled"]} for name in
+                             fast.PROJECTIONS}) == "inputs of up to 64 rows and inputs past 256 rows: each layer in one C call"
+    assert fast.fused_label({**past, "up": {"chose": "tiled", "past_rows": [256, "packed"]}}) == (
+        "not used: the four projections never run the tiled kernel at the same number of rows")
+    assert fast.fused_ranges({name: {"chose": "packed", "past_rows": [16, "tiled", 160, "packed"]}
+                              for name in fast.PROJECTIONS}) == [(16, 160)]
     untimed = {name: {"rows": {}, "chose": None} for name in fast.PROJECTIONS}  # a cache file with no timings
     fast.favour_fusion(untimed)
     assert all(c == {"rows": {}, "chose": None} for c in untimed.values())
@@ -329,7 +337,7 @@ def test_whole_layers_are_timed_fused_and_not_and_kept_with_the_kernels_they_rac
     assert kept[key]["unfused"] == fast._unfused_wide_tiers(choice)
     reach = fast.fused_reach(layer_rows)
     assert fast.choice_tiers(choice["qkv"]) == tuple(fast._with_fusion(reach, kept[key]["unfused"]))
-    assert fast._tiled_rows(fast.choice_tiers(choice["qkv"])) >= reach  # (past 256 rows all four may pick tiled)
+    assert not reach or fast.fused_ranges(choice)[0][0] == 0 and fast.fused_ranges(choice)[0][1] >= reach
     monkeypatch.setattr(fast, "time_layers", lambda *args, **kwargs: pytest.fail("timed again"))
     assert fast.choose_kernels(model, cache) == choice
     kept[key]["unfused"] = ["packed", 1, "plain"]  # raced against other kernels than today's choice would run

@@ -1140,14 +1140,28 @@ def kernel_label(choice: dict[str, Any]) -> str:
     return str(tiers[0]) + "".join(f" up to {rows} rows, then {kernel}" for rows, kernel in zip(tiers[1::2], tiers[2::2]))
 
 
-def _tiled_rows(tiers: tuple) -> float:
-    """Up to how many rows a projection's tiers run the tiled kernel from the first row on (0: not at 1 row)."""
-    if tiers[0] != "tiled":
-        return 0
-    for rows, kernel in zip(tiers[1::2], tiers[2::2]):
-        if kernel != "tiled":
-            return rows
-    return math.inf
+def _kernel_at(tiers: tuple, rows: int) -> str | None:
+    """The kernel `tiers` (kernel_tiers') run an input of `rows` rows through."""
+    kernel = tiers[0]
+    for bound, after in zip(tiers[1::2], tiers[2::2]):
+        if rows > bound:
+            kernel = after
+    return kernel
+
+
+def fused_ranges(choice: dict[str, dict[str, Any]]) -> list[tuple[int, float]]:
+    """The ranges of rows (low, high]: inputs of low + 1 to high rows, high possibly math.inf) where all four
+    projections run the tiled kernel under `choice`, so each layer in one C call."""
+    tiers = [choice_tiers(choice.get(name, {})) for name in PROJECTIONS]
+    bounds = sorted({0, math.inf, *(bound for t in tiers for bound in t[1::2])})
+    ranges: list[tuple[int, float]] = []
+    for low, high in zip(bounds, bounds[1:]):
+        if all(_kernel_at(t, low + 1) == "tiled" for t in tiers):
+            if ranges and ranges[-1][1] == low:
+                ranges[-1] = (ranges[-1][0], high)
+            else:
+                ranges.append((low, high))
+    return ranges
 
 
 FUSION_MARGIN = 1.10  # the matmul time short inputs may give up for their layers to run fused (favour_fusion)
@@ -1340,13 +1354,16 @@ def fused_label(choice: dict[str, dict[str, Any]]) -> str:
     all four projections on the tiled kernel at the input's number of rows."""
     if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
         return "off (BERT_ENGINE_FUSED_LAYERS=0)"
-    reach = {name: _tiled_rows(choice_tiers(choice.get(name, {}))) for name in PROJECTIONS}
-    short = [name for name, rows in reach.items() if not rows]
-    if short:
-        return f"not used: {', '.join(short)} {'does' if len(short) == 1 else 'do'} not run the tiled kernel"
-    rows = min(reach.values())
-    return ("every input: each layer in one C call" if rows == math.inf
-            else f"inputs of up to {rows} rows: each layer in one C call")
+    ranges = fused_ranges(choice)
+    if not ranges:
+        never = [name for name in PROJECTIONS if "tiled" not in choice_tiers(choice.get(name, {}))[::2]]
+        if never:
+            return f"not used: {', '.join(never)} {'does' if len(never) == 1 else 'do'} not run the tiled kernel"
+        return "not used: the four projections never run the tiled kernel at the same number of rows"
+    words = ["every input" if (low, high) == (0, math.inf) else f"inputs of up to {high} rows" if low == 0
+             else f"inputs past {low} rows" if high == math.inf else f"inputs of {low + 1} to {high} rows"
+             for low, high in ranges]
+    return f"{' and '.join(words)}: each layer in one C call"
 
 
 def int8_fused_label(model: nn.Module) -> str:
