@@ -1296,12 +1296,14 @@ def _with_fusion(reach: int, unfused: list) -> list:
 
 
 def time_layers(layers: Iterable[nn.Module], unfused: Iterable, rows: Iterable[int] = LAYER_ROWS,
-                repeats: int = 5) -> dict[str, dict[str, float]]:
-    """Milliseconds (the fastest of `repeats` rounds) of one sequence of each number of `rows` through a stack of
-    copies of up to LAYER_STACK of `layers`: "fused", all four projections on the tiled kernel and each layer in
-    one C call, and "unfused", on the kernels of the tiers `unfused`. The two take turns in each round; each
-    stack's weights come from memory after the other's, as in a forward. {} where the layers cannot run fused
-    (an activation or norm fused_layer.c lacks)."""
+                repeats: int = 5, short_repeats: int = 15) -> dict[str, dict[str, float]]:
+    """Milliseconds of one sequence of each number of `rows` through a stack of copies of up to LAYER_STACK of
+    `layers`: "fused", all four projections on the tiled kernel and each layer in one C call, and "unfused", on the
+    kernels of the tiers `unfused`. The two take turns in each round; each stack's weights come from memory after
+    the other's, as in a forward. Each keeps the fastest of `repeats` rounds, or of `short_repeats` up to
+    SHORT_ROWS_WIDE rows, where a round takes a few milliseconds and one busy spell could cover all five (a first
+    load beside a test run once put the reach at 32 rows, where quiet ones found 160-192: the fresh-clone check,
+    session 42). {} where the layers cannot run fused (an activation or norm fused_layer.c lacks)."""
     import copy  # noqa: PLC0415 - only a first load on a machine times layers
 
     rows = tuple(rows)
@@ -1327,7 +1329,7 @@ def time_layers(layers: Iterable[nn.Module], unfused: Iterable, rows: Iterable[i
             x = torch.randn(1, n, hidden, dtype=dtype, generator=torch.Generator().manual_seed(n))
             for stack in stacks.values():
                 forward(stack, x)  # warm-up: first-touch of the outputs and the scratch pool
-            for _ in range(repeats):
+            for _ in range(short_repeats if n <= SHORT_ROWS_WIDE else repeats):
                 for variant, stack in stacks.items():
                     start = time.perf_counter()
                     forward(stack, x)
