@@ -1176,9 +1176,9 @@ FUSION_MARGIN_LONG = 1.05
 # their matmuls (the Cascade Lake Xeon): a first load on a busy machine timed the four tiled matmuls 1.65x oneDNN's
 # at 24 rows where whole forwards ran 1.2-1.8x faster fused (session 41's fresh-clone check), and another timed them
 # 1.12x at 128 rows where fused forwards ran 1.09-1.13x faster at 128-160 tokens (sessions 41-42): a matmul timed
-# alone cannot show what the one C call saves, and its timings move with the machine's load. So choose_kernels times a stack of up to LAYER_STACK of
-# the model's layers (their weights come from memory in turn, as in a forward) fused and not, taking turns, at each
-# of LAYER_ROWS rows (time_layers), and fused_reach reads how far fusion pays.
+# alone cannot show what the one C call saves, and its timings move with the machine's load. So choose_kernels
+# times a stack of up to LAYER_STACK of the model's layers (their weights come from memory in turn, as in a forward)
+# fused and not, taking turns, at each of LAYER_ROWS rows (time_layers), and fused_reach reads how far fusion pays.
 SHORT_ROWS_WIDE = 64
 LAYER_ROWS = (16, 32, 64, 96, 128, 160, 192, 256)
 LAYER_STACK = 6
