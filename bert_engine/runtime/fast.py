@@ -1236,8 +1236,10 @@ def _favour_fusion_wide(choice: dict[str, dict[str, Any]]) -> None:
 
 
 def _wide(choice: dict[str, dict[str, Any]]) -> bool:
-    """Whether favour_fusion's AVX-512 rule applies: the tiled kernel at AVX-512's width, timed for all four
-    projections at every number of rows."""
+    """Whether favour_fusion's AVX-512 rule applies: fused layers on, packed short inputs' incumbent, and the tiled
+    kernel at AVX-512's width, timed for all four projections at every number of rows."""
+    if not settings.get("BERT_ENGINE_FUSED_LAYERS") or short_rows_incumbent() == "tiled":
+        return False
     timed = all(name in choice and "rows" in choice[name] and choice[name]["rows"] for name in PROJECTIONS) and all(
         "tiled" in row for name in PROJECTIONS for row in choice[name]["rows"].values())
     return timed and native.isa() == 512  # (timed: the library is loaded, so asking its width builds nothing)
@@ -1441,8 +1443,7 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
                             short_rows_incumbent())
         long = pick_kernel({"rows": {n: t for n, t in found["rows"].items() if int(n) > COLD_ROWS}}) or short
         choice[name] = {**found, "chose": short, **({"past_rows": [COLD_ROWS, long]} if long != short else {})}
-    if (settings.get("BERT_ENGINE_FUSED_LAYERS") and short_rows_incumbent() != "tiled" and _wide(choice)
-            and all(isinstance(linear, nn.Linear) for linear, _ in _projections(encoder.layers[0]).values())):
+    if _wide(choice) and all(isinstance(linear, nn.Linear) for linear, _ in _projections(encoder.layers[0]).values()):
         layer = encoder.layers[0]
         unfused = _unfused_wide_tiers(choice)
         key = (f"{machine}|{layer.ffn.up.weight.dtype}|{min(len(encoder.layers), LAYER_STACK)} layers|"
