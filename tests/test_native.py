@@ -5,7 +5,11 @@ cannot be built, and how `choose_kernels` uses it."""
 import copy
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -350,6 +354,45 @@ def test_whole_layers_are_timed_fused_and_not_and_kept_with_the_kernels_they_rac
     assert fast.choice_tiers(again["down"])[:2] == ("tiled", 16)
 
 
+def test_whole_layer_timings_that_contradict_each_other_are_taken_again():
+    """_contradicted: a loss past LAYER_MARGIN with wins after it names the loss and the wins (timed again); a loss
+    with no win after it is the end of the reach, and a loss within the margin is none."""
+    def named(ratios):
+        return fast._contradicted({n: {"fused": ratio, "unfused": 1.0} for n, ratio in ratios.items()})
+
+    assert named({16: 0.43, 32: 0.65, 64: 0.75, 96: 1.13, 128: 1.005, 160: 0.9, 192: 0.97, 256: 0.91}) == [
+        96, 160, 192, 256]  # a quiet first load of session 43
+    assert named({16: 0.5, 96: 1.05, 128: 0.98}) == [96, 128]
+    assert named({16: 1.1, 32: 0.9}) == [16, 32]
+    assert named({16: 0.5, 96: 1.02, 128: 0.98}) == []
+    assert named({16: 0.5, 64: 0.8, 128: 1.1, 256: 1.01}) == []
+    assert named({}) == []
+
+
+@needs_kernel
+def test_time_layers_times_contradicting_rows_again_a_bounded_number_of_times(monkeypatch):
+    """time_layers asks _contradicted after timing every row count, times again the rows it names, and asks again,
+    at most LAYER_RETIMES times."""
+    model = BertModel(PRESETS["tiny"]).eval()
+    asked, clock = [], []
+    real_clock = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: clock.append(1) or real_clock())
+    monkeypatch.setattr(fast, "_contradicted", lambda best: asked.append({n: dict(t) for n, t in best.items()}) or (
+        [8] if len(asked) == 1 else []))
+    timed = fast.time_layers(model.layers, ["packed"], rows=(8, 40), repeats=1, short_repeats=1)
+    assert len(asked) == 2 and set(timed) == {"8", "40"}
+    assert len(clock) == 2 * 2 * 3  # (start, end) x (fused, unfused) x (a round at 8 rows, at 40, at 8 again)
+    assert all(0 < asked[1][8][v] <= asked[0][8][v] for v in ("fused", "unfused"))  # more rounds: the fastest kept
+    asked.clear()
+    monkeypatch.setattr(fast, "_contradicted", lambda best: asked.append(1) or [])
+    fast.time_layers(model.layers, ["packed"], rows=(8,), repeats=1, short_repeats=1)
+    assert len(asked) == 1
+    asked.clear()
+    monkeypatch.setattr(fast, "_contradicted", lambda best: asked.append(1) or [8])
+    fast.time_layers(model.layers, ["packed"], rows=(8,), repeats=1, short_repeats=1)
+    assert len(asked) == fast.LAYER_RETIMES
+
+
 @needs_kernel
 def test_a_kernel_cache_edited_by_hand_is_timed_again_not_read_into_a_crash(monkeypatch, tmp_path):
     """Entries of the kernel cache that do not hold timings (a string, a figure that is not a number, a missing
@@ -382,6 +425,67 @@ def test_a_kernel_cache_edited_by_hand_is_timed_again_not_read_into_a_crash(monk
     cache.write_text("[1, 2]")
     assert set(fast.choose_kernels(model, cache)) == set(choice)
     assert isinstance(json.loads(cache.read_text()), dict)
+
+
+@pytest.mark.busy_meter
+def test_the_busy_meter_counts_other_processes_not_this_one():
+    """cpu_busy_meter: the share of the machine's CPU time other work took. Processes spinning beside the
+    measurement show; this process's own threads, filling the machine, do not."""
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat here: the meter answers None")
+    if (os.cpu_count() or 1) <= torch.get_num_threads():
+        share, a = fast.cpu_busy_meter(), torch.randn(512, 512)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            a = (a @ a).tanh()  # every CPU busy, all of it this process's
+        assert share() < 0.75
+    spinners = min(os.cpu_count() or 1, 2)
+    share = fast.cpu_busy_meter()
+    procs = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"])
+             for _ in range(spinners)]
+    for proc in procs:
+        proc.wait(timeout=30)
+    assert share() >= 0.6 * spinners / (os.cpu_count() or 1)
+
+
+@needs_kernel
+def test_timings_taken_on_a_busy_machine_are_taken_again_at_the_next_loads(monkeypatch, tmp_path, caplog):
+    """Kernel and layer timings taken while other work used BUSY_SHARE of the CPUs or more are timed again at
+    the next load, up to BUSY_TRIES timings; each time the less busy of the two is kept. Quiet ones, and those
+    where the machine cannot be measured, are read back."""
+    monkeypatch.setattr(fast, "short_rows_incumbent", lambda: "packed")
+    monkeypatch.setattr(native, "isa", lambda: 512)
+    model = BertModel(PRESETS["tiny"]).eval()
+    timed = []  # the same figures at every timing, so that the kernels the layers race stay the same
+    monkeypatch.setattr(fast, "time_kernels", lambda linear, activation, rows: timed.append("kernels") or {
+        kernel: dict.fromkeys(rows, seconds) for kernel, seconds in (("packed", 2e-3), ("plain", 3e-3), ("tiled", 1e-3))})
+    monkeypatch.setattr(fast, "time_layers", lambda layers, unfused: timed.append("layers") or {
+        "16": {"fused": 1.0, "unfused": 2.0}})
+    cache = tmp_path / "kernels.json"
+    projections = len(fast._projections(model.layers[0]))
+
+    def load(busy):
+        monkeypatch.setattr(fast, "cpu_busy_meter", lambda: lambda: busy)
+        timed.clear()
+        fast.choose_kernels(model, cache)
+        kept = json.loads(cache.read_text())
+        return sorted(timed), {(e["busy"], e["tries"]) for e in kept.values()}
+
+    every = sorted(["kernels"] * projections + ["layers"])
+    with caplog.at_level(logging.INFO, logger="bert_engine.runtime.fast"):
+        assert load(0.5) == (every, {(0.5, 1)})
+    assert "whole layers timed while other work used 50 % of the CPUs: timed again at the next load (2 of 3)" in caplog.text
+    assert load(0.6) == (every, {(0.5, 2)})  # busier than the first: the first kept
+    assert load(0.1) == (every, {(0.1, 3)})  # quieter: kept, and settled
+    assert load(0.9) == ([], {(0.1, 3)})
+    cache.unlink()
+    assert [load(0.9)[1] for _ in range(fast.BUSY_TRIES)] == [{(0.9, n)} for n in range(1, fast.BUSY_TRIES + 1)]
+    assert load(0.9) == ([], {(0.9, fast.BUSY_TRIES)})  # as busy every time: kept after BUSY_TRIES
+    cache.unlink()
+    assert load(None) == (every, {(None, 1)})  # not measured (no /proc/stat): read back as it is
+    assert load(None)[0] == []
+    cache.unlink()
+    assert load(fast.BUSY_SHARE - 0.01)[1] == {(fast.BUSY_SHARE - 0.01, 1)} and load(0.0)[0] == []
 
 
 @needs_kernel
