@@ -1403,10 +1403,12 @@ def time_layers(layers: Iterable[nn.Module], unfused: Iterable, rows: Iterable[i
             rounds(n, short_repeats if n <= SHORT_ROWS_WIDE else repeats)
         for _ in range(LAYER_RETIMES):
             again = _contradicted(best)
-            for n in again:
-                rounds(n, short_repeats)
             if not again:
                 break
+            logger.info("whole layers: the timings at %s rows contradict each other; timed again",
+                        ", ".join(map(str, again)))
+            for n in again:
+                rounds(n, short_repeats)
     return {str(n): {variant: round(1000 * seconds, 4) for variant, seconds in best[n].items()} for n in rows}
 
 
