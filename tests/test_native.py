@@ -486,6 +486,9 @@ def test_timings_taken_on_a_busy_machine_are_taken_again_at_the_next_loads(monke
     assert load(None)[0] == []
     cache.unlink()
     assert load(fast.BUSY_SHARE - 0.01)[1] == {(fast.BUSY_SHARE - 0.01, 1)} and load(0.0)[0] == []
+    for edited in ({"busy": "x", "tries": 1}, {"busy": 0.9, "tries": -5}, {"busy": 0.9, "tries": True}):
+        cache.write_text(json.dumps({k: {**e, **edited} for k, e in json.loads(cache.read_text()).items()}))
+        assert load(0.0)[0] == []  # a share or count edited by hand is read as it is, never timed again for ever
 
 
 @needs_kernel

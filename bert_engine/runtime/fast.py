@@ -1224,7 +1224,7 @@ def _unsettled(found: dict) -> bool:
     BUSY_TRIES loads have timed them: the next load times them again."""
     busy, tries = found.get("busy"), found.get("tries", 1)
     return (isinstance(busy, (int, float)) and busy >= BUSY_SHARE and isinstance(tries, int)
-            and not isinstance(tries, bool) and tries < BUSY_TRIES)
+            and not isinstance(tries, bool) and 1 <= tries < BUSY_TRIES)  # (a count edited by hand: read as it is)
 
 
 def _timed(timing: Callable[[], dict], before: dict | None, what: str) -> dict:
