@@ -448,6 +448,32 @@ def test_the_busy_meter_counts_other_processes_not_this_one():
     assert share() >= 0.6 * spinners / (os.cpu_count() or 1)
 
 
+@pytest.mark.busy_meter
+def test_the_busy_meter_reads_the_cpus_this_process_may_run_on(monkeypatch, tmp_path):
+    """Only the CPUs of this process's affinity (a cpuset, a taskset) count, each CPU's busy time (all but idle and
+    iowait, steal included) over the wall time; a CPU missing from the counters, or counters that cannot be read,
+    give None."""
+    hz = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+
+    def write(ticks):  # ticks per CPU: (user, system, idle, iowait, steal)
+        rows = [f"cpu{n} {u} 0 {s} {i} {w} 0 0 {st}" for n, (u, s, i, w, st) in enumerate(ticks)]
+        stat.write_text("cpu  1 2 3 4 5 6 7 8 9 10\n" + "\n".join(rows) + "\nintr 12345\n", encoding="ascii")
+
+    calls = []
+    monkeypatch.setattr(time, "monotonic", lambda: 100.0 + bool(calls.append(1) or len(calls) > 1))  # then 1 s on
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1, 2, 3})
+    write([(0, 0, 0, 0, 0)] * 4)
+    share = fast.cpu_busy_meter(str(stat))
+    # one second: CPU 0 (not ours) busy; CPU 1 half busy (user + system) and a quarter waiting on a disk; CPU 2
+    # busy; CPU 3 a quarter stolen by the host
+    write([(hz, 0, 0, 0, 0), (hz // 4, hz // 4, hz // 4, hz // 4, 0), (hz, 0, 0, 0, 0), (0, 0, 3 * hz // 4, 0, hz // 4)])
+    assert share() == pytest.approx((0.5 + 1 + 0.25) / 3, abs=0.03)  # less this process's own few ms
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1, 7})
+    assert fast.cpu_busy_meter(str(stat))() is None  # no line for cpu7
+    assert fast.cpu_busy_meter(str(tmp_path / "missing"))() is None
+
+
 @needs_kernel
 def test_timings_taken_on_a_busy_machine_are_taken_again_at_the_next_loads(monkeypatch, tmp_path, caplog):
     """Kernel and layer timings taken while other work used BUSY_SHARE of the CPUs or more are timed again at

@@ -1189,32 +1189,36 @@ BUSY_SHARE = 0.25  # timings taken while other work used this share of the CPUs 
 BUSY_TRIES = 3  # ... at the next loads, up to this many timings in all; the least busy is kept
 
 
-def cpu_busy_meter() -> Callable[[], float | None]:
-    """Starts measuring; the function returned gives the share of the machine's CPU time, since the start, that
-    went to anything but this process: other processes, and a virtual machine's steal (the host running other
-    guests on its cores). None where /proc/stat cannot be read (not Linux). Timings taken beside other work are
-    not the machine's: a first load beside a test run once put the fused layers' reach at 32 rows where quiet
-    loads found 160-192 (session 42), and a busy spell once made the packed path look twice as slow as it is."""
+def cpu_busy_meter(stat: str = "/proc/stat") -> Callable[[], float | None]:
+    """Starts measuring; the function returned gives the share of CPU time on the CPUs this process may run on
+    (os.sched_getaffinity: a container's cpuset, a taskset), since the start, that went to anything but this
+    process: other processes, and a virtual machine's steal (the host running other guests on its cores). None
+    where `stat` (Linux's per-CPU counters) cannot be read. In a container held to a CPU quota rather than a
+    cpuset, the CPUs are all the host's, and so is the work counted. Timings taken beside other work are not the
+    machine's: a first load beside a test run once put the fused layers' reach at 32 rows where quiet loads found
+    160-192 (session 42), and a busy spell once made the packed path look twice as slow as it is."""
+    cpus = [f"cpu{n}" for n in sorted(os.sched_getaffinity(0))] if hasattr(os, "sched_getaffinity") else ["cpu"]
 
-    def busy_and_total() -> tuple[int, int] | None:
+    def busy_ticks() -> int | None:
         try:
-            with open("/proc/stat", encoding="ascii") as stat:
-                ticks = [int(v) for v in stat.readline().split()[1:9]]  # user .. steal
-        except (OSError, ValueError):
+            with open(stat, encoding="ascii") as counters:
+                rows = {line.split()[0]: line.split()[1:9] for line in counters if line.startswith("cpu")}
+            ticks = [[int(v) for v in rows[cpu]] for cpu in cpus]  # user .. steal, per CPU
+        except (OSError, ValueError, KeyError, IndexError):
             return None
-        if len(ticks) < 5:
+        if any(len(t) < 5 for t in ticks):
             return None
-        return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # idle and iowait are not busy
+        return sum(sum(t) - t[3] - t[4] for t in ticks)  # all but idle and iowait
 
-    start, cpu, wall = busy_and_total(), time.process_time(), time.monotonic()
+    start, cpu, wall = busy_ticks(), time.process_time(), time.monotonic()
 
     def share() -> float | None:
-        end = busy_and_total()
+        end = busy_ticks()
         seconds = time.monotonic() - wall
         if start is None or end is None or seconds <= 0:
             return None
-        others = (end[0] - start[0]) / os.sysconf("SC_CLK_TCK") - (time.process_time() - cpu)
-        return min(1.0, max(0.0, others / (seconds * (os.cpu_count() or 1))))
+        others = (end - start) / os.sysconf("SC_CLK_TCK") - (time.process_time() - cpu)
+        return min(1.0, max(0.0, others / (seconds * len(cpus))))
 
     return share
 
