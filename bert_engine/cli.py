@@ -54,9 +54,9 @@ def _info(args: argparse.Namespace) -> dict:
 
         choice = choose_kernels(model.eval(), kernel_cache())
         info["kernels"] = {name: {**c, "runs": kernel_label(c)} for name, c in choice.items()}
-        layers = [c.pop("layer_rows") for c in info["kernels"].values() if "layer_rows" in c]
+        layers = [(c.pop("layer_rows"), c.pop("layer_timed", {})) for c in info["kernels"].values() if "layer_rows" in c]
         if layers:  # the four projections share them (AVX-512): shown once
-            info["layer_timings_ms"] = layers[0]
+            info["layer_timings"] = {"rows_ms": layers[0][0], **layers[0][1]}
         info["fused_layers"] = fused_label(choice) if native.unavailable() is None else "not used: no tiled kernel here"
         # why bert_engine's own kernel is not a candidate, or the vector width it runs at
         info["tiled_kernel"] = native.unavailable() or f"available ({'AVX-512' if native.isa() == 512 else 'AVX2'})"

@@ -186,4 +186,5 @@ def test_info_says_where_int8_layers_run_fused(monkeypatch, tmp_path, capsys, mi
         assert info["int8_kernel"] == kernel and info["int8_fused_layers"] == expected
         assert all("busy" in c and "tries" in c and "layer_rows" not in c for c in info["kernels"].values())
         # whole layers are timed where the tiled kernel is AVX-512 wide (fast._wide), and shown once
-        assert ("layer_timings_ms" in info) == (native.isa() == 512 and fast.short_rows_incumbent() == "packed")
+        assert ("layer_timings" in info) == (native.isa() == 512 and fast.short_rows_incumbent() == "packed")
+        assert "layer_timings" not in info or {"rows_ms", "busy", "tries"} <= set(info["layer_timings"])

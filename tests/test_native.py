@@ -390,7 +390,7 @@ def test_time_layers_times_contradicting_rows_again_a_bounded_number_of_times(mo
     asked.clear()
     monkeypatch.setattr(fast, "_contradicted", lambda best: asked.append(1) or [8])
     fast.time_layers(model.layers, ["packed"], rows=(8,), repeats=1, short_repeats=1)
-    assert len(asked) == fast.LAYER_RETIMES
+    assert len(asked) == fast.LAYER_RETIMES + 1  # the last ask finds them still contradicting, and keeps them
 
 
 @needs_kernel
@@ -425,6 +425,12 @@ def test_a_kernel_cache_edited_by_hand_is_timed_again_not_read_into_a_crash(monk
     cache.write_text("[1, 2]")
     assert set(fast.choose_kernels(model, cache)) == set(choice)
     assert isinstance(json.loads(cache.read_text()), dict)
+    cache.write_text("[" * 100_000 + "]" * 100_000)  # nested past the JSON parser's depth: RecursionError
+    assert set(fast.choose_kernels(model, cache)) == set(choice)
+    monkeypatch.setattr(fast, "KERNEL_CACHE_BYTES", cache.stat().st_size - 1)  # a file larger than a cache is
+    timed.clear()
+    assert set(fast.choose_kernels(model, cache)) == set(choice)  # not read: everything timed afresh
+    assert timed.count("kernels") == len(choice) and timed.count("layers") == 1
 
 
 @pytest.mark.busy_meter
@@ -500,21 +506,29 @@ def test_timings_taken_on_a_busy_machine_are_taken_again_at_the_next_loads(monke
     every = sorted(["kernels"] * projections + ["layers"])
     with caplog.at_level(logging.INFO, logger="bert_engine.runtime.fast"):
         assert load(0.5) == (every, {(0.5, 1)})
-    assert "whole layers timed while other work used 50 % of the CPUs: timed again at the next load (2 of 3)" in caplog.text
+    assert caplog.text.count("timed again at the next load") == 1  # one line for the five entries
+    assert ("kernel timings (qkv, out, up, down, whole layers) taken while other work used 50 % of the CPUs: timed "
+            "again at the next load (2 of 3)") in caplog.text
     assert load(0.6) == (every, {(0.5, 2)})  # busier than the first: the first kept
     assert load(0.1) == (every, {(0.1, 3)})  # quieter: kept, and settled
     assert load(0.9) == ([], {(0.1, 3)})
     cache.unlink()
-    assert [load(0.9)[1] for _ in range(fast.BUSY_TRIES)] == [{(0.9, n)} for n in range(1, fast.BUSY_TRIES + 1)]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="bert_engine.runtime.fast"):
+        assert [load(0.9)[1] for _ in range(fast.BUSY_TRIES)] == [{(0.9, n)} for n in range(1, fast.BUSY_TRIES + 1)]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "kept as they are; delete" in warned[0].getMessage() and str(cache) in warned[0].getMessage()
     assert load(0.9) == ([], {(0.9, fast.BUSY_TRIES)})  # as busy every time: kept after BUSY_TRIES
     cache.unlink()
     assert load(None) == (every, {(None, 1)})  # not measured (no /proc/stat): read back as it is
     assert load(None)[0] == []
     cache.unlink()
     assert load(fast.BUSY_SHARE - 0.01)[1] == {(fast.BUSY_SHARE - 0.01, 1)} and load(0.0)[0] == []
-    for edited in ({"busy": "x", "tries": 1}, {"busy": 0.9, "tries": -5}, {"busy": 0.9, "tries": True}):
+    for edited in ({"busy": "x"}, {"busy": float("nan")}, {"busy": -1.0}, {"busy": 2.0}, {"tries": -5},
+                   {"tries": True}, {"tries": 1.5}, {"tries": 10**9}, {"qkv_ms": float("nan")}):
         cache.write_text(json.dumps({k: {**e, **edited} for k, e in json.loads(cache.read_text()).items()}))
-        assert load(0.0)[0] == []  # a share or count edited by hand is read as it is, never timed again for ever
+        assert load(0.0) == (every, {(0.0, 1)})  # a share, count or figure edited by hand: timed again, once
+        assert load(0.0)[0] == []
 
 
 @needs_kernel

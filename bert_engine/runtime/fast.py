@@ -1187,6 +1187,7 @@ LAYER_MARGIN = 1.03  # a loss this small at fewer rows is timing noise, not the 
 LAYER_RETIMES = 2  # times time_layers may time again the row counts whose timings contradict each other
 BUSY_SHARE = 0.25  # timings taken while other work used this share of the CPUs or more are taken again ...
 BUSY_TRIES = 3  # ... at the next loads, up to this many timings in all; the least busy is kept
+KERNEL_CACHE_BYTES = 4 << 20  # a kernel cache file larger than this is not read (one model's entries: ~5 KB)
 
 
 def cpu_busy_meter(stat: str = "/proc/stat") -> Callable[[], float | None]:
@@ -1231,7 +1232,7 @@ def _unsettled(found: dict) -> bool:
             and not isinstance(tries, bool) and 1 <= tries < BUSY_TRIES)  # (a count edited by hand: read as it is)
 
 
-def _timed(timing: Callable[[], dict], before: dict | None, what: str) -> dict:
+def _timed(timing: Callable[[], dict], before: dict | None) -> dict:
     """The cache entry `timing()` makes, with the share of the CPUs other work used meanwhile ("busy") and how
     many loads have timed it ("tries"). `before`: the entry it times again (`_unsettled`), kept instead where it
     was the less busy of the two."""
@@ -1244,10 +1245,28 @@ def _timed(timing: Callable[[], dict], before: dict | None, what: str) -> dict:
     else:
         entry["busy"] = None if busy is None else round(busy, 3)
     entry["tries"] = tries
-    if _unsettled(entry):
-        logger.info("%s timed while other work used %d %% of the CPUs: timed again at the next load (%d of %d)",
-                    what, round(100 * entry["busy"]), tries + 1, BUSY_TRIES)
     return entry
+
+
+def _say_busy(timed: list[tuple[str, dict]], cache: Path | None) -> None:
+    """One log line for the entries timed at this load while other work used BUSY_SHARE of the CPUs or more: to be
+    timed again at the next load (INFO), or, after BUSY_TRIES such timings, kept as they are (a WARNING: deleting
+    the cache file times them again)."""
+    for last in (False, True):
+        busy = [(what, e) for what, e in timed if isinstance(e.get("busy"), (int, float)) and e["busy"] >= BUSY_SHARE
+                and (e["tries"] >= BUSY_TRIES) == last]
+        if not busy:
+            continue
+        low, high = min(round(100 * e["busy"]) for _, e in busy), max(round(100 * e["busy"]) for _, e in busy)
+        share = f"{low} %" if low == high else f"{low}-{high} %"
+        names = ", ".join(what for what, _ in busy)
+        if last:
+            logger.warning("kernel timings (%s) taken while other work used %s of the CPUs at %d loads: kept as they "
+                           "are; delete %s to time them again on a quiet machine", names, share, BUSY_TRIES,
+                           cache or "the kernel cache")
+        else:
+            logger.info("kernel timings (%s) taken while other work used %s of the CPUs: timed again at the next "
+                        "load (%d of %d)", names, share, min(e["tries"] for _, e in busy) + 1, BUSY_TRIES)
 
 
 def favour_fusion(choice: dict[str, dict[str, Any]]) -> None:
@@ -1405,12 +1424,16 @@ def time_layers(layers: Iterable[nn.Module], unfused: Iterable, rows: Iterable[i
     with torch.inference_mode():
         for n in rows:
             rounds(n, short_repeats if n <= SHORT_ROWS_WIDE else repeats)
-        for _ in range(LAYER_RETIMES):
+        for retime in range(1, LAYER_RETIMES + 2):
             again = _contradicted(best)
             if not again:
                 break
-            logger.info("whole layers: the timings at %s rows contradict each other; timed again",
-                        ", ".join(map(str, again)))
+            if retime > LAYER_RETIMES:
+                logger.info("whole layers: the timings at %s rows still contradict each other after %d more timings; "
+                            "kept as they are", ", ".join(map(str, again)), LAYER_RETIMES)
+                break
+            logger.info("whole layers: the timings at %s rows contradict each other; timed again (%d of %d)",
+                        ", ".join(map(str, again)), retime, LAYER_RETIMES)
             for n in again:
                 rounds(n, short_repeats)
     return {str(n): {variant: round(1000 * seconds, 4) for variant, seconds in best[n].items()} for n in rows}
@@ -1474,14 +1497,25 @@ def int8_fused_label(model: nn.Module) -> str:
 
 def _kept_timings(found: Any, columns: tuple[str, ...], empty: bool = False) -> bool:
     """Whether a kernel cache entry holds usable timings: {"rows": {"<rows>": {column: ms > 0, ...}, ...}, ...}
-    with every one of `columns` (`empty`: no rows at all is an answer too). A file edited by hand, or written by
-    another version, is timed again rather than read into a crash."""
+    with every one of `columns` (`empty`: no rows at all is an answer too), and its other figures what they say:
+    milliseconds ("..._ms") finite and positive, "busy" a share in [0, 1], "tries" a count up to BUSY_TRIES. A file
+    edited by hand, or written by another version, is timed again rather than read into a crash (or into a NaN
+    that `info --kernels` refuses to print)."""
     rows = found.get("rows") if isinstance(found, dict) else None
     if not isinstance(rows, dict) or not (rows or empty):
         return False
+
+    def number(v: Any, low: float, high: float) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high
+
+    if not all(number(v, 0, math.inf) and 0 < v < math.inf for k, v in found.items() if k.endswith("_ms")):
+        return False
+    if found.get("busy") is not None and not number(found["busy"], 0, 1):  # (how busy the machine was: a share)
+        return False
+    if "tries" in found and not (isinstance(found["tries"], int) and number(found["tries"], 1, BUSY_TRIES)):
+        return False
     return all(isinstance(n, str) and n.isdigit() and isinstance(t, dict) and all(
-        isinstance(t.get(c), (int, float)) and not isinstance(t.get(c), bool) and 0 < t[c] < math.inf for c in columns)
-        for n, t in rows.items())
+        number(t.get(c), 0, math.inf) and 0 < t[c] < math.inf for c in columns) for n, t in rows.items())
 
 
 def _kernel_entry(linear: nn.Linear, activation: Any, rows: tuple[int, ...], tiled: str | None) -> dict:
@@ -1508,13 +1542,14 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
     stored: dict[str, Any] = {}
     if cache is not None and cache.is_file():
         try:
-            stored = json.loads(cache.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            if cache.stat().st_size <= KERNEL_CACHE_BYTES:  # (larger: not ours, or edited past use; started afresh)
+                stored = json.loads(cache.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):  # (RecursionError: JSON nested past the parser's depth)
             stored = {}
     if not isinstance(stored, dict):  # (a JSON list, say: nothing of ours)
         stored = {}
     machine = f"{cpu_name()}|{cpu_isa()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
-    choice, changed = {}, False
+    choice, changed, timed = {}, False, []
     candidates = {name: (linear, activation, KERNEL_ROWS) for name, (linear, activation)
                   in _projections(encoder.layers[0]).items()}
     heads = mlm_heads(model)
@@ -1532,7 +1567,8 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
         kept = _kept_timings(found, columns) and not (tiled and found.get("tiled_build") != tiled)  # another build's
         if not kept or _unsettled(found):
             timing = partial(_kernel_entry, linear, None if isinstance(activation, str) else activation, rows, tiled)
-            found = stored[key] = _timed(timing, found if kept else None, f"the {name} kernels")
+            found = stored[key] = _timed(timing, found if kept else None)
+            timed.append((name, found))
             changed = True
         if not tiled:  # timed where the kernel ran, read where it does not (a shared cache, CC unset)
             found = {k: v for k, v in found.items() if k not in ("tiled_ms", "tiled_build")}
@@ -1554,11 +1590,14 @@ def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dic
             def timing() -> dict:
                 return {"rows": time_layers(encoder.layers, unfused), "unfused": unfused, "tiled_build": native.build()}
 
-            found = stored[key] = _timed(timing, found if kept else None, "whole layers")
+            found = stored[key] = _timed(timing, found if kept else None)
+            timed.append(("whole layers", found))
             changed = True
         for name in PROJECTIONS:
             choice[name]["layer_rows"] = found["rows"]
+            choice[name]["layer_timed"] = {k: found.get(k) for k in ("busy", "tries")}
     favour_fusion(choice)
+    _say_busy(timed, cache)
     if changed and cache is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
