@@ -1227,9 +1227,8 @@ def cpu_busy_meter(stat: str = "/proc/stat") -> Callable[[], float | None]:
 def _unsettled(found: dict) -> bool:
     """Whether kept timings were taken while other work used BUSY_SHARE of the CPUs or more, and fewer than
     BUSY_TRIES loads have timed them: the next load times them again."""
-    busy, tries = found.get("busy"), found.get("tries", 1)
-    return (isinstance(busy, (int, float)) and busy >= BUSY_SHARE and isinstance(tries, int)
-            and not isinstance(tries, bool) and 1 <= tries < BUSY_TRIES)  # (a count edited by hand: read as it is)
+    busy = found.get("busy")  # (an entry _kept_timings passed: a share in [0, 1] or None, a count in 1 .. BUSY_TRIES)
+    return busy is not None and busy >= BUSY_SHARE and found.get("tries", 1) < BUSY_TRIES
 
 
 def _timed(timing: Callable[[], dict], before: dict | None) -> dict:
@@ -1253,7 +1252,7 @@ def _say_busy(timed: list[tuple[str, dict]], cache: Path | None) -> None:
     timed again at the next load (INFO), or, after BUSY_TRIES such timings, kept as they are (a WARNING: deleting
     the cache file times them again)."""
     for last in (False, True):
-        busy = [(what, e) for what, e in timed if isinstance(e.get("busy"), (int, float)) and e["busy"] >= BUSY_SHARE
+        busy = [(what, e) for what, e in timed if e["busy"] is not None and e["busy"] >= BUSY_SHARE
                 and (e["tries"] >= BUSY_TRIES) == last]
         if not busy:
             continue
@@ -1508,14 +1507,17 @@ def _kept_timings(found: Any, columns: tuple[str, ...], empty: bool = False) -> 
     def number(v: Any, low: float, high: float) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high
 
-    if not all(number(v, 0, math.inf) and 0 < v < math.inf for k, v in found.items() if k.endswith("_ms")):
+    def ms(v: Any) -> bool:  # a time: finite and positive
+        return number(v, 0, math.inf) and 0 < v < math.inf
+
+    if not all(ms(v) for k, v in found.items() if k.endswith("_ms")):
         return False
     if found.get("busy") is not None and not number(found["busy"], 0, 1):  # (how busy the machine was: a share)
         return False
     if "tries" in found and not (isinstance(found["tries"], int) and number(found["tries"], 1, BUSY_TRIES)):
         return False
     return all(isinstance(n, str) and n.isdigit() and isinstance(t, dict) and all(
-        number(t.get(c), 0, math.inf) and 0 < t[c] < math.inf for c in columns) for n, t in rows.items())
+        ms(t.get(c)) for c in columns) for n, t in rows.items())
 
 
 def _kernel_entry(linear: nn.Linear, activation: Any, rows: tuple[int, ...], tiled: str | None) -> dict:
