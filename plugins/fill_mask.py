@@ -109,6 +109,8 @@ def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, m
         if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t.strip() for t in targets):
             raise InputError(f"fill_mask: targets must be a non-empty list of words, got {targets!r:.80}")
         targets = list(dict.fromkeys(t.strip() for t in targets))  # a word given twice is scored once
+    if not text.strip():
+        raise InputError(f"fill_mask: the text is empty; type a sentence with {mask} where a word is missing")
     count = text.count(mask)
     if count == 0:
         raise InputError(f"fill_mask: the text has no {mask} token; write {mask} where a word is missing")

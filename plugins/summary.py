@@ -555,8 +555,11 @@ EXAMPLES = (
 
 def pipeline_output(result: dict, options, single: bool):
     """The summarization pipeline's shape: [{"summary_text"}] for one document, one dict per document
-    for a list (extractive: the chosen sentences in document order)."""
+    for a list (extractive: the chosen sentences in document order). Where no sentence could be chosen the
+    summary is empty and "explanation" says why (every sentence shorter than min_words)."""
     summary = {"summary_text": result["summary"]}
+    if "explanation" in result:
+        summary["explanation"] = result["explanation"]
     return [summary] if single else summary
 
 

@@ -171,7 +171,8 @@ def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):
     ("text", "options", "message"),
     [
         ("no mask here", {}, "has no \\[MASK\\] token"),
-        ("", {}, "has no \\[MASK\\] token"),
+        ("", {}, "the text is empty; type a sentence with \\[MASK\\]"),
+        (" \n\t", {}, "the text is empty"),
         ("[MASK] " * 6, {}, "has 6 \\[MASK\\] tokens; at most 5"),
         ("a [MASK] b [MASK]", {"targets": ["x"]}, "targets work with exactly one"),
         ("a [MASK]", {"top_k": 0}, "top_k must be an integer in \\[1, 100\\]"),

@@ -24,6 +24,7 @@ from plugins.summary import (
     loss,
     mmr_select,
     oracle_labels,
+    pipeline_output,
     preprocess,
     read_data,
     split_of,
@@ -109,6 +110,9 @@ def test_length_filter_lists_dropped_sentences_and_explains_an_empty_summary(min
     assert all("min_words=8" in d["reason"] for d in result["dropped"])
     empty = minilm.predict({"text": "Too short. Also short."}, min_words=5)["result"]
     assert empty["summary"] == "" and "min_words=5" in empty["explanation"]
+    # the pipeline's shape carries the reason too, not an empty string alone
+    assert pipeline_output(empty, {}, True) == [{"summary_text": "", "explanation": empty["explanation"]}]
+    assert pipeline_output(result, {}, False) == {"summary_text": result["summary"]}
 
 
 def test_long_document_is_embedded_sentence_by_sentence(minilm):
