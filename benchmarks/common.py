@@ -21,8 +21,39 @@ from typing import Any
 
 import torch
 
-from bert_engine.runtime.fast import cpu_name
+from bert_engine.runtime.fast import BUSY_SHARE, cpu_busy_meter, cpu_name
 from bert_engine.runtime.precision import cpu_capability
+
+
+def own_cpu_seconds(proc: str = "/proc") -> float:
+    """CPU seconds this process and the processes it started have run: its own threads, its children that have
+    ended and been waited for, and those still running (read from `proc`, Linux's process table; the peers'
+    servers that `benchmarks.peers` starts, an app under load). What a benchmark's run counts as its own work."""
+    times = os.times()
+    seconds = time.process_time() + times.children_user + times.children_system
+    try:
+        entries = [e for e in os.listdir(proc) if e.isdigit()]
+    except OSError:
+        return seconds
+    parents, ticks = {}, {}
+    for pid in entries:
+        try:
+            with open(f"{proc}/{pid}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (name)": the name may hold spaces
+            parents[int(pid)], ticks[int(pid)] = int(fields[1]), int(fields[11]) + int(fields[12])  # ppid; utime, stime
+        except (OSError, ValueError, IndexError):
+            continue
+    ours, grew = {os.getpid()}, True
+    while grew:  # children, their children, ...
+        found = {pid for pid, parent in parents.items() if parent in ours and pid not in ours}
+        ours |= found
+        grew = bool(found)
+    return seconds + sum(ticks[pid] for pid in ours - {os.getpid()}) / os.sysconf("SC_CLK_TCK")
+
+
+# Other work on this machine while a benchmark runs: timed from the first import (a benchmark's start) to its
+# write_json (its end), which records it in the machine's entry and says so where it is BUSY_SHARE or more.
+_others_share = cpu_busy_meter(own=own_cpu_seconds)
 
 
 def sync(device: torch.device | str) -> None:
@@ -83,10 +114,17 @@ def cpu_class() -> str:
     return name + ("-emulated" if settings.get("BERT_ENGINE_CPU_CAPABILITY") else "")
 
 
+def others_cpu_share() -> float | None:
+    """The share of this machine's CPUs (those this process may run on) that work other than this benchmark and
+    the processes it started took since it began (fast.cpu_busy_meter); None off Linux."""
+    share = _others_share()
+    return None if share is None else round(share, 3)
+
+
 def machine() -> dict[str, Any]:
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu": cpu_name(), "cpu_capability": cpu_capability().describe(), "cpu_class": cpu_class(),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "others_cpu_share": others_cpu_share()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     for package in ("transformers", "onnxruntime"):  # the engine-only benchmarks run without either
@@ -116,7 +154,15 @@ def _fmt(value: Any) -> str:
 
 
 def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
-    """Write the results with the command that produced them (`python -m benchmarks.X ...`)."""
+    """Write the results with the command that produced them (`python -m benchmarks.X ...`) and the share of the
+    CPUs other work took during the whole run (the machine's "others_cpu_share"); where that is BUSY_SHARE or
+    more, say so on stdout, written or not: the figures are not a quiet machine's."""
+    share = others_cpu_share()
+    if isinstance(payload.get("machine"), dict):
+        payload["machine"]["others_cpu_share"] = share
+    if share is not None and share >= BUSY_SHARE:
+        print(f"# other work took {100 * share:.0f} % of this machine's CPUs during this run (/proc/stat): "
+              f"these figures are not a quiet machine's")
     if path:
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         program = f"python -m {spec.name}" if spec is not None else f"python {sys.argv[0]}"

@@ -46,7 +46,9 @@ def _machine(result: dict[str, Any]) -> str:
     info = result["machine"]
     if info.get("gpu"):
         return f"{info['gpu']}, torch {info['torch']}"
-    return f"{info['cpu']}, {info['threads']} threads, torch {info['torch']}"
+    share = info.get("others_cpu_share")  # (recorded since session 44; older runs did not measure it)
+    busy = "" if share is None else f", other work {100 * share:.0f} % of the CPUs during the run"
+    return f"{info['cpu']}, {info['threads']} threads, torch {info['torch']}{busy}"
 
 
 def encoder_lines(result: dict[str, Any]) -> list[str]:

@@ -78,7 +78,7 @@ def _quiet_kernel_timings(request, monkeypatch) -> None:
     if request.node.get_closest_marker("busy_meter") is None:
         from bert_engine.runtime import fast
 
-        monkeypatch.setattr(fast, "cpu_busy_meter", lambda: lambda: 0.0)
+        monkeypatch.setattr(fast, "cpu_busy_meter", lambda *args, **kwargs: lambda: 0.0)
 
 
 SENTENCES = [

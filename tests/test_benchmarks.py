@@ -271,3 +271,62 @@ def test_a_visitors_requests_go_to_the_engine_and_the_peers_in_turns(monkeypatch
     assert [calls[0][0], calls[turn * len(names)][0]] == ["engine", names[1]]  # who goes first rotates
     assert calls[:turn] == [("engine", i) for i in range(turn)]  # a turn: that many requests of one contender
     assert len(calls) == 3 * len(items) * len(names)  # a warm-up round and two timed ones
+
+
+def _stat(folder: Path, pid: int, parent: int, utime: int, stime: int, name: str = "python") -> None:
+    (folder / str(pid)).mkdir()
+    fields = ["S", str(parent), *["0"] * 9, str(utime), str(stime), *["0"] * 10]  # state, ppid, ..., utime, stime
+    (folder / str(pid) / "stat").write_text(f"{pid} ({name}) {' '.join(fields)}\n")
+
+
+def test_a_benchmark_counts_the_processes_it_started_as_its_own_work(tmp_path):
+    """own_cpu_seconds: this process, then its children and their children from the process table (a peer's
+    server, an app under load); not a process of someone else's, whatever its name holds."""
+    import os
+
+    from benchmarks.common import own_cpu_seconds
+
+    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    table = tmp_path / "proc"
+    table.mkdir()
+    _stat(table, me, 1, 5000, 5000)  # our own entry: counted by process_time, not again
+    _stat(table, 900001, me, 30, 10, name="peer) (server")  # a child, its name holding ") ("
+    _stat(table, 900002, 900001, 7, 3)  # its child
+    _stat(table, 900003, 1, 4000, 4000)  # someone else's
+    (table / "900004").mkdir()  # gone while read: skipped
+    (table / "self").mkdir()
+    extra = own_cpu_seconds(str(table)) - own_cpu_seconds(str(empty))
+    assert extra == pytest.approx(50 / tick, abs=0.02)
+    assert own_cpu_seconds(str(tmp_path / "missing")) >= 0  # no process table: this process's own alone
+
+
+def test_a_spinning_child_is_the_benchmarks_work_and_the_record_says_how_busy_the_machine_was(tmp_path, capsys,
+                                                                                              monkeypatch):
+    import sys
+    import time
+
+    from benchmarks import common
+
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        before = common.own_cpu_seconds()
+        time.sleep(1.0)
+        assert common.own_cpu_seconds() - before > 0.5  # the child's spinning, counted as ours
+    finally:
+        child.kill()
+        child.wait()
+    for share, said in ((0.41, True), (0.02, False), (None, False)):
+        monkeypatch.setattr(common, "_others_share", lambda share=share: share)
+        payload = {"machine": {"cpu": "x"}, "rows": []}
+        common.write_json(tmp_path / "out.json", payload)
+        written = json.loads((tmp_path / "out.json").read_text())
+        assert written["machine"]["others_cpu_share"] == share
+        out = capsys.readouterr().out
+        assert ("other work took 41 % of this machine's CPUs" in out) is said, out
+    from benchmarks.report import _machine
+
+    shown = _machine({"machine": {"cpu": "Xeon", "threads": 2, "torch": "2.13.0", "others_cpu_share": 0.031}})
+    assert shown.endswith("other work 3 % of the CPUs during the run")
+    assert "other work" not in _machine({"machine": {"cpu": "Xeon", "threads": 2, "torch": "2.13.0"}})

@@ -1190,10 +1190,12 @@ BUSY_TRIES = 3  # ... at the next loads, up to this many timings in all; the lea
 KERNEL_CACHE_BYTES = 4 << 20  # a kernel cache file larger than this is not read (one model's entries: ~5 KB)
 
 
-def cpu_busy_meter(stat: str = "/proc/stat") -> Callable[[], float | None]:
+def cpu_busy_meter(stat: str = "/proc/stat",
+                   own: Callable[[], float] = time.process_time) -> Callable[[], float | None]:
     """Starts measuring; the function returned gives the share of CPU time on the CPUs this process may run on
     (os.sched_getaffinity: a container's cpuset, a taskset), since the start, that went to anything but this
-    process: other processes, and a virtual machine's steal (the host running other guests on its cores). None
+    process (`own`: the CPU seconds counted as its own work, by default its own threads'; a benchmark adds the
+    peers it starts): other processes, and a virtual machine's steal (the host running other guests on its cores). None
     where `stat` (Linux's per-CPU counters) cannot be read. In a container held to a CPU quota rather than a
     cpuset, the CPUs are all the host's, and so is the work counted. Timings taken beside other work are not the
     machine's: a first load beside a test run once put the fused layers' reach at 32 rows where quiet loads found
@@ -1211,14 +1213,14 @@ def cpu_busy_meter(stat: str = "/proc/stat") -> Callable[[], float | None]:
             return None
         return sum(sum(t) - t[3] - t[4] for t in ticks)  # all but idle and iowait
 
-    start, cpu, wall = busy_ticks(), time.process_time(), time.monotonic()
+    start, cpu, wall = busy_ticks(), own(), time.monotonic()
 
     def share() -> float | None:
         end = busy_ticks()
         seconds = time.monotonic() - wall
         if start is None or end is None or seconds <= 0:
             return None
-        others = (end - start) / os.sysconf("SC_CLK_TCK") - (time.process_time() - cpu)
+        others = (end - start) / os.sysconf("SC_CLK_TCK") - (own() - cpu)
         return min(1.0, max(0.0, others / (seconds * len(cpus))))
 
     return share
