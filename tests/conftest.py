@@ -73,12 +73,15 @@ def _seed() -> None:
 @pytest.fixture(autouse=True)
 def _quiet_kernel_timings(request, monkeypatch) -> None:
     """Kernel timings taken in this run sit beside the other test workers: measured, every one would count as
-    taken on a busy machine and be timed again at the next loads (runtime.fast.cpu_busy_meter). Tests marked
+    taken on a busy machine and be timed again at the next loads (runtime.fast.cpu_busy_meter), and forwards would
+    run on fewer threads beside them (runtime.cpu_load.FREE_CPUS). Tests marked
     `busy_meter` measure the machine for real."""
     if request.node.get_closest_marker("busy_meter") is None:
-        from bert_engine.runtime import fast
+        from bert_engine.runtime import cpu_load, fast
 
         monkeypatch.setattr(fast, "cpu_busy_meter", lambda *args, **kwargs: lambda: 0.0)
+        # and forwards run on torch's thread count, as on a quiet machine (the same kernels' blockings every run)
+        monkeypatch.setattr(cpu_load.FREE_CPUS, "threads", lambda wanted: wanted)
 
 
 SENTENCES = [

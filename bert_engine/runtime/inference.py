@@ -35,6 +35,7 @@ from ..model import BETWEEN_LAYERS, encoder_of
 from ..tokenizer import Batch, Tokenizer
 from . import fast
 from .cancel import ModelLock
+from .cpu_load import FREE_CPUS
 from .fairness import ComputeGate, chunk_flops
 from .precision import device_for, parameter_dtype, prepare_for_inference
 
@@ -486,13 +487,22 @@ def forward_in_chunks(model: nn.Module, inputs: Mapping[str, Any], max_rows: int
             pausing = turn is not None and cost > budget
             token = BETWEEN_LAYERS.set(_between_layers(turn, lock, cost, model, budget)) if pausing else None
             try:
-                with _threads(turn.threads() if turn is not None else None):
+                with _threads(_chunk_threads(turn, chunk["input_ids"])):
                     parts.append(model(**chunk))
             finally:
                 if token is not None:
                     BETWEEN_LAYERS.reset(token)
         i += step
     return parts[0] if len(parts) == 1 else _concat(parts)
+
+
+def _chunk_threads(turn, input_ids: torch.Tensor) -> int | None:
+    """A forward chunk's intra-op threads: its turn's at the gate (all, or half while lighter visitors wait), and
+    on the CPU no more than other work leaves CPUs free (cpu_load.FREE_CPUS); None: as set."""
+    wanted = turn.threads() if turn is not None else None
+    if not input_ids.is_cpu:
+        return wanted
+    return FREE_CPUS.threads(wanted if wanted is not None else torch.get_num_threads())
 
 
 @contextmanager

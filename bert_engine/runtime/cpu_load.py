@@ -1,0 +1,92 @@
+"""How much of this machine's CPUs other work takes, and how many threads a forward pass should use beside it.
+
+A forward pass on the CPU splits each step (a matmul, the attention, a LayerNorm) over its intra-op threads and
+waits at the end of the step for the slowest. Where other work holds some of the CPUs (another process, a
+neighbour on the same host stealing a virtual CPU, a test run), one of the threads is often not running, and
+every step waits a scheduler time slice for it: on the 2-core Cascade Lake Xeon, beside a process keeping both
+cores busy, a sentiment request took 186-204 ms p50 on 2 threads and 14-18 ms on 1 (session 44, by hand;
+`python -m benchmarks.contention` measures it). So each forward chunk runs on at most as many threads as
+there are CPUs free of other work, read from `/proc/stat` over the last `WINDOW_S` or more; on a quiet
+machine that is every thread, as before. BERT_ENGINE_SHARE_CPUS=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from .. import settings
+
+WINDOW_S = 0.1  # /proc/stat counts in clock ticks (10 ms): a share read over less is mostly rounding
+
+
+def affinity_cpus() -> list[int] | None:
+    """The CPUs this process may run on (a container's cpuset, a taskset); None where the OS does not say."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+def busy_ticks(stat: str = "/proc/stat", cpus: list[int] | None = None) -> int | None:
+    """Clock ticks the CPUs `cpus` (None: all, the total row) spent on anything but idle and iowait since boot, a
+    virtual machine's steal included; None where `stat` (Linux's per-CPU counters) cannot be read or parsed."""
+    names = ["cpu"] if cpus is None else [f"cpu{n}" for n in cpus]
+    try:
+        with open(stat, encoding="ascii") as counters:
+            rows = {line.split()[0]: line.split()[1:9] for line in counters if line.startswith("cpu")}
+        ticks = [[int(v) for v in rows[name]] for name in names]  # user .. steal, per CPU
+    except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError):
+        return None
+    if any(len(t) < 5 for t in ticks):
+        return None
+    return sum(sum(t) - t[3] - t[4] for t in ticks)
+
+
+class FreeCpus:
+    """The number of CPUs (of this process's) that other work left free over the latest window of at least
+    `window` seconds: read from `stat` when a window has passed since the last reading, else the last answer.
+    Other work is every CPU second the counters show less this process's own (`own`: its threads' CPU time,
+    spinning ones included). Thread-safe; a reading costs one read of `stat` (tens of microseconds)."""
+
+    def __init__(self, stat: str = "/proc/stat", window: float = WINDOW_S,
+                 own: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic,
+                 cpus: list[int] | None = None) -> None:
+        self.stat, self.window, self.own, self.clock = stat, window, own, clock
+        self.cpus = cpus if cpus is not None else affinity_cpus()
+        self._lock = threading.Lock()
+        self._last: tuple[int, float, float] | None = None  # (busy ticks, own CPU seconds, clock) of the last reading
+        self._free: float | None = None  # CPUs free of other work over the last window; None: not known yet
+        self._reading(clock())
+
+    def _reading(self, now: float) -> None:
+        ticks = busy_ticks(self.stat, self.cpus)
+        if ticks is None:
+            self._last = None
+            return
+        own = self.own()
+        if self._last is not None:
+            before_ticks, before_own, before = self._last
+            seconds = now - before
+            count = len(self.cpus) if self.cpus else os.cpu_count() or 1
+            others = (ticks - before_ticks) / os.sysconf("SC_CLK_TCK") - (own - before_own)
+            self._free = count - min(float(count), max(0.0, others / seconds))
+        self._last = (ticks, own, now)
+
+    def free(self) -> float | None:
+        """CPUs free of other work over the latest window (a fraction: 1.3 of 2), None where not known."""
+        with self._lock:
+            now = self.clock()
+            if self._last is None or now - self._last[2] >= self.window:
+                self._reading(now)
+            return self._free
+
+    def threads(self, wanted: int) -> int:
+        """At most `wanted` threads and at most the CPUs other work left free, rounded (at least 1); `wanted` where
+        that is not known (no /proc/stat, the first window not over) or BERT_ENGINE_SHARE_CPUS is off."""
+        if wanted <= 1 or not settings.get("BERT_ENGINE_SHARE_CPUS"):
+            return wanted
+        free = self.free()
+        return wanted if free is None else max(1, min(wanted, round(free)))
+
+
+FREE_CPUS = FreeCpus()  # the process's one reading: every forward chunk asks it (inference.forward_in_chunks)

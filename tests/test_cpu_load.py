@@ -1,0 +1,122 @@
+"""Forwards beside other work: the CPUs other work leaves free (runtime/cpu_load.py), read from written
+/proc/stat counters and from real spinning processes, and the thread count each forward chunk runs on."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from bert_engine.runtime import cpu_load
+from bert_engine.runtime.cpu_load import FreeCpus, busy_ticks
+from bert_engine.runtime.inference import forward_in_chunks
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+class Counters:
+    """A /proc/stat of two CPUs (and a third this process may not run on), whose busy ticks a test moves."""
+
+    def __init__(self, path):
+        self.path, self.busy = path, {0: 0, 1: 0, 7: 0}
+        self.write()
+
+    def add(self, cpu: int, seconds: float) -> None:
+        self.busy[cpu] += round(seconds * TICK)
+        self.write()
+
+    def write(self) -> None:
+        total = sum(self.busy.values())
+        rows = [f"cpu  {total} 0 0 5000 10 0 0 0 0 0"]
+        rows += [f"cpu{n} {ticks} 0 0 5000 10 0 0 0 0 0" for n, ticks in self.busy.items()]
+        self.path.write_text("\n".join(rows) + "\nintr 1 2 3\n")
+
+
+def test_other_work_on_this_process_cpus_leaves_fewer_threads(tmp_path, monkeypatch):
+    counters = Counters(tmp_path / "stat")
+    now, own = [0.0], [0.0]
+    free = FreeCpus(str(tmp_path / "stat"), window=0.1, own=lambda: own[0], clock=lambda: now[0], cpus=[0, 1])
+    assert free.threads(2) == 2  # no window over yet: torch's count
+    now[0] = 1.0
+    counters.add(0, 1.0)  # another process kept one CPU busy for the whole second
+    counters.add(7, 1.0)  # a CPU this process may not run on: not counted
+    assert free.free() == pytest.approx(1.0) and free.threads(2) == 1 and free.threads(1) == 1
+    counters.add(1, 1.0)  # counted only at the next reading, a window on
+    now[0] = 1.05
+    assert free.threads(2) == 1
+    now[0] = 2.0
+    counters.add(0, 0.95)  # this process's own second (its threads, spinning ones too) is not other work
+    own[0] += 1.0
+    assert free.free() == pytest.approx(1.05, abs=0.02) and free.threads(2) == 1  # 1.95 busy, 1 of it ours
+    now[0] = 3.0  # quiet: every thread again, never more than asked for
+    assert free.threads(2) == 2 and free.threads(8) == 2 and free.threads(1) == 1
+    now[0] = 4.0
+    counters.add(0, 0.3)  # a little other work: 1.7 CPUs free rounds to 2
+    assert free.threads(2) == 2
+    now[0] = 5.0
+    counters.add(0, 0.7)
+    assert free.threads(2) == 1
+    monkeypatch.setenv("BERT_ENGINE_SHARE_CPUS", "0")
+    assert free.threads(2) == 2
+
+
+@pytest.mark.parametrize("text", [None, "", "cpu0 1 2\n", "cpu  x y z w v\ncpu0 x y z w v\ncpu1 1 1 1 1 1\n",
+                                  "\udcff", "cpu0 1 2 3 4 5 6 7 8\n"])
+def test_counters_that_cannot_be_read_leave_torchs_thread_count(tmp_path, text):
+    path = tmp_path / "stat"
+    if text is not None:
+        path.write_text(text, errors="surrogateescape")
+    now = [0.0]
+    free = FreeCpus(str(path), window=0.1, clock=lambda: now[0], cpus=[0, 1])
+    now[0] = 1.0
+    assert free.threads(2) == 2 and free.free() is None
+
+
+def test_the_real_counters_read_where_linux_has_them():
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat (not Linux)")
+    assert busy_ticks() > 0 and busy_ticks(cpus=[sorted(os.sched_getaffinity(0))[0]]) > 0
+    assert busy_ticks(cpus=[100000]) is None  # a CPU the counters do not have
+
+
+@pytest.mark.busy_meter
+def test_spinning_processes_on_every_cpu_leave_one_thread():
+    if not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs Linux's /proc/stat and two CPUs or more")
+    count = len(os.sched_getaffinity(0))
+    free = FreeCpus(window=0.3)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        time.sleep(0.6)
+        assert free.threads(count) < count, free.free()
+    finally:
+        for process in spinners:
+            process.kill()
+            process.wait()
+
+
+class Threads(nn.Module):
+    """Records the intra-op thread count each forward runs on."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, input_ids):
+        self.seen.append(torch.get_num_threads())
+        return input_ids.float()
+
+
+def test_each_forward_chunk_runs_on_the_threads_the_free_cpus_allow(monkeypatch):
+    before = torch.get_num_threads()
+    asked = []
+    monkeypatch.setattr(cpu_load.FREE_CPUS, "threads", lambda wanted: asked.append(wanted) or 1)
+    model = Threads()
+    forward_in_chunks(model, {"input_ids": torch.zeros(5, 3, dtype=torch.long)}, max_rows=2, max_flops=1e12)
+    assert model.seen == [1, 1, 1] and asked == [before] * 3 and torch.get_num_threads() == before
+    model.seen.clear()
+    forward_in_chunks(model, {"input_ids": torch.zeros(2, 3, dtype=torch.long, device="meta")}, max_flops=1e12)
+    assert model.seen == [before] and len(asked) == 3  # not on the CPU: not asked
