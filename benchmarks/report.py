@@ -106,7 +106,7 @@ def render(results: dict[str, dict[str, Any]] | None = None) -> str:
              "machine.", ""]
     for cpu_class in sorted(results, key=lambda c: list(CLASS_NAMES).index(c) if c in CLASS_NAMES else 99):
         found = results[cpu_class]
-        any_result = next(iter(found.values()))
+        any_result = found.get("encoder") or found.get("workloads") or next(iter(found.values()))  # what is shown
         parts += [f"**{CLASS_NAMES.get(cpu_class, cpu_class)}** ({_machine(any_result)}):", ""]
         if "encoder" in found:
             parts += [*encoder_lines(found["encoder"]), ""]

@@ -326,7 +326,8 @@ def _engine_single(name: str, engine):
 # Visitors' requests go to the contenders in turns of VISITOR_TURN requests, each turn after a pause of PAUSE_S: an ONNX
 # Runtime process's threads keep spinning for a while after its request, and the engine's next request ran up to 2x
 # slower beside them when the turns were one request each with no pause (QA, the Cascade Lake Xeon, session 42);
-# after 0.2 s, within 5 % of alone.
+# after 0.2 s, within 5 % of alone. The engine's forwards run on the CPUs other work left free over the last 0.1 s or
+# more (runtime/cpu_load.py): a reading at the pause's start keeps the peer's turn out of the engine's next window.
 VISITOR_TURN = 10
 PAUSE_S = 0.2
 
@@ -339,6 +340,7 @@ def visitors_in_turn(single, peer, items: list[dict], repeats: int, latencies: d
     41). Seconds per contender for each of `repeats` rounds over `items` (after a warm-up round); the last
     round's latencies and answers go into `latencies` and `answers`."""
     from benchmarks.peers import CONTENDERS
+    from bert_engine.runtime.cpu_load import FREE_CPUS
 
     names = ("engine", *CONTENDERS)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -348,6 +350,7 @@ def visitors_in_turn(single, peer, items: list[dict], repeats: int, latencies: d
         for turn, first in enumerate(range(0, len(items), VISITOR_TURN)):
             for k in range(len(names)):
                 name = names[(turn + k) % len(names)]
+                FREE_CPUS.free()  # the engine's reading of other work starts anew: the pause, not the peer's turn
                 time.sleep(PAUSE_S)
                 for i in range(first, min(first + VISITOR_TURN, len(items))):
                     if name == "engine":
