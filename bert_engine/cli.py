@@ -168,11 +168,12 @@ def failed_task_message(task, err: BaseException) -> str:
 def _task_code(task):
     """Turns a failure of the task's own code (an exception its preprocess, head or postprocess raised, which
     the Predictor marks with `request_stage`) into TaskFailed; bad input stays the InputError it is."""
+    from .files import CheckpointError
     from .hookspecs import InputError
 
     try:
         yield
-    except InputError:
+    except (InputError, CheckpointError):  # bad input; a head that says the checkpoint is not for its task
         raise
     except (Exception, SystemExit) as err:
         if not _tasks_own(err):

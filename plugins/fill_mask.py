@@ -65,6 +65,7 @@ def log_probs_at(head: FillMaskHead, encode, input_ids: Tensor, attention_mask: 
 # and postprocess (a caller's values over these).
 OPTIONS = {"top_k": 5, "mode": "independent", "targets": None, "beam_width": 8, "max_masks": 5,
            "max_length": None, "subwords": False}
+MAX_MASKS = 50  # the most masks a caller may allow (max_masks); the joint search's work is bounded apart
 
 
 def preprocess(inputs, tokenizer, **options):
@@ -95,13 +96,14 @@ def check_options(options) -> None:
     beam_width = options["beam_width"]
     if not isinstance(beam_width, int) or isinstance(beam_width, bool) or not 1 <= beam_width <= 64:
         raise InputError(f"fill_mask: beam_width must be an integer in [1, 64], got {beam_width!r}")
+    check_int("fill_mask", "max_masks", options["max_masks"], 1, MAX_MASKS)
 
 
 def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, max_length, subwords):
     mask = tokenizer.mask_token
     if mask != "[MASK]":  # a model whose mask is "<mask>" (RoBERTa) still reads the tab's "[MASK]"
         text = text.replace("[MASK]", mask)
-    check_options({"top_k": top_k, "subwords": subwords, "mode": mode, "beam_width": beam_width})
+    check_options({"top_k": top_k, "subwords": subwords, "mode": mode, "beam_width": beam_width, "max_masks": max_masks})
     max_length = length_option("fill_mask", "max_length", max_length, 512, 8, tokenizer)
     if targets is not None:
         # one text is comma-separated words, as the tab's box takes them (`-o targets=paris,london` on the CLI)
@@ -133,10 +135,22 @@ def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, m
         raise InputError(f"fill_mask: the {count} {mask} tokens lie further apart than {max_length} tokens; "
                          "shorten the text around them")
     batch = _select_row(batch, best)
+    if mode == "joint" and count > 1:
+        _check_beam_work(count, max(beam_width, top_k), batch.input_ids.shape[1])
     if targets is not None:
         batch.meta["target_pieces"] = _target_pieces(list(targets), tokenizer, batch.input_ids.shape[1])
     batch.meta.update(text=text, targets=targets, windowed=len(batch.sample_index) > 1)
     return batch
+
+
+def _check_beam_work(masks: int, width: int, length: int) -> None:
+    """The joint search re-encodes its row once per beam for each mask after the first (up to `width` beams of
+    `length` tokens): that work, in tokens, within the request bound, refused before any of it runs."""
+    work = length * (1 + (masks - 1) * width)
+    if work > (limit := max_request_tokens()):
+        raise InputError(f"fill_mask: mode joint over {masks} masks re-reads the text's {length} tokens up to {width} "
+                         f"times a mask (the larger of beam_width and top_k), {work:,} tokens of work; the limit per "
+                         f"request is {limit:,}: use fewer masks, a smaller beam_width or top_k, or a shorter text")
 
 
 def _select_row(batch, row: int):
@@ -299,6 +313,13 @@ def _target_pieces(targets: list[str], tokenizer, length: int) -> dict[str, list
     if len(targets) > MAX_TARGETS:
         raise InputError(f"fill_mask: {len(targets):,} target words; at most {MAX_TARGETS} can be scored at once")
     pieces = {word: tokenizer.tokenize(word) for word in targets}
+    unk = tokenizer.special_tokens.get("unk_token")
+    unknown = [word for word in targets if unk is not None and unk in pieces[word]]
+    if unknown:  # scored as the unknown token, each would show its own word beside the same score
+        shown = ", ".join(repr(w[:40]) for w in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise InputError(f"fill_mask: the target{'s' if len(unknown) > 1 else ''} {shown} {'are' if len(unknown) > 1 else 'is'} "
+                         f"not in the model's vocabulary (read as {unk}); leave "
+                         f"{'them' if len(unknown) > 1 else 'it'} out")
     counts = {}
     for word in targets:
         n = len(pieces[word])

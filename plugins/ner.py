@@ -27,6 +27,7 @@ from torch import Tensor
 
 from bert_engine import ui
 from bert_engine.crf import CRF
+from bert_engine.files import CheckpointError
 from bert_engine.heads import IGNORE_INDEX, TokenClassificationHead
 from bert_engine.hookspecs import ExplainTarget, InputError, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.runtime.inference import predict_texts
@@ -60,8 +61,9 @@ class NerHead(TokenClassificationHead):
         try:
             self.scheme = scheme or detect_scheme(self.labels)
             constraints = allowed_transitions(self.labels, self.scheme)
-        except ValueError as err:
-            raise ValueError(f"ner: the checkpoint's labels cannot be read as entity tags: {err}") from None
+        except ValueError as err:  # another task's checkpoint (a sentiment model's labels): the user's choice of model
+            raise CheckpointError(f"ner: the checkpoint's labels cannot be read as entity tags: {err}; "
+                                  "pick a token-classification (NER) checkpoint") from None
         self.crf = CRF(len(self.labels))
         self.crf.set_constraints(*constraints)
 

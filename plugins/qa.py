@@ -20,7 +20,7 @@ from bert_engine import ui
 from bert_engine.heads import SpanHead, SpanOutput
 from bert_engine.hookspecs import ExplainTarget, InputError, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.tokenizer import Batch
-from plugins.qa_answerability import features, no_answer_probability
+from plugins.qa_answerability import features, no_answer_probability, verifier_problem
 from plugins.qa_data import read_data
 from plugins.qa_metric import metric
 from plugins.qa_spans import bands, whole_words
@@ -100,7 +100,11 @@ def check_options(options) -> None:
     if null_threshold is not None and (isinstance(null_threshold, bool) or not isinstance(null_threshold, (int, float))
                                        or not math.isfinite(null_threshold)):
         raise InputError(f"qa: null_threshold must be a finite number or None, got {null_threshold!r}")
-    no_answer_rule(options["no_answer"], options["answerability"])  # refuses a bad choice before any work
+    answerability = options["answerability"]
+    if answerability is not None and (problem := verifier_problem(answerability)) is not None:
+        raise InputError(f"qa: answerability must be a verifier record as scripts/qa_calibrate.py writes into a model's "
+                         f"manifest, or None, but {problem}: got {answerability!r:.80}")
+    no_answer_rule(options["no_answer"], answerability)  # refuses a bad choice before any work
 
 
 def no_answer_rule(no_answer, answerability) -> float | None:

@@ -111,6 +111,36 @@ def features(question: str, context: str, result: Mapping) -> list[float]:
     ]
 
 
+def verifier_problem(verifier) -> str | None:
+    """What is wrong with a verifier record (the qa option `answerability`, which a model's manifest sets: `fit`'s
+    {"features", "mean", "scale", "weights", "bias"}, and optionally "presets", each of NO_ANSWER_CHOICES but
+    "never" mapped to a probability), in words; None where it is one `no_answer_probability` can read."""
+    if not isinstance(verifier, Mapping):
+        return f"it is of type {type(verifier).__name__}, not a mapping"
+    missing = [k for k in ("features", "mean", "scale", "weights", "bias") if k not in verifier]
+    if missing:
+        return f"it has no {', '.join(missing)}"
+    if not isinstance(verifier["features"], (list, tuple)) or list(verifier["features"]) != list(FEATURES):
+        return f"its features are not this version's ({', '.join(FEATURES)}); refit it (scripts/qa_calibrate.py)"
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for key in ("mean", "scale", "weights"):
+        values = verifier[key]
+        if not isinstance(values, (list, tuple)) or len(values) != len(FEATURES) or not all(map(number, values)):
+            return f"its {key} is not {len(FEATURES)} finite numbers"
+    if any(v == 0 for v in verifier["scale"]):
+        return "its scale holds a 0"
+    if not number(verifier["bias"]):
+        return "its bias is not a finite number"
+    presets = verifier.get("presets", {})
+    if not isinstance(presets, Mapping) or not all(isinstance(k, str) and number(v) and 0.0 <= v <= 1.0
+                                                   for k, v in presets.items()):
+        return "its presets are not names mapped to probabilities from 0 to 1"
+    return None
+
+
 def no_answer_probability(row: Sequence[float], verifier: Mapping) -> float:
     """P(no answer) of one feature row under a fitted verifier ({"features", "mean", "scale",
     "weights", "bias"}, as `fit` returns it)."""

@@ -323,3 +323,14 @@ def test_verbose_is_taken_before_or_after_the_subcommand():
     assert parser.parse_args(["-v", "info"]).verbose and parser.parse_args(["info", "--kernels", "-v"]).verbose
     assert parser.parse_args(["plugin", "check", "sentiment", "--verbose"]).verbose
     assert not parser.parse_args(["info"]).verbose and not parser.parse_args(["predict", "sentiment"]).verbose
+
+
+def test_a_checkpoint_of_another_task_is_the_users_choice_not_a_plugin_bug(capsys):
+    """NER's head refuses a sentiment model's labels with CheckpointError: the user picked the wrong model
+    (exit 2, one line), not a bug in the NER plugin (exit 1) as it was reported before."""
+    from plugins.starter import STARTER_ROOT
+
+    assert main(["predict", "ner", "-i", "text=Angela Merkel", "--model", str(STARTER_ROOT / "sentiment")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be read as entity tags: tag 'NEGATIVE'" in err and "pick a token-classification (NER) checkpoint" in err
+    assert "bug in plugin" not in err and len(err.strip().splitlines()) == 1

@@ -178,6 +178,14 @@ def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):
         ("a [MASK]", {"top_k": 0}, "top_k must be an integer in \\[1, 100\\]"),
         ("a [MASK]", {"mode": "greedy"}, "mode 'greedy' is not one of"),
         ("[MASK] " + "word " * 800 + "[MASK]", {}, "further apart than 512 tokens"),
+        ("a [MASK]", {"max_masks": "abc"}, "max_masks must be an integer in \\[1, 50\\], got 'abc'"),
+        ("a [MASK]", {"max_masks": 10**12}, "max_masks must be an integer in \\[1, 50\\]"),
+        ("a [MASK]", {"max_masks": float("nan")}, "max_masks must be an integer"),
+        (" ".join(["word [MASK]"] * 30), {"mode": "joint", "max_masks": 50, "beam_width": 64, "top_k": 100},
+         "mode joint over 30 masks re-reads the text's 62 tokens up to 100 times a mask .* 179,862 tokens of work; "
+         "the limit per request is 65,536"),
+        ("Paris is the [MASK].", {"targets": ["\U0001F60D", "paris", "\U0001F642"]},
+         "the targets '\U0001F60D', '\U0001F642' are not in the model's vocabulary \\(read as \\[UNK\\]\\)"),
     ],
 )
 def test_bad_input_is_a_clear_input_error(predictor, text, options, message):

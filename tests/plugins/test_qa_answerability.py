@@ -108,3 +108,24 @@ def torch_zeros(T):
     import torch
 
     return torch.zeros(1, T)
+
+
+@pytest.mark.parametrize(("record", "problem"), [
+    (1, "of type int, not a mapping"), ("abc", "of type str"), ([], "of type list"),
+    ({"x": 1}, "it has no features, mean, scale, weights, bias"),
+    ({**_verifier(0.0), "features": ["null_gap"]}, "refit it"),
+    ({**_verifier(0.0), "mean": [0.0]}, "its mean is not"), ({**_verifier(0.0), "weights": None}, "its weights is not"),
+    ({**_verifier(0.0), "scale": [float("nan")] * len(FEATURES)}, "its scale is not"),
+    ({**_verifier(0.0), "scale": [0.0] * len(FEATURES)}, "its scale holds a 0"),
+    ({**_verifier(0.0), "bias": "1"}, "its bias"), ({**_verifier(0.0), "bias": True}, "its bias"),
+    ({**_verifier(0.0), "presets": {"eager": 2.0}}, "its presets"), ({**_verifier(0.0), "presets": [1]}, "its presets"),
+])
+def test_a_verifier_record_that_cannot_be_read_is_an_input_error_naming_what_is_wrong(record, problem):
+    """The option `answerability` (a model's manifest sets it; a caller may too): anything but a record
+    no_answer_probability can read is refused before any work, naming what is wrong, not an AttributeError later."""
+    from plugins.qa import check_options
+
+    with pytest.raises(InputError, match=f"qa: answerability must be a verifier record .* but .*{problem}"):
+        check_options({**OPTIONS, "answerability": record})
+    check_options({**OPTIONS, "answerability": _verifier(0.0)})  # a good record, and none, pass
+    check_options(dict(OPTIONS))
