@@ -27,11 +27,13 @@ PRECISION_HELP = ("auto: fp32 on CPU, bf16/fp16 on GPU; bf16 on a CPU with AVX51
 
 
 def _task(name: str):
-    """The registered task `name`; ValueError (exit code 2) naming the registered ones otherwise."""
+    """The registered task `name` or alias (as `pipeline()` takes them: "summarization", "question-answering");
+    ValueError (exit code 2) naming the known ones otherwise."""
+    from .serving.pipeline import find_task
     from .tasks.registry import load_registry
 
     try:
-        return load_registry().task(name)
+        return find_task(load_registry(), name)
     except KeyError as err:
         raise ValueError(str(err.args[0])) from None
 

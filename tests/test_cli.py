@@ -334,3 +334,11 @@ def test_a_checkpoint_of_another_task_is_the_users_choice_not_a_plugin_bug(capsy
     err = capsys.readouterr().err
     assert "cannot be read as entity tags: tag 'NEGATIVE'" in err and "pick a token-classification (NER) checkpoint" in err
     assert "bug in plugin" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_cli_takes_the_task_names_pipeline_takes(capsys):
+    text = "text=The council met on Monday. It approved the budget after a long debate. Schools get more money."
+    assert main(["predict", "summarization", "-i", text]) == 0
+    assert json.loads(capsys.readouterr().out)["task"] == "summary"
+    assert main(["predict", "nosuch", "-i", "text=x"]) == 2
+    assert "known: " in capsys.readouterr().err

@@ -230,3 +230,26 @@ def test_a_task_whose_plugin_failed_to_load_says_which_plugin_and_why(tmp_path, 
         find_task(registry, "needs_missing")
     with pytest.raises(KeyError, match=r"failed at import.*registered: sentiment"):
         registry.task("needs_missing")
+
+
+def test_pipelines_own_arguments_and_non_text_fields_are_refused_naming_them():
+    """batch_size, raw and compile are checked where the pipeline is made (batch_size="abc" failed at the first
+    call with a bare TypeError, compile="bogus" ran torch.compile); a field that is not text is a TypeError
+    naming it, as a positional input that is not text is."""
+    for arguments, message in (({"batch_size": 0}, "batch_size must be an integer in \\[1, 4096\\], got 0"),
+                               ({"batch_size": "abc"}, "batch_size must be an integer"),
+                               ({"batch_size": 2.5}, "batch_size must be an integer"),
+                               ({"compile": "bogus"}, "compile must be True or False, got 'bogus'"),
+                               ({"raw": "yes"}, "raw must be True or False, got 'yes'")):
+        with pytest.raises(InputError, match=f"^pipeline: {message}"):
+            pipeline("sentiment", **arguments)
+    ask = pipeline("qa")
+    with pytest.raises(InputError, match="raw must be True or False"):
+        ask(question="Who?", context="Ann wrote it.", raw=1)
+    for value, message in ((42, "input 'question' must be a text or a list of texts, got int"),
+                           (b"who", "input 'question' is bytes, not text; decode it first"),
+                           ({"a": 1}, "got dict")):
+        with pytest.raises(TypeError, match=f"^qa: .*{message}"):
+            ask(question=value, context="Ann wrote it.")
+    with pytest.raises(InputError, match="the same length \\(got question: a list of 2, context: a text\\)"):
+        ask(question=["a", "b"], context="Ann wrote it.")

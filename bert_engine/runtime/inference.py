@@ -71,9 +71,11 @@ def check_request_cost(task: str, batch: Batch, limit: int | None = None) -> Non
         tokens = sum(rows)
         if tokens > limit:
             which = "the input" if len(per_input) == 1 else f"input {index}"
+            overlap = ("; the windows overlap and each repeats what comes before the text (a question), so a long text "
+                       "reaches the limit sooner than its length alone says") if len(rows) > 1 else ""
             raise InputError(f"{task}: {which} needs {len(rows):,} window(s) with {tokens:,} tokens in all; the "
-                             f"limit per request is {limit:,} tokens (roughly {limit * 4:,} characters of English). "
-                             "Shorten the text, or truncate it if the task offers that")
+                             f"limit per request is {limit:,} tokens over all windows (about {limit * 4:,} characters "
+                             f"of English read once{overlap}). Shorten the text, or truncate it if the task offers that")
 
 
 class ResultNotJSON(PluginError):

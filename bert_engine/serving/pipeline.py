@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any
 
-from ..hookspecs import InputError
+from ..hookspecs import InputError, check_int
 from ..runtime.inference import Predictor, can_batch, check_task_options
 from ..tasks.registry import RegisteredTask, Registry, load_registry
 
@@ -42,6 +42,7 @@ class Pipeline:
     """A loaded task; call it on inputs (see the module docstring)."""
 
     def __init__(self, predictor: Predictor, *, raw: bool = False, batch_size: int = 32, **options: Any) -> None:
+        _check_arguments(raw=raw, batch_size=batch_size)
         self.predictor, self.raw, self.batch_size = predictor, raw, batch_size
         self.task = predictor.task
         self.options = predictor.check_options(options)  # unknown options fail here, naming the known ones
@@ -50,7 +51,9 @@ class Pipeline:
         """Answer one input (a text, a mapping of the task's fields, or for a pair task a (first, second)
         tuple), a list of them, or an iterable (streamed); `raw` (default: the pipeline's) gives the
         engine's {"task", "result", "provenance"} instead of the transformers-shaped answer."""
-        raw = self.raw if raw is None else bool(raw)
+        if raw is not None:
+            _check_arguments(raw=raw)
+        raw = self.raw if raw is None else raw
         spec = self.task.spec
         fields = spec.input_fields + spec.optional_fields
         by_field = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
@@ -158,14 +161,41 @@ def _takes_batch_size(predict_many) -> bool:
         return False
 
 
+MAX_BATCH_SIZE = 4096
+
+
+def _check_arguments(**arguments: Any) -> None:
+    """pipeline()'s own arguments: `raw` and `compile` true or false, `batch_size` an integer in [1, MAX_BATCH_SIZE]
+    (InputError naming the argument and the value; "yes" is not taken for True, nor 2.5 for a batch)."""
+    for name, value in arguments.items():
+        if name == "batch_size":
+            check_int("pipeline", name, value, 1, MAX_BATCH_SIZE)
+        elif not isinstance(value, bool):
+            raise InputError(f"pipeline: {name} must be True or False, got {value!r:.80}")
+
+
 def _from_fields(task: str, by_field: Mapping[str, Any]) -> Any:
-    """question="...", context="..." -> one mapping; lists of equal length -> a list of mappings."""
+    """question="...", context="..." -> one mapping; lists of equal length -> a list of mappings.
+
+    Raises:
+        TypeError: a field's value is neither a text nor a list of them (bytes: decode them first), as for
+            a positional input that is not text.
+        InputError: texts and lists mixed, or lists of different lengths."""
+    for field, value in by_field.items():
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            raise TypeError(f"{task}: input {field!r} is {type(value).__name__}, not text; decode it first "
+                            "(e.g. data.decode('utf-8'))")
+        if value is not None and not isinstance(value, (str, list, tuple)):
+            raise TypeError(f"{task}: input {field!r} must be a text or a list of texts, got {type(value).__name__}")
     values = list(by_field.values())
     if all(isinstance(v, str) or v is None for v in values):
         return dict(by_field)
     if all(isinstance(v, (list, tuple)) for v in values) and len({len(v) for v in values}) == 1:
         return [dict(zip(by_field, row)) for row in zip(*values)]
-    raise InputError(f"{task}: give each of {', '.join(by_field)} as a text, or each as a list of the same length")
+    shapes = ", ".join(f"{k}: {'a text' if isinstance(v, str) else 'None' if v is None else f'a list of {len(v)}'}"
+                       for k, v in by_field.items())
+    raise InputError(f"{task}: give each of {', '.join(by_field)} as a text, or each as a list of the same length "
+                     f"(got {shapes})")
 
 
 def pipeline(task: str, model: str | None = None, *, device: str | None = None, precision: str = "auto",
@@ -181,6 +211,7 @@ def pipeline(task: str, model: str | None = None, *, device: str | None = None, 
         InputError: an option the task does not have.
         hub.HubError, CheckpointError: the model cannot be loaded.
     """
+    _check_arguments(compile=compile, raw=raw, batch_size=batch_size)
     registered = find_task(registry or load_registry(), task)
     check_task_options(registered.spec, options)  # a bad option fails before the model loads (seconds)
     return Pipeline(Predictor.load(registered, model, device=device, precision=precision, compile=compile), raw=raw,

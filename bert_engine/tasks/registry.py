@@ -337,7 +337,8 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
         registry.load_plugin(short, __version__, "builtin", lambda module=module: importlib.import_module(module))
     if not entry_points:
         return registry
-    if selected is None and settings.get("BERT_ENGINE_PLUGINS") is not None:
+    from_setting = selected is None and settings.get("BERT_ENGINE_PLUGINS") is not None
+    if from_setting:
         selected = set(settings.get("BERT_ENGINE_PLUGINS"))
     seen: dict[str, str] = {}  # entry-point name -> where the loaded one comes from
     builtin_names = {module.rsplit(".", 1)[-1] for module in builtins}
@@ -361,6 +362,7 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
         registry.load_plugin(ep.name, version, "entry point", ep.load)
     for name in sorted((selected or set()) - {ep.name for ep in installed}):
         names = ", ".join(ep.name for ep in installed) or "none"
-        registry.record_failure(PluginFailure(name, "", "select", f"BERT_ENGINE_PLUGINS names {name!r}, which is not "
-                                              f"installed (installed plugins: {names})", "entry point"))
+        asked = f"BERT_ENGINE_PLUGINS names {name!r}, which is" if from_setting else f"the plugin {name!r} is"
+        registry.record_failure(PluginFailure(name, "", "select", f"{asked} not installed (installed plugins: {names})",
+                                              "entry point"))
     return registry

@@ -97,6 +97,9 @@ def test_plugins_command_exits_1_with_a_failure_and_names_an_uninstalled_selecti
     assert failure.stage == "select"
     assert "BERT_ENGINE_PLUGINS names 'not-installed', which is not installed" in failure.message
     assert "good-plugin" in failure.message and "hostile" in failure.message
+    monkeypatch.delenv("BERT_ENGINE_PLUGINS")  # asked for by name (`bert-engine plugin check nosuch`): no setting named
+    (failure,) = load_registry(builtins=(), selected={"nosuch"}).failures
+    assert failure.message.startswith("the plugin 'nosuch' is not installed (installed plugins: ")
 
 
 SLOPPY = """
