@@ -62,11 +62,28 @@ def compiler() -> list[str] | None:
     return [found] if found else None
 
 
+def _capability_setting() -> str:
+    """BERT_ENGINE_CPU_CAPABILITY, lower-cased: "", "avx2" or "default".
+
+    Raises:
+        PrecisionError: another value, naming it (as precision.cpu_capability does; it was taken for unset here)."""
+    value = settings.get("BERT_ENGINE_CPU_CAPABILITY").lower()
+    if value not in ("", "avx2", "default"):
+        from .precision import cpu_capability  # noqa: PLC0415 - precision imports this module
+
+        cpu_capability()  # raises PrecisionError naming the value
+    return value
+
+
 def cpu_supported() -> str | None:
-    """None when this CPU and platform can run the kernel, else why not."""
+    """None when this CPU and platform can run the kernel, else why not.
+
+    Raises:
+        PrecisionError: BERT_ENGINE_CPU_CAPABILITY is not avx2, default or unset."""
+    capability_setting = _capability_setting()
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return f"built for Linux on x86-64, not {platform.system()} on {platform.machine()}"
-    if settings.get("BERT_ENGINE_CPU_CAPABILITY").lower() == "default":
+    if capability_setting == "default":
         return "BERT_ENGINE_CPU_CAPABILITY=default"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
@@ -87,7 +104,7 @@ def _cpu_flags() -> list[str]:
 def wanted_isa() -> int:
     """The vector width for tiled_matmul here: 512 where torch reads the CPU as AVX512 (BERT_ENGINE_CPU_CAPABILITY=avx2
     holds it to 256) and the CPU lists avx512f, else 256. Both widths give the same bits."""
-    if settings.get("BERT_ENGINE_CPU_CAPABILITY").lower() in ("avx2", "default"):
+    if _capability_setting() in ("avx2", "default"):
         return 256
     return 512 if torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in _cpu_flags() else 256
 

@@ -100,13 +100,19 @@ def cpu_capability() -> CpuCapability:
 
 
 def pick_device(preference: str | torch.device | None = None) -> torch.device:
-    """The given device, else CUDA, then Apple MPS, then CPU.
+    """The given device, else BERT_ENGINE_DEVICE's, else CUDA, then Apple MPS, then CPU.
 
     Raises:
         ValueError: `preference` names no device, or one this machine (or this build of torch) does not have.
     """
     if preference is not None and preference != "":  # 0 is a device (cuda:0), not "pick one"
         return _present(preference)
+    forced = settings.get("BERT_ENGINE_DEVICE")
+    if forced:
+        try:
+            return _present(forced)
+        except ValueError as err:
+            raise ValueError(f"BERT_ENGINE_DEVICE: {err}") from None
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
