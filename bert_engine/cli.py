@@ -19,6 +19,7 @@ from . import settings
 if TYPE_CHECKING:  # each command imports what it needs when it runs: `--help` loads no torch
     from .training.train_config import TrainConfig
 
+logger = logging.getLogger(__name__)
 PRECISIONS = "auto, fp32, bf16, fp16, int8"  # checked by runtime/precision.py (its table) when a command runs
 
 PRECISION_HELP = ("auto: fp32 on CPU, bf16/fp16 on GPU; bf16 on a CPU with AVX512-BF16 or AMX; int8: dynamic "
@@ -75,14 +76,22 @@ def _encode(args: argparse.Namespace) -> dict:
     from .checkpoints.loader import load
     from .model import mean_pool
 
+    empty = [i for i, text in enumerate(args.text) if not text.strip()]
+    if empty:
+        raise ValueError(f"text {empty[0] + 1} is empty; give each text some words to encode")
     model, tokenizer = load(args.model, revision=args.revision)
     batch = tokenizer(args.text)
+    room = tokenizer.model_max_length - 2  # ([CLS] and [SEP] around the text's pieces)
+    cut = [len(pieces.offsets) > room for pieces in tokenizer.pieces(args.text)]
+    for i in (i for i, c in enumerate(cut) if c):  # the vector stands for the first `room` pieces only
+        logger.warning("text %d is longer than the model's %d tokens: it is encoded up to there (\"truncated\": true)",
+                       i + 1, tokenizer.model_max_length)
     with torch.inference_mode():
         out = model(**batch.model_inputs())
     mean = mean_pool(out.last_hidden_state, batch.attention_mask)  # mean over real tokens
     return {"results": [
         {"text": text, "tokens": tokenizer.convert_ids_to_tokens(batch.input_ids[i, : int(batch.attention_mask[i].sum())]),
-         "mean_embedding": [round(v, 6) for v in mean[i].tolist()]}
+         "truncated": cut[i], "mean_embedding": [round(v, 6) for v in mean[i].tolist()]}
         for i, text in enumerate(args.text)
     ]}
 
@@ -242,9 +251,21 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
         field, sep, value = item.partition("=")
         if not sep or field not in fields:
             raise ValueError(f"--input {item!r}: expected FIELD=TEXT with FIELD one of {', '.join(fields)}")
+        if field in inputs:
+            raise ValueError(f"--input {field}= is given twice; give each field once")
         inputs[field] = value
     options = _parse_options(args.option)
+    if args.output is not None:
+        if not args.file:
+            raise ValueError("--output writes the answers of --file's lines; without --file the answer goes to stdout")
+        if Path(args.output).is_dir():
+            raise ValueError(f"--output {args.output!r} is a folder; give the path of a file to write")
     rows = _read_rows(Path(args.file), task) if args.file else None  # a bad file fails before the model loads
+    if rows is not None and inputs:  # -i with --file: a field every line leaves out (QA's question for many contexts)
+        clash = sorted({f for _, row in rows if isinstance(row, dict) for f in row} & set(inputs))
+        if clash:
+            raise ValueError(f"--input {clash[0]}= and the lines of {args.file} both give {clash[0]}; with --file, -i "
+                             "gives a field the lines leave out (say QA's question for a file of contexts)")
     predictor = Predictor.load(task, args.model, revision=args.revision, precision=args.precision or settings.get("BERT_ENGINE_PRECISION"))
     if rows is None:
         output = predictor.predict(inputs, **options)
@@ -639,7 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
     predict = sub.add_parser("predict", help="run a task and print its result with provenance as JSON")
     predict.add_argument("task", help="task name, e.g. sentiment")
     predict.add_argument("--input", "-i", action="append", default=[], metavar="FIELD=TEXT",
-                         help="an input field, e.g. -i text='great movie' (repeat for several fields)")
+                         help="an input field, e.g. -i text='great movie' (repeat for several fields); with --file, a "
+                              "field the lines leave out, the same for every line")
     predict.add_argument("--file", help="many inputs: .jsonl (objects keyed by the task's fields), .tsv (a header "
                                         "naming them) or plain text (one input per line for the first field); "
                                         "answers stream as JSON Lines, exit code 1 if any line failed")

@@ -342,3 +342,38 @@ def test_the_cli_takes_the_task_names_pipeline_takes(capsys):
     assert json.loads(capsys.readouterr().out)["task"] == "summary"
     assert main(["predict", "nosuch", "-i", "text=x"]) == 2
     assert "known: " in capsys.readouterr().err
+
+
+def test_predict_arguments_that_would_be_dropped_are_refused_naming_them(tmp_path, capsys, caplog):
+    """-i given twice kept the last, -i beside a file's own field was overridden by every line, --output without
+    --file was ignored, --output naming a folder failed with a bare OSError, --revision on a folder was dropped."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text("good\nbad\n")
+    for argv, message in ((["-i", "text=a", "-i", "text=b"], "--input text= is given twice"),
+                          (["--file", str(lines), "-i", "text=hi"], f"--input text= and the lines of {lines} both give text"),
+                          (["--file", str(lines), "--output", str(tmp_path)], f"--output '{tmp_path}' is a folder"),
+                          (["-i", "text=a", "--output", str(tmp_path / "x.jsonl")], "without --file the answer goes to stdout")):
+        assert main(["predict", "sentiment", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    context = "Moby-Dick was written by Herman Melville."
+    contexts = tmp_path / "contexts.jsonl"
+    contexts.write_text(json.dumps({"context": context}) + "\n")  # -i gives the field the lines leave out
+    assert main(["predict", "qa", "--file", str(contexts), "-i", "question=Who wrote it?"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["result"]["answer"] == "Herman Melville"
+    from plugins.starter import STARTER_ROOT
+
+    with caplog.at_level("WARNING"):
+        assert main(["predict", "sentiment", "-i", "text=good", "--model", str(STARTER_ROOT / "sentiment"),
+                     "--revision", "v2"]) == 0
+    assert "revision 'v2' applies to Hub ids only and is ignored" in caplog.text
+
+
+def test_encode_refuses_an_empty_text_and_marks_one_it_cut(tmp_path, capsys, caplog):
+    folder = reference_checkpoint(tmp_path / "tiny", "BertModel")
+    assert main(["encode", "--model", str(folder), "fine", "  "]) == 2
+    assert "text 2 is empty" in capsys.readouterr().err
+    with caplog.at_level("WARNING"):
+        assert main(["encode", "--model", str(folder), "word " * 1000, "short"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert [r["truncated"] for r in results] == [True, False] and "text 1 is longer than the model's" in caplog.text

@@ -66,6 +66,8 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
     name = os.fspath(name_or_path)
     path = Path(name).expanduser()
     if path.is_dir():
+        if revision is not None:  # a folder has one version: said, not silently dropped
+            logger.warning("%s is a local folder: revision %r applies to Hub ids only and is ignored", name, revision)
         return Resolved(path, name)
     if path.exists():
         raise HubError(f"{name!r} is a file; give the checkpoint's folder (config.json + weights) or a Hub id")
