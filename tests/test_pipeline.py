@@ -253,3 +253,6 @@ def test_pipelines_own_arguments_and_non_text_fields_are_refused_naming_them():
             ask(question=value, context="Ann wrote it.")
     with pytest.raises(InputError, match="the same length \\(got question: a list of 2, context: a text\\)"):
         ask(question=["a", "b"], context="Ann wrote it.")
+    with pytest.raises(InputError, match="^qa: input 0: a text alone gives only question; the task needs question, "
+                                         "context: give a mapping of them, or a \\(question, context\\) tuple"):
+        ask(("Who?", "Ann wrote it.", "extra"))  # three texts: a batch of three, each lacking a context

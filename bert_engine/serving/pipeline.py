@@ -83,7 +83,11 @@ class Pipeline:
 
     def _item(self, value: Any) -> Mapping[str, Any]:
         if isinstance(value, str):
-            return {self.task.spec.input_fields[0]: value}
+            needed = self.task.spec.input_fields
+            if len(needed) > 1:  # (a 3-tuple of texts for QA is a batch of three such texts, not one input)
+                raise InputError(f"{self.task.spec.name}: a text alone gives only {needed[0]}; the task needs "
+                                 f"{', '.join(needed)}: give a mapping of them, or a ({', '.join(needed)}) tuple")
+            return {needed[0]: value}
         if self._is_pair(value):
             fields = self.task.spec.input_fields + self.task.spec.optional_fields
             return {fields[0]: value[0], fields[1]: value[1]}
