@@ -25,9 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bert_engine import ui
+from bert_engine import CheckpointError, ui
 from bert_engine.crf import CRF
-from bert_engine.files import CheckpointError
 from bert_engine.heads import IGNORE_INDEX, TokenClassificationHead
 from bert_engine.hookspecs import ExplainTarget, InputError, TaskSpec, check_int, hookimpl, length_option
 from bert_engine.runtime.inference import predict_texts

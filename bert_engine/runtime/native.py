@@ -66,12 +66,11 @@ def _capability_setting() -> str:
     """BERT_ENGINE_CPU_CAPABILITY, lower-cased: "", "avx2" or "default".
 
     Raises:
-        PrecisionError: another value, naming it (as precision.cpu_capability does; it was taken for unset here)."""
+        ValueError: another value, naming it, as precision.cpu_capability's PrecisionError does (it was taken for
+            unset here)."""
     value = settings.get("BERT_ENGINE_CPU_CAPABILITY").lower()
     if value not in ("", "avx2", "default"):
-        from .precision import cpu_capability  # noqa: PLC0415 - precision imports this module
-
-        cpu_capability()  # raises PrecisionError naming the value
+        raise ValueError(f"BERT_ENGINE_CPU_CAPABILITY={value!r} is not one of avx2, default")
     return value
 
 
@@ -79,7 +78,7 @@ def cpu_supported() -> str | None:
     """None when this CPU and platform can run the kernel, else why not.
 
     Raises:
-        PrecisionError: BERT_ENGINE_CPU_CAPABILITY is not avx2, default or unset."""
+        ValueError: BERT_ENGINE_CPU_CAPABILITY is not avx2, default or unset."""
     capability_setting = _capability_setting()
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return f"built for Linux on x86-64, not {platform.system()} on {platform.machine()}"
