@@ -120,3 +120,38 @@ def test_each_forward_chunk_runs_on_the_threads_the_free_cpus_allow(monkeypatch)
     model.seen.clear()
     forward_in_chunks(model, {"input_ids": torch.zeros(2, 3, dtype=torch.long, device="meta")}, max_flops=1e12)
     assert model.seen == [before] and len(asked) == 3  # not on the CPU: not asked
+
+
+def _cgroup(tmp_path, files: dict[str, str], own: str = "0::/\n"):
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "self").write_text(own)
+    return str(root), str(tmp_path / "self")
+
+
+@pytest.mark.parametrize(("files", "own", "limit"), [
+    ({"cpu.max": "200000 100000\n"}, "0::/\n", 2.0),  # cgroup v2, the container's namespace: its root
+    ({"cpu.max": "max 100000\n"}, "0::/\n", None),  # no limit
+    ({"kubepods/pod1/cpu.max": "150000 100000\n"}, "0::/kubepods/pod1\n", 1.5),  # v2, the folder /proc names
+    ({"cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"}, "", 1.0),  # cgroup v1
+    ({"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"},
+     "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n", 3.0),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, "", None),  # v1, no limit
+    ({"cpu.max": "lots of\n"}, "", None), ({"cpu.max": "0 0\n"}, "", None), ({}, "garbage", None),
+])
+def test_a_containers_cpu_limit_is_read_from_its_cgroup(tmp_path, files, own, limit):
+    root, own_file = _cgroup(tmp_path, files, own)
+    assert cpu_load.cpu_quota(root, own_file) == limit
+
+
+def test_threads_stay_within_the_containers_cpu_limit(tmp_path):
+    Counters(tmp_path / "stat")  # a quiet machine
+    now = [0.0]
+    free = FreeCpus(str(tmp_path / "stat"), clock=lambda: now[0], cpus=[0, 1], quota=1.0)
+    assert free.threads(8) == 1  # before any window: the limit alone
+    now[0] = 1.0
+    assert free.threads(2) == 1 and free.free() == pytest.approx(2.0)  # quiet, but the cgroup allows one CPU
+    for quota, limit in ((2.4, 2), (0.3, 1), (None, None)):
+        assert FreeCpus(str(tmp_path / "stat"), cpus=[0, 1], quota=quota).limit == limit

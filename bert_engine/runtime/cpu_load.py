@@ -6,8 +6,9 @@ neighbour on the same host stealing a virtual CPU, a test run), one of the threa
 every step waits a scheduler time slice for it: on the 2-core Cascade Lake Xeon, beside a process keeping both
 cores busy, a sentiment request took 186-204 ms p50 on 2 threads and 14-18 ms on 1 (session 44, by hand;
 `python -m benchmarks.contention` measures it). So each forward chunk runs on at most as many threads as
-there are CPUs free of other work, read from `/proc/stat` over the last `WINDOW_S` or more; on a quiet
-machine that is every thread, as before. BERT_ENGINE_SHARE_CPUS=0 turns it off.
+there are CPUs free of other work, read from `/proc/stat` over the last `WINDOW_S` or more, and no more than the
+container's CPU limit (its cgroup's quota, which torch's thread count does not follow); on a quiet machine without
+a limit that is every thread, as before. BERT_ENGINE_SHARE_CPUS=0 turns it off.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from .. import settings
 
@@ -25,6 +27,43 @@ WINDOW_S = 0.1  # /proc/stat counts in clock ticks (10 ms): a share read over le
 def affinity_cpus() -> list[int] | None:
     """The CPUs this process may run on (a container's cpuset, a taskset); None where the OS does not say."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+def cpu_quota(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> float | None:
+    """The CPUs this process's cgroup may use (a container's `--cpus`, a Kubernetes CPU limit): cgroup v2's cpu.max,
+    else v1's cpu.cfs_quota_us over cpu.cfs_period_us, in the container's own cgroup folder (the root of `root` in
+    its namespace, else the folder `own` names); None where there is no limit or none can be read. torch's thread
+    count follows the CPUs a process sees, not this: 16 threads under a 2-CPU limit spend most of their time
+    throttled, waiting for each other."""
+    folders = [""]
+    try:
+        for line in Path(own).read_text(encoding="utf-8", errors="replace").splitlines():
+            hierarchy, _, controllers_path = line.partition(":")
+            controllers, _, path = controllers_path.partition(":")
+            if hierarchy.isdigit() and path.startswith("/") and path != "/" and (controllers in ("", "cpu") or
+                                                                                 "cpu" in controllers.split(",")):
+                folders.append(path.lstrip("/"))
+    except OSError:
+        pass
+    for folder in folders:
+        base = Path(root, folder)
+        try:
+            quota, period = (base / "cpu.max").read_text(encoding="ascii").split()[:2]  # cgroup v2: "max 100000"
+            return None if quota == "max" else _share(int(quota), int(period))
+        except (OSError, ValueError, UnicodeDecodeError):
+            pass
+        for v1 in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+            try:
+                quota = int((Path(root, v1, folder) / "cpu.cfs_quota_us").read_text(encoding="ascii"))
+                period = int((Path(root, v1, folder) / "cpu.cfs_period_us").read_text(encoding="ascii"))
+            except (OSError, ValueError, UnicodeDecodeError):
+                continue
+            return None if quota <= 0 else _share(quota, period)
+    return None
+
+
+def _share(quota: int, period: int) -> float | None:
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def busy_ticks(stat: str = "/proc/stat", cpus: list[int] | None = None) -> int | None:
@@ -50,9 +89,12 @@ class FreeCpus:
 
     def __init__(self, stat: str = "/proc/stat", window: float = WINDOW_S,
                  own: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic,
-                 cpus: list[int] | None = None) -> None:
+                 cpus: list[int] | None = None, quota: float | None | bool = True) -> None:
         self.stat, self.window, self.own, self.clock = stat, window, own, clock
         self.cpus = cpus if cpus is not None else affinity_cpus()
+        # the cgroup's CPU limit (True: read it now, cpu_quota), rounded, at least 1; None: no limit
+        quota = cpu_quota() if quota is True else quota
+        self.limit = None if quota is None else max(1, round(quota))
         self._lock = threading.Lock()
         self._last: tuple[int, float, float] | None = None  # (busy ticks, own CPU seconds, clock) of the last reading
         self._free: float | None = None  # CPUs free of other work over the last window; None: not known yet
@@ -81,12 +123,14 @@ class FreeCpus:
             return self._free
 
     def threads(self, wanted: int) -> int:
-        """At most `wanted` threads and at most the CPUs other work left free, rounded (at least 1); `wanted` where
-        that is not known (no /proc/stat, the first window not over) or BERT_ENGINE_SHARE_CPUS is off."""
+        """At most `wanted` threads, at most the cgroup's CPU limit (`limit`) and at most the CPUs other work left
+        free, rounded (at least 1); those not known (no /proc/stat, the first window not over, no limit) do not
+        count. `wanted` where BERT_ENGINE_SHARE_CPUS is off."""
         if wanted <= 1 or not settings.get("BERT_ENGINE_SHARE_CPUS"):
             return wanted
         free = self.free()
-        return wanted if free is None else max(1, min(wanted, round(free)))
+        most = wanted if self.limit is None else min(wanted, self.limit)
+        return most if free is None else max(1, min(most, round(free)))
 
 
 FREE_CPUS = FreeCpus()  # the process's one reading: every forward chunk asks it (inference.forward_in_chunks)
