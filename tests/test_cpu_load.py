@@ -139,6 +139,8 @@ def _cgroup(tmp_path, files: dict[str, str], own: str = "0::/\n"):
     ({"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"},
      "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n", 3.0),
     ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, "", None),  # v1, no limit
+    ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000", "cpu/bench/cpu.cfs_quota_us": "100000",
+      "cpu/bench/cpu.cfs_period_us": "100000"}, "1:cpu:/bench\n", 1.0),  # v1 without a namespace: its own folder
     ({"cpu.max": "lots of\n"}, "", None), ({"cpu.max": "0 0\n"}, "", None), ({}, "garbage", None),
 ])
 def test_a_containers_cpu_limit_is_read_from_its_cgroup(tmp_path, files, own, limit):
@@ -155,3 +157,30 @@ def test_threads_stay_within_the_containers_cpu_limit(tmp_path):
     assert free.threads(2) == 1 and free.free() == pytest.approx(2.0)  # quiet, but the cgroup allows one CPU
     for quota, limit in ((2.4, 2), (0.3, 1), (None, None)):
         assert FreeCpus(str(tmp_path / "stat"), cpus=[0, 1], quota=quota).limit == limit
+
+
+def test_the_limit_holds_while_the_cgroup_is_throttled(tmp_path):
+    """Requests now and then run on every thread within the quota's burst; once the cgroup runs out of quota the
+    limit holds, until a window without throttling in which this process used under half of it."""
+    Counters(tmp_path / "stat")
+    throttling = tmp_path / "cpu.stat"
+    throttling.write_text("nr_periods 100\nnr_throttled 5\nthrottled_time 1000\n")
+    now, own = [0.0], [0.0]
+    free = FreeCpus(str(tmp_path / "stat"), clock=lambda: now[0], own=lambda: own[0], cpus=[0, 1], quota=1.0,
+                    throttling=throttling)
+    assert free.threads(2) == 2
+    for t, throttled, used, threads in ((1.0, 7, 0.9, 1), (2.0, 7, 0.9, 1), (3.0, 7, 0.1, 2), (4.0, 8, 0.2, 1)):
+        now[0], own[0] = t, own[0] + used
+        throttling.write_text(f"nr_periods 100\nnr_throttled {throttled}\nthrottled_time 1000\n")
+        assert free.threads(2) == threads, t
+    now[0] = 5.0
+    throttling.write_text("garbage")  # unreadable: the limit holds
+    assert free.threads(2) == 1
+    assert cpu_load.throttled_periods(tmp_path / "missing") is None
+
+
+def test_the_cgroup_limit_comes_with_its_throttling_counter(tmp_path):
+    root, own_file = _cgroup(tmp_path, {"pod/cpu.max": "100000 100000\n", "pod/cpu.stat": "nr_throttled 3\n"},
+                             "0::/pod\n")
+    limit, stat = cpu_load.cgroup_limit(root, own_file)
+    assert limit == 1.0 and cpu_load.throttled_periods(stat) == 3
