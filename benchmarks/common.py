@@ -114,6 +114,15 @@ def cpu_class() -> str:
     return name + ("-emulated" if settings.get("BERT_ENGINE_CPU_CAPABILITY") else "")
 
 
+def task_names(parser, text: str, known) -> list[str]:
+    """The comma-separated task names of a --tasks argument, each one of `known`, else the parser's usage error."""
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"--tasks: {unknown[0]!r} is not one of {', '.join(known)}")
+    return names
+
+
 def others_cpu_share() -> float | None:
     """The share of this machine's CPUs (those this process may run on) that work other than this benchmark and
     the processes it started took since it began (fast.cpu_busy_meter); None off Linux."""

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, print_table, write_json
+from benchmarks.common import machine, print_table, task_names, write_json
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SOURCES = {"sentiment": ("sst2/dev.tsv", "dev"), "qa": ("squad/dev-v1.1.json", "all")}
@@ -89,10 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    names = [n for n in args.tasks.split(",") if n]
-    unknown = [n for n in names if n not in SOURCES]
-    if unknown:
-        parser.error(f"--tasks: {unknown[0]!r} is not one of {', '.join(SOURCES)}")
+    names = task_names(parser, args.tasks, SOURCES)
     try:
         loads = [int(n) for n in args.loads.split(",") if n]
     except ValueError:

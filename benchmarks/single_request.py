@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import machine, print_table, write_json
+from benchmarks.common import machine, print_table, task_names, write_json
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SOURCES = {"sentiment": ("sst2/dev.tsv", "dev"), "ner": ("conll2003/eng.testb", "test")}
@@ -69,10 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    names = [n for n in args.tasks.split(",") if n]
-    unknown = [n for n in names if n not in SOURCES]
-    if unknown:
-        parser.error(f"--tasks: {unknown[0]!r} is not one of {', '.join(SOURCES)}")
+    names = task_names(parser, args.tasks, SOURCES)
     if args.data and len(names) != 1:
         parser.error("--data needs exactly one task in --tasks")
     data = (args.data, args.split) if args.data else None
