@@ -117,7 +117,8 @@ def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, m
     if count == 0:
         raise InputError(f"fill_mask: the text has no {mask} token; write {mask} where a word is missing")
     if count > max_masks:
-        raise InputError(f"fill_mask: the text has {count} {mask} tokens; at most {max_masks} are allowed")
+        raise InputError(f"fill_mask: the text has {count} {mask} tokens; at most {max_masks} are allowed (the option "
+                         f"max_masks, up to {MAX_MASKS})")
     if targets is not None and count > 1:
         raise InputError(f"fill_mask: targets work with exactly one {mask}; the text has {count}")
     # Windows of half overlap; pick the one holding every mask with the most context around them.

@@ -377,3 +377,12 @@ def test_encode_refuses_an_empty_text_and_marks_one_it_cut(tmp_path, capsys, cap
         assert main(["encode", "--model", str(folder), "word " * 1000, "short"]) == 0
     results = json.loads(capsys.readouterr().out)["results"]
     assert [r["truncated"] for r in results] == [True, False] and "text 1 is longer than the model's" in caplog.text
+
+
+def test_a_bad_share_cpus_setting_is_a_setting_error_at_load_not_a_plugin_bug(monkeypatch, capsys):
+    """BERT_ENGINE_SHARE_CPUS is read at each forward chunk; a bad value failed there, inside the task's
+    forward, reported as a bug in the plugin (exit 1). It is checked when the model loads."""
+    monkeypatch.setenv("BERT_ENGINE_SHARE_CPUS", "bogus")
+    assert main(["predict", "sentiment", "-i", "text=hi"]) == 2
+    err = capsys.readouterr().err
+    assert "BERT_ENGINE_SHARE_CPUS must be" in err and "got 'bogus'" in err and "bug in plugin" not in err

@@ -168,7 +168,7 @@ class FreeCpus:
         """At most `wanted` threads, at most the cgroup's CPU limit (`limit`) while it throttles, at most the CPUs other work left
         free, rounded (at least 1); those not known (no /proc/stat, the first window not over, no limit) do not
         count. `wanted` where BERT_ENGINE_SHARE_CPUS is off."""
-        if wanted <= 1 or not settings.get("BERT_ENGINE_SHARE_CPUS"):
+        if not settings.get("BERT_ENGINE_SHARE_CPUS") or wanted <= 1:  # (the setting is read, and checked, first)
             return wanted
         free = self.free()
         most = wanted if self.limit is None or not self._capped else min(wanted, self.limit)

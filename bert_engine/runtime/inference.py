@@ -267,6 +267,7 @@ class Predictor:
         if checkpoint is not None and not str(checkpoint).strip():  # not "the default" in disguise
             raise ValueError("the model is empty: give a checkpoint folder or a Hub id, or leave it out for the "
                              "task's default")
+        settings.get("BERT_ENGINE_SHARE_CPUS")  # read at each forward chunk: a bad value fails here, named, not there
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
         run = Path(str(name))
         if ((run / "train_config.json").is_file() and (run / "best").is_dir() and not (run / "config.json").exists()

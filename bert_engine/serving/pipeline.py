@@ -24,7 +24,7 @@ from typing import Any
 
 from ..hookspecs import InputError, check_int
 from ..runtime.inference import Predictor, can_batch, check_task_options
-from ..tasks.registry import RegisteredTask, Registry, load_registry
+from ..tasks.registry import RegisteredTask, Registry, UnknownTask, load_registry
 
 
 def find_task(registry: Registry, name: str) -> RegisteredTask:
@@ -35,7 +35,7 @@ def find_task(registry: Registry, name: str) -> RegisteredTask:
         if name in task.spec.aliases:
             return task
     known = sorted(set(registry.tasks) | {a for t in registry.tasks.values() for a in t.spec.aliases})
-    raise KeyError(registry.missing(name, f"known: {', '.join(known)}"))
+    raise UnknownTask(registry.missing(name, f"known: {', '.join(known)}"))
 
 
 class Pipeline:

@@ -111,6 +111,13 @@ class _Violation(PluginError):
         self.stage = stage
 
 
+class UnknownTask(KeyError):
+    """No task of that name: a KeyError whose message prints as it reads (a KeyError's own is in quotes)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class Registry:
     """Loaded plugins, their tasks in a stable order, and the plugins that failed."""
 
@@ -126,7 +133,7 @@ class Registry:
 
     def task(self, name: str) -> RegisteredTask:
         if name not in self.tasks:
-            raise KeyError(self.missing(name, f"registered: {', '.join(self.tasks) or 'none'}"))
+            raise UnknownTask(self.missing(name, f"registered: {', '.join(self.tasks) or 'none'}"))
         return self.tasks[name]
 
     def missing(self, name: str, known: str) -> str:
