@@ -102,9 +102,10 @@ def main(argv: list[str] | None = None) -> None:
 
     info = machine()
     quota = cpu_quota()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
     print(f"# a visitor's requests beside spinning processes, {info['cpu']} ({info['cpu_capability']}), "
-          f"{torch.get_num_threads()} threads, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'} CPUs"
-          f", {'no cgroup CPU limit' if quota is None else f'a cgroup CPU limit of {quota:g}'}")
+          f"{torch.get_num_threads()} threads, {cpus} CPUs, "
+          f"{'no cgroup CPU limit' if quota is None else f'a cgroup CPU limit of {quota:g}'}")
     rows = [measure(name, args.requests, load) for name in names for load in loads]
     print_table(rows, list(rows[0]))
     write_json(args.json, {"machine": info, "cgroup_cpu_limit": quota, "rows": rows})

@@ -165,9 +165,9 @@ class FreeCpus:
             return self._free
 
     def threads(self, wanted: int) -> int:
-        """At most `wanted` threads, at most the cgroup's CPU limit (`limit`) while it throttles, at most the CPUs other work left
-        free, rounded (at least 1); those not known (no /proc/stat, the first window not over, no limit) do not
-        count. `wanted` where BERT_ENGINE_SHARE_CPUS is off."""
+        """At most `wanted` threads, at most the cgroup's CPU limit (`limit`) while it throttles, and at most the CPUs
+        other work left free, rounded (at least 1); those not known (no /proc/stat, the first window not over, no
+        limit) do not count. `wanted` where BERT_ENGINE_SHARE_CPUS is off."""
         if not settings.get("BERT_ENGINE_SHARE_CPUS") or wanted <= 1:  # (the setting is read, and checked, first)
             return wanted
         free = self.free()
