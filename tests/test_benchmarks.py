@@ -330,3 +330,32 @@ def test_a_spinning_child_is_the_benchmarks_work_and_the_record_says_how_busy_th
     shown = _machine({"machine": {"cpu": "Xeon", "threads": 2, "torch": "2.13.0", "others_cpu_share": 0.031}})
     assert shown.endswith("other work 3 % of the CPUs during the run")
     assert "other work" not in _machine({"machine": {"cpu": "Xeon", "threads": 2, "torch": "2.13.0"}})
+
+
+def test_the_contention_benchmark_times_both_settings_in_turn_beside_spinning_processes(tmp_path, monkeypatch):
+    """benchmarks.contention: each load level's spinners start and are gone after, both settings answer every
+    request alike, and the caller's BERT_ENGINE_SHARE_CPUS is put back."""
+    import os
+
+    from benchmarks import contention
+
+    monkeypatch.setattr(contention, "DATA", tmp_path / "no data")  # the tasks' own examples, as in CI
+    monkeypatch.setenv("BERT_ENGINE_SHARE_CPUS", "1")
+    spawned = []
+    real = contention._spinners
+
+    def spinners(count):
+        started = real(count)
+        spawned.extend(started)
+        return started
+
+    monkeypatch.setattr(contention, "_spinners", spinners)
+    out = tmp_path / "contention.json"
+    contention.main(["--tasks", "sentiment", "--requests", "4", "--loads", "0,1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["task"], r["busy_processes"], r["requests"]) for r in rows] == [("sentiment", 0, 4), ("sentiment", 1, 4)]
+    assert all(r["identical"] == 100.0 and r["on_p50_ms"] > 0 and r["off_mean_ms"] > 0 for r in rows)
+    assert len(spawned) == 1 and spawned[0].poll() is not None  # the spinner was stopped
+    assert os.environ["BERT_ENGINE_SHARE_CPUS"] == "1"
+    with pytest.raises(SystemExit):
+        contention.main(["--loads", "-1"])
