@@ -42,31 +42,38 @@ def cgroup_limit(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -
     """(cpu_quota's limit, the cpu.stat file that counts the periods the cgroup was throttled in); (None, None)
     where there is no limit."""
     folders = []  # the folders /proc names first (a root without a limit may hold a limited child), then the root
-    try:
-        for line in Path(own).read_text(encoding="utf-8", errors="replace").splitlines():
-            hierarchy, _, controllers_path = line.partition(":")
-            controllers, _, path = controllers_path.partition(":")
-            if hierarchy.isdigit() and path.startswith("/") and path != "/" and (controllers in ("", "cpu") or
-                                                                                 "cpu" in controllers.split(",")):
-                folders.append(path.lstrip("/"))
-    except OSError:
-        pass
+    for line in (_text(Path(own)) or "").splitlines():
+        hierarchy, _, controllers_path = line.partition(":")
+        controllers, _, path = controllers_path.partition(":")
+        if hierarchy.isdigit() and path.startswith("/") and path != "/" and (controllers in ("", "cpu") or
+                                                                             "cpu" in controllers.split(",")):
+            folders.append(path.lstrip("/"))
     for folder in [*folders, ""]:
         base = Path(root, folder)
-        try:
-            quota, period = (base / "cpu.max").read_text(encoding="ascii").split()[:2]  # cgroup v2: "max 100000"
-            return (None, None) if quota == "max" else _limit(int(quota), int(period), base)
-        except (OSError, ValueError, UnicodeDecodeError):
-            pass
+        words = (_text(base / "cpu.max") or "").split()  # cgroup v2: "max 100000" or "200000 100000"
+        if words[:1] == ["max"]:
+            return None, None
+        if len(words) >= 2 and words[0].isdigit() and words[1].isdigit():
+            return _limit(int(words[0]), int(words[1]), base)
         for v1 in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
             base = Path(root, v1, folder)
-            try:
-                quota = int((base / "cpu.cfs_quota_us").read_text(encoding="ascii"))
-                period = int((base / "cpu.cfs_period_us").read_text(encoding="ascii"))
-            except (OSError, ValueError, UnicodeDecodeError):
-                continue
-            return (None, None) if quota <= 0 else _limit(quota, period, base)
+            quota, period = _integer(base / "cpu.cfs_quota_us"), _integer(base / "cpu.cfs_period_us")
+            if quota is not None and period is not None:
+                return (None, None) if quota <= 0 else _limit(quota, period, base)
     return None, None
+
+
+def _text(path: Path) -> str | None:
+    """A small kernel file's text, None where it cannot be read."""
+    try:
+        return path.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _integer(path: Path) -> int | None:
+    text = (_text(path) or "").strip()
+    return int(text) if text.lstrip("-").isdigit() else None
 
 
 def _limit(quota: int, period: int, folder: Path) -> tuple[float | None, Path | None]:
@@ -75,13 +82,10 @@ def _limit(quota: int, period: int, folder: Path) -> tuple[float | None, Path | 
 
 def throttled_periods(stat: Path | str) -> int | None:
     """The periods a cgroup ran out of its CPU quota in (its cpu.stat's nr_throttled), None where not readable."""
-    try:
-        for line in Path(stat).read_text(encoding="ascii").splitlines():
-            name, _, value = line.partition(" ")
-            if name == "nr_throttled":
-                return int(value)
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
+    for line in (_text(Path(stat)) or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == "nr_throttled":
+            return int(value) if value.strip().isdigit() else None
     return None
 
 
