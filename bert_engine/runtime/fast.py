@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from .. import settings
 from ..heads import MaskedLMHead
 from ..model import encoder_of, gelu_tanh
-from . import native
+from . import cpu_load, native
 
 logger = logging.getLogger(__name__)
 
@@ -1200,18 +1200,10 @@ def cpu_busy_meter(stat: str = "/proc/stat",
     cpuset, the CPUs are all the host's, and so is the work counted. Timings taken beside other work are not the
     machine's: a first load beside a test run once put the fused layers' reach at 32 rows where quiet loads found
     160-192 (session 42), and a busy spell once made the packed path look twice as slow as it is."""
-    cpus = [f"cpu{n}" for n in sorted(os.sched_getaffinity(0))] if hasattr(os, "sched_getaffinity") else ["cpu"]
+    cpus = cpu_load.affinity_cpus()
 
     def busy_ticks() -> int | None:
-        try:
-            with open(stat, encoding="ascii") as counters:
-                rows = {line.split()[0]: line.split()[1:9] for line in counters if line.startswith("cpu")}
-            ticks = [[int(v) for v in rows[cpu]] for cpu in cpus]  # user .. steal, per CPU
-        except (OSError, ValueError, KeyError, IndexError):
-            return None
-        if any(len(t) < 5 for t in ticks):
-            return None
-        return sum(sum(t) - t[3] - t[4] for t in ticks)  # all but idle and iowait
+        return cpu_load.busy_ticks(stat, cpus)
 
     start, cpu, wall = busy_ticks(), own(), time.monotonic()
 
@@ -1221,7 +1213,7 @@ def cpu_busy_meter(stat: str = "/proc/stat",
         if start is None or end is None or seconds <= 0:
             return None
         others = (end - start) / os.sysconf("SC_CLK_TCK") - (own() - cpu)
-        return min(1.0, max(0.0, others / (seconds * len(cpus))))
+        return min(1.0, max(0.0, others / (seconds * (len(cpus) if cpus else os.cpu_count() or 1))))
 
     return share
 
