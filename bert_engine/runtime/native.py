@@ -62,12 +62,11 @@ def compiler() -> list[str] | None:
     return [found] if found else None
 
 
-def _capability_setting() -> str:
+def capability_setting() -> str:
     """BERT_ENGINE_CPU_CAPABILITY, lower-cased: "", "avx2" or "default".
 
     Raises:
-        ValueError: another value, naming it, as precision.cpu_capability's PrecisionError does (it was taken for
-            unset here)."""
+        ValueError: another value, naming it (precision.cpu_capability reads it here too, as a PrecisionError)."""
     value = settings.get("BERT_ENGINE_CPU_CAPABILITY").lower()
     if value not in ("", "avx2", "default"):
         raise ValueError(f"BERT_ENGINE_CPU_CAPABILITY={value!r} is not one of avx2, default")
@@ -79,10 +78,10 @@ def cpu_supported() -> str | None:
 
     Raises:
         ValueError: BERT_ENGINE_CPU_CAPABILITY is not avx2, default or unset."""
-    capability_setting = _capability_setting()
+    pretend = capability_setting()
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return f"built for Linux on x86-64, not {platform.system()} on {platform.machine()}"
-    if capability_setting == "default":
+    if pretend == "default":
         return "BERT_ENGINE_CPU_CAPABILITY=default"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
@@ -103,7 +102,7 @@ def _cpu_flags() -> list[str]:
 def wanted_isa() -> int:
     """The vector width for tiled_matmul here: 512 where torch reads the CPU as AVX512 (BERT_ENGINE_CPU_CAPABILITY=avx2
     holds it to 256) and the CPU lists avx512f, else 256. Both widths give the same bits."""
-    if _capability_setting() in ("avx2", "default"):
+    if capability_setting() in ("avx2", "default"):
         return 256
     return 512 if torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in _cpu_flags() else 256
 

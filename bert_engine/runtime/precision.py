@@ -90,11 +90,12 @@ def _probe_cpu() -> CpuCapability:
 def cpu_capability() -> CpuCapability:
     """This CPU's capability; BERT_ENGINE_CPU_CAPABILITY=avx2 (or default) makes it report less, never more."""
     real = _probe_cpu()
-    pretend = settings.get(CAPABILITY_ENV).lower()
+    try:
+        pretend = native.capability_setting()  # the C kernels' reading of the same setting, one check for both
+    except ValueError as err:
+        raise PrecisionError(str(err)) from None
     if not pretend:
         return real
-    if pretend not in ("avx2", "default"):
-        raise PrecisionError(f"{CAPABILITY_ENV}={pretend!r} is not one of avx2, default")
     isa = "AVX2" if pretend == "avx2" and real.isa in ("AVX2", "AVX512") else "DEFAULT"
     return CpuCapability(isa=isa, bf16=False, fp16=False, amx=False, vnni=False)
 
