@@ -90,11 +90,17 @@ class TaskContext:
     labels: the head's label names in id order (`head.labels`: the checkpoint's id2label when it has
         one), None for a head without labels. Name predictions by it: a checkpoint may order its
         labels differently from the task's declared default.
+    check_work: check_work(rows, length, what) raises InputError, naming `what`, where `rows` more rows of
+        `length` tokens through the encoder would take the request past its work limit
+        (BERT_ENGINE_MAX_GFLOP): call it before a search of many passes, so the request is refused before
+        any of them runs (each `encode` is checked and charged anyway, and refused where it would pass the
+        limit). None outside a request.
     """
 
     tokenizer: Tokenizer
     encode: Callable[[Mapping[str, Any]], EncoderOutput]
     labels: tuple[str, ...] | None = None
+    check_work: Callable[..., None] | None = None
 
 
 def takes_keyword(function: Callable[..., Any] | None, name: str) -> bool:

@@ -74,6 +74,11 @@ SETTINGS = {s.name: s for s in (
             "at AVX2's width, no bf16 or VNNI); oneDNN, MKL and torch's own kernels need their own variables "
             "(README)"),
     Setting("BERT_ENGINE_MAX_TOKENS", "int", 65536, "use", "tokens one input may need over all its windows"),
+    Setting("BERT_ENGINE_MAX_GFLOP", "float", 2000.0, "use", "the work one input may cause, in GFLOP: its windows' "
+            "forward passes through the model (BertConfig.forward_flops), checked before them, and the passes the task's "
+            "postprocess adds (fill-mask's joint search, the summary's sentence-by-sentence fallback), checked before each; a batch of N "
+            "inputs may cause N times it. MiniLM's 65,536 tokens are about 1,700 GFLOP; bert-base reaches 2,000 at "
+            "about 10,600 tokens, bert-large at about 3,000"),
     Setting("BERT_ENGINE_CHUNK_GFLOP", "float", 100.0, "use", "the work of one forward chunk, in GFLOP (padding "
             "included): the unit the fairness gate hands out and charges (rows of 128 tokens: MiniLM about 4,500 tokens, "
             "bert-base about 570)"),

@@ -223,6 +223,11 @@ def _one_result(output: FillMaskOutput, batch, *, context: TaskContext, top_k, m
                                               tokenizer, shown, shown_spans[0])}
     blocked = [] if subwords else word_piece_blocks(tokenizer, text, spans)
     if mode == "joint" and len(spans) > 1:
+        if context.check_work is not None:  # every pass of the search, refused before the first runs
+            width = max(beam_width, top_k)
+            context.check_work(1 + (len(spans) - 1) * width, batch.input_ids.shape[1],
+                               f"mode joint over {len(spans)} masks ({width} beams of the text's "
+                               f"{batch.input_ids.shape[1]} tokens for each mask after the first)")
         return {"mode": "joint", "masks": len(spans), **excerpt,
                 "candidates": _beam(head, context.encode, batch, positions, shown_spans, tokenizer, shown, top_k,
                                    beam_width, specials, blocked)}

@@ -225,6 +225,7 @@ def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: 
         try:
             predictor.check_fields(item)  # the options, checked once above
             batches.append(preprocess(item, predictor.tokenizer, **options))
+            predictor.check_cost(batches[-1])  # tokens and work, per input, as one request's
         except InputError as err:
             raise InputError.at("qa", i, str(err).removeprefix("qa: ")) from None
     groups = window_groups(batches, max_rows)

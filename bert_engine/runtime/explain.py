@@ -20,7 +20,8 @@ and the segments stay as they are, and their attributions are 0.
 Cost: each step is a forward and one backward pass per target (about 1 + 2 x targets forwards),
 run in chunks that take turns at the fairness gate like every forward. One explanation may cost at
 most EXPLAIN_BUDGET times the work of the longest prediction a request may cause (BERT_ENGINE_MAX_TOKENS
-tokens through this model); more is refused before anything runs, naming the cost and the limit.
+tokens through this model, at most BERT_ENGINE_MAX_GFLOP); more is refused before anything runs, naming the
+cost and the limit.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ..checkpoints.loader import load
 from ..hookspecs import ExplainTarget, InputError, takes_context
 from ..model import encoder_of
 from .fairness import chunk_flops
-from .inference import Predictor, max_request_tokens, request_stage, row_flops
+from .inference import Predictor, max_request_flops, max_request_tokens, request_stage, row_flops
 from .precision import prepare_for_inference
 
 logger = logging.getLogger(__name__)
@@ -79,11 +80,11 @@ def gauss_legendre(steps: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def request_flop_limit(predictor: Predictor) -> float:
-    """The most work one explanation may cause: EXPLAIN_BUDGET x the FLOPs of max_request_tokens() tokens
-    through the model in windows of its longest input."""
+    """The most work one explanation may cause: EXPLAIN_BUDGET x the most one prediction may cause, the FLOPs of
+    max_request_tokens() tokens through the model in windows of its longest input, at most max_request_flops()."""
     encoder = encoder_of(predictor.model)
     window = max(1, min(int(predictor.tokenizer.model_max_length), int(encoder.config.max_tokens)))
-    return EXPLAIN_BUDGET * row_flops(encoder, window) * max_request_tokens() / window
+    return EXPLAIN_BUDGET * min(row_flops(encoder, window) * max_request_tokens() / window, max_request_flops())
 
 
 def gradient_model(predictor: Predictor) -> tuple[nn.Module, str]:

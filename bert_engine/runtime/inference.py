@@ -17,6 +17,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -60,22 +61,70 @@ def __getattr__(name: str) -> Any:  # MAX_REQUEST_TOKENS, as plugins written aga
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def check_request_cost(task: str, batch: Batch, limit: int | None = None) -> None:
-    """InputError when one input of `batch` needs more than `limit` tokens over all its window rows."""
+def max_request_flops() -> float:
+    """The work one input may cause through the model, in FLOPs: BERT_ENGINE_MAX_GFLOP, read now."""
+    return settings.get("BERT_ENGINE_MAX_GFLOP") * 1e9
+
+
+def _gflop(flops: float) -> str:
+    return f"{flops / 1e9:,.0f} GFLOP" if flops >= 10e9 else f"{flops / 1e9:.2g} GFLOP"
+
+
+def check_request_cost(task: str, batch: Batch, limit: int | None = None, model: nn.Module | None = None,
+                       max_flops: float | None = None) -> float:
+    """InputError when one input of `batch` needs more than `limit` tokens over all its window rows, or, given
+    the `model` (its encoder), more than `max_flops` of work (default max_request_flops()) through it: each
+    row's forward pass at its real tokens (row_flops). Returns the batch's work in FLOPs (0 without a model)."""
     limit = max_request_tokens() if limit is None else limit
     real = batch.attention_mask.sum(dim=1).tolist()
     per_input: dict[int, list[int]] = {}
     for tokens, index in zip(real, batch.sample_index):  # a task may keep fewer rows than it windowed
         per_input.setdefault(index, []).append(tokens)
+    max_flops = max_request_flops() if max_flops is None and model is not None else max_flops
+    total = 0.0
     for index, rows in per_input.items():
         tokens = sum(rows)
+        which = "the input" if len(per_input) == 1 else f"input {index}"
+        overlap = ("; the windows overlap and each repeats what comes before the text (a question), so a long text "
+                   "reaches the limit sooner than its length alone says") if len(rows) > 1 else ""
         if tokens > limit:
-            which = "the input" if len(per_input) == 1 else f"input {index}"
-            overlap = ("; the windows overlap and each repeats what comes before the text (a question), so a long text "
-                       "reaches the limit sooner than its length alone says") if len(rows) > 1 else ""
             raise InputError(f"{task}: {which} needs {len(rows):,} window(s) with {tokens:,} tokens in all; the "
                              f"limit per request is {limit:,} tokens over all windows (about {limit * 4:,} characters "
                              f"of English read once{overlap}). Shorten the text, or truncate it if the task offers that")
+        if model is None:
+            continue
+        work = sum(row_flops(model, n) for n in rows)
+        total += work
+        if work > max_flops:
+            raise InputError(f"{task}: {which} needs {len(rows):,} window(s) with {tokens:,} tokens in all, "
+                             f"{_gflop(work)} of work through this model ({_gflop(work / max(tokens, 1))} a token); the "
+                             f"limit per request is {_gflop(max_flops)} (BERT_ENGINE_MAX_GFLOP){overlap}. Shorten the "
+                             "text, truncate it if the task offers that, or pick a smaller model")
+    return total
+
+
+@dataclass
+class RequestWork:
+    """The work a request may still cause after its forward pass: the passes its task's postprocess adds
+    (TaskContext.encode), each charged before it runs and refused where it would pass `limit` (FLOPs)."""
+
+    task: str
+    limit: float
+    used: float = 0.0
+
+    def check(self, flops: float, what: str = "the task's further passes") -> None:
+        """InputError when `flops` more would pass the limit (nothing charged)."""
+        if self.used + flops > self.limit:
+            raise InputError(f"{self.task}: {what} would bring this request's work to {_gflop(self.used + flops)}; "
+                             f"the limit per input is {_gflop(max_request_flops())} (BERT_ENGINE_MAX_GFLOP). Ask for "
+                             "less (fewer masks, a smaller beam or top_k), or use a shorter text")
+
+    def charge(self, flops: float, what: str = "the task's further passes") -> None:
+        self.check(flops, what)
+        self.used += flops
+
+
+REQUEST_WORK: ContextVar[RequestWork | None] = ContextVar("bert_engine_request_work", default=None)
 
 
 class ResultNotJSON(PluginError):
@@ -327,22 +376,40 @@ class Predictor:
         Raises:
             InputError: an input needs more than max_request_tokens() tokens (checked before any forward).
         """
-        check_request_cost(self.task.spec.name, batch)
-        with torch.inference_mode():
-            with request_stage("forward"):
-                output = self._forward(batch.to(self.device))
-            with request_stage("postprocess"):
-                # Postprocessing may re-run the encoder (beam search, a summary's second pass): context.encode
-                # takes turns at the gate and the model's lock per chunk, like every forward.
-                if self.task.takes_context:
-                    options = {**options, "context": self.context()}
-                return self.task.spec.postprocess(output, batch.to("cpu"), **options)
+        name = self.task.spec.name
+        work = self.check_cost(batch)
+        # The passes a postprocess adds are charged against the same bound: each input's, for the batch's inputs
+        inputs = len(set(batch.sample_index)) or 1
+        token = REQUEST_WORK.set(RequestWork(name, max_request_flops() * inputs, work))
+        try:
+            with torch.inference_mode():
+                with request_stage("forward"):
+                    output = self._forward(batch.to(self.device))
+                with request_stage("postprocess"):
+                    # Postprocessing may re-run the encoder (beam search, a summary's second pass): context.encode
+                    # takes turns at the gate and the model's lock per chunk, like every forward.
+                    if self.task.takes_context:
+                        options = {**options, "context": self.context()}
+                    return self.task.spec.postprocess(output, batch.to("cpu"), **options)
+        finally:
+            REQUEST_WORK.reset(token)
+
+    def check_cost(self, batch: Batch) -> float:
+        """InputError when an input of `batch` needs more tokens (BERT_ENGINE_MAX_TOKENS) or more work through
+        this model (BERT_ENGINE_MAX_GFLOP) than one request may: for a task that runs its inputs' rows its own
+        way (qa.predict_many). Returns the batch's work in FLOPs."""
+        return check_request_cost(self.task.spec.name, batch, model=encoder_of(self.model))
 
     def context(self) -> TaskContext:
         """What a postprocess (or explain) that asks for `context` gets: the tokenizer, the encoder, the
-        head's label names in id order."""
+        head's label names in id order, and the check of further passes against the request's work limit."""
         labels = getattr(getattr(self.model, "head", None), "labels", None)
-        return TaskContext(self.tokenizer, self._encode, tuple(labels) if labels else None)
+        return TaskContext(self.tokenizer, self._encode, tuple(labels) if labels else None, self._check_work)
+
+    def _check_work(self, rows: int, length: int, what: str = "the task's further passes") -> None:
+        work = REQUEST_WORK.get()
+        if work is not None:
+            work.check(rows * row_flops(encoder_of(self.model), length), what)
 
     def forward_rows(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         """The model's output for already-tokenised rows, for a task that batches inputs its own way
@@ -382,6 +449,10 @@ class Predictor:
         targets, a summary's sentences) are charged to the visitor who asked."""
         encoder = encoder_of(self.model)
         moved = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        work = REQUEST_WORK.get()
+        if work is not None and moved["input_ids"].dim() == 2:  # refused before it runs where it passes the bound
+            rows, length = moved["input_ids"].shape
+            work.charge(rows * row_flops(encoder, length))
         return forward_in_chunks(encoder, moved, self.max_rows, lock=self._lock, gate=self.gate)
 
     def _forward(self, batch: Batch):

@@ -11,7 +11,7 @@ import torch
 from conftest import assert_cpu_goes_quiet, reference_checkpoint
 
 from bert_engine.hookspecs import InputError
-from bert_engine.runtime.inference import Predictor, max_request_tokens
+from bert_engine.runtime.inference import Predictor, max_request_tokens, row_flops
 from bert_engine.tasks.conformance import tiny_predictor
 from bert_engine.tasks.registry import Registry, load_registry
 from playground.app import guarded
@@ -131,3 +131,86 @@ def test_a_cut_off_forward_pass_stops_and_frees_the_model():
     predictor.forward_rows(predictor.tokenizer("hello").model_inputs())  # takes the model's lock
     assert time.monotonic() - start < 10, "the cancelled request kept the model's lock"
     assert_cpu_goes_quiet()
+
+
+def _gflop_needed(predictor, inputs, **options) -> float:
+    """The work check_cost counts for `inputs` through `predictor`'s model, in GFLOP."""
+    batch = predictor.task.spec.preprocess(inputs, predictor.tokenizer, **predictor.check_options(options))
+    return predictor.check_cost(batch) / 1e9
+
+
+def test_the_bound_is_work_through_the_model_not_tokens(tmp_path, monkeypatch):
+    """The same text under the same token limit: refused through a model with twice the layers where the
+    smaller one answers, the message naming the work, the limit and its setting; nothing runs."""
+    text = {"text": "a fine film with a plot. " * 40}
+    small = Predictor.load(REGISTRY.task("sentiment"), str(reference_checkpoint(
+        tmp_path / "two", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"})))
+    deep = Predictor.load(REGISTRY.task("sentiment"), str(reference_checkpoint(
+        tmp_path / "four", "BertForSequenceClassification", num_hidden_layers=4, id2label={0: "NEG", 1: "POS"})))
+    needed_small, needed_deep = _gflop_needed(small, dict(text)), _gflop_needed(deep, dict(text))
+    assert needed_deep == pytest.approx(2 * needed_small, rel=0.05)
+    monkeypatch.setenv("BERT_ENGINE_MAX_GFLOP", str((needed_small + needed_deep) / 2))
+    assert small.predict(dict(text))["result"]["label"] in ("NEG", "POS")
+    calls = []
+    deep.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(InputError, match=r"sentiment: the input needs 1 window\(s\) with \d+ tokens in all, .* GFLOP "
+                                         r"of work through this model .*the limit per request is .* GFLOP \(BERT_ENGINE_MAX_GFLOP\)"):
+        deep.predict(dict(text))
+    assert calls == []
+
+
+def test_the_work_bound_is_per_input_in_a_batch(monkeypatch):
+    predictor = tiny_predictor(REGISTRY.task("sentiment"))
+    from bert_engine.runtime.inference import check_request_cost
+
+    batch = predictor.tokenizer(["short", "long " * 2000], max_length=64, stride=8, return_overflowing=True)
+    encoder = predictor.model.encoder
+    work = check_request_cost("sentiment", batch, model=encoder, max_flops=1e15)
+    long_alone = work - check_request_cost("sentiment", predictor.tokenizer("short"), model=encoder)
+    check_request_cost("sentiment", batch, model=encoder, max_flops=long_alone * 1.01)  # each input alone fits
+    with pytest.raises(InputError, match="input 1 needs .* GFLOP of work"):
+        check_request_cost("sentiment", batch, model=encoder, max_flops=long_alone * 0.99)
+
+
+def test_a_joint_search_past_the_work_bound_is_refused_before_any_pass(monkeypatch):
+    """fill-mask's joint search re-encodes the text once per beam for each mask after the first: counted
+    in FLOPs through the model before the first of those passes runs."""
+    predictor = tiny_predictor(REGISTRY.task("fill_mask"))
+    text = {"text": "The [MASK] sat on the [MASK] near the [MASK] of the [MASK] house."}
+    options = {"mode": "joint", "beam_width": 16}
+    monkeypatch.setenv("BERT_ENGINE_MAX_GFLOP", str(_gflop_needed(predictor, dict(text), **options) * 20))
+    assert predictor.predict(dict(text), mode="joint", beam_width=2)["result"]["mode"] == "joint"
+    passes = []
+    predictor.model.register_forward_pre_hook(lambda *args: passes.append(1))
+    encoder_passes = []
+    predictor.model.encoder.register_forward_pre_hook(lambda *args: encoder_passes.append(1))
+    with pytest.raises(InputError, match=r"mode joint over 4 masks \(16 beams .*BERT_ENGINE_MAX_GFLOP"):
+        predictor.predict(dict(text), **options)
+    assert len(passes) == 1 and len(encoder_passes) == 1  # the request's own forward, no pass of the search
+
+
+def test_a_postprocess_pass_past_the_work_bound_is_refused_before_it_runs(monkeypatch):
+    """A task's postprocess that re-encodes without checking first (a third-party plugin) is stopped at the
+    pass that would take the request past its bound, before that pass runs."""
+    from bert_engine.runtime.inference import REQUEST_WORK
+
+    predictor = tiny_predictor(REGISTRY.task("fill_mask"))
+    inputs = predictor.tokenizer(["word " * 100] * 8).model_inputs()
+    monkeypatch.setenv("BERT_ENGINE_MAX_GFLOP", "1")
+    assert REQUEST_WORK.get() is None
+    predictor._encode(inputs)  # outside a request: not charged
+    from bert_engine.runtime.inference import RequestWork
+
+    token = REQUEST_WORK.set(RequestWork("fill_mask", limit=1e9))
+    try:
+        runs = []
+        predictor.model.encoder.register_forward_pre_hook(lambda *args: runs.append(1))
+        with pytest.raises(InputError, match="fill_mask: the task's further passes would bring this request's work"):
+            for _ in range(1000):
+                predictor._encode(inputs)
+        rows, length = inputs["input_ids"].shape
+        per_pass = rows * row_flops(predictor.model.encoder, length)
+        assert len(runs) == int(1e9 // per_pass) > 0  # every pass that fits ran, the next did not
+        assert REQUEST_WORK.get().used == pytest.approx(per_pass * len(runs))
+    finally:
+        REQUEST_WORK.reset(token)
