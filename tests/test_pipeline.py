@@ -257,3 +257,45 @@ def test_pipelines_own_arguments_and_non_text_fields_are_refused_naming_them():
     with pytest.raises(InputError, match="^qa: input 0: a text alone gives only question; the task needs question, "
                                          "context: give a mapping of them, or a \\(question, context\\) tuple"):
         ask(("Who?", "Ann wrote it.", "extra"))  # three texts: a batch of three, each lacking a context
+
+
+def test_a_hub_revision_is_loaded_and_a_bad_one_refused(fake_hub, tmp_path, tiny_tokenizer):
+    """`pipeline(task, "owner/name", revision=...)` loads that branch from the Hub (a loopback server, named by
+    HF_ENDPOINT as a user would), as the CLI's --revision does; a revision that is not text is refused before
+    anything loads."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from bert_engine import PRESETS, BertWithHead, save_pretrained
+
+    config = PRESETS["tiny"].with_labels(["NEGATIVE", "POSITIVE"])
+    for revision, seed in (("main", 0), ("v2", 1)):
+        torch.manual_seed(seed)
+        model = BertWithHead(config, "sequence").eval()
+        fake_hub.repos[("owner/tiny", revision)] = save_pretrained(model, tmp_path / revision, tiny_tokenizer)
+    script = """if True:
+        import json, sys
+        from bert_engine import pipeline
+        out = {}
+        for name, model, revision in (("main", "owner/tiny", None), ("v2", "owner/tiny", "v2"),
+                                      ("main-local", sys.argv[1] + "/main", None), ("v2-local", sys.argv[1] + "/v2", None)):
+            top = pipeline("sentiment", model, revision=revision, device="cpu")("A gorgeous, witty, seductive movie.")[0]
+            out[name] = top["score"] if top["label"] == "POSITIVE" else 1 - top["score"]  # P(POSITIVE)
+        print(json.dumps(out))
+    """
+    env = {**os.environ, "HF_ENDPOINT": fake_hub.endpoint, "HF_HUB_CACHE": str(tmp_path / "cache")}
+    env.pop("HF_HUB_OFFLINE", None)
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    scores = json.loads(done.stdout.strip().splitlines()[-1])
+    assert scores["main"] == pytest.approx(scores["main-local"], abs=1e-6)
+    assert scores["v2"] == pytest.approx(scores["v2-local"], abs=1e-6)
+    assert scores["main"] != pytest.approx(scores["v2"], abs=1e-4)
+    for bad in (2, "", b"v2"):
+        with pytest.raises(TypeError, match="revision must be a Hub branch, tag or commit"):
+            pipeline("sentiment", "owner/tiny", revision=bad)

@@ -202,13 +202,14 @@ def _from_fields(task: str, by_field: Mapping[str, Any]) -> Any:
                      f"(got {shapes})")
 
 
-def pipeline(task: str, model: str | None = None, *, device: str | None = None, precision: str = "auto",
-             compile: bool = False, raw: bool = False, batch_size: int = 32, registry: Registry | None = None,
-             **options: Any) -> Pipeline:
+def pipeline(task: str, model: str | None = None, *, revision: str | None = None, device: str | None = None,
+             precision: str = "auto", compile: bool = False, raw: bool = False, batch_size: int = 32,
+             registry: Registry | None = None, **options: Any) -> Pipeline:
     """Load `task` (a registered task's name or alias; built-in or a plugin's) with `model` (a folder,
     a Hub id or an adapter; default: the task's starter model) and return it as a callable.
-    `precision` and `compile` as Predictor.load takes them (compile=True with int8: fused input
-    quantisers on long inputs; without a C++ compiler it runs uncompiled and says so).
+    `revision`: a Hub id's branch, tag or commit (default: main; a local folder has none, and a warning says
+    it is not used). `precision` and `compile` as Predictor.load takes them (compile=True with int8: fused
+    input quantisers on long inputs; without a C++ compiler it runs uncompiled and says so).
 
     Raises:
         KeyError: no such task (the message lists the known names).
@@ -216,7 +217,10 @@ def pipeline(task: str, model: str | None = None, *, device: str | None = None, 
         hub.HubError, CheckpointError: the model cannot be loaded.
     """
     _check_arguments(compile=compile, raw=raw, batch_size=batch_size)
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise TypeError(f"revision must be a Hub branch, tag or commit (text), got {revision!r}")
     registered = find_task(registry or load_registry(), task)
     check_task_options(registered.spec, options)  # a bad option fails before the model loads (seconds)
-    return Pipeline(Predictor.load(registered, model, device=device, precision=precision, compile=compile), raw=raw,
-                    batch_size=batch_size, **options)
+    where = {"revision": revision} if revision is not None else {}
+    return Pipeline(Predictor.load(registered, model, device=device, precision=precision, compile=compile, **where),
+                    raw=raw, batch_size=batch_size, **options)
