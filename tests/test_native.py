@@ -17,7 +17,7 @@ from conftest import outputs_at_both_widths
 from torch import nn
 
 from bert_engine import PRESETS, BertModel
-from bert_engine.runtime import fast, native
+from bert_engine.runtime import cpu_load, fast, native
 from bert_engine.runtime.precision import PrecisionError, prepare_for_inference
 
 reason = native.unavailable()
@@ -627,3 +627,26 @@ def test_a_fixed_choice_without_the_tiled_kernel_never_builds_it(fresh_native, m
     monkeypatch.setattr(native, "library", lambda: pytest.fail("the tiled kernel was built for a packed model"))
     model = prepare_for_inference(BertModel(PRESETS["tiny"]).eval(), "fp32")
     assert isinstance(model.layers[0].attention.qkv, fast.PackedLinear)
+
+
+def test_kernels_are_timed_within_the_containers_cpu_limit(monkeypatch):
+    """Under a cgroup quota below torch's thread count, the kernels are timed on the quota's threads (on more, a
+    timing waits out throttled periods), the timings are kept under that count, and torch's own count is back
+    after."""
+    monkeypatch.setattr(cpu_load.FREE_CPUS, "limit", 1)
+    before = torch.get_num_threads()
+    if before < 2:
+        torch.set_num_threads(2)
+    seen = []
+    monkeypatch.setattr(fast, "time_kernels", lambda linear, activation, rows: seen.append(torch.get_num_threads()) or {
+        kernel: {n: 0.001 for n in rows} for kernel in ("packed", "plain", "tiled")})
+    monkeypatch.setattr(fast, "time_layers", lambda layers, unfused: seen.append(torch.get_num_threads()) or {})
+    try:
+        threads = torch.get_num_threads()
+        assert fast.timing_threads() == 1
+        fast.choose_kernels(BertModel(PRESETS["tiny"]).eval())
+        assert seen and set(seen) == {1} and torch.get_num_threads() == threads
+        monkeypatch.setattr(cpu_load.FREE_CPUS, "limit", None)
+        assert fast.timing_threads() == threads
+    finally:
+        torch.set_num_threads(before)

@@ -1523,7 +1523,31 @@ def _kernel_entry(linear: nn.Linear, activation: Any, rows: tuple[int, ...], til
     return entry | ({"tiled_build": tiled} if tiled else {})
 
 
+def timing_threads() -> int:
+    """The threads the kernels are timed on: torch's, but no more than the container's CPU limit (its cgroup quota,
+    rounded: cpu_load.FREE_CPUS.limit). On more threads than the quota pays for, a timing of a few hundred
+    milliseconds spends most periods throttled, waiting out the rest of the period, and would pick kernels by
+    that: 16 threads under a 2-CPU limit run about 12 ms of each 100."""
+    threads = torch.get_num_threads()
+    limit = cpu_load.FREE_CPUS.limit
+    return threads if limit is None else max(1, min(threads, limit))
+
+
 def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dict[str, Any]]:
+    """The kernels of `model`'s projections on this machine (_choose_kernels), timed on timing_threads(): within
+    the container's CPU limit, whatever torch's own thread count."""
+    before, threads = torch.get_num_threads(), timing_threads()
+    if threads == before:
+        return _choose_kernels(model, cache)
+    logger.info("kernels timed on %d thread(s), the container's CPU limit, not torch's %d", threads, before)
+    torch.set_num_threads(threads)
+    try:
+        return _choose_kernels(model, cache)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dict[str, Any]]:
     """For each projection of the encoder's layers (all layers share the shapes), with the timings: the
     kernel for inputs of up to COLD_ROWS rows ("chose") and, where another, for longer ones ("past_rows"),
     among the packed oneDNN, the plain MKL and (fp32, where it runs) the tiled AVX2 kernel on this machine:
