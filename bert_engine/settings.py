@@ -60,8 +60,9 @@ SETTINGS = {s.name: s for s in (
     Setting("BERT_ENGINE_SHARE_CPUS", "bool", True, "use", "run each forward chunk on the CPU on at most as many "
             "threads as there are CPUs other work left free over the last 0.1 s or more (/proc/stat; Linux), and while "
             "the container's CPU limit (its cgroup quota) throttles it, on no more than the limit: on a 2-core machine "
-            "beside one process keeping a core busy, a sentiment request took 6x as long on 2 threads as on 1; off: "
-            "every forward uses torch's thread count"),
+            "beside one process keeping a core busy, a sentiment request took 6x as long on 2 threads as on 1; and time "
+            "the kernels at a first load on no more threads than that limit; off: every forward and timing uses "
+            "torch's thread count"),
     Setting("BERT_ENGINE_INT8_KERNEL", "str", "auto", "use", "int8 models' matmuls: auto (bert_engine's own "
             "kernel where it builds and the CPU has AVX2 and neither VNNI nor AVX-512, or AVX-512 with VNNI and no "
             "AMX; else "

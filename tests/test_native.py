@@ -646,6 +646,9 @@ def test_kernels_are_timed_within_the_containers_cpu_limit(monkeypatch):
         assert fast.timing_threads() == 1
         fast.choose_kernels(BertModel(PRESETS["tiny"]).eval())
         assert seen and set(seen) == {1} and torch.get_num_threads() == threads
+        monkeypatch.setenv("BERT_ENGINE_SHARE_CPUS", "0")  # as the forwards: every thread
+        assert fast.timing_threads() == threads
+        monkeypatch.delenv("BERT_ENGINE_SHARE_CPUS")
         monkeypatch.setattr(cpu_load.FREE_CPUS, "limit", None)
         assert fast.timing_threads() == threads
     finally:

@@ -1527,10 +1527,13 @@ def timing_threads() -> int:
     """The threads the kernels are timed on: torch's, but no more than the container's CPU limit (its cgroup quota,
     rounded: cpu_load.FREE_CPUS.limit). On more threads than the quota pays for, a timing of a few hundred
     milliseconds spends most periods throttled, waiting out the rest of the period, and would pick kernels by
-    that: 16 threads under a 2-CPU limit run about 12 ms of each 100."""
+    that: 16 threads under a 2-CPU limit run about 12 ms of each 100. torch's where BERT_ENGINE_SHARE_CPUS is off
+    (the forwards then run on every thread too)."""
     threads = torch.get_num_threads()
     limit = cpu_load.FREE_CPUS.limit
-    return threads if limit is None else max(1, min(threads, limit))
+    if limit is None or not settings.get("BERT_ENGINE_SHARE_CPUS"):
+        return threads
+    return max(1, min(threads, limit))
 
 
 def choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, dict[str, Any]]:
