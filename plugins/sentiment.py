@@ -209,7 +209,12 @@ def read_data(path, split: str = "train"):
     """
     with open(path, encoding="utf-8", newline="") as handle:
         rows = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
-        if not {"sentence", "label"} <= set(rows.fieldnames or ()):
+        try:
+            header = rows.fieldnames  # (read here: a first line past csv's field limit, a JSON file, fails on it)
+        except csv.Error as err:
+            raise ValueError(f"{path}:1: expected a header line naming the columns 'sentence' and 'label' "
+                             f"(tab-separated): {err}") from None
+        if not {"sentence", "label"} <= set(header or ()):
             raise ValueError(f"{path}:1: expected a header line naming the columns 'sentence' and 'label' "
                              f"(tab-separated), got {printable_line(rows.fieldnames)!r}")
         for row in _rows_naming_the_line(rows, path):

@@ -386,3 +386,19 @@ def test_a_bad_share_cpus_setting_is_a_setting_error_at_load_not_a_plugin_bug(mo
     assert main(["predict", "sentiment", "-i", "text=hi"]) == 2
     err = capsys.readouterr().err
     assert "BERT_ENGINE_SHARE_CPUS must be" in err and "got 'bogus'" in err and "bug in plugin" not in err
+
+
+def test_a_tsv_field_past_csvs_limit_is_read_and_another_format_is_named(sentiment_checkpoint, tmp_path, capsys):
+    """A TSV line's fields are its text between tabs, up to the input limit (Python's csv reader stopped at 131,072
+    characters with a traceback); `eval` on a file of another format says so in one line, exit 2."""
+    tsv = tmp_path / "long.tsv"
+    tsv.write_text("text\n" + "a fine film " * 17_000 + "\nshort\tignored column\n")  # 204,000 characters
+    assert main(["predict", "sentiment", "--file", str(tsv), "--model", str(sentiment_checkpoint)]) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line)["line"] for line in captured.out.splitlines()] == [2, 3]
+    assert "2 of 2 lines answered" in captured.err
+    squad_like = tmp_path / "dev.json"
+    squad_like.write_text(json.dumps({"data": [{"title": "x" * 200_000}]}) + "\n")
+    assert main(["eval", "sentiment", "--data", str(squad_like), "--model", str(sentiment_checkpoint)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dev.json:1: expected a header line naming the columns 'sentence' and 'label'" in err[0]
