@@ -925,9 +925,16 @@ def _parse_inputs(task, inputs: str | dict) -> dict[str, Any]:
         except ValueError as err:
             raise InputError(f"{task.spec.name}: inputs must be a JSON object such as "
                              f"{json.dumps({f: '...' for f in task.spec.input_fields})}: {err}") from None
+        except RecursionError:  # "[[[[..." a hundred thousand deep: the parser's own limit, as the CLI says
+            raise InputError(f"{task.spec.name}: inputs are JSON nested too deeply to be an input; send an object "
+                             f"keyed by {', '.join(task.spec.input_fields)}") from None
     if not isinstance(inputs, dict):
         raise InputError(f"{task.spec.name}: inputs must be a JSON object keyed by "
                          f"{', '.join(task.spec.input_fields)}, got {type(inputs).__name__}")
+    fields = task.spec.input_fields + task.spec.optional_fields
+    unknown = sorted(str(k) for k in set(inputs) - set(fields))
+    if unknown:  # (as `predict --file` refuses them: a misspelt field is not silently an empty one)
+        raise InputError(f"{task.spec.name}: unknown field(s) {', '.join(unknown)[:200]}; the task's: {', '.join(fields)}")
     return inputs
 
 

@@ -916,6 +916,17 @@ def test_why_and_compare_explain_the_visitors_own_last_answer(served, registry):
     assert tokens[0]["token"] == "[CLS]" and explained["targets"][0]["attributions"][0] == 0.0  # specials kept
     with pytest.raises(Exception, match="inputs must be a JSON object"):
         stranger.predict("ner", "Tim Cook", "integrated_gradients", 16, api_name="/explain")
+    deep = "[" * 100_000 + "]" * 100_000  # past the JSON parser's recursion: the caller's error, named
+    with pytest.raises(Exception, match="inputs are JSON nested too deeply to be an input"):
+        stranger.predict("sentiment", deep, "integrated_gradients", 8, api_name="/explain")
+    with pytest.raises(Exception, match="inputs are JSON nested too deeply to be an input"):
+        stranger.predict("sentiment", deep, "", "int8", "", "fp32", api_name="/compare")
+    with pytest.raises(Exception, match=r"unknown field\(s\) evil; the task's: question, context"):
+        stranger.predict("qa", json.dumps({"question": "Who?", "context": "Bob is.", "evil": 1}), "", "int8", "",
+                         "fp32", api_name="/compare")
+    with pytest.raises(Exception, match=r"unknown field\(s\) top_k; the task's: text, text_pair"):
+        stranger.predict("sentiment", json.dumps({"text": "good", "top_k": -1}), "integrated_gradients", 8,
+                         api_name="/explain")
     with pytest.raises(Exception, match="does not say what to explain"):
         stranger.predict("similarity", json.dumps({"text": "a", "text_pair": "b"}), "integrated_gradients", 8,
                          api_name="/explain")
