@@ -429,13 +429,15 @@ def publish_json(gr, function, inputs: list[Any], api_name: str, description: st
 
 def json_answer(outputs: Any) -> Any:
     """What the API answers from a tab handler's outputs: the prediction ({"task", "result", "provenance"});
-    else a mapping of such predictions (All tasks); else every output that is not the page's HTML."""
+    else a mapping of such predictions, or of a task's "error" or "skipped" message (All tasks); else every
+    output that is not the page's HTML."""
     values = outputs if isinstance(outputs, tuple) else (outputs,)
     for value in values:
         if isinstance(value, dict) and {"task", "result", "provenance"} <= set(value):
             return value
     for value in values:
-        if isinstance(value, dict) and value and all(isinstance(v, dict) and "result" in v for v in value.values()):
+        if isinstance(value, dict) and value and all(isinstance(v, dict) and {"result", "error", "skipped"} & set(v)
+                                                     for v in value.values()):
             return value
     return [v for v in values if not (isinstance(v, str) and v.lstrip().startswith("<"))]
 
@@ -1070,7 +1072,8 @@ def _build_all_tasks_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
     details = ui.details(gr)
 
     def all_tasks(text: str):
-        """Run one text through every task that takes a single text; each task's answer in a line.
+        """Run one text through every task that takes a single text; each task's answer in a line, and each task's
+        result (or, where it refused the text or was not reached in time, its "error" or "skipped" message).
 
         Args:
             text: the text (add [MASK] where a word is missing, for fill-mask)
@@ -1083,12 +1086,16 @@ def _build_all_tasks_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
         for name in names:
             title = registry.tasks[name].spec.title
             if deadline is not None and time.monotonic() > deadline:
-                answers.append((title, f"skipped: the {timeout_s:g} s limit for all tasks was reached", "skipped"))
+                why = f"skipped: the {timeout_s:g} s limit for all tasks was reached"
+                answers.append((title, why, "skipped"))
+                outputs[name] = {"task": name, "skipped": why}  # (the API and MCP see every task, as the cards do)
                 continue
             try:
                 output = predictors[name].predict({"text": text})
             except (InputError, gr.Error) as err:  # the task's own message (bad input, time-out, a bug)
-                answers.append((title, getattr(err, "message", None) or str(err), "error"))
+                why = getattr(err, "message", None) or str(err)
+                answers.append((title, why, "error"))
+                outputs[name] = {"task": name, "error": why}
                 continue
             outputs[name] = output
             answers.append((title, brief_answer(registry.tasks[name], output["result"]), "ok"))

@@ -146,6 +146,7 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
         client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", "many", api_name="/qa")
     every = json.loads(client.predict("Angela Merkel visited Paris.", api_name="/all_tasks"))
     assert {"sentiment", "ner", "summary"} <= set(every) and every["ner"]["result"]["entities"]
+    assert "has no [MASK] token" in every["fill_mask"]["error"]  # a task that refused the text says so, as its card
     label, output = client.predict("A man is playing a guitar.", "Someone plays an instrument.", api_name="/similarity_view")
     assert output["task"] == "similarity" and 0.0 <= output["result"]["score"] <= 1.0
     assert output["provenance"]["plugin"] == "similarity" and output["provenance"]["latency_ms"] > 0
@@ -175,8 +176,9 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
     assert "mean of its heads" in caption and "[CLS]" in links
     assert Path(heatmap).suffix == ".png" and Path(grid).suffix == ".png"
     cards, outputs = client.predict("Angela Merkel visited Paris.", api_name="/all_tasks_view")
-    assert set(outputs) == {"sentiment", "ner", "summary", "broken_tab"}  # fill-mask refused it: its card says why
-    assert "Angela Merkel (PER" in cards and "has no [MASK] token" in cards
+    assert set(outputs) == {"sentiment", "ner", "summary", "broken_tab", "fill_mask"}
+    assert "Angela Merkel (PER" in cards and "has no [MASK] token" in cards  # fill-mask refused it: its card says why
+    assert "has no [MASK] token" in outputs["fill_mask"]["error"] and "result" not in outputs["fill_mask"]  # and the JSON
 
 
 def test_the_api_names_every_input_and_output_and_has_one_endpoint_per_task(served):
