@@ -252,11 +252,18 @@ def test_pipelines_own_arguments_and_non_text_fields_are_refused_naming_them():
                            ({"a": 1}, "got dict")):
         with pytest.raises(TypeError, match=f"^qa: .*{message}"):
             ask(question=value, context="Ann wrote it.")
-    with pytest.raises(InputError, match="the same length \\(got question: a list of 2, context: a text\\)"):
-        ask(question=["a", "b"], context="Ann wrote it.")
-    with pytest.raises(InputError, match="^qa: input 0: a text alone gives only question; the task needs question, "
-                                         "context: give a mapping of them, or a \\(question, context\\) tuple"):
-        ask(("Who?", "Ann wrote it.", "extra"))  # three texts: a batch of three, each lacking a context
+    # one question over several contexts (or several over one): the text goes with each row, as in transformers
+    many = ask(question="Who wrote it?", context=["Ann wrote it.", "It was written by Bob."])
+    assert [a["answer"] for a in many] == ["Ann", "Bob"]
+    assert len(ask(question=["Who wrote it?", "Who?"], context="Ann wrote it.")) == 2
+    with pytest.raises(InputError, match="lists of the same length .*got question: a list of 2, context: a list of 3"):
+        ask(question=["a", "b"], context=["x", "y", "z"])
+    for texts in (("Who?", "Ann wrote it.", "extra"), ("Who?",)):  # a tuple is one input's two fields: not a batch
+        with pytest.raises(TypeError, match=f"^qa: a tuple of texts is one input's \\(question, context\\), so it "
+                                            f"holds two; got {len(texts)}. Give many inputs as a list"):
+            ask(texts)
+    with pytest.raises(TypeError, match="sentiment: a tuple of texts is one input's \\(text, text_pair\\)"):
+        pipeline("sentiment")(("good", "bad", "ugly"))
 
 
 def test_a_hub_revision_is_loaded_and_a_bad_one_refused(fake_hub, tmp_path, tiny_tokenizer):

@@ -68,6 +68,10 @@ class Pipeline:
         if isinstance(inputs, (bytes, bytearray, memoryview)):  # iterable, as numbers: not a stream of texts
             raise TypeError(f"{spec.name}: expected text, got {type(inputs).__name__}; decode it first "
                             "(e.g. data.decode('utf-8'))")
+        if isinstance(inputs, tuple) and len(fields) >= 2 and inputs and all(isinstance(v, str) for v in inputs):
+            # (2 texts: one input's two fields; 3 were a batch of three: the same call, read two ways)
+            raise TypeError(f"{spec.name}: a tuple of texts is one input's ({', '.join(fields[:2])}), so it holds two; "
+                            f"got {len(inputs)}. Give many inputs as a list")
         if isinstance(inputs, (list, tuple)):
             return self._many(list(inputs), options, raw)
         if isinstance(inputs, Iterable):
@@ -179,12 +183,13 @@ def _check_arguments(**arguments: Any) -> None:
 
 
 def _from_fields(task: str, by_field: Mapping[str, Any]) -> Any:
-    """question="...", context="..." -> one mapping; lists of equal length -> a list of mappings.
+    """question="...", context="..." -> one mapping; lists of equal length -> a list of mappings; a text beside
+    lists goes with each of their rows (one question over several contexts, as transformers reads it).
 
     Raises:
         TypeError: a field's value is neither a text nor a list of them (bytes: decode them first), as for
             a positional input that is not text.
-        InputError: texts and lists mixed, or lists of different lengths."""
+        InputError: lists of different lengths, or None beside a list."""
     for field, value in by_field.items():
         if isinstance(value, (bytes, bytearray, memoryview)):
             raise TypeError(f"{task}: input {field!r} is {type(value).__name__}, not text; decode it first "
@@ -194,12 +199,15 @@ def _from_fields(task: str, by_field: Mapping[str, Any]) -> Any:
     values = list(by_field.values())
     if all(isinstance(v, str) or v is None for v in values):
         return dict(by_field)
-    if all(isinstance(v, (list, tuple)) for v in values) and len({len(v) for v in values}) == 1:
-        return [dict(zip(by_field, row)) for row in zip(*values)]
+    lengths = {len(v) for v in values if isinstance(v, (list, tuple))}
+    if len(lengths) == 1 and all(v is not None for v in values):
+        rows = lengths.pop()
+        columns = [v if isinstance(v, (list, tuple)) else [v] * rows for v in values]
+        return [dict(zip(by_field, row)) for row in zip(*columns)]
     shapes = ", ".join(f"{k}: {'a text' if isinstance(v, str) else 'None' if v is None else f'a list of {len(v)}'}"
                        for k, v in by_field.items())
-    raise InputError(f"{task}: give each of {', '.join(by_field)} as a text, or each as a list of the same length "
-                     f"(got {shapes})")
+    raise InputError(f"{task}: give each of {', '.join(by_field)} as a text, or as lists of the same length (a text "
+                     f"beside them goes with each row; got {shapes})")
 
 
 def pipeline(task: str, model: str | None = None, *, revision: str | None = None, device: str | None = None,
