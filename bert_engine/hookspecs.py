@@ -191,6 +191,12 @@ class TaskSpec:
         pipeline_output: (result, options, single) -> the result in the shape of the transformers
             pipeline of this kind of task (`single`: the caller passed one input, not a list), so code
             written for that pipeline ports by changing the import. None: the engine's result as is.
+        pipeline_arguments: argument name -> (value -> the task's options it means): the keyword arguments of
+            that transformers pipeline the task reads under other names (sentiment's function_to_apply is its
+            `function`), or that need nothing of it (truncation=True); raise InputError for a value it
+            cannot honour, naming what it does instead. `bert_engine.pipeline` translates them where the
+            pipeline is made and per call (an option given by its own name too wins); none may be named as
+            one of the task's own options.
         brief: (result) -> one short line of plain text, the answer at a glance ("POSITIVE 98 %"):
             the playground's "All tasks" tab shows it beside the other tasks' answers. None: the
             result's JSON, shortened.
@@ -229,6 +235,7 @@ class TaskSpec:
     best_metric_goal: Literal["max", "min"] = "max"
     aliases: tuple[str, ...] = ()
     pipeline_output: Callable[[Any, Mapping[str, Any], bool], Any] | None = None
+    pipeline_arguments: Mapping[str, Callable[[Any], Mapping[str, Any]]] = field(default_factory=dict)
     brief: Callable[[Any], str] | None = None
     tuned_options: Mapping[str, str] = field(default_factory=dict)
     explain: Callable[..., Iterable[ExplainTarget]] | None = None  # (result, batch, **options)

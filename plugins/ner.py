@@ -503,6 +503,18 @@ def pipeline_output(result: dict, options, single: bool) -> list[dict]:
             for e in result["entities"]]
 
 
+def _aggregation_strategy(value) -> dict:
+    name = getattr(value, "value", value)  # (transformers' AggregationStrategy enum holds the name)
+    if isinstance(name, str) and name.lower() == "simple":
+        return {}
+    raise InputError(f"ner: aggregation_strategy {value!r:.80} is not offered: entities are whole words as the CRF "
+                     "tags them, grouped as aggregation_strategy='simple' groups them (the shape given); raw=True gives "
+                     "every word's tag and probabilities")
+
+
+PIPELINE_ARGUMENTS = {"aggregation_strategy": _aggregation_strategy}  # transformers' token-classification's
+
+
 def explain(result, batch, **_options) -> list[ExplainTarget]:
     """Per entity: the mean over its tokens of the probability of its type (B-, I-, ... tags of that
     type together, before the CRF), in the first window holding it."""
@@ -563,5 +575,6 @@ def register_tasks(register):
         best_metric="f1",
         aliases=("token-classification",),
         pipeline_output=pipeline_output,
+        pipeline_arguments=PIPELINE_ARGUMENTS,
         predict_many=predict_texts,
     ))

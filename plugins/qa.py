@@ -377,6 +377,16 @@ def pipeline_output(result: dict, options, single: bool):
     return answers[0] if top_k == 1 else answers[:top_k]
 
 
+def _handle_impossible_answer(value) -> dict:
+    if not isinstance(value, bool):
+        raise InputError(f"qa: handle_impossible_answer must be True or False, got {value!r:.80}")
+    return {} if value else {"no_answer": "never"}  # True: "no answer" as no_answer (default "eager") decides
+
+
+# transformers' question-answering arguments read under this task's names (TaskSpec.pipeline_arguments)
+PIPELINE_ARGUMENTS = {"handle_impossible_answer": _handle_impossible_answer, "topk": lambda value: {"top_k": value}}
+
+
 def explain(result, batch, **_options) -> list[ExplainTarget]:
     """The best answer's start and end (each a probability over the window's tokens) and the "no answer"
     decision (the null score minus the answer's, in logits: above 0 leans to "no answer"), in the window
@@ -445,6 +455,7 @@ def register_tasks(register):
         best_metric="f1",
         aliases=("question-answering",),
         pipeline_output=pipeline_output,
+        pipeline_arguments=PIPELINE_ARGUMENTS,
         evaluate=evaluate,
     ))
 

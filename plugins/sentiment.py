@@ -317,6 +317,31 @@ def pipeline_output(result: dict, options, single: bool):
     return [top] if single else top
 
 
+def _truncation(value) -> dict:
+    if value in (True, False, "longest_first", "only_first", "only_second", "do_not_truncate"):
+        return {}  # a text past max_length is cut either way (long_input="truncate"); "windows" reads it whole
+    raise InputError(f"sentiment: truncation must be True, False or a truncation strategy, got {value!r:.80}")
+
+
+def _function_to_apply(value) -> dict:
+    name = getattr(value, "value", value)  # (transformers' ClassificationFunction enum holds the name)
+    if isinstance(name, str) and name.lower() in FUNCTIONS:
+        return {"function": name.lower()}
+    raise InputError(f"sentiment: function_to_apply must be one of {FUNCTIONS}, got {value!r:.80}")
+
+
+def _return_all_scores(value) -> dict:
+    if not isinstance(value, bool):
+        raise InputError(f"sentiment: return_all_scores must be True or False, got {value!r:.80}")
+    return {"top_k": ALL_LABELS} if value else {}
+
+
+ALL_LABELS = 1 << 20  # top_k that keeps every label
+# transformers' text-classification arguments read under this task's names (TaskSpec.pipeline_arguments)
+PIPELINE_ARGUMENTS = {"truncation": _truncation, "function_to_apply": _function_to_apply,
+                      "return_all_scores": _return_all_scores}
+
+
 def explain(result, batch, *, temperature, **_options) -> list[ExplainTarget]:
     """Every label's score as shown (the same function and temperature), per label, best first; over the
     first window when the text was read in several (named so)."""
@@ -368,5 +393,6 @@ def register_tasks(register):
         best_metric="accuracy",
         aliases=("sentiment-analysis", "text-classification"),
         pipeline_output=pipeline_output,
+        pipeline_arguments=PIPELINE_ARGUMENTS,
         predict_many=classify_many,
     ))

@@ -306,3 +306,30 @@ def test_a_hub_revision_is_loaded_and_a_bad_one_refused(fake_hub, tmp_path, tiny
     for bad in (2, "", b"v2"):
         with pytest.raises(TypeError, match="revision must be a Hub branch, tag or commit"):
             pipeline("sentiment", "owner/tiny", revision=bad)
+
+
+def test_transformers_arguments_are_read_under_the_tasks_own_names(sentiment_folder):
+    """Arguments of the transformers pipelines a port brings along (TaskSpec.pipeline_arguments): read as the
+    task's own options where the engine has them, accepted where they ask for what it does anyway, refused
+    naming what it does instead; where the pipeline is made and per call alike."""
+    ours = pipeline("text-classification", model=str(sentiment_folder), device="cpu")
+    theirs = transformers.pipeline("text-classification", model=str(sentiment_folder), device="cpu")
+    for kwargs in ({"function_to_apply": "sigmoid"}, {"truncation": True}, {"function_to_apply": "none"}):
+        got, want = ours(REVIEWS, **kwargs), theirs(REVIEWS, **kwargs)
+        assert [g["label"] for g in got] == [w["label"] for w in want]
+        assert [g["score"] for g in got] == pytest.approx([w["score"] for w in want], abs=1e-4)
+    every = ours(REVIEWS[0], return_all_scores=True)
+    assert sorted(label["label"] for label in every) == ["NEGATIVE", "POSITIVE"]
+    assert pipeline("sentiment", model=str(sentiment_folder), function_to_apply="sigmoid")(REVIEWS[0])[0]["score"] == \
+        pytest.approx(ours(REVIEWS[0], function_to_apply="sigmoid")[0]["score"])
+    assert ours(REVIEWS[0], function_to_apply="sigmoid", function="softmax") == ours(REVIEWS[0])  # its own name wins
+    with pytest.raises(InputError, match="sentiment: function_to_apply must be one of"):
+        ours(REVIEWS[0], function_to_apply="relu")
+    with pytest.raises(InputError, match="ner: aggregation_strategy 'max' is not offered: .*'simple'"):
+        pipeline("ner", aggregation_strategy="max")
+    ask = pipeline("qa")
+    never = ask(question="Who?", context="Bob lives in London.", handle_impossible_answer=False)
+    assert never == ask(question="Who?", context="Bob lives in London.", no_answer="never") and never["answer"]
+    assert len(ask(question="Who lives in London?", context="Bob lives in London.", topk=2)) == 2
+    with pytest.raises(InputError, match="unknown option\\(s\\) not_an_argument"):
+        ask(question="Who?", context="Bob.", not_an_argument=1)

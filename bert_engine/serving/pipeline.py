@@ -45,7 +45,7 @@ class Pipeline:
         _check_arguments(raw=raw, batch_size=batch_size)
         self.predictor, self.raw, self.batch_size = predictor, raw, batch_size
         self.task = predictor.task
-        self.options = predictor.check_options(options)  # unknown options fail here, naming the known ones
+        self.options = predictor.check_options(translated(self.task.spec, options))  # unknown ones fail here, named
 
     def __call__(self, inputs: Any = None, /, *, raw: bool | None = None, **kwargs: Any) -> Any:
         """Answer one input (a text, a mapping of the task's fields, or for a pair task a (first, second)
@@ -57,7 +57,7 @@ class Pipeline:
         spec = self.task.spec
         fields = spec.input_fields + spec.optional_fields
         by_field = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
-        options = self.predictor.check_options({**self.options, **kwargs})
+        options = self.predictor.check_options({**self.options, **translated(spec, kwargs)})
         if by_field:
             if inputs is not None:
                 raise TypeError(f"{spec.name}: give the inputs either positionally or as {', '.join(fields)}=, not both")
@@ -182,6 +182,19 @@ def _check_arguments(**arguments: Any) -> None:
             raise InputError(f"pipeline: {name} must be True or False, got {value!r:.80}")
 
 
+def translated(spec, options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` with the transformers pipeline's arguments the task knows under other names
+    (TaskSpec.pipeline_arguments) turned into its own options; an option named by its own name wins. Other names
+    pass through (the task's checks refuse the unknown ones, naming them)."""
+    arguments = spec.pipeline_arguments
+    own = {k: v for k, v in options.items() if k not in arguments}
+    meant: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in arguments:
+            meant.update(arguments[name](value))
+    return {**meant, **own}
+
+
 def _from_fields(task: str, by_field: Mapping[str, Any]) -> Any:
     """question="...", context="..." -> one mapping; lists of equal length -> a list of mappings; a text beside
     lists goes with each of their rows (one question over several contexts, as transformers reads it).
@@ -228,7 +241,7 @@ def pipeline(task: str, model: str | None = None, *, revision: str | None = None
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):
         raise TypeError(f"revision must be a Hub branch, tag or commit (text), got {revision!r}")
     registered = find_task(registry or load_registry(), task)
-    check_task_options(registered.spec, options)  # a bad option fails before the model loads (seconds)
+    check_task_options(registered.spec, translated(registered.spec, options))  # fails before the model loads
     where = {"revision": revision} if revision is not None else {}
     return Pipeline(Predictor.load(registered, model, device=device, precision=precision, compile=compile, **where),
                     raw=raw, batch_size=batch_size, **options)
