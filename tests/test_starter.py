@@ -2,6 +2,7 @@
 predictions that an untrained head would not make, offline."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,24 @@ def test_another_tasks_starter_is_refused_naming_the_task_it_is_for(registry):
     for, not only which tensors are missing or unexpected."""
     from bert_engine.checkpoints.loading import CheckpointError
 
-    with pytest.raises(CheckpointError, match="it is a model of task 'ner' \\(its manifest.json\\): load it with "
-                                              "that task"):
-        Predictor.load(registry.task("sentiment"), str(STARTER_ROOT / "ner"))
+    folder = STARTER_ROOT / "ner"
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(folder))}: a model of task 'ner' \\(its manifest.json\\), "
+                                              "which does not fit the head of the task asked for: load it with task 'ner'"):
+        Predictor.load(registry.task("sentiment"), str(folder))
+
+
+def test_a_manifest_option_the_task_refuses_is_named_with_its_file(registry, tmp_path):
+    """A packed model whose manifest.json holds an option value the task refuses fails at load naming that file
+    (every request failed, naming an option its caller never gave)."""
+    import shutil
+
+    from bert_engine.checkpoints.loading import CheckpointError
+
+    folder = tmp_path / "sentiment"
+    shutil.copytree(STARTER_ROOT / "sentiment", folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["options"] = {**manifest.get("options", {}), "temperature": -5}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(folder / 'manifest.json'))}: its \"options\" hold a "
+                                              "value task 'sentiment' refuses \\(sentiment: temperature must be"):
+        Predictor.load(registry.task("sentiment"), str(folder))

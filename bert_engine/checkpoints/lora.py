@@ -298,9 +298,9 @@ def copy_adapter_weights(model: nn.Module, folder, *, grow: bool = False, b_scal
     if unexpected or missing:
         task = _manifest_task(Path(folder))
         if task is not None:  # the usual reason: another task's head (an NER adapter picked in the sentiment tab)
-            raise CheckpointError(f"{Path(folder).name}: does not fit this model; it is a model of task {task!r} (its "
-                                  f"manifest.json): load it with that task (missing {missing[:3]}, unexpected "
-                                  f"{unexpected[:3]})")
+            raise CheckpointError(f"{folder}: a model of task {task!r} (its manifest.json), which does not fit the "
+                                  f"head of the task asked for: load it with task {task!r} (missing {missing[:3]}, "
+                                  f"unexpected {unexpected[:3]})")
         raise CheckpointError(f"{path}: does not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}")
     slots = {}
     for name, tensor in weights.items():

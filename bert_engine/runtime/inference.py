@@ -270,12 +270,27 @@ def model_options(folder: Path, spec) -> dict[str, Any]:
     """The option defaults a model is served with, that the task knows: the task options it was
     trained with (`folder`/task_options.json, which training writes beside each checkpoint, e.g.
     NER's casing), under those of a packed model's manifest.json ("options": {name: value}). A
-    missing or unreadable file gives none; an unknown option is logged and left out."""
-    options = {**_options_in(Path(folder), TASK_OPTIONS_FILE), **_options_in(Path(folder), "manifest.json")}
-    unknown = sorted(set(options) - set(spec.options))
-    if unknown:
-        logger.warning("%s: option(s) %s are not options of task %r; ignored", folder, unknown, spec.name)
-    return {k: v for k, v in options.items() if k in spec.options}
+    missing or unreadable file gives none; an unknown option is logged and left out.
+
+    Raises:
+        CheckpointError: a value the task refuses (its check_options), naming the file it came from: every
+            request would otherwise fail naming an option its caller never gave."""
+    options: dict[str, Any] = {}
+    for name in (TASK_OPTIONS_FILE, "manifest.json"):
+        found = _options_in(Path(folder), name)
+        unknown = sorted(set(found) - set(spec.options))
+        if unknown:
+            logger.warning("%s: option(s) %s are not options of task %r; ignored", Path(folder) / name, unknown,
+                           spec.name)
+        found = {k: v for k, v in found.items() if k in spec.options}
+        if found and spec.check_options is not None:
+            try:
+                spec.check_options(MappingProxyType({**copy.deepcopy(dict(spec.options)), **found}))
+            except InputError as err:
+                raise CheckpointError(f"{Path(folder) / name}: its \"options\" hold a value task {spec.name!r} refuses "
+                                      f"({err}); correct or remove it") from None
+        options.update(found)
+    return options
 
 
 class Predictor:
