@@ -24,7 +24,7 @@ from plugins.qa_answerability import features, no_answer_probability, verifier_p
 from plugins.qa_data import read_data
 from plugins.qa_metric import metric
 from plugins.qa_spans import bands, whole_words
-from plugins.qa_view import answer_view, candidate_scores
+from plugins.qa_view import PIPELINE_ARGUMENTS, answer_view, candidate_scores, pipeline_output
 from plugins.starter import starter_checkpoint
 
 N_BEST_PER_WINDOW = 20  # best spans kept per window before merging across windows
@@ -359,32 +359,6 @@ EXAMPLES = (
      "context": "Florida is a state in the southeastern United States. Its capital is Tallahassee and its largest "
                 "city is Jacksonville."},
 )
-
-
-def pipeline_output(result: dict, options, single: bool):
-    """The question-answering pipeline's shape (transformers v4): {"score", "start", "end", "answer"},
-    a list of them with top_k > 1; "no answer" is {"score": its probability, "start": 0, "end": 0,
-    "answer": ""} as with handle_impossible_answer=True. Its probability is the one that decided: the
-    verifier's P(no answer) where the verifier refused (the span head's null share can be 0.3 % then),
-    else the span head's."""
-    answers = [{"score": a["score"], "start": a["start"], "end": a["end"], "answer": a["answer"]}
-               for a in result["answers"]]
-    verdict = result["no_answer"]
-    if verdict["predicted"] or not answers:
-        score = verdict["probability"] if verdict.get("rule") == "verifier" else verdict["score"]
-        answers = [{"score": score, "start": 0, "end": 0, "answer": ""}, *answers]
-    top_k = options.get("top_k") or 1
-    return answers[0] if top_k == 1 else answers[:top_k]
-
-
-def _handle_impossible_answer(value) -> dict:
-    if not isinstance(value, bool):
-        raise InputError(f"qa: handle_impossible_answer must be True or False, got {value!r:.80}")
-    return {} if value else {"no_answer": "never"}  # True: "no answer" as no_answer (default "eager") decides
-
-
-# transformers' question-answering arguments read under this task's names (TaskSpec.pipeline_arguments)
-PIPELINE_ARGUMENTS = {"handle_impossible_answer": _handle_impossible_answer, "topk": lambda value: {"top_k": value}}
 
 
 def explain(result, batch, **_options) -> list[ExplainTarget]:

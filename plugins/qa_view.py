@@ -1,10 +1,12 @@
 """The QA tab's views of a result: the answer marked inline in its context (an excerpt around it for a
-long context, cut at word boundaries) and the candidates for the bars."""
+long context, cut at word boundaries) and the candidates for the bars; and the result in the transformers
+question-answering pipeline's shape, with that pipeline's arguments read as this task's options."""
 
 from __future__ import annotations
 
 from html import escape
 
+from bert_engine.hookspecs import InputError
 from bert_engine.ui import percent
 
 EXCERPT_CHARS = 600  # a longer context shows this much around the answer, the whole text one click away
@@ -66,3 +68,29 @@ def candidate_scores(result: dict) -> dict[str, float]:
         scores[label] = a["score"]
     scores["(no answer)"] = result["no_answer"]["score"]
     return scores
+
+
+def pipeline_output(result: dict, options, single: bool):
+    """The question-answering pipeline's shape (transformers v4): {"score", "start", "end", "answer"},
+    a list of them with top_k > 1; "no answer" is {"score": its probability, "start": 0, "end": 0,
+    "answer": ""} as with handle_impossible_answer=True. Its probability is the one that decided: the
+    verifier's P(no answer) where the verifier refused (the span head's null share can be 0.3 % then),
+    else the span head's."""
+    answers = [{"score": a["score"], "start": a["start"], "end": a["end"], "answer": a["answer"]}
+               for a in result["answers"]]
+    verdict = result["no_answer"]
+    if verdict["predicted"] or not answers:
+        score = verdict["probability"] if verdict.get("rule") == "verifier" else verdict["score"]
+        answers = [{"score": score, "start": 0, "end": 0, "answer": ""}, *answers]
+    top_k = options.get("top_k") or 1
+    return answers[0] if top_k == 1 else answers[:top_k]
+
+
+def _handle_impossible_answer(value) -> dict:
+    if not isinstance(value, bool):
+        raise InputError(f"qa: handle_impossible_answer must be True or False, got {value!r:.80}")
+    return {} if value else {"no_answer": "never"}  # True: "no answer" as no_answer (default "eager") decides
+
+
+# transformers' question-answering arguments read under this task's names (TaskSpec.pipeline_arguments)
+PIPELINE_ARGUMENTS = {"handle_impossible_answer": _handle_impossible_answer, "topk": lambda value: {"top_k": value}}

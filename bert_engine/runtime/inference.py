@@ -114,8 +114,9 @@ class RequestWork:
     used: float = 0.0
 
     def check(self, flops: float, what: str = "the task's further passes") -> None:
-        """InputError when `flops` more would pass the limit (nothing charged)."""
-        if self.used + flops > self.limit:
+        """InputError when `flops` more would pass the limit, or alone pass one input's (a batch of inputs shares
+        its inputs' limits; no one input's search may take the others' share); nothing charged."""
+        if self.used + flops > self.limit or flops > max_request_flops():
             raise InputError(f"{self.task}: {what} would bring this request's work to {_gflop(self.used + flops)}; "
                              f"the limit per input is {_gflop(max_request_flops())} (BERT_ENGINE_MAX_GFLOP). Ask for "
                              "less (fewer masks, a smaller beam or top_k), or use a shorter text")

@@ -214,3 +214,19 @@ def test_a_postprocess_pass_past_the_work_bound_is_refused_before_it_runs(monkey
         assert REQUEST_WORK.get().used == pytest.approx(per_pass * len(runs))
     finally:
         REQUEST_WORK.reset(token)
+
+
+def test_one_inputs_search_may_not_take_its_batchs_other_shares(monkeypatch):
+    """A batch of inputs (a Space merges visitors' requests) may do each input's share of work after its forward
+    pass; a search checked for one input (context.check_work) may not use the others' shares."""
+    from bert_engine.runtime.inference import RequestWork
+
+    monkeypatch.setenv("BERT_ENGINE_MAX_GFLOP", "1")
+    work = RequestWork("fill_mask", limit=3e9)  # three inputs' shares
+    work.check(0.9e9)
+    with pytest.raises(InputError, match="the limit per input is 1 GFLOP"):
+        work.check(1.5e9)  # within the batch's 3 GFLOP, past one input's 1
+    for _ in range(3):
+        work.charge(0.9e9)  # passes of several inputs add up to the batch's shares
+    with pytest.raises(InputError):
+        work.charge(0.9e9)
