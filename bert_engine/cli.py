@@ -337,7 +337,12 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
             if (bad := not_utf8(line)) or not line.strip():
                 rows.append((number, bad or "the line is empty"))
                 continue
-            row = dict(zip(header, line.split("\t")))
+            values = line.split("\t")
+            if len(values) > len(header):  # a tab inside a text: what follows it would be dropped, unread
+                rows.append((number, f"{len(values)} tab-separated fields where the header names {len(header)}; a tab "
+                                     "inside a text must be written as a space"))
+                continue
+            row = dict(zip(header, values))
             rows.append((number, {f: row[f] for f in fields if row.get(f) is not None}))
         return rows
     return [(number, not_utf8(line) or {first: line}) for number, line in enumerate(lines, 1)]

@@ -8,6 +8,7 @@ GRADIO_SERVER_NAME / PORT, oneDNN's ONEDNN_MAX_CPU_ISA): their own documentation
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,6 +124,8 @@ def get(name: str) -> Any:
         value = _CONVERT[setting.kind](raw)
     except ValueError:
         raise ValueError(f"{name} must be {'an integer' if setting.kind == 'int' else 'a number'}, got {raw!r}") from None
+    if setting.kind == "float" and not math.isfinite(value):  # ("nan" turned a limit off: every comparison False)
+        raise ValueError(f"{name} must be a finite number, got {raw!r}")
     if setting.kind in ("int", "float") and value < 0:
         raise ValueError(f"{name} must not be negative, got {raw!r}")
     return value

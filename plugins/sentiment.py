@@ -318,7 +318,7 @@ def pipeline_output(result: dict, options, single: bool):
 
 
 def _truncation(value) -> dict:
-    if value in (True, False, "longest_first", "only_first", "only_second", "do_not_truncate"):
+    if isinstance(value, bool) or value in ("longest_first", "only_first", "only_second", "do_not_truncate"):
         return {}  # a text past max_length is cut either way (long_input="truncate"); "windows" reads it whole
     raise InputError(f"sentiment: truncation must be True, False or a truncation strategy, got {value!r:.80}")
 

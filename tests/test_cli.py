@@ -392,7 +392,7 @@ def test_a_tsv_field_past_csvs_limit_is_read_and_another_format_is_named(sentime
     """A TSV line's fields are its text between tabs, up to the input limit (Python's csv reader stopped at 131,072
     characters with a traceback); `eval` on a file of another format says so in one line, exit 2."""
     tsv = tmp_path / "long.tsv"
-    tsv.write_text("text\n" + "a fine film " * 17_000 + "\nshort\tignored column\n")  # 204,000 characters
+    tsv.write_text("text\n" + "a fine film " * 17_000 + "\nshort\n")  # 204,000 characters
     assert main(["predict", "sentiment", "--file", str(tsv), "--model", str(sentiment_checkpoint)]) == 0
     captured = capsys.readouterr()
     assert [json.loads(line)["line"] for line in captured.out.splitlines()] == [2, 3]
@@ -402,3 +402,15 @@ def test_a_tsv_field_past_csvs_limit_is_read_and_another_format_is_named(sentime
     assert main(["eval", "sentiment", "--data", str(squad_like), "--model", str(sentiment_checkpoint)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dev.json:1: expected a header line naming the columns 'sentence' and 'label'" in err[0]
+
+
+def test_a_tsv_line_with_more_fields_than_its_header_fails_alone(sentiment_checkpoint, tmp_path, capsys):
+    """A tab inside a text made a field the header does not name: what followed it was dropped, unread, and the
+    line answered; now that line fails, naming the counts, and the others are answered."""
+    tsv = tmp_path / "tabs.tsv"
+    tsv.write_text("text\ngreat\tawful awful terrible\nfine\n")
+    assert main(["predict", "sentiment", "--file", str(tsv), "--model", str(sentiment_checkpoint)]) == 1
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [line["line"] for line in lines] == [2, 3] and "result" in lines[1]
+    assert "2 tab-separated fields where the header names 1" in lines[0]["error"]

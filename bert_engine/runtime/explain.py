@@ -178,7 +178,8 @@ def explain(predictor: Predictor, inputs: Mapping[str, Any], *, method: str = "i
     limit = request_flop_limit(predictor)
     if cost > limit:
         raise InputError(f"{spec.name}: explaining {len(chosen)} number(s) over {sum(lengths.values()):,} tokens with "
-                         f"{steps} step(s) costs {cost / 1e12:.2f} TFLOP; the limit is {limit / 1e12:.2f} TFLOP. Use fewer "
+                         f"{steps} step(s) costs {cost / 1e9:,.1f} GFLOP; the limit is {limit / 1e9:,.1f} GFLOP ({EXPLAIN_BUDGET:g} x "
+                         "the most one prediction may cost: BERT_ENGINE_MAX_TOKENS, BERT_ENGINE_MAX_GFLOP). Use fewer "
                          "steps, gradient_x_input, fewer targets, or a shorter input")
     model, explained_on = gradient_model(predictor)
     with request_stage("explain"):

@@ -86,21 +86,26 @@ def check_request_cost(task: str, batch: Batch, limit: int | None = None, model:
     for index, rows in per_input.items():
         tokens = sum(rows)
         which = "the input" if len(per_input) == 1 else f"input {index}"
-        overlap = ("; the windows overlap and each repeats what comes before the text (a question), so a long text "
-                   "reaches the limit sooner than its length alone says") if len(rows) > 1 else ""
+        overlap = ("; the windows overlap (each repeats the end of the one before, and a question or first text "
+                   "where the task has one), so a long text reaches the limit sooner than its length alone says"
+                   ) if len(rows) > 1 else ""
+        detail = None
         if tokens > limit:
-            raise InputError(f"{task}: {which} needs {len(rows):,} window(s) with {tokens:,} tokens in all; the "
-                             f"limit per request is {limit:,} tokens over all windows (about {limit * 4:,} characters "
-                             f"of English read once{overlap}). Shorten the text, or truncate it if the task offers that")
-        if model is None:
-            continue
-        work = sum(row_flops(model, n) for n in rows)
-        total += work
-        if work > max_flops:
-            raise InputError(f"{task}: {which} needs {len(rows):,} window(s) with {tokens:,} tokens in all, "
-                             f"{_gflop(work)} of work through this model ({_gflop(work / max(tokens, 1))} a token); the "
-                             f"limit per request is {_gflop(max_flops)} (BERT_ENGINE_MAX_GFLOP){overlap}. Shorten the "
-                             "text, truncate it if the task offers that, or pick a smaller model")
+            detail = (f"needs {len(rows):,} window(s) with {tokens:,} tokens in all; the limit per request is "
+                      f"{limit:,} tokens over all windows (about {limit * 4:,} characters of English read once{overlap}). "
+                      "Shorten the text, or truncate it if the task offers that")
+        elif model is not None:
+            work = sum(row_flops(model, n) for n in rows)
+            total += work
+            if work > max_flops:
+                detail = (f"needs {len(rows):,} window(s) with {tokens:,} tokens in all, {_gflop(work)} of work through "
+                          f"this model ({_gflop(work / max(tokens, 1))} a token); the limit per request is "
+                          f"{_gflop(max_flops)} (BERT_ENGINE_MAX_GFLOP){overlap}. Shorten the text, truncate it if the "
+                          "task offers that, or pick a smaller model")
+        if detail is not None:
+            err = InputError(f"{task}: {which} {detail}")
+            err.input_index, err.input_detail = index, detail  # (predict_in_batches names its place in the list)
+            raise err
     return total
 
 
@@ -116,10 +121,13 @@ class RequestWork:
     def check(self, flops: float, what: str = "the task's further passes") -> None:
         """InputError when `flops` more would pass the limit, or alone pass one input's (a batch of inputs shares
         its inputs' limits; no one input's search may take the others' share); nothing charged."""
-        if self.used + flops > self.limit or flops > max_request_flops():
-            raise InputError(f"{self.task}: {what} would bring this request's work to {_gflop(self.used + flops)}; "
-                             f"the limit per input is {_gflop(max_request_flops())} (BERT_ENGINE_MAX_GFLOP). Ask for "
-                             "less (fewer masks, a smaller beam or top_k), or use a shorter text")
+        alone = flops > max_request_flops()
+        if alone or self.used + flops > self.limit:
+            total = flops if alone else self.used + flops
+            whose = "this input's" if alone or self.limit <= max_request_flops() else "this request's"
+            raise InputError(f"{self.task}: {what} would bring {whose} work to {_gflop(total)}; the limit per "
+                             f"input is {_gflop(max_request_flops())} (BERT_ENGINE_MAX_GFLOP). Ask the task for less "
+                             "(its options), or use a shorter text")
 
     def charge(self, flops: float, what: str = "the task's further passes") -> None:
         self.check(flops, what)
@@ -235,12 +243,13 @@ def check_unicode(task: str, field: str, value: str) -> None:
 
 
 _WORD = re.compile(r"\w")
-_READABLE = frozenset("LMNPS")  # letters, marks, numbers, punctuation, symbols: what a tokenizer reads as text
+_READABLE = frozenset("LNPS")  # letters, numbers, punctuation, symbols: what a tokenizer reads as text (marks
+# alone, combining accents and variation selectors, an uncased tokenizer strips: nothing is left)
 
 
 def readable(value: str) -> bool:
-    """Whether `value` holds a character a tokenizer reads as text (a letter, mark, number, punctuation or
-    symbol), not only control, format (zero-width) or separator characters, which every model reads as
+    """Whether `value` holds a character a tokenizer reads as text (a letter, number, punctuation or symbol),
+    not only control, format (zero-width), separator or lone combining characters, which every model reads as
     nothing and answered anyway (a zero-width space classified POSITIVE at 0.72)."""
     if _WORD.search(value):  # (most text: found at its first letter)
         return True
@@ -346,7 +355,8 @@ class Predictor:
         if checkpoint is not None and not str(checkpoint).strip():  # not "the default" in disguise
             raise ValueError("the model is empty: give a checkpoint folder or a Hub id, or leave it out for the "
                              "task's default")
-        settings.get("BERT_ENGINE_SHARE_CPUS")  # read at each forward chunk: a bad value fails here, named, not there
+        for name in ("BERT_ENGINE_SHARE_CPUS", "BERT_ENGINE_MAX_TOKENS", "BERT_ENGINE_MAX_GFLOP"):
+            settings.get(name)  # read at each request: a bad value fails here, at load, named, not as a plugin's bug
         name = checkpoint or task.spec.default_checkpoint or default_backbone()
         run = Path(str(name))
         if ((run / "train_config.json").is_file() and (run / "best").is_dir() and not (run / "config.json").exists()
@@ -689,7 +699,13 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
             if err.position is None or not 0 <= err.position < len(chunk):
                 raise
             raise InputError.at(spec.name, chunk[err.position], err.detail) from None
-        chunk_results = predictor.run(batch, options)
+        try:
+            chunk_results = predictor.run(batch, options)
+        except InputError as err:  # an input past the request limits: its place in the caller's list
+            index = getattr(err, "input_index", None)
+            if err.position is not None or index is None or not 0 <= index < len(chunk):
+                raise
+            raise InputError.at(spec.name, chunk[index], err.input_detail) from None
         for i, result in zip(chunk, chunk_results if len(chunk) > 1 else [chunk_results]):
             results[i] = result
         if on_batch is not None:

@@ -205,7 +205,7 @@ def test_a_postprocess_pass_past_the_work_bound_is_refused_before_it_runs(monkey
     try:
         runs = []
         predictor.model.encoder.register_forward_pre_hook(lambda *args: runs.append(1))
-        with pytest.raises(InputError, match="fill_mask: the task's further passes would bring this request's work"):
+        with pytest.raises(InputError, match="fill_mask: the task's further passes would bring this input's work"):
             for _ in range(1000):
                 predictor._encode(inputs)
         rows, length = inputs["input_ids"].shape
@@ -230,3 +230,30 @@ def test_one_inputs_search_may_not_take_its_batchs_other_shares(monkeypatch):
         work.charge(0.9e9)  # passes of several inputs add up to the batch's shares
     with pytest.raises(InputError):
         work.charge(0.9e9)
+
+
+def test_a_list_or_stream_names_the_input_past_the_limit_after_the_answers_before_it(monkeypatch):
+    """A request limit met by one input of a list (pipeline, predict_in_batches) names its place in the list; a
+    stream answers the inputs before it first."""
+    from bert_engine.serving.pipeline import Pipeline
+
+    predictor = tiny_predictor(REGISTRY.task("sentiment"))
+    monkeypatch.setenv("BERT_ENGINE_MAX_TOKENS", "600")
+    classify = Pipeline(predictor, long_input="windows")
+    texts = ["good", "bad", "great movie. " * 300, "fine"]
+    with pytest.raises(InputError, match="^sentiment: input 2: needs .* tokens in all; the limit per request is 600"):
+        classify(texts)
+    answered = []
+    with pytest.raises(InputError, match="^sentiment: input 2: needs"):
+        for answer in classify(iter(texts)):
+            answered.append(answer)
+    assert len(answered) == 2
+
+
+@pytest.mark.parametrize("value, message", [("abc", "must be a number"), ("nan", "must be a finite number"),
+                                            ("inf", "must be a finite number"), ("-5", "must not be negative")])
+def test_a_bad_work_limit_fails_the_load_naming_the_setting(monkeypatch, value, message):
+    """Not every request later, blamed on the task's plugin (the playground's model loads at start)."""
+    monkeypatch.setenv("BERT_ENGINE_MAX_GFLOP", value)
+    with pytest.raises(ValueError, match=f"BERT_ENGINE_MAX_GFLOP {message}"):
+        Predictor.load(REGISTRY.task("sentiment"), "plugins/starter/sentiment")
