@@ -13,6 +13,11 @@ from playground.app import serve_queue, warm_up
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 if __name__ == "__main__":
+    try:
+        settings.check_all()  # a bad BERT_ENGINE_* value: one line and exit 2, not every request failing later
+    except ValueError as err:
+        logging.getLogger("app").error("%s", err)
+        sys.exit(2)
     if settings.get("BERT_ENGINE_TUNE_MALLOC"):
         memory.tune_allocator()  # before any thread: a bounded number of arenas, tensors over 1 MB mmapped
     try:

@@ -131,6 +131,17 @@ def get(name: str) -> Any:
     return value
 
 
+def check_all() -> None:
+    """Read every setting once: a process that serves requests (the playground) refuses to start on a value of the
+    wrong type, named, instead of failing each request that reads it later.
+
+    Raises:
+        ValueError: the first setting whose value is refused, naming it.
+    """
+    for name in SETTINGS:
+        get(name)
+
+
 def table() -> str:
     """The settings as a Markdown table (docs/settings.md holds it)."""
     rows = ["| variable | type | default | read | what it does |", "|---|---|---|---|---|"]

@@ -1,6 +1,7 @@
 """bert_engine/settings.py: every BERT_ENGINE_* variable is declared there, read only through it, checked,
 and documented in docs/settings.md."""
 
+import os
 import re
 from pathlib import Path
 
@@ -64,3 +65,18 @@ def test_the_defaults_the_readme_states_are_the_settings_defaults():
     for name, number in stated.items():
         default = settings.SETTINGS[name].default
         assert float(number.replace(",", "")) == float(default), (name, number, default)
+
+
+def test_the_app_refuses_to_start_on_a_bad_value_naming_it(monkeypatch):
+    """Not every request failing later, blamed on a task's plugin: one line and exit 2 before anything loads."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("BERT_ENGINE_MAX_GFLOP", "nan")
+    with pytest.raises(ValueError, match="BERT_ENGINE_MAX_GFLOP must be a finite number, got 'nan'"):
+        settings.check_all()
+    env = {**os.environ, "BERT_ENGINE_MAX_GFLOP": "abc", "GRADIO_SERVER_PORT": "1"}
+    done = subprocess.run([sys.executable, "app.py"], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "ERROR app: BERT_ENGINE_MAX_GFLOP must be a number, got 'abc'" in done.stderr.splitlines()
