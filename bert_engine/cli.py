@@ -40,13 +40,41 @@ def _task(name: str):
         raise ValueError(str(err.args[0])) from None
 
 
-def _info(args: argparse.Namespace) -> dict:
-    from .checkpoints.loader import load
+def _info_task(args: argparse.Namespace):
+    """The task whose head `info` loads: --task, else (no --head) the task a local folder's manifest.json
+    names when it is a registered task's (a starter or packed model: its head is the task's, e.g. NER's CRF,
+    which no --head kind builds); None: load --head as given."""
+    from .checkpoints.lora import _manifest_task
 
-    loaded = load(args.model, args.head, revision=args.revision)
+    if args.task is not None:
+        if args.head not in (None, "auto"):
+            raise ValueError(f"--task {args.task!r} loads that task's own head; leave out --head {args.head!r}")
+        return _task(args.task)
+    folder = Path(str(args.model)).expanduser()
+    named = _manifest_task(folder) if args.head in (None, "auto") and folder.is_dir() else None
+    if named is None:
+        return None
+    try:
+        return _task(named)
+    except ValueError:  # a task no installed plugin registers: load as asked, and say why it may not fit
+        logger.warning("%s: its manifest.json names task %r, which no installed plugin registers", folder, named)
+        return None
+
+
+def _info(args: argparse.Namespace) -> dict:
+    from .checkpoints.hub import default_backbone
+    from .checkpoints.loader import load
+    from .runtime.inference import _staged_head
+
+    task = _info_task(args)
+    if task is not None and args.model is None:
+        args.model = task.spec.default_checkpoint or default_backbone()
+    head = _staged_head(task.spec.build_head) if task is not None else args.head
+    loaded = load(args.model, head, revision=args.revision)
     model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.model.config
     info = {
         "checkpoint": str(loaded.checkpoint.folder), "commit": loaded.checkpoint.commit,
+        "task": task.spec.name if task is not None else None,
         "model": type(model).__name__, "head": getattr(model, "head_name", None),
         "parameters": sum(p.numel() for p in model.parameters()),
         "config": config.to_dict(), "tokenizer_vocab_size": tokenizer.vocab_size,
@@ -657,6 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--revision", default=None, help="Hub branch, tag or commit")
     info = sub.add_parser("info", parents=[common], help="load a checkpoint and describe it")
     info.add_argument("--head", default=None, help="head to load (mlm, sequence, token, span, auto, ...)")
+    info.add_argument("--task", default=None, help="load the model with this task's own head (e.g. ner: its CRF); "
+                      "a folder whose manifest.json names a task loads with it when --head is not given")
     info.add_argument("--kernels", action="store_true", help="also the matmul kernel BERT_ENGINE_KERNELS=auto gives each "
                       "projection on this machine (oneDNN packed, MKL plain or bert_engine's tiled AVX2 kernel; for short "
                       "and long inputs; shown whatever BERT_ENGINE_KERNELS is set to) and their timings, and whose "
@@ -795,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
 
     verbose = args.verbose or args.command in ("train", "pretrain")  # training reports its progress
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if getattr(args, "model", "unset") is None and args.command in ("info", "encode"):
+    if getattr(args, "model", "unset") is None and (args.command == "encode"
+                                                     or (args.command == "info" and args.task is None)):
         args.model = default_backbone()
     # While the command runs, whatever code prints (a plugin's print, a library's banner, a subprocess) goes to
     # stderr: stdout carries the command's JSON alone, which scripts parse.

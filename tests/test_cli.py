@@ -167,24 +167,44 @@ def test_predict_file_under_torchrun_gives_the_single_process_output(sentiment_c
     assert shared.read_text() == single.read_text() and len(single.read_text().splitlines()) == 76
 
 
-def test_info_on_an_adapter_folder_without_a_head_says_which_task_and_how_to_load_it(tmp_path, capsys):
-    """`bert-engine info --model plugins/starter/ner` used to say only "needs its task's head", while --head
-    takes head kinds (sequence, token, ...), not task names."""
+def test_info_loads_a_task_model_with_its_task_head(capsys):
+    """`bert-engine info --model plugins/starter/ner` was refused: the adapter's head is NER's (a CRF over
+    token logits), which no --head kind builds (`--head token` was refused too). A folder whose manifest
+    names a registered task now loads with that task's head; --task says it for any folder."""
+    from pathlib import Path
+
+    starter = Path(__file__).resolve().parents[1] / "plugins" / "starter" / "ner"
+    assert main(["info", "--model", str(starter)]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["task"] == "ner" and found["head"] == "token" and found["config"]["num_hidden_layers"] == 6
+    assert main(["info", "--task", "ner", "--model", str(starter)]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == found["parameters"]
+    assert main(["info", "--task", "ner", "--head", "token", "--model", str(starter)]) == 2
+    assert "--task 'ner' loads that task's own head; leave out --head 'token'" in capsys.readouterr().err
+    assert main(["info", "--task", "no_such_task"]) == 2
+    assert "no task named 'no_such_task'" in capsys.readouterr().err
+
+
+def test_info_on_an_adapter_folder_without_a_head_says_which_task_and_how_to_load_it(tmp_path, capsys, caplog):
+    """An adapter folder whose manifest names no registered task, without --head: the refusal says how to
+    load it (--head takes head kinds: sequence, token, ...; not task names)."""
     import shutil
     from pathlib import Path
 
     starter = Path(__file__).resolve().parents[1] / "plugins" / "starter" / "ner"
-    assert main(["info", "--model", str(starter)]) == 2
-    err = capsys.readouterr().err
-    assert "pass --head (one of mlm, nsp, pretraining, sequence, span, token)" in err
-    assert f"`bert-engine predict ner --model {starter}` (its manifest says task 'ner')" in err
     copy = tmp_path / "adapter"
     copy.mkdir()
     shutil.copy(starter / "adapter_config.json", copy)
     (copy / "manifest.json").write_text(json.dumps({"task": "ner; rm -rf /"}))  # not a task name: not repeated
     assert main(["info", "--model", str(copy)]) == 2
     err = capsys.readouterr().err
+    assert "pass --head (one of mlm, nsp, pretraining, sequence, span, token)" in err
     assert "rm -rf" not in err and "`bert-engine predict TASK --model FOLDER`" in err
+    (copy / "manifest.json").write_text(json.dumps({"task": "parsing"}))  # a task no plugin registers
+    assert main(["info", "--model", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert "its manifest.json names task 'parsing', which no installed plugin registers" in caplog.text
+    assert f"`bert-engine predict parsing --model {copy}` (its manifest says task 'parsing')" in err
 
 
 def test_bad_lines_leave_the_rest_of_their_batch_batched(sentiment_checkpoint, tmp_path, capsys, monkeypatch):
