@@ -360,6 +360,12 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
         if missing:
             raise ValueError(f"{path}:1: the header must name the task's fields {', '.join(fields)}; "
                              f"missing {', '.join(missing)}")
+        # A column the task does not read was dropped unread (a misspelt optional field, "text_pari", answered
+        # without it); JSON Lines refuses such a field per line, a header refuses it once.
+        unknown = [name for name in header if name not in fields]
+        if unknown:
+            raise ValueError(f"{path}:1: the header names column(s) {', '.join(map(repr, unknown))} the task does not "
+                             f"read; its fields are {', '.join(fields)} (remove the others)")
         rows = []
         for number, line in enumerate(lines[1:], 2):  # one row per line (no quoting): its number is its line's
             if (bad := not_utf8(line)) or not line.strip():
@@ -701,7 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="an input field, e.g. -i text='great movie' (repeat for several fields); with --file, a "
                               "field the lines leave out, the same for every line")
     predict.add_argument("--file", help="many inputs: .jsonl (objects keyed by the task's fields), .tsv (a header "
-                                        "naming them) or plain text (one input per line for the first field); "
+                                        "naming them, and no other columns) or plain text (one input per line for the first field); "
                                         "answers stream as JSON Lines, exit code 1 if any line failed")
     predict.add_argument("--output", help="with --file: write the JSON Lines here instead of stdout; under "
                                           "torchrun the processes share the lines and the first writes them, in order")

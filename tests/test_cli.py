@@ -437,3 +437,14 @@ def test_a_tsv_line_with_more_fields_than_its_header_fails_alone(sentiment_check
     lines = [json.loads(line) for line in captured.out.splitlines()]
     assert [line["line"] for line in lines] == [2, 3] and "result" in lines[1]
     assert "2 tab-separated fields where the header names 1" in lines[0]["error"]
+
+
+def test_a_tsv_header_naming_a_column_the_task_does_not_read_is_refused(tmp_path, capsys):
+    """A misspelt optional field ("text_pari") was dropped unread and every line answered without it, while
+    JSON Lines refuses an unknown field: the header is refused once, naming the column and the task's fields."""
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("text\ttext_pari\nA man plays.\tSomeone plays.\n")
+    assert main(["predict", "sentiment", "--file", str(tsv)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pairs.tsv:1: the header names column(s) 'text_pari' the task does not read; its " \
+        "fields are text, text_pair (remove the others)" in err[0], err
