@@ -195,8 +195,9 @@ class TaskSpec:
             that transformers pipeline the task reads under other names (sentiment's function_to_apply is its
             `function`), or that need nothing of it (truncation=True); raise InputError for a value it
             cannot honour, naming what it does instead. `bert_engine.pipeline` translates them where the
-            pipeline is made and per call (an option given by its own name too wins); none may be named as
-            one of the task's own options.
+            pipeline is made and per call; two that set one option differently are refused, naming both. One
+            named as a task option reads the value given under that name (sentiment's top_k=None: every
+            label, as transformers reads it; left out, the option keeps its default).
         brief: (result) -> one short line of plain text, the answer at a glance ("POSITIVE 98 %"):
             the playground's "All tasks" tab shows it beside the other tasks' answers. None: the
             result's JSON, shortened.

@@ -154,7 +154,7 @@ def postprocess(output: SentimentOutput, batch, *, top_k, function, long_input, 
             "label": ranked[0][0], "label_id": output.labels.index(ranked[0][0]), "score": _round(ranked[0][1]),
             "labels": [{"label": label, "score": _round(score)} for label, score in ranked],
             "logits": [_round(x) for x in ((logits[rows] * weights[rows]).sum(0) / weights[rows].sum()).tolist()],
-            "function": used, "temperature": temperature, "normalised": used == "softmax" and top_k is None,
+            "function": used, "temperature": temperature, "normalised": used == "softmax" and len(ranked) == len(output.labels),
             "long_input": {"policy": long_input, "windows": len(rows), "truncated": bool(batch.truncated[i])},
         })
     return results[0] if len(results) == 1 else results
@@ -336,10 +336,16 @@ def _return_all_scores(value) -> dict:
     return {"top_k": ALL_LABELS} if value else {}
 
 
+def _top_k(value) -> dict:
+    """transformers reads top_k=None, given, as every label (left out: the top one); this task's own None
+    (its default) ranks them all in the result, and the pipeline shape shows the top one."""
+    return {"top_k": ALL_LABELS if value is None else value}
+
+
 ALL_LABELS = 1 << 20  # top_k that keeps every label
 # transformers' text-classification arguments read under this task's names (TaskSpec.pipeline_arguments)
 PIPELINE_ARGUMENTS = {"truncation": _truncation, "function_to_apply": _function_to_apply,
-                      "return_all_scores": _return_all_scores}
+                      "return_all_scores": _return_all_scores, "top_k": _top_k}
 
 
 def explain(result, batch, *, temperature, **_options) -> list[ExplainTarget]:

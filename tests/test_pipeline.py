@@ -308,6 +308,15 @@ def test_a_hub_revision_is_loaded_and_a_bad_one_refused(fake_hub, tmp_path, tiny
             pipeline("sentiment", "owner/tiny", revision=bad)
 
 
+def _labels(answer):
+    """A text-classification answer's shape with its labels (lists nest as the pipeline nests them)."""
+    return [_labels(a) for a in answer] if isinstance(answer, list) else (answer["label"], sorted(answer))
+
+
+def _scores(answer) -> list[float]:
+    return [s for a in answer for s in _scores(a)] if isinstance(answer, list) else [answer["score"]]
+
+
 def test_transformers_arguments_are_read_under_the_tasks_own_names(sentiment_folder):
     """Arguments of the transformers pipelines a port brings along (TaskSpec.pipeline_arguments): read as the
     task's own options where the engine has them, accepted where they ask for what it does anyway, refused
@@ -322,7 +331,23 @@ def test_transformers_arguments_are_read_under_the_tasks_own_names(sentiment_fol
     assert sorted(label["label"] for label in every) == ["NEGATIVE", "POSITIVE"]
     assert pipeline("sentiment", model=str(sentiment_folder), function_to_apply="sigmoid")(REVIEWS[0])[0]["score"] == \
         pytest.approx(ours(REVIEWS[0], function_to_apply="sigmoid")[0]["score"])
-    assert ours(REVIEWS[0], function_to_apply="sigmoid", function="softmax") == ours(REVIEWS[0])  # its own name wins
+    with pytest.raises(InputError, match="function_to_apply='sigmoid' and function='softmax' ask for different "
+                                         "'function'; give one of them"):  # (one of them silently won)
+        ours(REVIEWS[0], function_to_apply="sigmoid", function="softmax")
+    assert ours(REVIEWS[0], function_to_apply="softmax", function="softmax") == ours(REVIEWS[0])  # the same: fine
+    # top_k=None, given, is every label (transformers' replacement for return_all_scores); left out, the top one
+    for kwargs in ({"top_k": None}, {"top_k": 2}, {"top_k": 1}, {}):
+        got, want = ours(REVIEWS[0], **kwargs), theirs(REVIEWS[0], **kwargs)
+        assert [g["label"] for g in got] == [w["label"] for w in want], kwargs
+        assert [g["score"] for g in got] == pytest.approx([w["score"] for w in want], abs=1e-4)
+        got, want = ours(REVIEWS, **kwargs), theirs(REVIEWS, **kwargs)  # (a list of texts: nested per text)
+        assert _labels(got) == _labels(want) and _scores(got) == pytest.approx(_scores(want), abs=1e-4), kwargs
+    assert len(pipeline("sentiment", model=str(sentiment_folder), top_k=None)(REVIEWS[0])) == 2
+    with pytest.raises(InputError, match="return_all_scores=True and top_k=1 ask for different 'top_k'"):
+        ours(REVIEWS[0], return_all_scores=True, top_k=1)
+    with pytest.raises(InputError, match="qa: handle_impossible_answer=False and no_answer='eager' ask for different"):
+        pipeline("qa")(question="Who?", context="Bob lives in London.", handle_impossible_answer=False,
+                       no_answer="eager")
     with pytest.raises(InputError, match="sentiment: function_to_apply must be one of"):
         ours(REVIEWS[0], function_to_apply="relu")
     with pytest.raises(InputError, match="ner: aggregation_strategy 'max' is not offered: .*'simple'"):

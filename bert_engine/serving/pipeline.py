@@ -184,15 +184,22 @@ def _check_arguments(**arguments: Any) -> None:
 
 def translated(spec, options: Mapping[str, Any]) -> dict[str, Any]:
     """`options` with the transformers pipeline's arguments the task knows under other names
-    (TaskSpec.pipeline_arguments) turned into its own options; an option named by its own name wins. Other names
-    pass through (the task's checks refuse the unknown ones, naming them)."""
+    (TaskSpec.pipeline_arguments) turned into its own options. Other names pass through (the task's checks
+    refuse the unknown ones, naming them).
+
+    Raises:
+        InputError: two arguments that set one option to different values (`handle_impossible_answer=False`
+            beside `no_answer="cautious"`), naming both, rather than one silently winning."""
     arguments = spec.pipeline_arguments
-    own = {k: v for k, v in options.items() if k not in arguments}
-    meant: dict[str, Any] = {}
+    chosen: dict[str, Any] = {}
+    said_by: dict[str, str] = {}  # option -> the argument that set it first, in the caller's order
     for name, value in options.items():
-        if name in arguments:
-            meant.update(arguments[name](value))
-    return {**meant, **own}
+        for option, setting in (arguments[name](value) if name in arguments else {name: value}).items():
+            if option in chosen and chosen[option] != setting:
+                raise InputError(f"{spec.name}: {said_by[option]} and {name}={value!r:.80} ask for different "
+                                 f"{option!r}; give one of them")
+            chosen[option], said_by[option] = setting, said_by.get(option, f"{name}={value!r:.80}")
+    return chosen
 
 
 def _from_fields(task: str, by_field: Mapping[str, Any]) -> Any:

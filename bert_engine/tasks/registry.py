@@ -275,8 +275,6 @@ class Registry:
         arguments = spec.pipeline_arguments
         if not isinstance(arguments, Mapping) or not all(isinstance(k, str) and callable(v) for k, v in arguments.items()):
             problems.append(f"pipeline_arguments must map argument names to callables, got {arguments!r:.80}")
-        elif clash := sorted(set(arguments) & set(spec.options)):
-            problems.append(f"pipeline_arguments {clash} are the task's own options (those come first: drop them)")
         if spec.best_metric_goal not in ("max", "min"):
             problems.append(f"best_metric_goal must be 'max' or 'min', got {spec.best_metric_goal!r}")
         host = sorted(n for n in {spec.name, *spec.aliases} if isinstance(n, str) and is_host_endpoint(n))
