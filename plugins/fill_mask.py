@@ -198,10 +198,16 @@ def postprocess(output: FillMaskOutput, batch, *, context: TaskContext, **option
             found = output.head.logits(states[rows, columns]).split([len(positions[i]) for i in shared])
             for i, part_logits in zip(shared, found):
                 logits[i] = part_logits
-    results = [_one_result(FillMaskOutput(output.hidden_states[i:i + 1, :part.input_ids.shape[1]], output.head,
-                                          output.encoder), part, context=context, logits=logits[i],
-                           positions=positions[i], **options)
-               for i, part in enumerate(parts)]
+    results = []
+    for i, part in enumerate(parts):
+        try:
+            results.append(_one_result(FillMaskOutput(output.hidden_states[i:i + 1, :part.input_ids.shape[1]],
+                                                      output.head, output.encoder), part, context=context,
+                                       logits=logits[i], positions=positions[i], **options))
+        except InputError as err:  # (a joint search past the work limit): which text of the list
+            if len(parts) == 1 or err.position is not None:
+                raise
+            raise InputError.at("fill_mask", i, str(err).removeprefix("fill_mask: ")) from None
     return results[0] if len(results) == 1 else results
 
 

@@ -701,11 +701,12 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
             raise InputError.at(spec.name, chunk[err.position], err.detail) from None
         try:
             chunk_results = predictor.run(batch, options)
-        except InputError as err:  # an input past the request limits: its place in the caller's list
-            index = getattr(err, "input_index", None)
-            if err.position is not None or index is None or not 0 <= index < len(chunk):
+        except InputError as err:  # about one input (past the request limits, or a postprocess's InputError.at)
+            index, detail = ((err.position, err.detail) if err.position is not None
+                             else (getattr(err, "input_index", None), getattr(err, "input_detail", "")))
+            if index is None or not 0 <= index < len(chunk):
                 raise
-            raise InputError.at(spec.name, chunk[index], err.input_detail) from None
+            raise InputError.at(spec.name, chunk[index], detail) from None
         for i, result in zip(chunk, chunk_results if len(chunk) > 1 else [chunk_results]):
             results[i] = result
         if on_batch is not None:

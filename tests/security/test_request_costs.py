@@ -189,6 +189,22 @@ def test_a_joint_search_past_the_work_bound_is_refused_before_any_pass(monkeypat
     assert len(passes) == 1 and len(encoder_passes) == 1  # the request's own forward, no pass of the search
 
 
+def test_a_joint_search_refused_in_a_list_names_its_input(monkeypatch):
+    """In a list of texts (one batch, one postprocess), the joint search past the bound was refused naming the
+    search alone; now it names which text of the caller's list, as a request limit does."""
+    from bert_engine.serving.pipeline import Pipeline
+
+    predictor = tiny_predictor(REGISTRY.task("fill_mask"))
+    many = "The [MASK] sat on the [MASK] near the [MASK] of the [MASK] house."
+    monkeypatch.setenv("BERT_ENGINE_MAX_GFLOP", str(_gflop_needed(predictor, {"text": many}, mode="joint",
+                                                                   beam_width=16) * 20))
+    fill = Pipeline(predictor, raw=True, mode="joint", beam_width=16)
+    texts = ["A [MASK] day.", "The [MASK] is [MASK].", many, "One [MASK]."]
+    with pytest.raises(InputError, match=r"^fill_mask: input 2: mode joint over 4 masks \(16 beams"):
+        fill(texts)
+    assert len(fill(texts[:2] + texts[3:])) == 3
+
+
 def test_a_postprocess_pass_past_the_work_bound_is_refused_before_it_runs(monkeypatch):
     """A task's postprocess that re-encodes without checking first (a third-party plugin) is stopped at the
     pass that would take the request past its bound, before that pass runs."""
