@@ -175,10 +175,19 @@ class SelfAttention(nn.Module):
         self.dropout_p = config.attention_probs_dropout_prob
         self.attend = ATTENTION_BACKENDS[config.attn_backend]
 
+    # Set by runtime.fast.use_attention where bert_engine's own attention (fused_layer.c, each sequence over its own
+    # tokens, no padding) timed faster than torch's on this machine: for inference, it answers None where it does
+    # not apply and the backend runs.
+    native: Callable[..., Tensor | None] | None = None
+
     def forward(self, x: Tensor, mask: Tensor | None, need_weights: bool = False,
                 unpadded: Unpadded | None = None) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, H), or (R, H) real tokens with `unpadded` saying where they lie in (B, T)."""
         qkv = self.qkv(x)  # (B, T, 3H) or (R, 3H)
+        if self.native is not None and not need_weights and not self.training:
+            context = self.native(self, qkv, mask, unpadded)  # (B, T, H) or (R, H), as qkv
+            if context is not None:
+                return self.out(context), None
         if unpadded is not None:
             qkv = unpadded.pad(qkv)  # (B, T, 3H): attention needs the batch layout
         B, T, H3 = qkv.shape

@@ -379,14 +379,17 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
     task = load_registry(entry_points=False).task("sentiment")
     predictor = Predictor.load(task, None, precision="fp32")
     choice = predictor.model.kernel_choice
-    assert set(choice) == set(fast.PROJECTIONS)
+    attention = fast.native.library() is not None  # (the layers' attention is a choice where the C code runs)
+    assert set(choice) == set(fast.PROJECTIONS) | ({fast.ATTENTION} if attention else set())
+    assert not attention or choice[fast.ATTENTION]["chose"] == fast.pick_attention(choice[fast.ATTENTION]["rows"])
+    projections = {name: c for name, c in choice.items() if name != fast.ATTENTION}
     classes = {fast.PackedLinear: "packed", nn.Linear: "plain", fast.TiledLinear: "tiled"}
     layer = predictor.model.encoder.layers[0]
     kinds = {"qkv": layer.attention.qkv, "out": layer.attention.out, "up": layer.ffn.up, "down": layer.ffn.down}
     # each projection's pick from its own timings, then favour_fusion over the four (AVX2 CPUs: all four tiled
     # where fusing costs their matmuls little)
     expected = {}
-    for name, found in choice.items():
+    for name, found in projections.items():
         short = {n: t for n, t in found["rows"].items() if int(n) <= fast.COLD_ROWS}
         long = {n: t for n, t in found["rows"].items() if int(n) > fast.COLD_ROWS}
         picked = {"rows": found["rows"], "chose": fast.pick_kernel({"rows": short}, fast.short_rows_incumbent())}
@@ -395,7 +398,7 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
             picked["past_rows"] = [fast.COLD_ROWS, fast.pick_kernel({"rows": long})]
         expected[name] = picked
     fast.favour_fusion(expected)
-    for name, found in choice.items():
+    for name, found in projections.items():
         assert fast.choice_tiers(found) == fast.choice_tiers(expected[name]), name
         module, tiers = kinds[name], []
         while isinstance(module, fast.RowSwitch):  # tiers: kernel up to rows, then the next ...
@@ -404,7 +407,7 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
         assert (*tiers, classes[type(module)]) == fast.choice_tiers(found), name
     assert predictor.provenance()["kernels"] == {name: fast.kernel_label(c) for name, c in choice.items()}
     layers = "layer_rows" in choice["qkv"]  # where the tiled kernel is AVX-512 wide: whole layers timed, kept too
-    assert len(json.loads(cache.read_text())) == 4 + layers
+    assert len(json.loads(cache.read_text())) == 4 + layers + attention
     assert layers == (fast.short_rows_incumbent() != "tiled" and fast.native.library() is not None
                       and fast.native.isa() == 512)
     # keyed by what the kernels can use, not the model name alone (an "AMD EPYC" VM is AVX2 or AVX-512)
@@ -415,6 +418,7 @@ def test_kernels_are_chosen_per_machine_timed_once_and_kept(tmp_path, monkeypatc
 
     monkeypatch.setattr(fast, "time_kernels", no_timing)
     monkeypatch.setattr(fast, "time_layers", no_timing)
+    monkeypatch.setattr(fast, "time_attention", no_timing)
     again = Predictor.load(task, None, precision="fp32").model.kernel_choice
     assert again == choice
     text = {"text": "A gorgeous, witty, seductive movie."}
@@ -444,7 +448,7 @@ def test_a_masked_lm_heads_decoder_is_a_kernel_choice_too(tmp_path, monkeypatch)
     task = load_registry(entry_points=False).task("fill_mask")
     auto = Predictor.load(task, None, precision="fp32")
     choice = auto.model.kernel_choice
-    assert set(choice) == set(fast.KERNEL_CHOICES)
+    assert set(choice) - {fast.ATTENTION} == set(fast.KERNEL_CHOICES)  # (and the attention where the C code runs)
     assert isinstance(auto.model.head.decoder, fast.PackedLinear) == (choice["decoder"]["chose"] == "packed")
     assert any(key.endswith("x30522|decoder") for key in json.loads((tmp_path / "kernels.json").read_text()))
     text = {"text": "The capital of France is [MASK]."}

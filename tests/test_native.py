@@ -181,7 +181,7 @@ def test_short_and_long_rows_get_their_own_kernel_and_the_provenance_says_so(mon
     reference = copy.deepcopy(model)
     monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     prepare_for_inference(model, "fp32")
-    labels = {name: fast.kernel_label(c) for name, c in model.kernel_choice.items()}
+    labels = {name: fast.kernel_label(c) for name, c in model.kernel_choice.items() if name != fast.ATTENTION}
     assert labels == {"qkv": f"tiled up to {fast.COLD_ROWS} rows, then packed",
                       "out": f"packed up to {fast.COLD_ROWS} rows, then plain", "up": "tiled", "down": "packed"}
     layer = model.layers[0]
@@ -404,7 +404,7 @@ def test_a_kernel_cache_edited_by_hand_is_timed_again_not_read_into_a_crash(monk
     choice = fast.choose_kernels(model, cache)
     kept = json.loads(cache.read_text())
     layers, = (k for k in kept if " layers|" in k)
-    projection = next(k for k in kept if k != layers)
+    projection = next(k for k in kept if k != layers and "|attention|" not in k)
     timed = []
     real_kernels, real_layers = fast.time_kernels, fast.time_layers
     monkeypatch.setattr(fast, "time_kernels", lambda *a, **k: timed.append("kernels") or real_kernels(*a, **k))
@@ -430,7 +430,13 @@ def test_a_kernel_cache_edited_by_hand_is_timed_again_not_read_into_a_crash(monk
     monkeypatch.setattr(fast, "KERNEL_CACHE_BYTES", cache.stat().st_size - 1)  # a file larger than a cache is
     timed.clear()
     assert set(fast.choose_kernels(model, cache)) == set(choice)  # not read: everything timed afresh
-    assert timed.count("kernels") == len(choice) and timed.count("layers") == 1
+    assert timed.count("kernels") == len(set(choice) - {fast.ATTENTION}) and timed.count("layers") == 1
+    attention, = (k for k in kept if "|attention|" in k)  # the attention's timings: retimed where broken, too
+    cache.write_text(json.dumps({**kept, attention: {**kept[attention], "rows": {"24": {"sdpa": "x"}}}}))
+    monkeypatch.setattr(fast, "time_attention", lambda *a, **k: timed.append("attention") or {"24": {"sdpa": 2.0,
+                                                                                                  "native": 1.0}})
+    timed.clear()
+    assert fast.choose_kernels(model, cache)[fast.ATTENTION]["chose"] == "native" and timed == ["attention"]
 
 
 @pytest.mark.busy_meter
@@ -493,6 +499,8 @@ def test_timings_taken_on_a_busy_machine_are_taken_again_at_the_next_loads(monke
         kernel: dict.fromkeys(rows, seconds) for kernel, seconds in (("packed", 2e-3), ("plain", 3e-3), ("tiled", 1e-3))})
     monkeypatch.setattr(fast, "time_layers", lambda layers, unfused: timed.append("layers") or {
         "16": {"fused": 1.0, "unfused": 2.0}})
+    monkeypatch.setattr(fast, "time_attention", lambda hidden, heads: timed.append("attention") or {
+        "24": {"sdpa": 2.0, "native": 1.0}})
     cache = tmp_path / "kernels.json"
     projections = len(fast._projections(model.layers[0]))
 
@@ -503,11 +511,11 @@ def test_timings_taken_on_a_busy_machine_are_taken_again_at_the_next_loads(monke
         kept = json.loads(cache.read_text())
         return sorted(timed), {(e["busy"], e["tries"]) for e in kept.values()}
 
-    every = sorted(["kernels"] * projections + ["layers"])
+    every = sorted(["kernels"] * projections + ["layers", "attention"])
     with caplog.at_level(logging.INFO, logger="bert_engine.runtime.fast"):
         assert load(0.5) == (every, {(0.5, 1)})
-    assert caplog.text.count("timed again at the next load") == 1  # one line for the five entries
-    assert ("kernel timings (qkv, out, up, down, whole layers) taken while other work used 50 % of the CPUs: timed "
+    assert caplog.text.count("timed again at the next load") == 1  # one line for the six entries
+    assert ("kernel timings (qkv, out, up, down, whole layers, attention) taken while other work used 50 % of the CPUs: timed "
             "again at the next load (2 of 3)") in caplog.text
     assert load(0.6) == (every, {(0.5, 2)})  # busier than the first: the first kept
     assert load(0.1) == (every, {(0.1, 3)})  # quieter: kept, and settled
@@ -618,7 +626,8 @@ def test_kernel_timings_of_another_build_are_taken_again(monkeypatch, tmp_path):
     assert timed == []  # the same build: read back
     monkeypatch.setattr(native, "build", lambda: "another-build")
     again = fast.choose_kernels(model, tmp_path / "kernels.json")
-    assert len(timed) == len(again) and all(c["tiled_build"] == "another-build" for c in again.values())
+    assert len(timed) == len(set(again) - {fast.ATTENTION})  # (each projection's; the attention's build too:)
+    assert all(c["tiled_build"] == "another-build" for c in again.values())
 
 
 def test_a_fixed_choice_without_the_tiled_kernel_never_builds_it(fresh_native, monkeypatch):

@@ -1035,12 +1035,93 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
     return first if first is not None else y
 
 
+def native_attention(attention: nn.Module, qkv: Tensor, mask: Tensor | None, unpadded: Any) -> Tensor | None:
+    """model.SelfAttention's context, (B, T, H) or (R, H) as `qkv` (B, T, 3H) or (R, 3H), from fused_layer.c's
+    attention (each sequence and head over its own tokens: no padding computed), or None where it does not apply
+    and the attention backend runs: not fp32 on the CPU, gradients wanted, padding left in the rows (`mask`
+    without `unpadded`, or a mask with holes), a head width the C code does not take. Its values differ from
+    torch's in the last bits (the sums' order: 3e-7 here; tested)."""
+    if qkv.dtype != torch.float32 or not qkv.is_cpu or (qkv.requires_grad and torch.is_grad_enabled()):
+        return None
+    offsets = _sequence_offsets(qkv, mask, unpadded)
+    if offsets is None:
+        return None
+    qkv = qkv.contiguous()
+    hidden = qkv.shape[-1] // 3
+    rows = qkv.numel() // (3 * hidden)
+    context = torch.empty(*qkv.shape[:-1], hidden, dtype=torch.float32)
+    status = native.library().fused_attention(qkv.data_ptr(), rows, offsets.data_ptr(), offsets.numel() - 1, hidden,
+                                              attention.num_heads, context.data_ptr(), torch.get_num_threads())
+    return context if status == 0 else None
+
+
+def use_attention(model: nn.Module, kernel: str | None) -> None:
+    """The encoder layers' attention through `kernel` (ATTENTION's choice): "native" (native_attention) or torch's
+    backend ("sdpa", None), in place."""
+    wanted = native_attention if kernel == "native" and native.library() is not None else None
+    for layer in encoder_of(model).layers:
+        layer.attention.native = wanted
+
+
+def time_attention(hidden: int, heads: int, shapes: Iterable[tuple[int, int]] | None = None,
+                   repeats: int = 7) -> dict[str, dict[str, float]]:
+    """Milliseconds of each (sequences, tokens) of `shapes` through a layer's attention: "sdpa", torch's
+    scaled_dot_product_attention as model.SelfAttention runs it (without a padding mask, which only adds to
+    its time), and "native", fused_layer.c's (native_attention); the two take turns, each keeping the fastest
+    of `repeats` rounds. Keyed by the shape's tokens in all."""
+    timed: dict[str, dict[str, float]] = {}
+    for sequences, tokens in ATTENTION_SHAPES if shapes is None else shapes:
+        best = _attention_best(hidden, heads, sequences, tokens, repeats)
+        timed[str(sequences * tokens)] = {name: round(1000 * seconds, 4) for name, seconds in best.items()}
+    return timed
+
+
+def _attention_best(hidden: int, heads: int, sequences: int, tokens: int, repeats: int) -> dict[str, float]:
+    """time_attention's seconds for one shape: the fastest of `repeats` rounds each, taking turns."""
+    lib, width = native.library(), hidden // heads
+    qkv = torch.randn(sequences * tokens, 3 * hidden, generator=torch.Generator().manual_seed(tokens))
+    offsets = torch.arange(0, sequences * tokens + 1, tokens, dtype=torch.int64)
+    context = torch.empty(sequences * tokens, hidden)
+
+    def sdpa() -> None:
+        q, k, v = qkv.view(sequences, tokens, 3, heads, width).permute(2, 0, 3, 1, 4)
+        F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(sequences * tokens, hidden)
+
+    def own() -> None:
+        lib.fused_attention(qkv.data_ptr(), sequences * tokens, offsets.data_ptr(), sequences, hidden, heads,
+                            context.data_ptr(), torch.get_num_threads())
+
+    best = {"sdpa": math.inf, "native": math.inf}
+    with torch.inference_mode():
+        sdpa(), own()  # warm-up
+        for _ in range(repeats):
+            for name, run in (("sdpa", sdpa), ("native", own)):
+                began = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - began)
+    return best
+
+
+def pick_attention(rows: dict[str, dict[str, float]]) -> str:
+    """"native" where it is PLAIN_MARGIN faster than torch's over the timed shapes (the geometric mean of its
+    times over sdpa's: each shape counts alike), else "sdpa"."""
+    if not rows:
+        return "sdpa"
+    ratio = math.prod(t["native"] / t["sdpa"] for t in rows.values()) ** (1 / len(rows))
+    return "native" if ratio < PLAIN_MARGIN else "sdpa"
+
+
 def pack_linear_layers(model: nn.Module, only: Iterable[str] = PROJECTIONS, kernel: str = "packed") -> nn.Module:
     """Run the projections named in `only` through one kernel (`use_kernels`): oneDNN's packed matmul by
     default (see the module docstring), or "tiled"."""
     return use_kernels(model, {name: (kernel, kernel) for name in only})
 
 
+# The layers' attention as a kernel choice (choose_kernels): torch's scaled_dot_product_attention ("sdpa") or
+# bert_engine's (fused_layer.c: "native"), timed at a visitor's sentence, a question with its context, a whole
+# 384-token window, and a batch of eight 128-token texts (sequences, tokens)
+ATTENTION = "attention"
+ATTENTION_SHAPES = ((1, 24), (1, 128), (1, 384), (8, 128))
 KERNEL_ROWS = (24, 128, 2048)  # rows a kernel is timed on: a visitor's sentence, a long text, a batch of 16 x 128
 DECODER_ROWS = (1, 32)  # ... and a decoder: a visitor's mask, a batch of texts' masks
 PLAIN_MARGIN = 0.9  # another kernel replaces the incumbent only when at least 10 % faster: not on timing noise
@@ -1620,6 +1701,20 @@ def _choose_kernels(model: nn.Module, cache: Path | None = None) -> dict[str, di
             choice[name]["layer_rows"] = found["rows"]
             choice[name]["layer_timed"] = {k: found.get(k) for k in ("busy", "tries")}
     favour_fusion(choice)
+    layer = encoder.layers[0]
+    if native.build() is not None and layer.attention_norm.weight.dtype == torch.float32:
+        hidden, heads = layer.attention_norm.normalized_shape[0], layer.attention.num_heads
+        key = f"{machine}|attention|{hidden} wide|{heads} heads"
+        found = stored.get(key, {})
+        kept = _kept_timings(found, ("sdpa", "native")) and found.get("tiled_build") == native.build()
+        if not kept or _unsettled(found):
+            def timing() -> dict:
+                return {"rows": time_attention(hidden, heads), "tiled_build": native.build()}
+
+            found = stored[key] = _timed(timing, found if kept else None)
+            timed.append(("attention", found))
+            changed = True
+        choice[ATTENTION] = {**found, "chose": pick_attention(found["rows"])}
     _say_busy(timed, cache)
     if changed and cache is not None:
         try:

@@ -482,20 +482,13 @@ AVX512 static void attend_head512(const float *q, const float *k, const float *v
     }
 }
 
-/* The layer over the rows of sequences s0 .. s0 + seqs - 1 (x: the first of them; offsets: the whole call's,
- * `base` = offsets[s0]); see fused_layer. */
-static int layer_part(float *x, int64_t rows, const int64_t *offsets, int64_t base, int64_t seqs, int64_t H,
-                      int64_t heads, int64_t I, const projection *proj, const float *ln1_w, const float *ln1_b,
-                      float eps1, int act, const float *ln2_w, const float *ln2_b, float eps2, float *scratch,
-                      int threads, float *first) {
+/* Every head's attention for the sequences of qkv (rows x 3H, [q | k | v] per row; sequence s's rows from
+ * offsets[s] - base to offsets[s + 1] - base, at most `longest`) into context (rows x H; with `first_only`, one
+ * row per sequence: its first query's). Sequences and heads are shared among the threads; each is computed on
+ * its own, so the values do not depend on the threads. Returns 0, or -2 where memory runs out. */
+static int attend(const float *qkv, const int64_t *offsets, int64_t base, int64_t seqs, int64_t longest, int64_t H,
+                  int64_t heads, float *context, int threads, int first_only) {
     const int64_t D = H / heads;
-    int64_t longest = 0;
-    for (int64_t s = 0; s < seqs; ++s)
-        if (offsets[s + 1] - offsets[s] > longest) longest = offsets[s + 1] - offsets[s];
-    float *qkv = scratch, *context = qkv + rows * 3 * H, *inner = context + rows * H, *projected = inner + rows * I;
-    float *rowq = projected + rows * H;
-    uint8_t *codes = (uint8_t *)(rowq + 2 * rows); /* rows x (I rounded up to 4) bytes: the widest input */
-    if (project(&proj[0], x, rows, H, qkv, 3 * H, codes, rowq, threads)) return -1;
     int failed = 0;
     const int wide = tiled_matmul_isa() == 512; /* attention at the width the matmuls run at: the same bits */
 #pragma omp parallel num_threads(threads) if (threads > 1 && seqs * heads > 1)
@@ -510,13 +503,46 @@ static int layer_part(float *x, int64_t rows, const int64_t *offsets, int64_t ba
         for (int64_t item = 0; item < seqs * heads; ++item) {
             if (kt == NULL) continue;
             const int64_t s = item / heads, h = item % heads, start = offsets[s] - base, L = offsets[s + 1] - offsets[s];
-            const float *base = qkv + start * 3 * H + h * D;
-            (wide ? attend_head512 : attend_head)(base, base + H, base + 2 * H, 3 * H, L, first != NULL ? 1 : L, D,
-                        context + (first != NULL ? s : start) * H + h * D, H, kt, kt + D * padded, kt + 2 * D * padded);
+            const float *at = qkv + start * 3 * H + h * D;
+            (wide ? attend_head512 : attend_head)(at, at + H, at + 2 * H, 3 * H, L, first_only ? 1 : L, D,
+                        context + (first_only ? s : start) * H + h * D, H, kt, kt + D * padded, kt + 2 * D * padded);
         }
         free(kt);
     }
-    if (failed) return -2;
+    return failed ? -2 : 0;
+}
+
+/* attend over a whole call's sequences, for a layer whose matmuls run elsewhere (oneDNN's): softmax(q k^T /
+ * sqrt(D)) v per sequence and head over its own rows alone (no padding), qkv (rows x 3H) to context (rows x H).
+ * Returns 0, -1 for shapes this code does not handle, -2 where memory runs out. */
+int fused_attention(const float *qkv, int64_t rows, const int64_t *offsets, int64_t seqs, int64_t H, int64_t heads,
+                    float *context, int threads) {
+    const int64_t D = heads > 0 ? H / heads : 0;
+    if (rows <= 0 || seqs <= 0 || H % 8 || D * heads != H || D % 8 || D > 256 || offsets[0] != 0 ||
+        offsets[seqs] != rows)
+        return -1;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < seqs; ++s) {
+        if (offsets[s + 1] <= offsets[s]) return -1;
+        if (offsets[s + 1] - offsets[s] > longest) longest = offsets[s + 1] - offsets[s];
+    }
+    return attend(qkv, offsets, 0, seqs, longest, H, heads, context, threads, 0);
+}
+
+/* The layer over the rows of sequences s0 .. s0 + seqs - 1 (x: the first of them; offsets: the whole call's,
+ * `base` = offsets[s0]); see fused_layer. */
+static int layer_part(float *x, int64_t rows, const int64_t *offsets, int64_t base, int64_t seqs, int64_t H,
+                      int64_t heads, int64_t I, const projection *proj, const float *ln1_w, const float *ln1_b,
+                      float eps1, int act, const float *ln2_w, const float *ln2_b, float eps2, float *scratch,
+                      int threads, float *first) {
+    int64_t longest = 0;
+    for (int64_t s = 0; s < seqs; ++s)
+        if (offsets[s + 1] - offsets[s] > longest) longest = offsets[s + 1] - offsets[s];
+    float *qkv = scratch, *context = qkv + rows * 3 * H, *inner = context + rows * H, *projected = inner + rows * I;
+    float *rowq = projected + rows * H;
+    uint8_t *codes = (uint8_t *)(rowq + 2 * rows); /* rows x (I rounded up to 4) bytes: the widest input */
+    if (project(&proj[0], x, rows, H, qkv, 3 * H, codes, rowq, threads)) return -1;
+    if (attend(qkv, offsets, base, seqs, longest, H, heads, context, threads, first != NULL)) return -2;
     float *out = x;
     int64_t n = rows;
     if (first != NULL) { /* from here on, the first rows alone */

@@ -218,11 +218,14 @@ def _choose_kernels(model: nn.Module, names: tuple[str, ...]) -> None:
         raise PrecisionError(f"BERT_ENGINE_KERNELS=tiled: bert_engine's AVX2 kernel is fp32 only, not "
                              f"{next(model.parameters()).dtype}")
     if kernels == "auto":
-        choice = {name: c for name, c in fast.choose_kernels(model, kernel_cache()).items() if name in names}
+        # (with the encoder's projections, their attention: torch's or bert_engine's, whichever timed faster)
+        wanted = (*names, fast.ATTENTION) if set(fast.PROJECTIONS) <= set(names) else names
+        choice = {name: c for name, c in fast.choose_kernels(model, kernel_cache()).items() if name in wanted}
     else:
         choice = {name: {"chose": kernels} for name in names}
     model.kernel_choice = choice
-    fast.use_kernels(model, {name: fast.choice_tiers(c) for name, c in choice.items()})
+    fast.use_kernels(model, {name: fast.choice_tiers(c) for name, c in choice.items() if name != fast.ATTENTION})
+    fast.use_attention(model, choice.get(fast.ATTENTION, {}).get("chose"))
 
 
 def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = True,
