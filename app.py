@@ -7,17 +7,31 @@ import sys
 from bert_engine import settings
 from bert_engine.runtime.precision import PrecisionError
 from bert_engine.serving import memory
-from playground import build_app
-from playground.app import serve_queue, warm_up
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+def server_port() -> int:
+    """GRADIO_SERVER_PORT (default 7860), checked before Gradio is imported: Gradio reads it at its import and
+    a bad value was a 30-line traceback there.
+
+    Raises:
+        ValueError: not a port number, naming the variable and its value."""
+    raw = os.environ.get("GRADIO_SERVER_PORT", "").strip() or "7860"
+    if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+        raise ValueError(f"GRADIO_SERVER_PORT must be a port number from 1 to 65535, got {raw!r}")
+    return int(raw)
+
 
 if __name__ == "__main__":
     try:
         settings.check_all()  # a bad BERT_ENGINE_* value: one line and exit 2, not every request failing later
+        port = server_port()
     except ValueError as err:
         logging.getLogger("app").error("%s", err)
         sys.exit(2)
+    from playground import build_app
+    from playground.app import serve_queue, warm_up
     if settings.get("BERT_ENGINE_TUNE_MALLOC"):
         memory.tune_allocator()  # before any thread: a bounded number of arenas, tensors over 1 MB mmapped
     try:
@@ -33,5 +47,5 @@ if __name__ == "__main__":
     serve_queue(app)  # Gradio's queue admits what the fairness gate can order (BERT_ENGINE_CONCURRENCY, default 64)
     # every task is also an MCP tool (at /gradio_api/mcp/) unless BERT_ENGINE_MCP=0
     app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-               server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
+               server_port=port,
                mcp_server=settings.get("BERT_ENGINE_MCP"))

@@ -13,7 +13,7 @@ import stat
 import sys
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import settings
 
@@ -104,10 +104,16 @@ def _encode(args: argparse.Namespace) -> dict:
 
     from .checkpoints.loader import load
     from .model import mean_pool
+    from .runtime.inference import readable
 
     empty = [i for i, text in enumerate(args.text) if not text.strip()]
     if empty:
         raise ValueError(f"text {empty[0] + 1} is empty; give each text some words to encode")
+    unreadable = [i for i, text in enumerate(args.text) if not readable(text)]
+    if unreadable:  # (as every task refuses it: a vector of [CLS] [SEP] alone is no text's)
+        text = args.text[unreadable[0]].strip()
+        raise ValueError(f"text {unreadable[0] + 1} has no readable text, only control or invisible characters "
+                         f"({', '.join(f'U+{ord(c):04X}' for c in dict.fromkeys(text[:200]))[:120]}); type some words")
     model, tokenizer = load(args.model, revision=args.revision)
     batch = tokenizer(args.text)
     room = tokenizer.model_max_length - 2  # ([CLS] and [SEP] around the text's pieces)
@@ -326,6 +332,11 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
     lines = [line.removesuffix("\r") for line in text.split("\n")]
     if lines and lines[-1] == "":
         lines.pop()  # the newline that ends the last line
+    if path.suffix == ".json" and (whole := _json_document(text)) is not None:
+        # A JSON document: an array of inputs (objects keyed by the fields, or texts), each numbered by its place
+        # (1, 2, ...), or one object (a pretty-printed array was read line by line: "not JSON" on most lines)
+        items = whole if isinstance(whole, list) else [whole]
+        return [(number, _json_input(value, fields, first)) for number, value in enumerate(items, 1)]
     if path.suffix in (".jsonl", ".json"):
         rows: list[tuple[int, dict | str]] = []
         for number, line in enumerate(lines, 1):
@@ -343,14 +354,7 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
             except RecursionError:
                 rows.append((number, "JSON nested too deeply to be an input"))
                 continue
-            if isinstance(value, str):
-                value = {first: value}
-            if not isinstance(value, dict):
-                rows.append((number, f"expected an object keyed by {', '.join(fields)}, got {type(value).__name__}"))
-                continue
-            unknown = sorted(set(value) - set(fields))
-            rows.append((number, f"unknown field(s) {', '.join(unknown)}; the task's: {', '.join(fields)}")
-                        if unknown else (number, value))
+            rows.append((number, _json_input(value, fields, first)))
         return rows
     if path.suffix == ".tsv":
         # Tab-separated, no quoting: a line's fields are its text between tabs (csv's reader refused fields past
@@ -380,6 +384,28 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
             rows.append((number, {f: row[f] for f in fields if row.get(f) is not None}))
         return rows
     return [(number, not_utf8(line) or {first: line}) for number, line in enumerate(lines, 1)]
+
+
+def _json_document(text: str) -> Any:
+    """A .json file's text as one JSON array or object (None: it is not one, e.g. JSON Lines, or undecodable)."""
+    start = text.lstrip()[:1]
+    if start not in ("[", "{") or not_utf8(text[:1_000_000]):
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, (list, dict)) else None
+
+
+def _json_input(value: Any, fields: tuple[str, ...], first: str) -> dict | str:
+    """One input of a JSON file: an object keyed by the task's fields (a text: its first field's), or the error."""
+    if isinstance(value, str):
+        value = {first: value}
+    if not isinstance(value, dict):
+        return f"expected an object keyed by {', '.join(fields)}, got {type(value).__name__}"
+    unknown = sorted(map(str, set(value) - set(fields)))
+    return f"unknown field(s) {', '.join(unknown)}; the task's: {', '.join(fields)}" if unknown else value
 
 
 def not_utf8(line: str) -> str:
@@ -706,8 +732,9 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--input", "-i", action="append", default=[], metavar="FIELD=TEXT",
                          help="an input field, e.g. -i text='great movie' (repeat for several fields); with --file, a "
                               "field the lines leave out, the same for every line")
-    predict.add_argument("--file", help="many inputs: .jsonl (objects keyed by the task's fields), .tsv (a header "
-                                        "naming them, and no other columns) or plain text (one input per line for the first field); "
+    predict.add_argument("--file", help="many inputs: .jsonl (objects keyed by the task's fields), .json (an array "
+                                        "of them, numbered 1, 2, ... in the answers), .tsv (a header naming them, and no "
+                                        "other columns) or plain text (one input per line for the first field); "
                                         "answers stream as JSON Lines, exit code 1 if any line failed")
     predict.add_argument("--output", help="with --file: write the JSON Lines here instead of stdout; under "
                                           "torchrun the processes share the lines and the first writes them, in order")

@@ -22,6 +22,7 @@ class Setting:
     default: Any
     read: str  # when it is read: "start" (the app or command starting) or "use" (each time it applies)
     help: str
+    least: float = 0  # the smallest value a number may have (0 where nothing below it means anything)
 
 
 SETTINGS = {s.name: s for s in (
@@ -34,7 +35,7 @@ SETTINGS = {s.name: s for s in (
             "take before it is cut off and stopped (0: no limit); the CLI and `pipeline()` run in the caller's process "
             "without a limit"),
     Setting("BERT_ENGINE_CONCURRENCY", "int", 64, "start", "requests per event Gradio hands to the fairness gate at "
-            "once (the gate decides who runs next)"),
+            "once (the gate decides who runs next)", least=1),
     Setting("BERT_ENGINE_TUNE_MALLOC", "bool", True, "start", "app.py caps glibc's malloc arenas at 2 and mmaps "
             "blocks over 1 MB, so a long-running server's memory comes back after large requests "
             "(MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_ in the environment win)"),
@@ -75,7 +76,7 @@ SETTINGS = {s.name: s for s in (
             "default): bert_engine's own kernels and precision checks behave as on such a CPU (the tiled kernels "
             "at AVX2's width, no bf16 or VNNI); oneDNN, MKL and torch's own kernels need their own variables "
             "(README)"),
-    Setting("BERT_ENGINE_MAX_TOKENS", "int", 65536, "use", "tokens one input may need over all its windows"),
+    Setting("BERT_ENGINE_MAX_TOKENS", "int", 65536, "use", "tokens one input may need over all its windows", least=1),
     Setting("BERT_ENGINE_MAX_GFLOP", "float", 2000.0, "use", "the work one input may cause, in GFLOP: its windows' "
             "forward passes through the model (BertConfig.forward_flops), checked before them, and the passes the task's "
             "postprocess adds (fill-mask's joint search, the summary's sentence-by-sentence fallback), checked before each; a batch of N "
@@ -84,7 +85,7 @@ SETTINGS = {s.name: s for s in (
     Setting("BERT_ENGINE_CHUNK_GFLOP", "float", 100.0, "use", "the work of one forward chunk, in GFLOP (padding "
             "included): the unit the fairness gate hands out and charges (rows of 128 tokens: MiniLM about 4,500 tokens, "
             "bert-base about 570)"),
-    Setting("BERT_ENGINE_MAX_IN_FLIGHT", "int", 2, "use", "requests one visitor may have running at once"),
+    Setting("BERT_ENGINE_MAX_IN_FLIGHT", "int", 2, "use", "requests one visitor may have running at once", least=1),
     Setting("BERT_ENGINE_MAX_WAITING", "int", 2, "use", "requests one visitor (and one address) may have waiting "
             "for a place beyond those caps, up to the request time limit; more are refused at once (0: none wait)"),
     Setting("BERT_ENGINE_MAX_IN_FLIGHT_PER_IP", "int", 8, "use", "requests one address may have running at once "
@@ -128,6 +129,8 @@ def get(name: str) -> Any:
         raise ValueError(f"{name} must be a finite number, got {raw!r}")
     if setting.kind in ("int", "float") and value < 0:
         raise ValueError(f"{name} must not be negative, got {raw!r}")
+    if setting.kind in ("int", "float") and value < setting.least:  # (0 requests at once: the app could not serve)
+        raise ValueError(f"{name} must be at least {setting.least:g}, got {raw!r}")
     return value
 
 

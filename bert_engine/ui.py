@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import html
-import inspect
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
@@ -106,34 +105,20 @@ def wire(gr, button, fn: Callable[..., Any], inputs: Sequence[Any], outputs: Seq
         width = max(len(row) for row in examples)
         slot = _EXAMPLE_SLOTS.get(button)
         with slot if slot is not None else _here():  # under the run button when it made the place
-            gr.Examples([list(row) for row in examples], list(inputs)[:width], list(outputs),
-                        fn=wrap(_first(fn, width, inputs), None), run_on_click=True, cache_examples=False,
-                        api_visibility="private", label=example_label)
+            shown = gr.Examples([list(row) for row in examples], list(inputs)[:width], cache_examples=False,
+                                api_visibility="private", label=example_label)
+        # The example fills its own fields, then runs with every input as it stands: the visitor's options too
+        # (Gradio's run_on_click passed the example's fields alone, the others at their start values). A second
+        # example clicked while the first runs runs after it ("always_last"; Gradio's "once" dropped it, and left
+        # the second text beside the first one's answer).
+        shown.load_input_event.then(wrap(fn, None), list(inputs), list(outputs), api_visibility="private",
+                                    trigger_mode="always_last")
     return event
 
 
 @contextlib.contextmanager
 def _here():
     yield
-
-
-def _first(fn: Callable[..., Any], width: int, inputs: Sequence[Any]) -> Callable[..., Any]:
-    """`fn` called from an example row that fills the first `width` inputs: the other inputs keep the
-    values their components start with."""
-    if width == len(inputs):
-        return fn
-    rest = [getattr(component, "value", None) for component in list(inputs)[width:]]
-
-    def first(*values: Any) -> Any:
-        return fn(*values, *rest)
-
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return first  # a callable without a signature (a builtin): nothing to narrow
-    # the first `width` parameters of fn, so a wrapper (the host's) can tell how it is called
-    first.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:width])
-    return first
 
 
 def whole(value: Any) -> Any:
@@ -143,6 +128,12 @@ def whole(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
+
+
+def user_text(text: str) -> str:
+    """A visitor's text as HTML: escaped, and isolated (<bdi>) so that the direction controls it may hold
+    (U+202E RIGHT-TO-LEFT OVERRIDE, say) end with it and cannot reverse the app's own labels after it."""
+    return f'<bdi style="color:inherit">{html.escape(text)}</bdi>' if text else ""  # (the mark's own colour)
 
 
 def empty_state(text: str) -> str:

@@ -31,7 +31,7 @@ from bert_engine.runtime.cancel import STUCK_AFTER_S, PredictionTimeout, call_wi
 from bert_engine.runtime.explain import DEFAULT_STEPS, MAX_STEPS, checked_method
 from bert_engine.runtime.explain import explain as explain_prediction
 from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
-from bert_engine.runtime.inference import check_json_result, json_problem
+from bert_engine.runtime.inference import check_json_result, json_problem, threads_held
 from bert_engine.runtime.precision import NAMES as PRECISIONS
 from bert_engine.runtime.precision import PrecisionError, check_kernel_setting, device_for
 from bert_engine.runtime.precision import resolve as resolve_precision
@@ -266,6 +266,11 @@ def playground_class(gr):
             return await super().preprocess_data(block_fn, inputs, state, explicit_call)
 
         def launch(self, *args: Any, **kwargs: Any):
+            from starlette.middleware import Middleware  # noqa: PLC0415 - Gradio's server brings starlette
+
+            app_kwargs = dict(kwargs.get("app_kwargs") or {})
+            app_kwargs["middleware"] = [*app_kwargs.get("middleware", ()), Middleware(McpCallerAddress)]
+            kwargs["app_kwargs"] = app_kwargs
             kwargs.setdefault("theme", page_theme(gr))
             kwargs.setdefault("css", ui.CSS + PAGE_CSS)
             kwargs.setdefault("head", ui.KEYBOARD_JS)
@@ -273,6 +278,28 @@ def playground_class(gr):
             return super().launch(*args, **kwargs)
 
     return Playground
+
+
+class McpCallerAddress:
+    """ASGI middleware: an MCP request's X-Forwarded-For becomes the address the server resolved for its caller.
+    Gradio runs a queued MCP tool call by relaying it to its own API through a loopback client with the MCP
+    request's headers; uvicorn trusts the loopback and takes the caller's address from that header. Without it
+    every MCP caller was 127.0.0.1, one account for the per-address cap (one flood refused everyone else's MCP
+    calls: the fresh-clone check, session 46), and with a header of the caller's own making, any address it
+    liked. Behind a trusted proxy (a Space), the address the server resolved is the proxy's word, as for every
+    other request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") == "http" and "/mcp" in scope.get("path", ""):
+            client = scope.get("client")
+            headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"x-forwarded-for"]
+            if client and client[0]:
+                headers.append((b"x-forwarded-for", str(client[0]).encode("latin-1", "replace")))
+            scope = {**scope, "headers": headers}
+        await self.app(scope, receive, send)
 
 
 def numeric_input(gr, block: Any, value: Any) -> Any:
@@ -487,11 +514,12 @@ class TorchSettings:
     def restore(self, task: str, registry: Registry) -> None:
         torch = self.torch
         changed = []
-        if torch.get_num_threads() != self.threads:
-            changed.append(f"the thread count to {torch.get_num_threads()} (was {self.threads})")
+        # (while another request's forward chunk runs on its turn's share of the threads, the count is its)
+        if torch.get_num_threads() != self.threads and not threads_held():
+            changed.append(f"thread count to {torch.get_num_threads()} (was {self.threads})")
             torch.set_num_threads(self.threads)
         if torch.get_default_dtype() != self.dtype:
-            changed.append(f"the default dtype to {torch.get_default_dtype()} (was {self.dtype})")
+            changed.append(f"default dtype to {torch.get_default_dtype()} (was {self.dtype})")
             torch.set_default_dtype(self.dtype)
         if changed:
             registry.record_request_failure(task, f"its code changed torch's {' and '.join(changed)} for the whole "
@@ -920,16 +948,22 @@ def _build_insight(gr, task, predictor: ServedPredictor, model_dirs: list[Path],
 
 
 def _parse_inputs(task, inputs: str | dict) -> dict[str, Any]:
-    """An API caller's inputs: a JSON object keyed by the task's input fields."""
+    """An API caller's inputs: a JSON object keyed by the task's input fields; for a task of one text field,
+    text that is not a JSON object is that text (`"a fine film"` for sentiment, as its own endpoint takes it)."""
+    one_field = len(task.spec.input_fields) == 1
     if isinstance(inputs, str):
         try:
-            inputs = json.loads(inputs)
-        except ValueError as err:
+            parsed = json.loads(inputs)
+        except ValueError:
+            if one_field:
+                return {task.spec.input_fields[0]: inputs}
             raise InputError(f"{task.spec.name}: inputs must be a JSON object such as "
-                             f"{json.dumps({f: '...' for f in task.spec.input_fields})}: {err}") from None
+                             f"{json.dumps({f: '...' for f in task.spec.input_fields})}, not plain text "
+                             f"(starting {inputs[:40]!r})") from None
         except RecursionError:  # "[[[[..." a hundred thousand deep: the parser's own limit, as the CLI says
             raise InputError(f"{task.spec.name}: inputs are JSON nested too deeply to be an input; send an object "
                              f"keyed by {', '.join(task.spec.input_fields)}") from None
+        inputs = {task.spec.input_fields[0]: inputs} if one_field and isinstance(parsed, str) else parsed
     if not isinstance(inputs, dict):
         raise InputError(f"{task.spec.name}: inputs must be a JSON object keyed by "
                          f"{', '.join(task.spec.input_fields)}, got {type(inputs).__name__}")
@@ -960,7 +994,8 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
 
         Args:
             task: the task: TASKS.
-            inputs: the task's inputs as a JSON object, e.g. {"text": "..."} or {"question": "...", "context": "..."}.
+            inputs: the task's inputs as a JSON object, e.g. {"text": "..."} or {"question": "...", "context": "..."};
+                for a task of one text field, the text itself.
             method: "integrated_gradients" (the attributions add up to the score's change) or "gradient_x_input" (fast).
             steps: Integrated Gradients' steps, 1 to MAX_STEPS (more: closer sums, slower).
         """
@@ -981,7 +1016,8 @@ def _build_insight_api(gr, registry: Registry, predictors: dict[str, ServedPredi
 
         Args:
             task: the task, e.g. sentiment, ner, qa, fill_mask.
-            inputs: the task's inputs as a JSON object, e.g. {"text": "..."}.
+            inputs: the task's inputs as a JSON object, e.g. {"text": "..."}; for a task of one text field, the
+                text itself.
             model_b: the second model: a listed model, an allowed folder or a Hub id ("": the task's default).
             precision_b: its precision: fp32, int8 (CPU), bf16 or fp16 where the machine runs them.
             model_a: the first model ("": the task's default).

@@ -373,13 +373,13 @@ def render_entities(text: str, entities: list[dict]) -> str:
     parts, cursor = [], 0
     for e in entities:
         colour = COLOURS.get(e["type"], OTHER_COLOUR)
-        parts.append(escape(text[cursor:e["start"]]))
+        parts.append(ui.user_text(text[cursor:e["start"]]))
         parts.append(f'<mark class="entity be-mark" data-type="{escape(e["type"])}" title="{escape(e["type"])} '
                      f'{percent(e["score"])}" style="background:{colour};color:{ui.HIGHLIGHT_TEXT};padding:0 2px;'
-                     f'border-radius:3px">{escape(text[e["start"]:e["end"]])}<sup style="font-size:0.7em;color:{ui.HIGHLIGHT_TEXT}"> '
+                     f'border-radius:3px">{ui.user_text(text[e["start"]:e["end"]])}<sup style="font-size:0.7em;color:{ui.HIGHLIGHT_TEXT}"> '
                      f'{escape(e["type"])}</sup></mark>')
         cursor = e["end"]
-    parts.append(escape(text[cursor:]))
+    parts.append(ui.user_text(text[cursor:]))
     # an unbroken long word (a Welsh place name, a URL) wraps instead of pushing the page sideways on a phone
     marked = ('<div class="ner-text" style="white-space:pre-wrap;line-height:1.9;overflow-wrap:anywhere">'
               + "".join(parts) + "</div>")
@@ -388,7 +388,7 @@ def render_entities(text: str, entities: list[dict]) -> str:
     types = sorted({e["type"] for e in entities} | set(COLOURS))
     legend = "".join(f'<span class="be-mark" style="background:{COLOURS.get(t, OTHER_COLOUR)};color:{ui.HIGHLIGHT_TEXT};'
                      f'padding:0 4px;border-radius:3px;margin-right:6px">{escape(t)}</span>' for t in types)
-    rows = "".join(f'<tr><td style="overflow-wrap:anywhere">{escape(e["text"])}</td><td>{escape(e["type"])}</td>'
+    rows = "".join(f'<tr><td style="overflow-wrap:anywhere">{ui.user_text(e["text"])}</td><td>{escape(e["type"])}</td>'
                    f"<td>{ui.bar(e['score'])}</td></tr>" for e in entities)
     return (marked + f'<p class="ner-legend">{legend}</p>'
             f'<div style="max-width: 100%; overflow-x: auto"><table class="ner-entities" style="width: 100%">'

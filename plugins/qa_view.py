@@ -4,10 +4,8 @@ question-answering pipeline's shape, with that pipeline's arguments read as this
 
 from __future__ import annotations
 
-from html import escape
-
 from bert_engine.hookspecs import InputError
-from bert_engine.ui import percent
+from bert_engine.ui import percent, user_text
 
 EXCERPT_CHARS = 600  # a longer context shows this much around the answer, the whole text one click away
 
@@ -16,13 +14,13 @@ def _excerpt(context: str, start: int, end: int, mark: str) -> str:
     """The context as HTML with `mark` in place of [start, end); a long one cut to EXCERPT_CHARS around
     it at word boundaries, the whole text one click away."""
     if len(context) <= EXCERPT_CHARS:
-        return escape(context[:start]) + mark + escape(context[end:])
+        return user_text(context[:start]) + mark + user_text(context[end:])
     lo, hi = max(0, start - EXCERPT_CHARS // 2), min(len(context), end + EXCERPT_CHARS // 2)
     lo = context.rfind(" ", 0, lo) + 1 if lo else 0  # never cut inside a word
     hi = hi if hi == len(context) or context.find(" ", hi) < 0 else context.find(" ", hi)
-    body = ("… " if lo else "") + escape(context[lo:start]) + mark + escape(context[end:hi]) + (" …" if hi < len(context) else "")
+    body = ("… " if lo else "") + user_text(context[lo:start]) + mark + user_text(context[end:hi]) + (" …" if hi < len(context) else "")
     return body + (f'<details class="qa-whole"><summary>The whole context ({len(context):,} characters)</summary>'
-                   f'{escape(context[:start])}{mark}{escape(context[end:])}</details>')
+                   f'{user_text(context[:start])}{mark}{user_text(context[end:])}</details>')
 
 
 def answer_view(context: str, result: dict) -> str:
@@ -30,7 +28,7 @@ def answer_view(context: str, result: dict) -> str:
     answer (or, for "no answer", the best candidate) marked inline; a long context shows an excerpt
     around it, cut at word boundaries, and the rest on demand."""
     answers, null = result["answers"], result["no_answer"]
-    style = ('style="background:{bg};color:#1f2937;padding:0 .15em;border-radius:3px;white-space:nowrap"')
+    style = ('style="background:{bg};color:#1f2937;padding:0 .15em;border-radius:3px;overflow-wrap:anywhere"')
     if null["predicted"] or not answers:
         if not answers:
             why = "no span fits"
@@ -38,13 +36,13 @@ def answer_view(context: str, result: dict) -> str:
             why = (f"the model is {percent(null['probability'])} sure the text does not say it; the best candidate "
                    f"is marked")
         else:
-            why = (f"the best span, “{escape(answers[0]['answer'])}” ({percent(answers[0]['score'])}), "
+            why = (f"the best span, “{user_text(answers[0]['answer'])}” ({percent(answers[0]['score'])}), "
                    f"is weaker than “no answer” by more than the threshold")
         head = (f'<p class="qa-headline qa-none"><b>No answer in this context</b> '
                 f'<span class="qa-why">({why})</span></p>')
         if answers:
             best = answers[0]
-            mark = f'<mark class="be-mark qa-candidate" {style.format(bg="#e5e7eb")}>{escape(best["answer"])}</mark>'
+            mark = f'<mark class="be-mark qa-candidate" {style.format(bg="#e5e7eb")}>{user_text(best["answer"])}</mark>'
             body = _excerpt(context, best["start"], best["end"], mark)
         else:
             body = _excerpt(context, 0, 0, "")
@@ -52,9 +50,9 @@ def answer_view(context: str, result: dict) -> str:
                 f'{body}</div></div>')
     best = answers[0]
     start, end, score = best["start"], best["end"], percent(best["score"])
-    mark = (f'<mark class="be-mark qa-answer" {style.format(bg="#fde68a")}>{escape(context[start:end])}'
+    mark = (f'<mark class="be-mark qa-answer" {style.format(bg="#fde68a")}>{user_text(context[start:end])}'
             f'<sup class="qa-score" style="color:#1f2937"> {score}</sup></mark>')
-    return (f'<div class="qa-view"><p class="qa-headline">Answer: <b>{escape(best["answer"])}</b> – {score}</p>'
+    return (f'<div class="qa-view"><p class="qa-headline">Answer: <b>{user_text(best["answer"])}</b> – {score}</p>'
             f'<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">'
             f'{_excerpt(context, start, end, mark)}</div></div>')
 

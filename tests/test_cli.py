@@ -439,6 +439,26 @@ def test_a_tsv_line_with_more_fields_than_its_header_fails_alone(sentiment_check
     assert "2 tab-separated fields where the header names 1" in lines[0]["error"]
 
 
+def test_a_json_file_holding_an_array_is_read_whole(tmp_path, capsys):
+    """A pretty-printed JSON array was read line by line as JSON Lines ("not JSON" on most lines, one answered):
+    a .json document is an array of inputs (objects or texts, numbered by their place) or one object; a .json
+    of JSON Lines still reads line by line."""
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text('[\n {"text": "great"},\n "fine film",\n {"txt": "x"}\n]\n')
+    assert main(["predict", "sentiment", "--file", str(pretty)]) == 1
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["line"] for line in lines] == [1, 2, 3] and "result" in lines[0] and "result" in lines[1]
+    assert lines[2]["error"] == "unknown field(s) txt; the task's: text, text_pair"
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"text": "great"}, indent=2))
+    assert main(["predict", "sentiment", "--file", str(one)]) == 0
+    assert [json.loads(line)["line"] for line in capsys.readouterr().out.splitlines()] == [1]
+    jsonl = tmp_path / "lines.json"
+    jsonl.write_text('{"text": "great"}\n{"text": "bad"}\n')
+    assert main(["predict", "sentiment", "--file", str(jsonl)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+
+
 def test_a_tsv_header_naming_a_column_the_task_does_not_read_is_refused(tmp_path, capsys):
     """A misspelt optional field ("text_pari") was dropped unread and every line answered without it, while
     JSON Lines refuses an unknown field: the header is refused once, naming the column and the task's fields."""
@@ -448,3 +468,9 @@ def test_a_tsv_header_naming_a_column_the_task_does_not_read_is_refused(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pairs.tsv:1: the header names column(s) 'text_pari' the task does not read; its " \
         "fields are text, text_pair (remove the others)" in err[0], err
+
+
+def test_encode_refuses_text_no_task_would_read(capsys):
+    """`encode` answered a zero-width space with the vector of [CLS] [SEP]; every task refuses such text."""
+    assert main(["encode", "fine", "\u200b\u200b"]) == 2
+    assert "text 2 has no readable text, only control or invisible characters (U+200B)" in capsys.readouterr().err

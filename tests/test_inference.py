@@ -202,3 +202,23 @@ def test_the_provenance_is_worked_out_once_and_follows_the_model(monkeypatch):
     assert plain.provenance()["dtype"] == "bfloat16"
     plain.precision = "int8"
     assert plain.provenance()["dtype"] == "int8"
+
+
+def test_overlapping_chunk_thread_settings_put_back_the_count_before_the_first():
+    """A chunk that hands its turn back between layers runs on inside its thread setting while the next holder's
+    starts: each putting back its own "before" left torch at the first one's half share once the other ended
+    last. Now the count before the first comes back when the last ends, and threads_held says one is running
+    (the playground does not read that count as a task's change)."""
+    from bert_engine.runtime.inference import _threads, threads_held
+
+    start = torch.get_num_threads()
+    first, second = _threads(1), _threads(start)
+    first.__enter__()
+    assert torch.get_num_threads() == 1 and threads_held()
+    second.__enter__()  # the next holder: its "before" is the first's 1
+    first.__exit__(None, None, None)
+    assert threads_held()
+    second.__exit__(None, None, None)
+    assert torch.get_num_threads() == start and not threads_held()
+    with _threads(None):
+        assert not threads_held()  # (None: as set, nothing held)

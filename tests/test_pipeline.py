@@ -358,3 +358,16 @@ def test_transformers_arguments_are_read_under_the_tasks_own_names(sentiment_fol
     assert len(ask(question="Who lives in London?", context="Bob lives in London.", topk=2)) == 2
     with pytest.raises(InputError, match="unknown option\\(s\\) not_an_argument"):
         ask(question="Who?", context="Bob.", not_an_argument=1)
+
+
+def test_a_text_pair_keyword_beside_a_positional_text_and_unknown_fields(sentiment_folder):
+    """clf("a text", text_pair="another") was refused as "positionally or as text, text_pair=, not both" (the
+    caller gave the first field positionally only); transformers reads it as one pair. A mapping's misspelt field
+    was dropped unread; it is refused as `predict --file` and the API refuse it."""
+    classify = pipeline("sentiment", model=str(sentiment_folder))
+    assert classify("A fine film.", text_pair="I liked it.") == classify(("A fine film.", "I liked it."))
+    assert classify(REVIEWS[:2], text_pair=["Yes.", "No."]) == classify([(REVIEWS[0], "Yes."), (REVIEWS[1], "No.")])
+    with pytest.raises(TypeError, match="not both \\(got a positional input and text=\\)"):
+        classify("A fine film.", text="Another.")
+    with pytest.raises(InputError, match="sentiment: unknown field\\(s\\) txt_pair; the task's: text, text_pair"):
+        classify({"text": "A fine film.", "txt_pair": "I liked it."})

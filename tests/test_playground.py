@@ -499,7 +499,7 @@ def test_tab_functions_called_directly_with_tiny_models(tiny_app):
     assert output["provenance"]["model"].endswith("/sentiment") and not output["provenance"]["model"].startswith("/")
     view, candidates, output = _event(tiny_app, "qa")("Who wrote it?", "It was written by Herman Melville.", 2)
     answer = output["result"]["answers"][0]
-    assert 'qa-answer" style="' in view and f">{answer['answer']}<sup" in view and len(candidates) == 3
+    assert 'qa-answer" style="' in view and f">{answer['answer']}</bdi><sup" in view and len(candidates) == 3
     view, _, output = _event(tiny_app, "qa")("Who wrote it?", "It was written by Herman Melville.", 2, "never")
     assert not output["result"]["no_answer"]["predicted"] and "Answer: <b>" in view  # the "no answer" choice
     with pytest.raises(gr.Error, match="no_answer must be one of eager, balanced, cautious, never"):
@@ -840,6 +840,60 @@ def test_each_mcp_session_is_its_own_visitor(tmp_path):
     assert SlowWhenAskedPlugin.waiting == 8
 
 
+def _outward_address() -> str | None:
+    """This machine's address on its outward interface (no packet is sent), or None where it has only loopback."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))
+            address = probe.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_an_mcp_call_is_accounted_to_its_callers_address_not_a_header_it_sends(monkeypatch):
+    """Gradio relays a queued MCP tool call through a loopback client with the caller's headers, and the server
+    trusts the loopback's X-Forwarded-For: every MCP caller was one address (127.0.0.1: one flood refused
+    everyone's MCP calls), and a caller sending its own header was any address it liked. Now the relay carries
+    the address the server resolved for the MCP request: a caller from outside loopback (here this machine's
+    outward address: loopback is a trusted proxy) is accounted to its own address, whatever header it sends."""
+    import asyncio
+
+    import httpx
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    import playground.app as playground_app
+    from playground.app import serve_queue
+
+    outward = _outward_address()
+    if outward is None:
+        pytest.skip("this machine has no address outside loopback to call from")
+    seen = []
+    real = playground_app.current_group
+    monkeypatch.setattr(playground_app, "current_group", lambda: seen.append(real()) or seen[-1])
+    app = serve_queue(build_app(load_registry(entry_points=False)))
+    port = _free_port()
+    app.launch(server_name="0.0.0.0", server_port=port, prevent_thread_lock=True, quiet=True, mcp_server=True)
+
+    async def call(headers: dict):
+        client = httpx.AsyncClient(headers=headers, timeout=120)
+        async with streamable_http_client(f"http://{outward}:{port}/gradio_api/mcp/", http_client=client) as (
+                read, write, _):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                return await session.call_tool("sentiment", {"text": "a fine film"})
+
+    try:
+        results = [asyncio.run(call(headers)) for headers in ({}, {"X-Forwarded-For": "203.0.113.9"})]
+    finally:
+        app.close()
+    assert not any(r.isError for r in results)
+    assert seen == [f"ip:{outward}"] * 2, seen  # not 127.0.0.1 (the relay's), not the header's 203.0.113.9
+
+
 def test_the_subtitle_counts_in_plain_english(registry):
     from playground.app import plural
 
@@ -916,8 +970,12 @@ def test_why_and_compare_explain_the_visitors_own_last_answer(served, registry):
     assert [t["name"] for t in explained["targets"]] == ["Tim Cook (PER)", "Berlin (LOC)"]
     tokens = explained["rows"][0]["tokens"]
     assert tokens[0]["token"] == "[CLS]" and explained["targets"][0]["attributions"][0] == 0.0  # specials kept
-    with pytest.raises(Exception, match="inputs must be a JSON object"):
-        stranger.predict("ner", "Tim Cook", "integrated_gradients", 16, api_name="/explain")
+    plain = json.loads(stranger.predict("ner", "Tim Cook visited Berlin.", "integrated_gradients", 16,
+                                        api_name="/explain"))  # one text field: plain text is that text
+    assert [t["name"] for t in plain["targets"]] == ["Tim Cook (PER)", "Berlin (LOC)"]
+    with pytest.raises(Exception, match=r"qa: inputs must be a JSON object such as .*, not plain text "
+                                        r"\(starting 'Who wrote it\?'\)"):
+        stranger.predict("qa", "Who wrote it?", "integrated_gradients", 16, api_name="/explain")
     deep = "[" * 100_000 + "]" * 100_000  # past the JSON parser's recursion: the caller's error, named
     with pytest.raises(Exception, match="inputs are JSON nested too deeply to be an input"):
         stranger.predict("sentiment", deep, "integrated_gradients", 8, api_name="/explain")

@@ -80,3 +80,13 @@ def test_the_app_refuses_to_start_on_a_bad_value_naming_it(monkeypatch):
                           cwd=ROOT)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "ERROR app: BERT_ENGINE_MAX_GFLOP must be a number, got 'abc'" in done.stderr.splitlines()
+    monkeypatch.delenv("BERT_ENGINE_MAX_GFLOP")
+    # 0 requests at once (the app built, then aborted: its models still loading) and a port Gradio reads at its
+    # import (a traceback there): one line each, before anything loads
+    for name, value, said in (("BERT_ENGINE_CONCURRENCY", "0", "BERT_ENGINE_CONCURRENCY must be at least 1, got '0'"),
+                              ("GRADIO_SERVER_PORT", "abc", "GRADIO_SERVER_PORT must be a port number from 1 to "
+                                                            "65535, got 'abc'")):
+        done = subprocess.run([sys.executable, "app.py"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                              env={**os.environ, "GRADIO_SERVER_PORT": "1", name: value})
+        assert done.returncode == 2 and "Traceback" not in done.stderr and f"ERROR app: {said}" in done.stderr, \
+            done.stderr[-1500:]

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 import unicodedata
 from collections.abc import Callable, Mapping
@@ -623,19 +624,38 @@ def _chunk_threads(turn, input_ids: torch.Tensor) -> int | None:
     return FREE_CPUS.threads(wanted if wanted is not None else torch.get_num_threads())
 
 
+_THREADS_LOCK = threading.Lock()
+_THREADS_HELD = {"blocks": 0, "base": 0}  # _threads blocks running now (any thread), and the count before the first
+
+
 @contextmanager
 def _threads(count: int | None):
     """Run the block on `count` intra-op threads (None: as set). One chunk holds the gate at a time, so the
-    process-wide setting is the holder's while it runs; restored after."""
-    before = torch.get_num_threads()
-    if count is None or count == before:
+    process-wide setting is the holder's while it runs; a chunk that hands its turn back between layers may
+    overlap the next holder's block, so the count before the first of them is put back when the last ends (each
+    putting back its own "before" left the count at a half share after such an overlap)."""
+    if count is None:
         yield
         return
-    torch.set_num_threads(count)
+    with _THREADS_LOCK:
+        if _THREADS_HELD["blocks"] == 0:
+            _THREADS_HELD["base"] = torch.get_num_threads()
+        _THREADS_HELD["blocks"] += 1
+        if count != torch.get_num_threads():
+            torch.set_num_threads(count)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        with _THREADS_LOCK:
+            _THREADS_HELD["blocks"] -= 1
+            if _THREADS_HELD["blocks"] == 0 and torch.get_num_threads() != _THREADS_HELD["base"]:
+                torch.set_num_threads(_THREADS_HELD["base"])
+
+
+def threads_held() -> bool:
+    """Whether a forward chunk has set torch's thread count for its turn now (the serving layer does not then
+    read a changed count as a task's doing)."""
+    return _THREADS_HELD["blocks"] > 0
 
 
 def _between_layers(turn, lock: Any, cost: float, model: nn.Module, budget: float) -> Callable[[int], None]:

@@ -59,8 +59,13 @@ class Pipeline:
         by_field = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
         options = self.predictor.check_options({**self.options, **translated(spec, kwargs)})
         if by_field:
-            if inputs is not None:
-                raise TypeError(f"{spec.name}: give the inputs either positionally or as {', '.join(fields)}=, not both")
+            first = spec.input_fields[0]
+            if (isinstance(inputs, (str, list)) and first not in by_field and len(spec.input_fields) == 1
+                    and set(by_field) <= set(spec.optional_fields)):
+                by_field = {first: inputs, **by_field}  # clf("a text", text_pair="another"), as transformers reads it
+            elif inputs is not None:
+                raise TypeError(f"{spec.name}: give the inputs either positionally or as {', '.join(fields)}=, not "
+                                f"both (got a positional input and {', '.join(f'{k}=' for k in by_field)})")
             inputs = _from_fields(spec.name, by_field)
         if isinstance(inputs, (str, Mapping)) or self._is_pair(inputs):
             output = self.predictor.predict(self._item(inputs), **options)
@@ -96,6 +101,11 @@ class Pipeline:
             fields = self.task.spec.input_fields + self.task.spec.optional_fields
             return {fields[0]: value[0], fields[1]: value[1]}
         if isinstance(value, Mapping):
+            fields = self.task.spec.input_fields + self.task.spec.optional_fields
+            unknown = sorted(str(k) for k in value if k not in fields)
+            if unknown:  # (a misspelt field was dropped unread; `predict --file` and the API refuse it too)
+                raise InputError(f"{self.task.spec.name}: unknown field(s) {', '.join(unknown)[:200]}; the task's: "
+                                 f"{', '.join(fields)}")
             return value
         raise TypeError(f"{self.task.spec.name}: each input must be a text or a mapping of "
                         f"{', '.join(self.task.spec.input_fields)}, got {type(value).__name__}")

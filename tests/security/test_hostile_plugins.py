@@ -384,8 +384,8 @@ def test_a_task_changing_torchs_process_settings_is_put_back_and_named(monkeypat
         reader.join()
         assert (seen[0], torch.get_default_dtype()) == (threads, dtype)
         (failure,) = registry.failures
-        assert failure.plugin == "global-plugin" and "changed torch's the thread count to 1" in failure.message
-        assert "the default dtype to torch.float64" in failure.message
+        assert failure.plugin == "global-plugin" and "changed torch's thread count to 1" in failure.message
+        assert "default dtype to torch.float64" in failure.message
     finally:
         torch.set_num_threads(threads)
         torch.set_default_dtype(dtype)
