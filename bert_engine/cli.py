@@ -114,7 +114,18 @@ def _encode(args: argparse.Namespace) -> dict:
         text = args.text[unreadable[0]].strip()
         raise ValueError(f"text {unreadable[0] + 1} has no readable text, only control or invisible characters "
                          f"({', '.join(f'U+{ord(c):04X}' for c in dict.fromkeys(text[:200]))[:120]}); type some words")
-    model, tokenizer = load(args.model, revision=args.revision)
+    from .checkpoints.lora import _manifest_task
+    from .model import encoder_of
+    from .runtime.inference import _staged_head
+
+    head = None  # a task's model folder (a starter's adapter): loaded with its task's head, its encoder used
+    folder = Path(str(args.model)).expanduser()
+    named = _manifest_task(folder) if folder.is_dir() else None
+    if named is not None:
+        with contextlib.suppress(ValueError):  # (a task no plugin registers: loaded as it is, refused as before)
+            head = _staged_head(_task(named).spec.build_head)
+    loaded = load(args.model, head, revision=args.revision)
+    model, tokenizer = encoder_of(loaded.model), loaded.tokenizer
     batch = tokenizer(args.text)
     room = tokenizer.model_max_length - 2  # ([CLS] and [SEP] around the text's pieces)
     cut = [len(pieces.offsets) > room for pieces in tokenizer.pieces(args.text)]
@@ -296,6 +307,10 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
         if Path(args.output).is_dir():
             raise ValueError(f"--output {args.output!r} is a folder; give the path of a file to write")
     rows = _read_rows(Path(args.file), task) if args.file else None  # a bad file fails before the model loads
+    blank = 0
+    if rows is not None:  # (a blank line is no input: skipped, said in the summary; it failed the run)
+        blank = sum(row is BLANK for _, row in rows)
+        rows = [(number, row) for number, row in rows if row is not BLANK]
     if rows is not None and inputs:  # -i with --file: a field every line leaves out (QA's question for many contexts)
         clash = sorted({f for _, row in rows if isinstance(row, dict) for f in row} & set(inputs))
         if clash:
@@ -312,10 +327,14 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
     if os.environ.get("RANK", "0") != "0":  # under torchrun the first process reports
         return None
     info = predictor.provenance()
-    print(f"bert-engine predict: {len(rows) - failed} of {len(rows)} lines answered, {failed} failed, by "
+    skipped = f", {blank} blank line{'s' if blank != 1 else ''} skipped" if blank else ""
+    print(f"bert-engine predict: {len(rows) - failed} of {len(rows)} lines answered, {failed} failed{skipped}, by "
           f"{info['model']} ({info['device']}, {info['dtype']})" + (f"; results in {args.output}" if args.output else ""),
           file=sys.stderr)
     return None
+
+
+BLANK = "(a blank line)"  # _read_rows' mark for a line holding only whitespace: skipped, and counted in the summary
 
 
 def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
@@ -344,7 +363,7 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
                 rows.append((number, bad))
                 continue
             if not line.strip():
-                rows.append((number, "the line is empty"))  # as in a plain-text file: every line is answered
+                rows.append((number, BLANK))
                 continue
             try:
                 value = json.loads(line)
@@ -373,7 +392,7 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
         rows = []
         for number, line in enumerate(lines[1:], 2):  # one row per line (no quoting): its number is its line's
             if (bad := not_utf8(line)) or not line.strip():
-                rows.append((number, bad or "the line is empty"))
+                rows.append((number, bad or BLANK))
                 continue
             values = line.split("\t")
             if len(values) > len(header):  # a tab inside a text: what follows it would be dropped, unread
@@ -383,7 +402,7 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
             row = dict(zip(header, values))
             rows.append((number, {f: row[f] for f in fields if row.get(f) is not None}))
         return rows
-    return [(number, not_utf8(line) or {first: line}) for number, line in enumerate(lines, 1)]
+    return [(number, not_utf8(line) or ({first: line} if line.strip() else BLANK)) for number, line in enumerate(lines, 1)]
 
 
 def _json_document(text: str) -> Any:
@@ -449,7 +468,8 @@ def check_data_file(path: Path, *, folder_ok: bool = False) -> None:
     if not stat.S_ISREG(info.st_mode):
         raise ValueError(f"{path}: not a regular file (a device or a pipe has no size to check)")
     if info.st_size > limit * 1_000_000:
-        raise ValueError(f"{path}: {info.st_size / 1e6:,.0f} MB; the limit is {limit:,} MB (BERT_ENGINE_MAX_FILE_MB)")
+        size = f"{info.st_size:,} bytes" if info.st_size < 1_000_000 else f"{info.st_size / 1e6:,.1f} MB"
+        raise ValueError(f"{path}: {size}, over the limit of {limit:,} MB (BERT_ENGINE_MAX_FILE_MB)")
 
 
 def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str | None) -> int:

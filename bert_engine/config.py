@@ -30,6 +30,7 @@ _METADATA_KEYS = frozenset(
         "gradient_checkpointing", "use_cache", "output_past", "finetuning_task",
         "bos_token_id", "eos_token_id", "directionality", "pooler_fc_size", "pooler_num_attention_heads",
         "pooler_num_fc_layers", "pooler_size_per_head", "pooler_type", "tokenizer_class",
+        "num_labels",  # (transformers derives it from id2label, which says the labels here)
         "tie_word_embeddings",  # BERT always ties the MLM decoder; checkpoints/loading.py warns if a checkpoint differs
     }
 )
@@ -109,6 +110,11 @@ class BertConfig:
                 f"hidden_size {self.hidden_size} is not divisible by "
                 f"num_attention_heads {self.num_attention_heads}"
             )
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "layer_norm_eps", "classifier_dropout"):
+            value = getattr(self, name)  # (a string: "'>' not supported between 'str' and 'int'", no field named)
+            if not (value is None and name == "classifier_dropout") and (
+                    isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:

@@ -304,7 +304,12 @@ class McpCallerAddress:
 
 def numeric_input(gr, block: Any, value: Any) -> Any:
     """A value sent for a slider or number box as the component takes it: null is its default, text that
-    reads as a finite number is that number; anything else is the caller's error, naming the value."""
+    reads as a finite number is that number; for a checkbox, true or false (null: its default); anything else
+    is the caller's error, naming the value."""
+    if isinstance(block, gr.Checkbox):  # (an API caller's "yes" or 0 was read as true or false)
+        if value is None or isinstance(value, bool):
+            return block.value if value is None else value
+        raise shown_error(gr, f"{block.label or 'a checkbox'}: expected true or false, got {str(value)[:80]!r}")
     if not isinstance(block, (gr.Slider, gr.Number)) or isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
     if value is None:
@@ -726,6 +731,19 @@ def find_checkpoints(allowed: list[Path], task: str | None = None, depth: int = 
     return dict(sorted(found.items()))
 
 
+def model_choices(known: dict[str, str], default: str | None) -> list[tuple[str, str]]:
+    """A model picker's entries: the task's default first, then the folders found, less the default's own folder
+    (listed twice, it read as two models); typing its name still loads it."""
+    def same(folder: str) -> bool:
+        try:
+            return default is not None and Path(folder).resolve() == Path(default).resolve()
+        except (OSError, RuntimeError):
+            return False
+
+    return [("default (the task's starter model)", ""),
+            *[(f"{k} · {family_label(v)}", k) for k, v in known.items() if not same(v)]]
+
+
 FAMILY_NAMES = {"bert": "BERT", "roberta": "RoBERTa", "albert": "ALBERT", "distilbert": "DistilBERT"}
 
 
@@ -835,8 +853,7 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
     known = find_checkpoints(model_dirs, name)
     with gr.Accordion("Model", open=False):
         with gr.Row():
-            choice = gr.Dropdown(choices=[("default (the task's starter model)", ""),
-                                          *[(f"{k} · {family_label(v)}", k) for k, v in known.items()]],
+            choice = gr.Dropdown(choices=model_choices(known, predictor.default or predictor.task.spec.default_checkpoint),
                                  value="", allow_custom_value=True, show_label=False, scale=4,
                                  info="a listed model, or a Hub id such as owner/name", filterable=True)
             load = gr.Button("Load", scale=1)
@@ -927,8 +944,7 @@ def _build_insight(gr, task, predictor: ServedPredictor, model_dirs: list[Path],
     with gr.Accordion("Compare with another model", open=False):
         known = find_checkpoints(model_dirs, name)
         with gr.Row():
-            other = gr.Dropdown(choices=[("default (the task's starter model)", ""),
-                                         *[(f"{k} · {family_label(v)}", k) for k, v in known.items()]],
+            other = gr.Dropdown(choices=model_choices(known, task.spec.default_checkpoint),
                                 value="", allow_custom_value=True, label="Model B", filterable=True, scale=3,
                                 info="a listed model, or a Hub id; A is this tab's model")
             precision = gr.Radio(precisions, value="int8" if "int8" in precisions else precisions[0],
@@ -1254,6 +1270,9 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
         except InputError as err:
             raise shown_error(gr, str(err)) from None
         num_layers, num_heads = len(weights), weights[0].shape[0]
+        for label, value in (("layer", layer_index), ("head", head_index), ("from token", from_token)):
+            if not isinstance(ui.whole(value or 0), int):  # (head 2.5 showed head 2)
+                raise shown_error(gr, f"{label} must be a whole number, got {value!r}")
         layer_index, head_index = int(layer_index or 0), int(head_index or 0)
         if not 0 <= layer_index < num_layers:
             raise shown_error(gr, f"layer {layer_index} does not exist; the model has layers 0..{num_layers - 1}")

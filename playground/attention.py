@@ -27,12 +27,15 @@ INK = (31, 41, 55)
 def cut(tokens: list[str], weights: list[torch.Tensor], start: int = 0) -> tuple[list[str], list[torch.Tensor], str]:
     """MAX_TOKENS tokens from `start` and their attention among themselves (labels stay readable: at
     most MAX_TOKENS rows in PLOT_PX), with a notice when that left any out."""
-    if len(tokens) <= MAX_TOKENS:
-        return tokens, weights, ""
-    start = max(0, min(int(start), len(tokens) - MAX_TOKENS))
+    asked = int(start)
+    if len(tokens) <= MAX_TOKENS:  # (a start past a short input was dropped without a word)
+        return tokens, weights, (f"The input's {len(tokens)} tokens are all shown (“From token” {asked} is past "
+                                 "them)." if asked >= len(tokens) else "")
+    start = max(0, min(asked, len(tokens) - MAX_TOKENS))
     stop = start + MAX_TOKENS
     notice = (f"Showing tokens {start}-{stop - 1} of {len(tokens)} (move “From token” for the others); rows "
-              "leave out the attention to tokens outside them.")
+              "leave out the attention to tokens outside them." + (
+                  f" (“From token” {asked} is past the last window's start.)" if asked > start else ""))
     return tokens[start:stop], [w[:, start:stop, start:stop] for w in weights], notice
 
 

@@ -153,11 +153,14 @@ def compare_html(compared: dict[str, Any]) -> str:
         verdict = '<p class="be-compare-verdict"><strong>They agree</strong> on every answer' + (
             f"; scores differ by up to {max(abs(d['difference']) for d in scores):.4f}.</p>" if scores else
             ", and every score is within 0.001.</p>")
-    rows = [f'<tr class="be-disagree"><td>≠</td><td>{html.escape(d["path"])}</td><td>{html.escape(_shown(d["a"]))}</td>'
+    # (the ≠ column only where something differs: empty and unheaded, it read as a broken table)
+    mark = (lambda cell: f"<td>{cell}</td>") if disagree else (lambda cell: "")
+    rows = [f'<tr class="be-disagree">{mark("≠")}<td>{html.escape(d["path"])}</td><td>{html.escape(_shown(d["a"]))}</td>'
             f'<td>{html.escape(_shown(d["b"]))}</td></tr>' for d in disagree]
-    rows += [f'<tr><td></td><td>{html.escape(d["path"])}</td><td>{_shown(d["a"])}</td><td>{_shown(d["b"])}</td></tr>'
+    rows += [f'<tr>{mark("")}<td>{html.escape(d["path"])}</td><td>{_shown(d["a"])}</td><td>{_shown(d["b"])}</td></tr>'
              for d in scores[:10]]
-    table = ('<div class="table-wrap"><table class="be-compare"><thead><tr><th></th><th>where</th><th>A</th><th>B</th>'
+    head = '<th title="the answers differ">≠</th>' if disagree else ""
+    table = (f'<div class="table-wrap"><table class="be-compare"><thead><tr>{head}<th>where</th><th>A</th><th>B</th>'
              f'</tr></thead><tbody>{"".join(rows)}</tbody></table></div>') if rows else ""
     return f'<div class="be-cards">{cards}</div>{verdict}{table}'
 

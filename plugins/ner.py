@@ -276,11 +276,21 @@ def transition_table(head: NerHead, constrained: bool = True) -> dict[str, Any]:
 LOWER_SUFFIX = "+lower"  # a split name ending in it reads the text in lower case (read_data)
 
 
+SPLITS = ("train", "dev", "validation", "test", "all")
+
+
 def read_data(path, split: str = "train"):
     """A CoNLL-2003 file; yields ({"text": words joined by spaces}, {"words", "tags" in BIO}) per sentence.
     A split ending in "+lower" (e.g. "test+lower") lower-cases every word: how the model reads text
-    typed without capitals, the cue a casing model leans on."""
+    typed without capitals, the cue a casing model leans on. The file is one split: `split` names it (train,
+    dev, validation, test or all, each with "+lower" or not) and selects nothing.
+
+    Raises:
+        ValueError: a split that is none of those names (a typo was read as the file)."""
     lower = str(split).endswith(LOWER_SUFFIX)
+    if split is not None and str(split).removesuffix(LOWER_SUFFIX) not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}, each with {LOWER_SUFFIX!r} or not (a "
+                         "CoNLL file holds one split: the name only says which)")
     for words, tags in read_conll(path):
         words = [word.lower() for word in words] if lower else words
         yield {"text": " ".join(words)}, {"words": words, "tags": convert(tags, "BIO")}

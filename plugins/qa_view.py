@@ -64,7 +64,8 @@ def candidate_scores(result: dict) -> dict[str, float]:
     for a in result["answers"]:
         label = a["answer"] if a["answer"] not in scores else f"{a['answer']} (at {a['start']})"
         scores[label] = a["score"]
-    scores["(no answer)"] = result["no_answer"]["score"]
+    verdict = result["no_answer"]  # the probability that decided, as the headline says it (the verifier's where it
+    scores["(no answer)"] = verdict["probability"] if verdict.get("rule") == "verifier" else verdict["score"]  # ruled)
     return scores
 
 
@@ -87,7 +88,9 @@ def pipeline_output(result: dict, options, single: bool):
 def _handle_impossible_answer(value) -> dict:
     if not isinstance(value, bool):
         raise InputError(f"qa: handle_impossible_answer must be True or False, got {value!r:.80}")
-    return {} if value else {"no_answer": "never"}  # True: "no answer" as no_answer (default "eager") decides
+    # True: transformers' rule, "no answer" where its score beats the best span's (the span head's null gap past
+    # 0; it was the default "eager" verifier, which answered where the null score was 0.99996); False: never
+    return {"null_threshold": 0.0} if value else {"no_answer": "never"}
 
 
 # transformers' question-answering arguments read under this task's names (TaskSpec.pipeline_arguments)

@@ -200,13 +200,20 @@ EXAMPLES = (
 )
 
 
+SPLITS = ("train", "dev", "validation", "test", "all")
+
+
 def read_data(path, split: str = "train"):
-    """GLUE SST-2 style TSV (`sentence<TAB>label`, header line); yields ({"text": ...}, label id).
+    """GLUE SST-2 style TSV (`sentence<TAB>label`, header line); yields ({"text": ...}, label id). The file is
+    one split: `split` names it (train, dev, validation, test or all) and selects nothing.
 
     Raises:
         ValueError: naming the file and line, for a missing header, a missing or non-integer label
-            or an empty sentence.
+            or an empty sentence; a split that is none of those names (a typo was read as the file).
     """
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)} (an SST-2 TSV file holds one split: the "
+                         "name only says which)")
     with open(path, encoding="utf-8", newline="") as handle:
         rows = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
         try:

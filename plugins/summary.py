@@ -588,8 +588,8 @@ def _keep_probability(start: int, end: int):
 
 
 def brief(result) -> str:
-    """The chosen sentences."""
-    return result["summary"] or "no sentence chosen"
+    """The chosen sentences, or why there are none."""
+    return result["summary"] or f"no sentence chosen: {result.get('explanation') or 'the text has none to choose'}"
 
 
 @hookimpl

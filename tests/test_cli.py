@@ -1,6 +1,7 @@
 """`bert-engine` subcommands: JSON on stdout, clear errors with exit code 2."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import reference_checkpoint
@@ -198,7 +199,7 @@ def test_info_on_an_adapter_folder_without_a_head_says_which_task_and_how_to_loa
     (copy / "manifest.json").write_text(json.dumps({"task": "ner; rm -rf /"}))  # not a task name: not repeated
     assert main(["info", "--model", str(copy)]) == 2
     err = capsys.readouterr().err
-    assert "pass --head (one of mlm, nsp, pretraining, sequence, span, token)" in err
+    assert "pass --head (one of mlm, nsp, pretraining, sequence, span, token; in Python, load(folder, head))" in err
     assert "rm -rf" not in err and "`bert-engine predict TASK --model FOLDER`" in err
     (copy / "manifest.json").write_text(json.dumps({"task": "parsing"}))  # a task no plugin registers
     assert main(["info", "--model", str(copy)]) == 2
@@ -252,7 +253,12 @@ def test_input_files_are_checked_before_reading_and_bad_bytes_fail_their_line_on
     big.write_bytes(b"fine\n" * 300_000)  # 1.5 MB
     monkeypatch.setenv("BERT_ENGINE_MAX_FILE_MB", "1")
     assert main(["predict", "sentiment", "--file", str(big), *args]) == 2
-    assert "big.txt: 2 MB; the limit is 1 MB (BERT_ENGINE_MAX_FILE_MB)" in capsys.readouterr().err
+    assert "big.txt: 1.5 MB, over the limit of 1 MB (BERT_ENGINE_MAX_FILE_MB)" in capsys.readouterr().err
+    monkeypatch.setenv("BERT_ENGINE_MAX_FILE_MB", "0")  # (a small file said "0 MB; the limit is 0 MB")
+    small = tmp_path / "small.txt"
+    small.write_text("fine\n")
+    assert main(["predict", "sentiment", "--file", str(small), *args]) == 2
+    assert "small.txt: 5 bytes, over the limit of 0 MB (BERT_ENGINE_MAX_FILE_MB)" in capsys.readouterr().err
     monkeypatch.delenv("BERT_ENGINE_MAX_FILE_MB")
     mixed = tmp_path / "mixed.txt"
     mixed.write_bytes(b"a gorgeous movie\nbad \xff byte\nterrible and dull\n")
@@ -264,8 +270,9 @@ def test_input_files_are_checked_before_reading_and_bad_bytes_fail_their_line_on
         answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert "not UTF-8 text (byte 0xff at character" in answers[1]["error"]
         assert "result" in answers[0] and "result" in answers[-1]
-        if name.endswith(".jsonl"):  # a blank line is answered as in a plain-text file: its own error
-            assert answers[2] == {"line": 3, "error": "the line is empty"}
+        if name.endswith(".jsonl"):  # a blank line is no input: skipped (the summary counts it)
+            assert [a["line"] for a in answers] == [1, 2, 4]
+            assert "2 of 3 lines answered, 1 failed, 1 blank line skipped" in capsys.readouterr().err
     tsv = tmp_path / "dev.tsv"
     tsv.write_bytes(b"sentence\tlabel\na fine film\t1\nbad \xff\t0\n")
     assert main(["eval", "sentiment", "--data", str(tsv), *args]) == 2
@@ -290,20 +297,21 @@ def test_eval_still_reads_a_folder_of_texts(tmp_path, capsys):
 
 def test_lines_end_at_newlines_only_and_keep_their_numbers(sentiment_checkpoint, tmp_path, capsys):
     """A raw U+2028 inside a JSON string, a form feed inside a text line and a blank TSV row: each line is one
-    input with its own number (str.splitlines split the first two; csv skipped the blank row silently)."""
+    input with its own number (str.splitlines split the first two; csv skipped the blank row silently). A blank
+    line is no input: skipped, keeping the others' numbers, and said in the summary (it failed the run)."""
     args = ["--model", str(sentiment_checkpoint)]
-    cases = {"a.jsonl": ('{"text": "good film\u2028really"}\n"awful"\n', [True, True]),
-             "b.txt": ("good\x0cfilm\r\nbad film\nawful\n", [True, True, True]),
-             "c.tsv": ("text\nfine film\n\nbad film\n", [True, False, True])}
-    for name, (content, answered) in cases.items():
+    cases = {"a.jsonl": ('{"text": "good film\u2028really"}\n"awful"\n', [1, 2], 0),
+             "b.txt": ("good\x0cfilm\r\nbad film\n  \nawful\n", [1, 2, 4], 1),
+             "c.tsv": ("text\nfine film\n\nbad film\n", [2, 4], 1)}
+    for name, (content, lines, blank) in cases.items():
         path = tmp_path / name
         path.write_text(content, encoding="utf-8", newline="")
-        main(["predict", "sentiment", "--file", str(path), *args])
-        answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-        assert ["result" in a for a in answers] == answered, (name, answers)
-        first = 2 if name.endswith(".tsv") else 1
-        assert [a["line"] for a in answers] == list(range(first, first + len(answered))), name
-    assert answers[1]["error"] == "the line is empty"
+        assert main(["predict", "sentiment", "--file", str(path), *args]) == 0, name
+        captured = capsys.readouterr()
+        answers = [json.loads(line) for line in captured.out.splitlines()]
+        assert all("result" in a for a in answers) and [a["line"] for a in answers] == lines, (name, answers)
+        assert (f"{len(lines)} of {len(lines)} lines answered, 0 failed, 1 blank line skipped" in captured.err) == \
+            bool(blank), captured.err
 
 
 def test_pack_does_not_replace_a_pack_of_another_task(tmp_path, capsys):
@@ -474,3 +482,28 @@ def test_encode_refuses_text_no_task_would_read(capsys):
     """`encode` answered a zero-width space with the vector of [CLS] [SEP]; every task refuses such text."""
     assert main(["encode", "fine", "\u200b\u200b"]) == 2
     assert "text 2 has no readable text, only control or invisible characters (U+200B)" in capsys.readouterr().err
+
+
+def test_eval_refuses_a_split_that_names_none(tmp_path, capsys):
+    """`eval sentiment --split bogus` answered on the file and reported "split": "bogus" (an SST-2 or CoNLL file
+    is one split; the name only says which); a typo is now refused naming the names, as summary's and fill-mask's
+    readers did already."""
+    data = tmp_path / "dev.tsv"
+    data.write_text("sentence\tlabel\na fine film\t1\n")
+    assert main(["eval", "sentiment", "--data", str(data), "--split", "bogus"]) == 2
+    assert "split 'bogus' is not one of train, dev, validation, test, all" in capsys.readouterr().err
+    conll = Path(__file__).parent / "fixtures" / "conll_tiny.txt"
+    assert main(["eval", "ner", "--data", str(conll), "--split", "tset+lower", "--limit", "2"]) == 2
+    assert "split 'tset+lower' is not one of train, dev, validation, test, all, each with '+lower'" in \
+        capsys.readouterr().err
+
+
+def test_encode_reads_a_task_models_folder_through_its_encoder(capsys):
+    """`encode --model plugins/starter/sentiment` was refused ("needs a head"): a folder whose manifest names a
+    task loads with that task's head, and its encoder (the adapter's) gives the vectors."""
+    starter = Path(__file__).resolve().parents[1] / "plugins" / "starter" / "sentiment"
+    assert main(["encode", "--model", str(starter), "a fine film"]) == 0
+    tuned = json.loads(capsys.readouterr().out)["results"][0]["mean_embedding"]
+    assert main(["encode", "a fine film"]) == 0
+    base = json.loads(capsys.readouterr().out)["results"][0]["mean_embedding"]
+    assert len(tuned) == len(base) == 384 and tuned != base  # the adapter's encoder, not the bare backbone

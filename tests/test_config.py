@@ -40,6 +40,9 @@ def test_unknown_keys_are_reported_by_name(caplog):
         ({"pad_token_id": 40000}, "pad_token_id 40000 is outside the vocabulary of size 30522"),
         ({"is_decoder": True}, "is_decoder=True is not supported"),
         ({"layer_norm_eps": 0}, "layer_norm_eps must be > 0"),
+        ({"layer_norm_eps": "x"}, "layer_norm_eps must be a number, got 'x'"),  # (was: '>' not supported ...)
+        ({"attention_probs_dropout_prob": "0.1"}, "attention_probs_dropout_prob must be a number, got '0.1'"),
+        ({"classifier_dropout": []}, "classifier_dropout must be a number, got []"),
     ],
 )
 def test_impossible_values_raise_naming_them(values, message):

@@ -353,6 +353,8 @@ def test_transformers_arguments_are_read_under_the_tasks_own_names(sentiment_fol
     with pytest.raises(InputError, match="ner: aggregation_strategy 'max' is not offered: .*'simple'"):
         pipeline("ner", aggregation_strategy="max")
     ask = pipeline("qa")
+    plain = ask(question="Who?", context="Bob lives in London.", handle_impossible_answer=True)
+    assert plain == ask(question="Who?", context="Bob lives in London.", null_threshold=0.0)  # transformers' rule
     never = ask(question="Who?", context="Bob lives in London.", handle_impossible_answer=False)
     assert never == ask(question="Who?", context="Bob lives in London.", no_answer="never") and never["answer"]
     assert len(ask(question="Who lives in London?", context="Bob lives in London.", topk=2)) == 2
@@ -371,3 +373,25 @@ def test_a_text_pair_keyword_beside_a_positional_text_and_unknown_fields(sentime
         classify("A fine film.", text="Another.")
     with pytest.raises(InputError, match="sentiment: unknown field\\(s\\) txt_pair; the task's: text, text_pair"):
         classify({"text": "A fine film.", "txt_pair": "I liked it."})
+
+
+def test_transformers_dtype_batch_size_and_arguments_no_task_takes(sentiment_folder):
+    """dtype= / torch_dtype= pick the precision (a port's `torch_dtype=torch.float32` was "unknown option"),
+    batch_size= per call as in transformers, and an argument of transformers' pipelines no task takes is refused
+    saying what the engine does instead (it was "unknown option(s) ignore_labels" alone)."""
+    import torch
+
+    classify = pipeline("sentiment", model=str(sentiment_folder), dtype=torch.float32)
+    assert classify.predictor.provenance()["dtype"] == "float32"
+    assert pipeline("sentiment", model=str(sentiment_folder), torch_dtype="auto").predictor.provenance()["dtype"] == \
+        "float32"  # (auto on a CPU: fp32)
+    with pytest.raises(TypeError, match="torch_dtype=torch.float64 is not a dtype the engine runs"):
+        pipeline("sentiment", model=str(sentiment_folder), torch_dtype=torch.float64)
+    with pytest.raises(TypeError, match="dtype='bfloat16' and precision='fp32' ask for different precisions"):
+        pipeline("sentiment", model=str(sentiment_folder), dtype="bfloat16", precision="fp32")
+    assert classify(REVIEWS, batch_size=1) == classify(REVIEWS)
+    with pytest.raises(InputError, match="batch_size"):
+        classify(REVIEWS, batch_size=0)
+    with pytest.raises(InputError, match="ner: ignore_labels= is an argument of transformers' pipelines that "
+                                         "bert_engine does not take: the answer lists entities only"):
+        pipeline("ner")("Bob lives in Paris.", ignore_labels=[])

@@ -136,6 +136,8 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
     with pytest.raises(Exception, match="nbest must be an integer in \\[1, 20\\], got 2.5"):  # not read as 2
         client.predict("Angela Merkel visited Paris.", True, 2.5, "model", api_name="/ner")
     assert json.loads(client.predict("Angela Merkel visited Paris.", True, 2.0, "model", api_name="/ner"))["result"]
+    with pytest.raises(Exception, match="expected true or false, got 'yes'"):  # (was read as true)
+        client.predict("Angela Merkel visited Paris.", "yes", 2, "model", api_name="/ner")
     # a slider's number sent as text or null (an API or MCP caller): read as the number or the default, and
     # anything else is named (Gradio's slider had failed with "the upstream Gradio app has raised an exception")
     assert json.loads(client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", "2",
@@ -1123,3 +1125,18 @@ def test_results_json_cannot_hold_are_named_for_what_they_are():
         with pytest.raises(ResultNotJSON, match=f"task: the result {re.escape(problem)}"):
             check_json_result("task", result)
     assert check_json_result("task", {"a": [1, "x", None, {"b": 2.5}]}) == {"a": [1, "x", None, {"b": 2.5}]}
+
+
+def test_the_model_picker_lists_the_default_once(tmp_path):
+    """The picker listed "default (the task's starter model)" and the starter's own folder beside it: one model
+    twice. The default's folder is left out of the list (typing its name still loads it)."""
+    from playground.app import model_choices
+
+    starter = tmp_path / "starter"
+    other = tmp_path / "mine"
+    for folder in (starter, other):
+        folder.mkdir()
+        (folder / "config.json").write_text('{"model_type": "bert"}')
+    choices = model_choices({"starter": str(starter), "mine": str(other)}, str(starter))
+    assert choices == [("default (the task's starter model)", ""), ("mine · BERT", "mine")]
+    assert len(model_choices({"mine": str(other)}, None)) == 2

@@ -458,3 +458,11 @@ def test_pipeline_arguments_are_callables(arguments, message):
     assert not _load(registry, "ported", ToyPlugin(_spec(options={"top_k": 3}, pipeline_arguments=arguments)))
     (failure,) = registry.failures
     assert message in failure.message and not registry.tasks
+
+
+def test_cli_plugin_check_of_a_name_no_plugin_has_is_the_callers_error(capsys):
+    """A typo (`plugin check sentimnet`) was a failed check, exit 1, like a broken plugin: now one line naming
+    the plugins there are, exit 2."""
+    assert cli_main(["plugin", "check", "sentimnet"]) == 2
+    err = capsys.readouterr().err
+    assert "no plugin named 'sentimnet' is installed; plugins: " in err and "sentiment" in err

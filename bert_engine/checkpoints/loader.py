@@ -80,7 +80,8 @@ def _adapter_needs_a_head(folder: Path) -> str:
     use = (f"`bert-engine predict {task} --model {folder}` (its manifest says task {task!r})" if task
            else "`bert-engine predict TASK --model FOLDER`")
     return (f"{folder}: a LoRA adapter folder needs a head to load: pass --head (one of "
-            f"{', '.join(sorted(heads.HEADS))}) matching its task, or run it through its task: {use}")
+            f"{', '.join(sorted(heads.HEADS))}; in Python, load(folder, head)) matching its task, or run it through "
+            f"its task: {use}")
 
 
 def load_pretrained(name_or_path: str | Path, head: str | nn.Module | None = None, **kwargs) -> nn.Module:

@@ -1039,13 +1039,14 @@ def native_attention(attention: nn.Module, qkv: Tensor, mask: Tensor | None, unp
     """model.SelfAttention's context, (B, T, H) or (R, H) as `qkv` (B, T, 3H) or (R, 3H), from fused_layer.c's
     attention (each sequence and head over its own tokens: no padding computed), or None where it does not apply
     and the attention backend runs: not fp32 on the CPU, gradients wanted, padding left in the rows (`mask`
-    without `unpadded`, or a mask with holes), a head width the C code does not take. Its values differ from
-    torch's in the last bits (the sums' order: 3e-7 here; tested)."""
+    without `unpadded`, or a mask with holes), a head width the C code does not take, a single sequence (in
+    whole QA requests of one question it ran 0.93x torch's, benchmarks.attention_ab, though a head timed alone
+    ran faster). Its values differ from torch's in the last bits (the sums' order: 3e-7 here; tested)."""
     if qkv.dtype != torch.float32 or not qkv.is_cpu or (qkv.requires_grad and torch.is_grad_enabled()):
         return None
     offsets = _sequence_offsets(qkv, mask, unpadded)
-    if offsets is None:
-        return None
+    if offsets is None or offsets.numel() <= 2:  # one sequence: torch's (a request of one question ran 0.93x with
+        return None                               # this one in its layers, though one head alone times faster)
     qkv = qkv.contiguous()
     hidden = qkv.shape[-1] // 3
     rows = qkv.numel() // (3 * hidden)
@@ -1118,10 +1119,11 @@ def pack_linear_layers(model: nn.Module, only: Iterable[str] = PROJECTIONS, kern
 
 
 # The layers' attention as a kernel choice (choose_kernels): torch's scaled_dot_product_attention ("sdpa") or
-# bert_engine's (fused_layer.c: "native"), timed at a visitor's sentence, a question with its context, a whole
-# 384-token window, and a batch of eight 128-token texts (sequences, tokens)
+# bert_engine's (fused_layer.c: "native") for batches of several sequences (one sequence runs torch's: see
+# native_attention), timed at batches of short texts, of 128-token texts and of whole 384-token windows
+# (sequences, tokens)
 ATTENTION = "attention"
-ATTENTION_SHAPES = ((1, 24), (1, 128), (1, 384), (8, 128))
+ATTENTION_SHAPES = ((8, 32), (8, 128), (4, 384))
 KERNEL_ROWS = (24, 128, 2048)  # rows a kernel is timed on: a visitor's sentence, a long text, a batch of 16 x 128
 DECODER_ROWS = (1, 32)  # ... and a decoder: a visitor's mask, a batch of texts' masks
 PLAIN_MARGIN = 0.9  # another kernel replaces the incumbent only when at least 10 % faster: not on timing noise

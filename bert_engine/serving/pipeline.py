@@ -54,6 +54,9 @@ class Pipeline:
         if raw is not None:
             _check_arguments(raw=raw)
         raw = self.raw if raw is None else raw
+        size = kwargs.pop("batch_size", None)  # per call, as transformers takes it; else the pipeline's
+        if size is not None:
+            _check_arguments(batch_size=size)
         spec = self.task.spec
         fields = spec.input_fields + spec.optional_fields
         by_field = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
@@ -78,9 +81,9 @@ class Pipeline:
             raise TypeError(f"{spec.name}: a tuple of texts is one input's ({', '.join(fields[:2])}), so it holds two; "
                             f"got {len(inputs)}. Give many inputs as a list")
         if isinstance(inputs, (list, tuple)):
-            return self._many(list(inputs), options, raw)
+            return self._many(list(inputs), options, raw, size)
         if isinstance(inputs, Iterable):
-            return self._stream(iter(inputs), options, raw)
+            return self._stream(iter(inputs), options, raw, size)
         raise TypeError(f"{spec.name}: expected a text, a mapping of {', '.join(fields)}, a list or an iterable of "
                         f"them, got {type(inputs).__name__}")
 
@@ -110,7 +113,8 @@ class Pipeline:
         raise TypeError(f"{self.task.spec.name}: each input must be a text or a mapping of "
                         f"{', '.join(self.task.spec.input_fields)}, got {type(value).__name__}")
 
-    def _many(self, values: list, options: Mapping[str, Any], raw: bool = False) -> list[Any]:
+    def _many(self, values: list, options: Mapping[str, Any], raw: bool = False,
+              batch_size: int | None = None) -> list[Any]:
         """Answers for a list, in order. A bad input raises InputError.at its place in `values`, whichever
         check finds it (its type, the predictor's checks, the task's preprocess), so a stream can name it."""
         spec = self.task.spec
@@ -122,7 +126,7 @@ class Pipeline:
         if items and can_batch(spec, items):
             field = spec.input_fields[0]
             started = time.perf_counter()
-            sized = {"batch_size": self.batch_size} if _takes_batch_size(spec.predict_many) else {}
+            sized = {"batch_size": batch_size or self.batch_size} if _takes_batch_size(spec.predict_many) else {}
             results = spec.predict_many(self.predictor, [i[field] for i in items], **sized, **options)
             each_ms = 1000 * (time.perf_counter() - started) / len(items)  # the batch's time, shared out
             outputs = [{"task": spec.name, "result": r, "provenance": self.predictor.provenance(each_ms)}
@@ -150,18 +154,19 @@ class Pipeline:
                 raise
             raise InputError.at(name, position, str(err).removeprefix(f"{name}: ")) from None
 
-    def _stream(self, values: Iterator, options: Mapping[str, Any], raw: bool = False) -> Iterator[Any]:
+    def _stream(self, values: Iterator, options: Mapping[str, Any], raw: bool = False,
+                batch_size: int | None = None) -> Iterator[Any]:
         """Answers in order, a chunk of `batch_size` at a time; a bad input ends the stream with its error
         (numbered within the stream) after the answers of every input before it."""
         done = 0
-        while chunk := list(islice(values, self.batch_size)):
+        while chunk := list(islice(values, batch_size or self.batch_size)):
             try:
-                answers = self._many(chunk, options, raw)
+                answers = self._many(chunk, options, raw, batch_size)
             except InputError as err:  # numbered within the chunk: renumber within the stream
                 if err.position is None:
                     raise
                 if err.position:  # the good inputs before it, answered before the error
-                    yield from self._many(chunk[:err.position], options, raw)
+                    yield from self._many(chunk[:err.position], options, raw, batch_size)
                 raise InputError.at(self.task.spec.name, done + err.position, err.detail) from None
             yield from answers
             done += len(chunk)
@@ -192,6 +197,26 @@ def _check_arguments(**arguments: Any) -> None:
             raise InputError(f"pipeline: {name} must be True or False, got {value!r:.80}")
 
 
+# Arguments of transformers' pipelines no built-in task takes, with what bert_engine does instead: refused naming
+# it (an "unknown option" alone left a port guessing). A task that has an option of the same name reads its own.
+NOT_TAKEN = {
+    "ignore_labels": "the answer lists entities only; tokens outside them ('O') are not answered",
+    "return_text": "an extractive summary answers its chosen sentences as text (and their places)",
+    "return_tensors": "answers are JSON-ready values, not tensors",
+    "clean_up_tokenization_spaces": "answers quote the input's own text, spaces as written",
+    "min_length": "an extractive summary picks whole sentences: ask for how many with its options",
+    "generate_kwargs": "no task generates text: the summary picks sentences",
+    "tokenizer_kwargs": "the model's own tokenizer runs with the task's length options (max_length)",
+    "align_to_words": "answers are spans of whole word pieces mapped back to the text's characters",
+    "num_workers": "inputs are batched in this process (batch_size=)",
+    "trust_remote_code": "no code is loaded from a checkpoint: the engine's own model runs it",
+    "use_fast": "the tokenizer is `tokenizers`' (fast) one",
+    "framework": "the engine runs PyTorch",
+    "device_map": "the model loads on one device: give device=",
+    "model_kwargs": "pipeline() takes the model's settings as its own arguments (precision=, device=)",
+}
+
+
 def translated(spec, options: Mapping[str, Any]) -> dict[str, Any]:
     """`options` with the transformers pipeline's arguments the task knows under other names
     (TaskSpec.pipeline_arguments) turned into its own options. Other names pass through (the task's checks
@@ -201,6 +226,10 @@ def translated(spec, options: Mapping[str, Any]) -> dict[str, Any]:
         InputError: two arguments that set one option to different values (`handle_impossible_answer=False`
             beside `no_answer="cautious"`), naming both, rather than one silently winning."""
     arguments = spec.pipeline_arguments
+    for name in options:
+        if name in NOT_TAKEN and name not in arguments and name not in spec.options:
+            raise InputError(f"{spec.name}: {name}= is an argument of transformers' pipelines that bert_engine does "
+                             f"not take: {NOT_TAKEN[name]}")
     chosen: dict[str, Any] = {}
     said_by: dict[str, str] = {}  # option -> the argument that set it first, in the caller's order
     for name, value in options.items():
@@ -210,6 +239,27 @@ def translated(spec, options: Mapping[str, Any]) -> dict[str, Any]:
                                  f"{option!r}; give one of them")
             chosen[option], said_by[option] = setting, said_by.get(option, f"{name}={value!r:.80}")
     return chosen
+
+
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "auto"}
+
+
+def _precision_of(options: dict[str, Any], precision: str) -> str:
+    """`precision`, or what transformers' `dtype=` / `torch_dtype=` (removed from `options`) ask for: torch.float32,
+    torch.bfloat16, torch.float16, their names, or "auto".
+
+    Raises:
+        TypeError: a dtype the engine does not run, or one beside a different precision=."""
+    given = [(name, options.pop(name)) for name in ("dtype", "torch_dtype") if name in options]
+    for name, value in given:
+        key = str(value).removeprefix("torch.") if value is not None else "auto"
+        if key not in DTYPES:
+            raise TypeError(f"{name}={value!r} is not a dtype the engine runs: give torch.float32, torch.bfloat16, "
+                            "torch.float16 or 'auto' (or precision='int8' for int8)")
+        if precision not in ("auto", DTYPES[key]):
+            raise TypeError(f"{name}={value!r} and precision={precision!r} ask for different precisions; give one")
+        precision = DTYPES[key] if DTYPES[key] != "auto" else precision
+    return precision
 
 
 def _from_fields(task: str, by_field: Mapping[str, Any]) -> Any:
@@ -255,6 +305,7 @@ def pipeline(task: str, model: str | None = None, *, revision: str | None = None
         hub.HubError, CheckpointError: the model cannot be loaded.
     """
     _check_arguments(compile=compile, raw=raw, batch_size=batch_size)
+    precision = _precision_of(options, precision)
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):
         raise TypeError(f"revision must be a Hub branch, tag or commit (text), got {revision!r}")
     registered = find_task(registry or load_registry(), task)

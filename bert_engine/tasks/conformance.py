@@ -388,6 +388,9 @@ def check_plugin(name: str, *, data: str | Path | None = None, split: str | None
     (the registry would refuse the whole plugin). `data` feeds the training check (one task)."""
     builtins = tuple(m for m in builtin_plugins() if m.rsplit(".", 1)[-1] == name)
     installed = {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    if not builtins and name not in installed:  # a name no plugin has (a typo): the caller's error, exit 2
+        known = sorted({m.rsplit(".", 1)[-1] for m in builtin_plugins()} | installed)
+        raise ValueError(f"no plugin named {name!r} is installed; plugins: {', '.join(known)}")
     if builtins and name in installed:  # an entry point of a built-in's name never loads: its failure, not a pass
         full = load_registry(entry_points=True, selected={name}, strict=False)
         clashes = [dataclasses.asdict(f) for f in full.failures if f.stage == "duplicate" and f.source == "entry point"]
