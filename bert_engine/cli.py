@@ -351,7 +351,11 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
     lines = [line.removesuffix("\r") for line in text.split("\n")]
     if lines and lines[-1] == "":
         lines.pop()  # the newline that ends the last line
-    if path.suffix == ".json" and (whole := _json_document(text)) is not None:
+    try:
+        whole = _json_document(text) if path.suffix == ".json" else None
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    if whole is not None:
         # A JSON document: an array of inputs (objects keyed by the fields, or texts), each numbered by its place
         # (1, 2, ...), or one object (a pretty-printed array was read line by line: "not JSON" on most lines)
         items = whole if isinstance(whole, list) else [whole]
@@ -412,7 +416,11 @@ def _json_document(text: str) -> Any:
         return None
     try:
         value = json.loads(text)
-    except (ValueError, RecursionError):
+    except ValueError as err:
+        if start == "[":  # an array that does not parse (a trailing comma): one error, not "not JSON" per line
+            raise ValueError(f"not a JSON array ({err}); give a valid array, or one JSON object per line") from None
+        return None
+    except RecursionError:
         return None
     return value if isinstance(value, (list, dict)) else None
 

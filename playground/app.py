@@ -307,6 +307,8 @@ def numeric_input(gr, block: Any, value: Any) -> Any:
     reads as a finite number is that number; for a checkbox, true or false (null: its default); anything else
     is the caller's error, naming the value."""
     if isinstance(block, gr.Checkbox):  # (an API caller's "yes" or 0 was read as true or false)
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):  # (JSON clients may send text)
+            return value.strip().lower() == "true"
         if value is None or isinstance(value, bool):
             return block.value if value is None else value
         raise shown_error(gr, f"{block.label or 'a checkbox'}: expected true or false, got {str(value)[:80]!r}")

@@ -168,7 +168,7 @@ def test_fp32_kernels_benchmark_times_a_whole_forward_with_each_kernel(tmp_path)
     kernels = ["packed", "plain"] + (["tiled"] if native.library() is not None else []) + ["auto"]
     assert [r["kernels"] for r in saved["rows"]] == kernels * 2
     assert all(r["max_abs_diff"] < 1e-4 and r["vs_packed"] > 0 for r in saved["rows"])
-    assert set(saved["auto_chose"]) == {"qkv", "out", "up", "down"}
+    assert set(saved["auto_chose"]) - {"attention"} == {"qkv", "out", "up", "down"}  # (and the attention's choice)
     assert saved["tiled_kernel"] == (native.unavailable() or "available")
 
 

@@ -133,10 +133,10 @@ def test_help_loads_no_torch(command):
 
 def test_a_bad_line_in_a_batched_file_gets_its_own_error(sentiment_checkpoint, tmp_path, capsys):
     lines = tmp_path / "texts.txt"
-    lines.write_text("a gorgeous movie\n   \nterrible and dull\n")
+    lines.write_bytes(b"a gorgeous movie\nbad \xff byte\nterrible and dull\n")  # (a blank line is skipped, not bad)
     assert main(["predict", "sentiment", "--file", str(lines), "--model", str(sentiment_checkpoint)]) == 1
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert ["result" in a for a in answers] == [True, False, True] and "empty" in answers[1]["error"]
+    assert ["result" in a for a in answers] == [True, False, True] and "not UTF-8" in answers[1]["error"]
 
 
 def test_predict_file_under_torchrun_gives_the_single_process_output(sentiment_checkpoint, tmp_path):
@@ -148,8 +148,8 @@ def test_predict_file_under_torchrun_gives_the_single_process_output(sentiment_c
     import sys
 
     lines = tmp_path / "texts.txt"
-    lines.write_text("".join(f"review {i}: {'great' if i % 3 else 'dull'} film{' really' * (i % 7)}\n" for i in range(75))
-                     + "   \n")  # 76 lines: three batches of 32, and one bad line
+    lines.write_bytes("".join(f"review {i}: {'great' if i % 3 else 'dull'} film{' really' * (i % 7)}\n"
+                              for i in range(75)).encode() + b"bad \xff\n")  # 76 lines: 3 batches of 32, one bad line
     single, shared = tmp_path / "single.jsonl", tmp_path / "shared.jsonl"
     command = ["-m", "bert_engine", "predict", "sentiment", "--file", str(lines), "--model", str(sentiment_checkpoint)]
     # One kernel for every process: a kernel choice timed while the machine is busy (a test run beside it) is timed
@@ -209,8 +209,9 @@ def test_info_on_an_adapter_folder_without_a_head_says_which_task_and_how_to_loa
 
 
 def test_bad_lines_leave_the_rest_of_their_batch_batched(sentiment_checkpoint, tmp_path, capsys, monkeypatch):
-    """Two bad lines in a batch of 32 (one empty, one over the character limit) get their own errors; the 30
-    others still share predict_many's passes, and answer as one text at a time does."""
+    """A bad line in a batch of 32 (over the character limit) gets its own error; the others still share
+    predict_many's passes, and answer as one text at a time does; blank lines are skipped (not inputs), their
+    numbers left out, and nothing goes one by one."""
     from bert_engine.runtime import inference
 
     texts = [f"review {i}: {'great' if i % 3 else 'dull'} film" for i in range(32)]
@@ -223,10 +224,11 @@ def test_bad_lines_leave_the_rest_of_their_batch_batched(sentiment_checkpoint, t
     monkeypatch.setattr(inference.Predictor, "predict", lambda self, inputs, **o: alone.append(inputs) or original(self, inputs, **o))
     assert main(["predict", "sentiment", "--file", str(lines), "--model", str(sentiment_checkpoint)]) == 1
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [a["line"] for a in answers] == list(range(1, 33))
-    assert [k for k, a in enumerate(answers) if "error" in a] == [5, 9, 11, 13, 15, 20]
-    assert alone == [{"text": "   "}] + [{"text": " "}] * 4  # only the empty lines went one by one
-    assert "empty" in answers[5]["error"] and "characters" in answers[20]["error"]
+    assert [a["line"] for a in answers] == [n for n in range(1, 33) if n not in (6, 10, 12, 14, 16)]
+    by_line = {a["line"]: a for a in answers}
+    assert [n for n, a in by_line.items() if "error" in a] == [21] and "characters" in by_line[21]["error"]
+    assert alone == []  # nothing went one by one
+    answers = [by_line.get(n, {}) for n in range(1, 33)]  # (indexed by line again, for the comparison below)
     monkeypatch.setattr(inference.Predictor, "predict", original)
     assert main(["predict", "sentiment", "--input", f"text={texts[7]}", "--model", str(sentiment_checkpoint)]) == 0
     alone_result = json.loads(capsys.readouterr().out)["result"]  # within float rounding: a batch's padded shape
@@ -267,12 +269,13 @@ def test_input_files_are_checked_before_reading_and_bad_bytes_fail_their_line_on
         path.write_bytes(mixed.read_bytes() if name.endswith(".txt")
                          else b'"a gorgeous movie"\n"bad \xff byte"\n\n"terrible and dull"\n')
         assert main(["predict", "sentiment", "--file", str(path), *args]) == 1
-        answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        captured = capsys.readouterr()
+        answers = [json.loads(line) for line in captured.out.splitlines()]
         assert "not UTF-8 text (byte 0xff at character" in answers[1]["error"]
         assert "result" in answers[0] and "result" in answers[-1]
         if name.endswith(".jsonl"):  # a blank line is no input: skipped (the summary counts it)
             assert [a["line"] for a in answers] == [1, 2, 4]
-            assert "2 of 3 lines answered, 1 failed, 1 blank line skipped" in capsys.readouterr().err
+            assert "2 of 3 lines answered, 1 failed, 1 blank line skipped" in captured.err
     tsv = tmp_path / "dev.tsv"
     tsv.write_bytes(b"sentence\tlabel\na fine film\t1\nbad \xff\t0\n")
     assert main(["eval", "sentiment", "--data", str(tsv), *args]) == 2
@@ -307,7 +310,7 @@ def test_lines_end_at_newlines_only_and_keep_their_numbers(sentiment_checkpoint,
         path = tmp_path / name
         path.write_text(content, encoding="utf-8", newline="")
         assert main(["predict", "sentiment", "--file", str(path), *args]) == 0, name
-        captured = capsys.readouterr()
+        captured = capsys.readouterr()  # (once: out and err together)
         answers = [json.loads(line) for line in captured.out.splitlines()]
         assert all("result" in a for a in answers) and [a["line"] for a in answers] == lines, (name, answers)
         assert (f"{len(lines)} of {len(lines)} lines answered, 0 failed, 1 blank line skipped" in captured.err) == \
@@ -461,6 +464,10 @@ def test_a_json_file_holding_an_array_is_read_whole(tmp_path, capsys):
     one.write_text(json.dumps({"text": "great"}, indent=2))
     assert main(["predict", "sentiment", "--file", str(one)]) == 0
     assert [json.loads(line)["line"] for line in capsys.readouterr().out.splitlines()] == [1]
+    broken = tmp_path / "broken.json"
+    broken.write_text('[\n {"text": "great"},\n]\n')  # a trailing comma: one error for the file
+    assert main(["predict", "sentiment", "--file", str(broken)]) == 2
+    assert "broken.json: not a JSON array (Expecting value" in capsys.readouterr().err
     jsonl = tmp_path / "lines.json"
     jsonl.write_text('{"text": "great"}\n{"text": "bad"}\n')
     assert main(["predict", "sentiment", "--file", str(jsonl)]) == 0

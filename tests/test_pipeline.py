@@ -169,7 +169,7 @@ def test_lists_generators_options_and_errors():
     from bert_engine.runtime.inference import MAX_INPUT_CHARS
 
     for bad, detail in ((5, "each input must be a text"), ("x" * (MAX_INPUT_CHARS + 1), "characters; the limit"),
-                        ({"txt": "a"}, "input 'text' is missing")):
+                        ({"txt": "a"}, "unknown field\\(s\\) txt; the task's: text, text_pair")):
         stream = small(iter([*REVIEWS, "fine", "good", "bad", bad, "never reached"]))
         assert len([next(stream) for _ in range(6)]) == 6
         with pytest.raises(InputError, match=f"input 6: .*{detail}") as caught:
@@ -387,7 +387,7 @@ def test_transformers_dtype_batch_size_and_arguments_no_task_takes(sentiment_fol
         "float32"  # (auto on a CPU: fp32)
     with pytest.raises(TypeError, match="torch_dtype=torch.float64 is not a dtype the engine runs"):
         pipeline("sentiment", model=str(sentiment_folder), torch_dtype=torch.float64)
-    with pytest.raises(TypeError, match="dtype='bfloat16' and precision='fp32' ask for different precisions"):
+    with pytest.raises(TypeError, match="precision='fp32' and dtype='bfloat16' ask for different precisions"):
         pipeline("sentiment", model=str(sentiment_folder), dtype="bfloat16", precision="fp32")
     assert classify(REVIEWS, batch_size=1) == classify(REVIEWS)
     with pytest.raises(InputError, match="batch_size"):

@@ -138,6 +138,8 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
     assert json.loads(client.predict("Angela Merkel visited Paris.", True, 2.0, "model", api_name="/ner"))["result"]
     with pytest.raises(Exception, match="expected true or false, got 'yes'"):  # (was read as true)
         client.predict("Angela Merkel visited Paris.", "yes", 2, "model", api_name="/ner")
+    assert json.loads(client.predict("Angela Merkel visited Paris.", "false", 2, "model", api_name="/ner"))["result"][
+        "constrained"] is False  # (JSON clients may send the word)
     # a slider's number sent as text or null (an API or MCP caller): read as the number or the default, and
     # anything else is named (Gradio's slider had failed with "the upstream Gradio app has raised an exception")
     assert json.loads(client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", "2",
@@ -513,7 +515,7 @@ def test_tab_functions_called_directly_with_tiny_models(tiny_app):
     assert [row[0] for row in paths["data"]] == ["Anna", "lives", "in", "Rome", "."]  # n-best lined up with words
     assert ("No entities found" in html) == (not output["result"]["entities"])  # an empty result says so
     assert [e["text"] for e in output["result"]["entities"]] == [
-        text for text in ("Anna", "lives", "in", "Rome", ".") if f">{text}<sup" in html]
+        text for text in ("Anna", "lives", "in", "Rome", ".") if f">{text}</bdi><sup" in html]
     summary, html, dropped, output = _event(tiny_app, "summary")("Tiny. Also tiny.", "half of the document", 3,
                                                                  "centroid")
     assert output["result"]["summary"] == "" and "min_words=3" in summary and len(dropped) == 2

@@ -251,14 +251,16 @@ def _precision_of(options: dict[str, Any], precision: str) -> str:
     Raises:
         TypeError: a dtype the engine does not run, or one beside a different precision=."""
     given = [(name, options.pop(name)) for name in ("dtype", "torch_dtype") if name in options]
+    said = f"precision={precision!r}"
     for name, value in given:
         key = str(value).removeprefix("torch.") if value is not None else "auto"
         if key not in DTYPES:
             raise TypeError(f"{name}={value!r} is not a dtype the engine runs: give torch.float32, torch.bfloat16, "
                             "torch.float16 or 'auto' (or precision='int8' for int8)")
         if precision not in ("auto", DTYPES[key]):
-            raise TypeError(f"{name}={value!r} and precision={precision!r} ask for different precisions; give one")
-        precision = DTYPES[key] if DTYPES[key] != "auto" else precision
+            raise TypeError(f"{said} and {name}={value!r} ask for different precisions; give one")
+        if DTYPES[key] != "auto":
+            precision, said = DTYPES[key], f"{name}={value!r}"
     return precision
 
 

@@ -249,10 +249,10 @@ def test_the_answer_view_marks_the_answer_inline_and_says_no_answer():
     result = {"answers": [{"answer": "20:17", "start": start, "end": start + 5, "score": 0.876}],
               "no_answer": {"predicted": False, "score": 0.01}}
     view = answer_view(context, result)
-    assert "Answer: <b>20:17</b> – 88 %" in view
+    assert "Answer: <b><bdi style=\"color:inherit\">20:17</bdi></b> – 88 %" in view
     mark = view[view.index("<mark"):view.index("</mark>")]
-    assert "white-space:nowrap" in mark and ">20:17<sup" in mark and "\n" not in mark
-    assert "at <mark" in view and "</mark> UTC" in view  # inline: no break before or after it
+    assert "overflow-wrap:anywhere" in mark and ">20:17</bdi><sup" in mark and "\n" not in mark  # (wraps on a phone)
+    assert "at </bdi><mark" in view and '</mark><bdi style="color:inherit"> UTC' in view  # inline: no break around it
     assert "&lt;b&gt;saw&lt;/b&gt;" in view  # the context is text, never markup
     none = answer_view(context, {**result, "no_answer": {"predicted": True, "score": 0.7}})
     assert "No answer in this context" in none and "qa-answer" not in none
@@ -263,4 +263,4 @@ def test_the_answer_view_marks_the_answer_inline_and_says_no_answer():
                                                              "end": start + 5}]})
     shown = view.split("<details")[0]
     assert "<mark" in shown and len(shown) < 2000 and "The whole context (" in view  # an excerpt around it first
-    assert shown.split("</p>", 1)[1].startswith('<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">… Filler')
+    assert shown.split("</p>", 1)[1].startswith('<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">… <bdi style=\"color:inherit\">Filler')
