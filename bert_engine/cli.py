@@ -44,19 +44,25 @@ def _info_task(args: argparse.Namespace):
     """The task whose head `info` loads: --task, else (no --head) the task a local folder's manifest.json
     names when it is a registered task's (a starter or packed model: its head is the task's, e.g. NER's CRF,
     which no --head kind builds); None: load --head as given."""
-    from .checkpoints.lora import _manifest_task
-
     if args.task is not None:
         if args.head not in (None, "auto"):
             raise ValueError(f"--task {args.task!r} loads that task's own head; leave out --head {args.head!r}")
         return _task(args.task)
-    folder = Path(str(args.model)).expanduser()
-    named = _manifest_task(folder) if args.head in (None, "auto") and folder.is_dir() else None
+    return _folder_task(args.model) if args.head in (None, "auto") else None
+
+
+def _folder_task(model: str | None):
+    """The registered task a local model folder's manifest.json names (a starter or packed model), or None: no
+    such folder or manifest, or a task no installed plugin registers (logged: loading as asked may not fit)."""
+    from .checkpoints.lora import _manifest_task
+
+    folder = Path(str(model)).expanduser()
+    named = _manifest_task(folder) if model is not None and folder.is_dir() else None
     if named is None:
         return None
     try:
         return _task(named)
-    except ValueError:  # a task no installed plugin registers: load as asked, and say why it may not fit
+    except ValueError:
         logger.warning("%s: its manifest.json names task %r, which no installed plugin registers", folder, named)
         return None
 
@@ -114,17 +120,11 @@ def _encode(args: argparse.Namespace) -> dict:
         text = args.text[unreadable[0]].strip()
         raise ValueError(f"text {unreadable[0] + 1} has no readable text, only control or invisible characters "
                          f"({', '.join(f'U+{ord(c):04X}' for c in dict.fromkeys(text[:200]))[:120]}); type some words")
-    from .checkpoints.lora import _manifest_task
     from .model import encoder_of
     from .runtime.inference import _staged_head
 
-    head = None  # a task's model folder (a starter's adapter): loaded with its task's head, its encoder used
-    folder = Path(str(args.model)).expanduser()
-    named = _manifest_task(folder) if folder.is_dir() else None
-    if named is not None:
-        with contextlib.suppress(ValueError):  # (a task no plugin registers: loaded as it is, refused as before)
-            head = _staged_head(_task(named).spec.build_head)
-    loaded = load(args.model, head, revision=args.revision)
+    task = _folder_task(args.model)  # a task's model folder (a starter's adapter): its task's head, its encoder used
+    loaded = load(args.model, _staged_head(task.spec.build_head) if task is not None else None, revision=args.revision)
     model, tokenizer = encoder_of(loaded.model), loaded.tokenizer
     batch = tokenizer(args.text)
     room = tokenizer.model_max_length - 2  # ([CLS] and [SEP] around the text's pieces)
