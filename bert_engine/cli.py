@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import difflib
 import json
 import logging
 import os
@@ -306,11 +307,17 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
             raise ValueError("--output writes the answers of --file's lines; without --file the answer goes to stdout")
         if Path(args.output).is_dir():
             raise ValueError(f"--output {args.output!r} is a folder; give the path of a file to write")
-    rows = _read_rows(Path(args.file), task) if args.file else None  # a bad file fails before the model loads
+    if args.format and not args.file:
+        raise ValueError("--format says how --file is written; give --file")
+    # a bad file fails before the model loads
+    rows = _read_rows(args.file, task, args.format or _format_of(args.file)) if args.file else None
     blank = 0
     if rows is not None:  # (a blank line is no input: skipped, said in the summary; it failed the run)
         blank = sum(row is BLANK for _, row in rows)
         rows = [(number, row) for number, row in rows if row is not BLANK]
+        if not rows:  # "0 of 0 lines answered" and exit 0 read as success to a script
+            raise ValueError(f"{_file_name(args.file)}: no inputs ("
+                             + (f"{blank} blank line{'s' if blank != 1 else ''})" if blank else "the file is empty)"))
     if rows is not None and inputs:  # -i with --file: a field every line leaves out (QA's question for many contexts)
         clash = sorted({f for _, row in rows if isinstance(row, dict) for f in row} & set(inputs))
         if clash:
@@ -337,22 +344,50 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
 BLANK = "(a blank line)"  # _read_rows' mark for a line holding only whitespace: skipped, and counted in the summary
 
 
-def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
-    """(line number, inputs or an error message) per input of a file: JSON Lines (an object keyed by
-    the task's fields, or a string for its first field), TSV with a header naming the fields, or
-    plain text with one input per line for the first field."""
+FORMATS = ("text", "jsonl", "json", "tsv")  # predict --format; without it, a file's suffix says (stdin: text)
+
+
+def _format_of(file: str) -> str:
+    """The format a --file's name says: .jsonl, .json, .tsv, else plain text (also for "-", standard input)."""
+    suffix = Path(file).suffix if file != "-" else ""
+    return {".jsonl": "jsonl", ".json": "json", ".tsv": "tsv"}.get(suffix, "text")
+
+
+def _file_name(file: str) -> str:
+    return "standard input" if file == "-" else file
+
+
+def _file_bytes(file: str) -> bytes:
+    """A --file's bytes: a file checked first (check_data_file), or standard input ("-") read up to
+    BERT_ENGINE_MAX_FILE_MB and refused past it (a pipe declares no size: what is read is counted)."""
+    if file != "-":
+        check_data_file(Path(file))
+        return Path(file).read_bytes()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process reads the file; one stream cannot be read twice
+        raise ValueError("--file -: standard input cannot be shared by torchrun's processes; give a file")
+    limit = settings.get("BERT_ENGINE_MAX_FILE_MB") * 1_000_000
+    data = sys.stdin.buffer.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"standard input: over the limit of {limit // 1_000_000:,} MB (BERT_ENGINE_MAX_FILE_MB)")
+    return data
+
+
+def _read_rows(file: str, task, kind: str) -> list[tuple[int, dict | str]]:
+    """(line number, inputs or an error message) per input of a file ("-": standard input) of format `kind`
+    (FORMATS): JSON Lines (an object keyed by the task's fields, or a string for its first field), a JSON array
+    of those, TSV with a header naming the fields, or plain text with one input per line for the first field."""
     spec = task.spec
     fields, first = spec.input_fields + spec.optional_fields, spec.input_fields[0]
-    check_data_file(path)
+    path = _file_name(file)
     # A byte that is not UTF-8 fails its own line (below), not the file: the rest is answered.
-    text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")  # a byte-order mark (Excel's) is not text
+    text = _file_bytes(file).decode("utf-8-sig", errors="surrogateescape")  # a byte-order mark (Excel's) is not text
     # Lines end at "\n" (or "\r\n") only: str.splitlines also splits at U+2028, form feeds and the like, which
     # JSON and text hold inside a line (a JSON Lines line with a raw U+2028 became two bad lines, numbers drifted)
     lines = [line.removesuffix("\r") for line in text.split("\n")]
     if lines and lines[-1] == "":
         lines.pop()  # the newline that ends the last line
     try:
-        whole = _json_document(text) if path.suffix == ".json" else None
+        whole = _json_document(text) if kind == "json" else None
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
     if whole is not None:
@@ -360,7 +395,7 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
         # (1, 2, ...), or one object (a pretty-printed array was read line by line: "not JSON" on most lines)
         items = whole if isinstance(whole, list) else [whole]
         return [(number, _json_input(value, fields, first)) for number, value in enumerate(items, 1)]
-    if path.suffix in (".jsonl", ".json"):
+    if kind in ("jsonl", "json"):
         rows: list[tuple[int, dict | str]] = []
         for number, line in enumerate(lines, 1):
             if bad := not_utf8(line):
@@ -379,20 +414,23 @@ def _read_rows(path: Path, task) -> list[tuple[int, dict | str]]:
                 continue
             rows.append((number, _json_input(value, fields, first)))
         return rows
-    if path.suffix == ".tsv":
+    if kind == "tsv":
         # Tab-separated, no quoting: a line's fields are its text between tabs (csv's reader refused fields past
         # 131,072 characters with a traceback, far below the 1,000,000 an input may have)
         header = lines[0].split("\t") if lines else []
-        missing = [f for f in spec.input_fields if f not in header]
-        if missing:
-            raise ValueError(f"{path}:1: the header must name the task's fields {', '.join(fields)}; "
-                             f"missing {', '.join(missing)}")
         # A column the task does not read was dropped unread (a misspelt optional field, "text_pari", answered
-        # without it); JSON Lines refuses such a field per line, a header refuses it once.
+        # without it); JSON Lines refuses such a field per line, a header refuses it once, naming the field it
+        # may have meant ("txt" for a missing "text" was reported as the missing field alone).
+        missing = [f for f in spec.input_fields if f not in header]
         unknown = [name for name in header if name not in fields]
-        if unknown:
-            raise ValueError(f"{path}:1: the header names column(s) {', '.join(map(repr, unknown))} the task does not "
-                             f"read; its fields are {', '.join(fields)} (remove the others)")
+        if missing or unknown:
+            said = [f"missing {', '.join(missing)}"] if missing else []
+            for name in unknown:
+                near = difflib.get_close_matches(name, [f for f in fields if f not in header], n=1, cutoff=0.6)
+                said.append(f"column {name!r} is not read" + (f" (did you mean {near[0]!r}?)" if near else ""))
+            raise ValueError(f"{path}:1: the header must name the task's fields ({', '.join(spec.input_fields)}"
+                             + (f"; optional: {', '.join(spec.optional_fields)}" if spec.optional_fields else "")
+                             + f") and no others: {'; '.join(said)}")
         rows = []
         for number, line in enumerate(lines[1:], 2):  # one row per line (no quoting): its number is its line's
             if (bad := not_utf8(line)) or not line.strip():
@@ -763,7 +801,10 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--file", help="many inputs: .jsonl (objects keyed by the task's fields), .json (an array "
                                         "of them, numbered 1, 2, ... in the answers), .tsv (a header naming them, and no "
                                         "other columns) or plain text (one input per line for the first field); "
+                                        "- reads standard input (plain text unless --format says); "
                                         "answers stream as JSON Lines, exit code 1 if any line failed")
+    predict.add_argument("--format", choices=FORMATS, default=None,
+                         help="how --file is written (default: its suffix says; plain text for another suffix or -)")
     predict.add_argument("--output", help="with --file: write the JSON Lines here instead of stdout; under "
                                           "torchrun the processes share the lines and the first writes them, in order")
     predict.add_argument("--option", "-o", action="append", default=[], metavar="NAME=VALUE",

@@ -52,7 +52,8 @@ def test_predict_file_takes_pairs_as_jsonl_or_tsv_and_fails_on_any_bad_line(tmp_
     assert json.loads(capsys.readouterr().out.splitlines()[0])["line"] == 2  # the header is line 1
     tsv.write_text("query\tcontext\nWho?\tx\n")
     assert main(["predict", "qa", "--file", str(tsv)]) == 2
-    assert "questions.tsv:1: the header must name the task's fields question, context" in capsys.readouterr().err
+    assert "questions.tsv:1: the header must name the task's fields (question, context) and no others: missing " \
+        "question; column 'query' is not read" in capsys.readouterr().err
 
 
 def test_predict_file_names_a_too_deep_line_and_reads_a_byte_order_mark(tmp_path, capsys):
@@ -481,8 +482,40 @@ def test_a_tsv_header_naming_a_column_the_task_does_not_read_is_refused(tmp_path
     tsv.write_text("text\ttext_pari\nA man plays.\tSomeone plays.\n")
     assert main(["predict", "sentiment", "--file", str(tsv)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "pairs.tsv:1: the header names column(s) 'text_pari' the task does not read; its " \
-        "fields are text, text_pair (remove the others)" in err[0], err
+    assert len(err) == 1 and "pairs.tsv:1: the header must name the task's fields (text; optional: text_pair) and " \
+        "no others: column 'text_pari' is not read (did you mean 'text_pair'?)" in err[0], err
+    tsv.write_text("txt\nA man plays.\n")  # a misspelt field: missing, and the column it may have meant
+    assert main(["predict", "sentiment", "--file", str(tsv)]) == 2
+    assert "no others: missing text; column 'txt' is not read (did you mean 'text'?)" in capsys.readouterr().err
+
+
+def test_predict_reads_standard_input_and_refuses_a_file_of_no_inputs(sentiment_checkpoint, tmp_path, capsys,
+                                                                      monkeypatch):
+    """`--file -` reads standard input (plain text unless --format says), within BERT_ENGINE_MAX_FILE_MB; a file
+    holding nothing but blank lines was "0 of 0 lines answered", exit 0, which a script took for success."""
+    import io
+
+    model = ["--model", str(sentiment_checkpoint)]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a gorgeous movie\n\nterrible\n")))
+    assert main(["predict", "sentiment", "--file", "-", *model]) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line)["line"] for line in captured.out.splitlines()] == [1, 3]
+    assert "2 of 2 lines answered, 0 failed, 1 blank line skipped" in captured.err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'{"text": "great"}\n{"txt": "bad"}\n')))
+    assert main(["predict", "sentiment", "--file", "-", "--format", "jsonl", *model]) == 1
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert "result" in answers[0] and "unknown field(s) txt" in answers[1]["error"]
+    monkeypatch.setenv("BERT_ENGINE_MAX_FILE_MB", "1")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x" * 1_000_001)))
+    assert main(["predict", "sentiment", "--file", "-", *model]) == 2
+    assert "standard input: over the limit of 1 MB (BERT_ENGINE_MAX_FILE_MB)" in capsys.readouterr().err
+    blank = tmp_path / "blank.txt"
+    for text, said in (("", "the file is empty"), ("\n  \n", "2 blank lines")):
+        blank.write_text(text)
+        assert main(["predict", "sentiment", "--file", str(blank), *model]) == 2
+        assert f"blank.txt: no inputs ({said})" in capsys.readouterr().err
+    assert main(["predict", "sentiment", "--format", "tsv", "-i", "text=fine", *model]) == 2
+    assert "--format says how --file is written; give --file" in capsys.readouterr().err
 
 
 def test_encode_refuses_text_no_task_would_read(capsys):

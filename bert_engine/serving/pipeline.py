@@ -200,7 +200,8 @@ def _check_arguments(**arguments: Any) -> None:
 # Arguments of transformers' pipelines no built-in task takes, with what bert_engine does instead: refused naming
 # it (an "unknown option" alone left a port guessing). A task that has an option of the same name reads its own.
 NOT_TAKEN = {
-    "ignore_labels": "the answer lists entities only; tokens outside them ('O') are not answered",
+    "ignore_labels": "the answer lists every entity and never the tokens outside them ('O'); to leave out a type, "
+                     "drop the answers whose 'type' is it",
     "return_text": "an extractive summary answers its chosen sentences as text (and their places)",
     "return_tensors": "answers are JSON-ready values, not tensors",
     "clean_up_tokenization_spaces": "answers quote the input's own text, spaces as written",
