@@ -24,7 +24,8 @@ import torch
 from benchmarks.common import machine, print_table, task_names, write_json
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-SOURCES = {"sentiment": ("sst2/dev.tsv", "dev"), "ner": ("conll2003/eng.testb", "test")}
+SOURCES = {"sentiment": ("sst2/dev.tsv", "dev"), "ner": ("conll2003/eng.testb", "test"),
+           "qa": ("squad/dev-v1.1.json", "dev")}
 
 
 def measure(name: str, items: int, repeats: int, data: tuple[str, str] | None = None) -> dict:

@@ -57,6 +57,35 @@ def test_single_request_benchmark_splits_a_request_into_forward_and_the_rest(tmp
     assert row["outside_ms"] == pytest.approx(row["request_p50_ms"] - row["forward_p50_ms"], abs=0.02)
 
 
+def test_bounds_times_the_issue_rate_the_read_rate_and_a_forward_against_its_floors(tmp_path, monkeypatch):
+    from benchmarks import bounds
+
+    monkeypatch.setattr(bounds, "STEPS", 200_000)
+    monkeypatch.setattr(bounds, "READ_MB", 8)
+    out = tmp_path / "bounds.json"
+    bounds.main(["--lengths", "1,8", "--rounds", "2", "--json", str(out)])
+    result = json.loads(out.read_text())
+    limits = result["bounds"]
+    assert limits["fma256_gflops"]["one_thread"] > 0 and limits["read_gbps"]["all_threads"] > 0
+    assert [row["tokens"] for row in result["rows"]] == [1, 8]
+    for row in result["rows"]:  # the floor is the larger of the two, and the forward's ratio to it is recorded
+        assert row["floor_ms"] == max(row["weights_floor_ms"], row["fma_floor_ms"]) > 0
+        assert row["over_floor"] == pytest.approx(row["forward_ms"] / row["floor_ms"], rel=0.02)
+    with pytest.raises(SystemExit):
+        bounds.main(["--lengths", "0,4"])
+
+
+def test_bounds_counts_a_layers_flops_and_weights():
+    from types import SimpleNamespace
+
+    from benchmarks.bounds import forward_costs
+
+    config = SimpleNamespace(hidden_size=384, intermediate_size=1536, num_hidden_layers=6)
+    flops, weight_bytes = forward_costs(config, 10)
+    weights = 6 * (4 * 384 * 384 + 2 * 384 * 1536)  # qkv, out, up, down
+    assert weight_bytes == 4 * weights and flops == 2 * 10 * weights + 6 * 4 * 10 * 10 * 384
+
+
 def test_int8_fused_benchmark_times_both_int8_models_in_turn(tmp_path):
     from benchmarks import int8_fused
     from bert_engine.runtime.fast import onednn_int8_available
