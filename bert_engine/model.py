@@ -306,6 +306,9 @@ class BertModel(nn.Module):
     # padding; True always (inference sets it: precision.prepare_for_inference); False never. Where they
     # do not run, padding is computed as transformers does, so every output, padding included, matches.
     padding_free: bool | None = None
+    # Set by runtime.fast.use_kernels with the layers' fused path: every layer in one C call for short inputs
+    # (fast.fused_stack), which answers None where it does not apply and the layers run one by one.
+    fused_stack: Callable[..., Tensor | None] | None = None
 
     def __init__(self, config: BertConfig, add_pooler: bool = True) -> None:
         super().__init__()
@@ -357,6 +360,13 @@ class BertModel(nn.Module):
         first_only = (first_token_only and not output_attentions and not output_hidden_states
                       and (attention_mask is None or bool(attention_mask[:, 0].all())))
         between = BETWEEN_LAYERS.get()
+        if (self.fused_stack is not None and between is None and not output_attentions and not output_hidden_states
+                and not self.training):
+            out = self.fused_stack(self, [self.layers[index] for index in self.schedule], x, mask, unpadded, first_only)
+            if out is not None:
+                x, unpadded = out, None if first_only else unpadded
+                return self._finish(x, unpadded, attentions, states, attention_mask, output_attentions,
+                                    output_hidden_states)
         for applied, index in enumerate(self.schedule, 1):
             if first_only and applied == len(self.schedule):
                 x, weights = self.layers[index](x, mask, False, unpadded, first_only=True)  # (B, 1, H)
@@ -369,6 +379,11 @@ class BertModel(nn.Module):
                 states.append(x if unpadded is None else unpadded.pad(x))
             if between is not None and applied < len(self.schedule):
                 between(applied)
+        return self._finish(x, unpadded, attentions, states, attention_mask, output_attentions, output_hidden_states)
+
+    def _finish(self, x: Tensor, unpadded: Unpadded | None, attentions: list, states: list,
+                attention_mask: Tensor | None, output_attentions: bool, output_hidden_states: bool) -> EncoderOutput:
+        """The last layer's output, padded back where the layers ran without padding, with the pooler's vector."""
         if unpadded is not None:
             x = unpadded.pad(x)  # (B, T, H), zeros at padding
         pooled = self.pooler(x) if self.pooler is not None else None

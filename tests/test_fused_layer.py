@@ -335,6 +335,73 @@ def test_long_inputs_join_the_tiled_kernel_where_their_matmuls_lose_at_most_five
         assert fast.fused_label(choice) == "inputs of up to 256 rows: each layer in one C call"
 
 
+def _both_ways(model, *args, **kwargs):
+    """The model's output with every layer in one C call (fused_stack) and with one call a layer; asserts the
+    one call ran (it answers None where it does not apply)."""
+    encoder = encoder_of(model)
+    answered = []
+
+    def spy(*a, **k):
+        answered.append(fast.fused_stack(*a, **k))
+        return answered[-1]
+
+    with torch.inference_mode():
+        encoder.fused_stack = spy
+        stacked = model(*args, **kwargs)
+        encoder.fused_stack = None
+        layered = model(*args, **kwargs)
+        encoder.fused_stack = fast.fused_stack
+    return stacked, layered, answered
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_every_layer_in_one_call_gives_the_bits_of_one_call_a_layer(monkeypatch, layers):
+    """fused_stack runs fused_layer for each layer in one C call: one text, a padded batch (each text's rows
+    alone), the last layer for [CLS] alone, and an int8 model's layers; the same bits every way."""
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "1")
+    model = _model(layers=layers, seed=layers)
+    assert encoder_of(model).fused_stack is fast.fused_stack  # set with the layers' fused path
+    ids = torch.randint(1, 120, (3, 19))
+    mask = torch.ones(3, 19, dtype=torch.long)
+    mask[1, 7:] = 0
+    for args, kwargs in (((ids[:1],), {}), ((ids, mask), {}), ((ids, mask), {"first_token_only": True})):
+        stacked, layered, answered = _both_ways(model, *args, **kwargs)
+        assert answered and answered[-1] is not None
+        assert torch.equal(stacked.last_hidden_state, layered.last_hidden_state)
+    monkeypatch.setenv("BERT_ENGINE_INT8_KERNEL", "tiled")
+    int8 = fast.quantize_int8(_model(layers=layers, seed=9))
+    assert encoder_of(int8).fused_stack is fast.fused_stack
+    stacked, layered, answered = _both_ways(int8, ids, mask)
+    assert answered[-1] is not None and torch.equal(stacked.last_hidden_state, layered.last_hidden_state)
+
+
+def test_the_layers_run_one_by_one_where_one_call_does_not_apply(monkeypatch):
+    """A layer that does not run fused (None from fused_stack, the others then run as before), hidden states
+    or attentions asked for (the layers' own outputs), a hook between layers (a long row handing its turn
+    back, model.BETWEEN_LAYERS): each answered as one call a layer does, with the same bits."""
+    from bert_engine.model import BETWEEN_LAYERS
+
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "1")
+    model = _model(layers=2)
+    ids = torch.randint(1, 120, (1, 9))
+    _, _, answered = _both_ways(model, ids, output_hidden_states=True)
+    assert answered == []  # not asked
+    seen = []
+    token = BETWEEN_LAYERS.set(seen.append)
+    try:
+        stacked, layered, answered = _both_ways(model, ids)
+    finally:
+        BETWEEN_LAYERS.reset(token)
+    assert answered == [] and seen == [1, 1] and torch.equal(stacked.last_hidden_state, layered.last_hidden_state)
+    encoder_of(model).layers[1].fused = None  # (its modules run)
+    stacked, layered, answered = _both_ways(model, ids)
+    assert answered == [None] and torch.equal(stacked.last_hidden_state, layered.last_hidden_state)
+    monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "0")
+    with torch.inference_mode():
+        assert fast.fused_stack(encoder_of(model), list(encoder_of(model).layers), torch.randn(1, 9, 64), None,
+                                None) is None
+
+
 def test_a_layer_given_new_weights_is_planned_again(monkeypatch):
     """fused_layer works out a layer's plan once (pointers into its tensors); a norm or projection given a new
     tensor afterwards must be read, not the old one's memory."""

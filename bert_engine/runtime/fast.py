@@ -20,6 +20,8 @@ predictions that stay identical to fp32; benchmarks/README.md lists the figures.
 
 from __future__ import annotations
 
+import ctypes
+
 import json
 import logging
 import math
@@ -547,6 +549,7 @@ def quantize_int8(model: nn.Module, keep_fp32: tuple[str, ...] | None = None,
         if all(_fusable_int8(module) for module, _ in _projections(layer).values()):
             layer.fused = fused_layer  # the whole layer in one C call (fused_layer.c), the int8 matmuls in it
             encoder.embeddings.fused = fused_embeddings
+            encoder.fused_stack = fused_stack
     model.int8_kernel = kernel
     logger.info("quantised %d of %d encoder projections to int8 (%s; smoothing %s), kept %s in fp32", quantised,
                 len(encoder.layers) * len(LINEAR_NAMES), kernel, smoothing, sorted(keep) or "none")
@@ -721,6 +724,7 @@ def use_kernels(model: nn.Module, choice: dict[str, tuple]) -> nn.Module:
     for layer in encoder_of(model).layers:
         if _swap_layer(layer, kept):
             encoder_of(model).embeddings.fused = fused_embeddings
+            encoder_of(model).fused_stack = fused_stack
     model.eval()
     return model
 
@@ -1028,6 +1032,76 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
             y.data_ptr(), rows, offsets.data_ptr(), offsets.numel() - 1, hidden, plan.heads, plan.inner,
             plan.projections, w1, b1, eps1, plan.code, w2, b2, eps2, scratch.data_ptr(), torch.get_num_threads(),
             None if first is None else first.data_ptr(), FUSED_GROUP_ROWS)
+    finally:
+        SCRATCH.give(scratch)
+    if status != 0:
+        return None
+    return first if first is not None else y
+
+
+class _StackPlan:
+    """fused_stack's arguments for one run of layers' plans (their _FusedPlans, in the order the layers apply):
+    the projection records, norm pointers, epsilons and activation codes laid end to end, kept with the plans
+    they were read from (a plan made anew, its layer's tensors replaced, makes a new stack plan)."""
+
+    def __init__(self, plans: list[_FusedPlan]) -> None:
+        self.plans = plans
+        n = len(plans)
+        self.projections = (native.Projection * (4 * n))(*(record for plan in plans for record in plan.projections))
+        self.norms = (ctypes.c_void_p * (4 * n))(*(pointer for plan in plans for (w, b, _) in plan.norms
+                                                  for pointer in (w, b)))
+        self.eps = (ctypes.c_float * (2 * n))(*(eps for plan in plans for (_, _, eps) in plan.norms))
+        self.acts = (ctypes.c_int * n)(*(plan.code for plan in plans))
+        self.heads, self.inner = plans[0].heads, plans[0].inner
+        self.int8_room = max(plan.int8_room for plan in plans)
+        self.same_shape = all((plan.heads, plan.inner) == (self.heads, self.inner) for plan in plans)
+
+    def current(self, plans: list[_FusedPlan]) -> bool:
+        return len(plans) == len(self.plans) and all(a is b for a, b in zip(plans, self.plans))
+
+
+def fused_stack(encoder: nn.Module, layers: list[nn.Module], x: Tensor, mask: Tensor | None, unpadded: Any,
+                first_only: bool = False) -> Tensor | None:
+    """The output of `layers` (model.BertLayer, in the order they apply, in inference) from one C call for them
+    all (fused_layer.c's fused_stack), or None where that does not apply and each layer runs on its own: any
+    layer whose own fused_layer would answer None at these rows (past the fused layers' reach, say). The same
+    bits as fused_layer called once a layer (tested), without the 0.1-0.3 ms of Python around each layer's call
+    (a visitor's sentence ran 1.17-1.25x faster on the Cascade Lake Xeon; benchmarks/README.md, session 47);
+    `first_only` as there, for the last layer. The model calls it only where nothing runs between its layers
+    (model.BETWEEN_LAYERS: a long row handing its turn back)."""
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
+    if (not rows or x.dtype != torch.float32 or not x.is_cpu
+            or (x.requires_grad and torch.is_grad_enabled()) or not settings.get("BERT_ENGINE_FUSED_LAYERS")):
+        return None
+    plans = []
+    for layer in layers:
+        plan = _plan(layer, rows, hidden) if layer.fused is fused_layer else None
+        if plan is None:
+            return None
+        plans.append(plan)
+    stack = encoder.__dict__.get("_stack_plan")
+    if stack is None or not stack.current(plans):
+        stack = encoder.__dict__["_stack_plan"] = _StackPlan(plans)
+    if not stack.same_shape:
+        return None
+    offsets = _sequence_offsets(x, mask, unpadded)
+    if offsets is None:
+        return None
+    first = None
+    if first_only:
+        if unpadded is not None:
+            starts, batch = unpadded.index[offsets[:-1]], unpadded.batch
+            if offsets.numel() - 1 != batch or not bool((starts == torch.arange(batch) * unpadded.tokens).all()):
+                return None
+        first = torch.empty(offsets.numel() - 1, 1, hidden, dtype=torch.float32)
+    y = x.clone(memory_format=torch.contiguous_format)
+    scratch = SCRATCH.take(rows * (5 * hidden + stack.inner + stack.int8_room))
+    try:
+        status = native.library().fused_stack(
+            y.data_ptr(), rows, offsets.data_ptr(), offsets.numel() - 1, hidden, stack.heads, stack.inner,
+            len(plans), stack.projections, stack.norms, stack.eps, stack.acts, scratch.data_ptr(),
+            torch.get_num_threads(), None if first is None else first.data_ptr(), FUSED_GROUP_ROWS)
     finally:
         SCRATCH.give(scratch)
     if status != 0:

@@ -589,3 +589,23 @@ int fused_layer(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, in
     }
     return 0;
 }
+
+/* Every layer of an encoder in one call, for short inputs where a layer's own call costs more around it than the
+ * C code takes (a visitor's 1-24 tokens: 0.3-1 ms a layer, with 0.1-0.3 ms of Python around each): fused_layer
+ * for layers 0 .. layers - 1 in turn over x in place, layer l with projections proj[4l .. 4l + 3], norms
+ * norms[4l .. 4l + 3] (the first's weight and bias, the second's), epsilons eps[2l], eps[2l + 1] and activation
+ * acts[l]; `first` as fused_layer's, for the last layer alone. The same bits as fused_layer called once a layer.
+ * Returns 0, or the status of the first layer that failed (x then holds an unfinished layer: the caller starts
+ * again from its own copy). */
+int fused_stack(float *x, int64_t rows, const int64_t *offsets, int64_t seqs, int64_t H, int64_t heads, int64_t I,
+                int64_t layers, const projection *proj, const float *const *norms, const float *eps, const int *acts,
+                float *scratch, int threads, float *first, int64_t group_rows) {
+    if (layers <= 0) return -1;
+    for (int64_t l = 0; l < layers; ++l) {
+        const int status = fused_layer(x, rows, offsets, seqs, H, heads, I, proj + 4 * l, norms[4 * l],
+                                       norms[4 * l + 1], eps[2 * l], acts[l], norms[4 * l + 2], norms[4 * l + 3],
+                                       eps[2 * l + 1], scratch, threads, l == layers - 1 ? first : NULL, group_rows);
+        if (status) return status;
+    }
+    return 0;
+}

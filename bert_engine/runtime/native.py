@@ -162,6 +162,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.fused_layer.restype = ctypes.c_int
     lib.fused_layer.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32, ctypes.c_int, ptr, ptr, f32,
                                 ptr, ctypes.c_int, ptr, i64]
+    lib.fused_stack.restype = ctypes.c_int
+    lib.fused_stack.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64]
     lib.fused_attention.restype = ctypes.c_int
     lib.fused_attention.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.int8_pack.restype = None
