@@ -21,7 +21,6 @@ predictions that stay identical to fp32; benchmarks/README.md lists the figures.
 from __future__ import annotations
 
 import ctypes
-
 import json
 import logging
 import math
