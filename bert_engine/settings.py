@@ -58,7 +58,7 @@ SETTINGS = {s.name: s for s in (
     Setting("BERT_ENGINE_FUSED_LAYERS", "bool", True, "use", "run an encoder layer whose four projections use "
             "bert_engine's tiled kernels (fp32, or int8's where the int8 kernel is tiled) as one C call (fused_layer.c: attention, residual adds, LayerNorms and the "
             "activation around the matmuls), for inference on rows whose real tokens lie together (no padding, or "
-            "padding at either end); off: the torch modules"),
+            "padding at either end), and every layer in one call where all of them run so; off: the torch modules"),
     Setting("BERT_ENGINE_SHARE_CPUS", "bool", True, "use", "run each forward chunk on the CPU on at most as many "
             "threads as there are CPUs other work left free over the last 0.1 s or more (/proc/stat; Linux), and while "
             "the container's CPU limit (its cgroup quota) throttles it, on no more than the limit: on a 2-core machine "
