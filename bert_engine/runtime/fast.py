@@ -993,6 +993,16 @@ def fused_embeddings(embeddings: nn.Module, input_ids: Tensor, token_type_ids: T
     return out if status == 0 else None
 
 
+def _first_rows_out(offsets: Tensor, unpadded: Any, hidden: int) -> Tensor | bool:
+    """Where a last layer computes each sequence's first row alone: the (S, 1, hidden) tensor fused_layer.c
+    writes them to, or False where the rows are not whole sequences each starting at its position 0."""
+    if unpadded is not None:  # (rows without padding are whole sequences, each starting at its position 0)
+        starts, batch = unpadded.index[offsets[:-1]], unpadded.batch
+        if offsets.numel() - 1 != batch or not bool((starts == torch.arange(batch) * unpadded.tokens).all()):
+            return False
+    return torch.empty(offsets.numel() - 1, 1, hidden, dtype=torch.float32)
+
+
 def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
                 first_only: bool = False) -> Tensor | None:
     """`layer`'s output (model.BertLayer, in inference) from one call of fused_layer.c, or None where that does
@@ -1012,15 +1022,9 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
     if plan is None:
         return None
     offsets = _sequence_offsets(x, mask, unpadded)
-    if offsets is None:
+    first = _first_rows_out(offsets, unpadded, hidden) if first_only and offsets is not None else None
+    if offsets is None or first is False:
         return None
-    first = None
-    if first_only:
-        if unpadded is not None:  # (rows without padding are whole sequences, each starting at its position 0)
-            starts, batch = unpadded.index[offsets[:-1]], unpadded.batch
-            if offsets.numel() - 1 != batch or not bool((starts == torch.arange(batch) * unpadded.tokens).all()):
-                return None
-        first = torch.empty(offsets.numel() - 1, 1, hidden, dtype=torch.float32)
     y = x.clone(memory_format=torch.contiguous_format)  # (x's shape: the C code reads it as rows x hidden)
     # fused_layer.c's working rows: a group of whole sequences at a time (FUSED_GROUP_ROWS, or the longest)
     group = rows if rows <= FUSED_GROUP_ROWS else min(rows, max(FUSED_GROUP_ROWS, int((offsets[1:] - offsets[:-1]).max())))
@@ -1085,15 +1089,9 @@ def fused_stack(encoder: nn.Module, layers: list[nn.Module], x: Tensor, mask: Te
     if not stack.same_shape:
         return None
     offsets = _sequence_offsets(x, mask, unpadded)
-    if offsets is None:
+    first = _first_rows_out(offsets, unpadded, hidden) if first_only and offsets is not None else None
+    if offsets is None or first is False:
         return None
-    first = None
-    if first_only:
-        if unpadded is not None:
-            starts, batch = unpadded.index[offsets[:-1]], unpadded.batch
-            if offsets.numel() - 1 != batch or not bool((starts == torch.arange(batch) * unpadded.tokens).all()):
-                return None
-        first = torch.empty(offsets.numel() - 1, 1, hidden, dtype=torch.float32)
     y = x.clone(memory_format=torch.contiguous_format)
     scratch = SCRATCH.take(rows * (5 * hidden + stack.inner + stack.int8_room))
     try:
