@@ -28,6 +28,7 @@ import os
 import platform
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -1531,7 +1532,9 @@ def _with_fusion(reach: int, unfused: list) -> list:
 def time_layers(layers: Iterable[nn.Module], unfused: Iterable, rows: Iterable[int] = LAYER_ROWS,
                 repeats: int = 5, short_repeats: int = 15) -> dict[str, dict[str, float]]:
     """Milliseconds of one sequence of each number of `rows` through a stack of copies of up to LAYER_STACK of
-    `layers`: "fused", all four projections on the tiled kernel and each layer in one C call, and "unfused", on the
+    `layers`: "fused", all four projections on the tiled kernel and the layers in one C call (fused_stack, as a
+    forward runs them: timed one call a layer, the Python between the calls hid the fused layers' gain at a
+    visitor's lengths), and "unfused", on the
     kernels of the tiers `unfused`. The two take turns in each round; each stack's weights come from memory after
     the other's, as in a forward. Each keeps the fastest of `repeats` rounds, or of `short_repeats` up to
     SHORT_ROWS_WIDE rows, where a round takes a few milliseconds and one busy spell could cover all five (a first
@@ -1554,7 +1557,11 @@ def time_layers(layers: Iterable[nn.Module], unfused: Iterable, rows: Iterable[i
     best = {n: dict.fromkeys(stacks, math.inf) for n in rows}
     dtype = next(stacks["fused"][0].parameters()).dtype
 
+    holder = types.SimpleNamespace()  # (where fused_stack keeps its plan of the fused twins)
+
     def forward(stack: list[nn.Module], x: Tensor) -> None:
+        if stack is stacks["fused"] and fused_stack(holder, stack, x, None, None) is not None:
+            return
         for layer in stack:
             x = layer(x, None)[0]
 
