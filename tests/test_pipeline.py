@@ -393,5 +393,7 @@ def test_transformers_dtype_batch_size_and_arguments_no_task_takes(sentiment_fol
     with pytest.raises(InputError, match="batch_size"):
         classify(REVIEWS, batch_size=0)
     with pytest.raises(InputError, match="ner: ignore_labels= is an argument of transformers' pipelines that "
-                                         "bert_engine does not take: the answer lists entities only"):
+                                         "bert_engine does not take: the answer lists every entity and never "
+                                         "the tokens outside them \\('O'\\); to leave out a type, drop the answers "
+                                         "whose 'entity_group' is it"):
         pipeline("ner")("Bob lives in Paris.", ignore_labels=[])

@@ -201,7 +201,7 @@ def _check_arguments(**arguments: Any) -> None:
 # it (an "unknown option" alone left a port guessing). A task that has an option of the same name reads its own.
 NOT_TAKEN = {
     "ignore_labels": "the answer lists every entity and never the tokens outside them ('O'); to leave out a type, "
-                     "drop the answers whose 'type' is it",
+                     "drop the answers whose 'entity_group' is it",
     "return_text": "an extractive summary answers its chosen sentences as text (and their places)",
     "return_tensors": "answers are JSON-ready values, not tensors",
     "clean_up_tokenization_spaces": "answers quote the input's own text, spaces as written",
