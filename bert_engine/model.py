@@ -306,8 +306,8 @@ class BertModel(nn.Module):
     # padding; True always (inference sets it: precision.prepare_for_inference); False never. Where they
     # do not run, padding is computed as transformers does, so every output, padding included, matches.
     padding_free: bool | None = None
-    # Set by runtime.fast.use_kernels with the layers' fused path: every layer in one C call for short inputs
-    # (fast.fused_stack), which answers None where it does not apply and the layers run one by one.
+    # Set by runtime.fast.use_kernels with the layers' fused path: every layer in one C call where all of them run
+    # fused (fast.fused_stack), which answers None where it does not apply and the layers run one by one.
     fused_stack: Callable[..., Tensor | None] | None = None
 
     def __init__(self, config: BertConfig, add_pooler: bool = True) -> None:
