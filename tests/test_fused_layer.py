@@ -368,6 +368,14 @@ def test_every_layer_in_one_call_gives_the_bits_of_one_call_a_layer(monkeypatch,
         stacked, layered, answered = _both_ways(model, *args, **kwargs)
         assert answered and answered[-1] is not None
         assert torch.equal(stacked.last_hidden_state, layered.last_hidden_state)
+    # sequences in groups of at most FUSED_GROUP_ROWS rows: the scratch the call asks for is a group's, not the batch's
+    monkeypatch.setattr(fast, "FUSED_GROUP_ROWS", 20)
+    asked = []
+    take = fast.SCRATCH.take
+    monkeypatch.setattr(fast.SCRATCH, "take", lambda floats: asked.append(floats) or take(floats))
+    stacked, layered, answered = _both_ways(model, ids)
+    assert answered[-1] is not None and torch.equal(stacked.last_hidden_state, layered.last_hidden_state)
+    assert asked[0] == 20 * (5 * 64 + 128)  # (3 texts of 19 rows: groups of one text, 20 rows the most)
     monkeypatch.setenv("BERT_ENGINE_INT8_KERNEL", "tiled")
     int8 = fast.quantize_int8(_model(layers=layers, seed=9))
     assert encoder_of(int8).fused_stack is fast.fused_stack

@@ -994,6 +994,14 @@ def fused_embeddings(embeddings: nn.Module, input_ids: Tensor, token_type_ids: T
     return out if status == 0 else None
 
 
+def _group_rows(rows: int, offsets: Tensor) -> int:
+    """The most rows fused_layer.c works on at once (its scratch holds that many): a group of whole sequences of up
+    to FUSED_GROUP_ROWS rows, or one longer sequence alone."""
+    if rows <= FUSED_GROUP_ROWS:
+        return rows
+    return min(rows, max(FUSED_GROUP_ROWS, int((offsets[1:] - offsets[:-1]).max())))
+
+
 def _first_rows_out(offsets: Tensor, unpadded: Any, hidden: int) -> Tensor | bool:
     """Where a last layer computes each sequence's first row alone: the (S, 1, hidden) tensor fused_layer.c
     writes them to, or False where the rows are not whole sequences each starting at its position 0."""
@@ -1028,8 +1036,7 @@ def fused_layer(layer: nn.Module, x: Tensor, mask: Tensor | None, unpadded: Any,
         return None
     y = x.clone(memory_format=torch.contiguous_format)  # (x's shape: the C code reads it as rows x hidden)
     # fused_layer.c's working rows: a group of whole sequences at a time (FUSED_GROUP_ROWS, or the longest)
-    group = rows if rows <= FUSED_GROUP_ROWS else min(rows, max(FUSED_GROUP_ROWS, int((offsets[1:] - offsets[:-1]).max())))
-    scratch = SCRATCH.take(group * (5 * hidden + plan.inner + plan.int8_room))
+    scratch = SCRATCH.take(_group_rows(rows, offsets) * (5 * hidden + plan.inner + plan.int8_room))
     (w1, b1, eps1), (w2, b2, eps2) = plan.norms
     try:
         status = native.library().fused_layer(
@@ -1094,7 +1101,7 @@ def fused_stack(encoder: nn.Module, layers: list[nn.Module], x: Tensor, mask: Te
     if offsets is None or first is False:
         return None
     y = x.clone(memory_format=torch.contiguous_format)
-    scratch = SCRATCH.take(rows * (5 * hidden + stack.inner + stack.int8_room))
+    scratch = SCRATCH.take(_group_rows(rows, offsets) * (5 * hidden + stack.inner + stack.int8_room))
     try:
         status = native.library().fused_stack(
             y.data_ptr(), rows, offsets.data_ptr(), offsets.numel() - 1, hidden, stack.heads, stack.inner,
