@@ -30,8 +30,13 @@ if __name__ == "__main__":
     except ValueError as err:
         logging.getLogger("app").error("%s", err)
         sys.exit(2)
-    from playground import build_app
-    from playground.app import serve_queue, warm_up
+    try:
+        from playground import build_app
+        from playground.app import serve_queue, warm_up
+    except ModuleNotFoundError as err:  # `pip install bert-engine` leaves out the playground's packages
+        logging.getLogger("app").error("the playground needs %s, which is not installed: pip install "
+                                       "'bert-engine[playground]' (or -r requirements.txt)", err.name)
+        sys.exit(2)
     if settings.get("BERT_ENGINE_TUNE_MALLOC"):
         memory.tune_allocator()  # before any thread: a bounded number of arenas, tensors over 1 MB mmapped
     try:

@@ -146,6 +146,11 @@ def measure(task: str, lengths: list[int], rounds: int) -> dict:
     from bert_engine.runtime.precision import cpu_capability
     from bert_engine.tasks.registry import load_registry
 
+    predictor = Predictor.load(load_registry(entry_points=False).task(task))  # (the lengths checked first)
+    model = predictor.model
+    longest = model.config.max_tokens
+    if max(lengths) > longest:
+        raise ValueError(f"--lengths: {max(lengths)} tokens is past the {task} model's {longest} positions")
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as folder:
         lib = fma_library(Path(folder))
@@ -155,8 +160,6 @@ def measure(task: str, lengths: list[int], rounds: int) -> dict:
     peak_fma = max(v["all_threads"] for v in fma.values())
     reads = {"one_thread": round(read_rate(1), 2), "all_threads": round(read_rate(threads), 2)}
     bounds = {**fma, "read_gbps": reads, "matmul_peak_gflops": round(matmul_peak_gflops(), 1), "threads": threads}
-    predictor = Predictor.load(load_registry(entry_points=False).task(task))
-    model = predictor.model
     rows = []
     for length in lengths:
         flops, weight_bytes = forward_costs(model.config, length)
@@ -185,7 +188,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--lengths: {args.lengths!r} is not comma-separated whole numbers")
     if not lengths or min(lengths) < 1:
         parser.error(f"--lengths: {args.lengths!r}: give token counts of at least 1")
-    result = measure(args.task, lengths, args.rounds)
+    if args.rounds < 1:
+        parser.error(f"--rounds: {args.rounds}: give at least 1")
+    try:
+        result = measure(args.task, lengths, args.rounds)
+    except ValueError as err:  # a length past the model's positions, an unknown task
+        parser.error(str(err))
     info, bounds = result["machine"], result["bounds"]
     fma = ", ".join(f"{k.removesuffix('_gflops')} {v['one_thread']:,.0f} one thread / {v['all_threads']:,.0f} all"
                     for k, v in bounds.items() if k.startswith("fma"))

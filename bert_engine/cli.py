@@ -317,7 +317,15 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
         rows = [(number, row) for number, row in rows if row is not BLANK]
         if not rows:  # "0 of 0 lines answered" and exit 0 read as success to a script
             raise ValueError(f"{_file_name(args.file)}: no inputs ("
-                             + (f"{blank} blank line{'s' if blank != 1 else ''})" if blank else "the file is empty)"))
+                             + (f"{blank} blank line{'s' if blank != 1 else ''})" if blank
+                                else "nothing was given)" if args.file == "-" else "the file is empty)"))
+        kind = args.format or _format_of(args.file)
+        needed = [f for f in task.spec.input_fields[1:] if f not in inputs]
+        if kind == "text" and needed:  # every line would fail alike: refused once, before the model loads
+            raise ValueError(f"{_file_name(args.file)}: plain text gives each line's {task.spec.input_fields[0]}; "
+                             f"task {task.spec.name!r} also needs {', '.join(needed)}: give "
+                             f"{' '.join(f'-i {f}=TEXT' for f in needed)} for every line, or write the file as .jsonl "
+                             "or .tsv (--format)")
     if rows is not None and inputs:  # -i with --file: a field every line leaves out (QA's question for many contexts)
         clash = sorted({f for _, row in rows if isinstance(row, dict) for f in row} & set(inputs))
         if clash:
@@ -468,7 +476,7 @@ def _json_input(value: Any, fields: tuple[str, ...], first: str) -> dict | str:
     if isinstance(value, str):
         value = {first: value}
     if not isinstance(value, dict):
-        return f"expected an object keyed by {', '.join(fields)}, got {type(value).__name__}"
+        return f"expected a text or an object keyed by {', '.join(fields)}, got {type(value).__name__}"
     unknown = sorted(map(str, set(value) - set(fields)))
     return f"unknown field(s) {', '.join(unknown)}; the task's: {', '.join(fields)}" if unknown else value
 

@@ -71,8 +71,9 @@ def test_bounds_times_the_issue_rate_the_read_rate_and_a_forward_against_its_flo
     for row in result["rows"]:  # the floor is the larger of the two, and the forward's ratio to it is recorded
         assert row["floor_ms"] == max(row["weights_floor_ms"], row["fma_floor_ms"]) > 0
         assert row["over_floor"] == pytest.approx(row["forward_ms"] / row["floor_ms"], rel=0.02)
-    with pytest.raises(SystemExit):
-        bounds.main(["--lengths", "0,4"])
+    for bad in (["--lengths", "0,4"], ["--rounds", "0"], ["--lengths", "513"]):  # refused before any timing
+        with pytest.raises(SystemExit):
+            bounds.main(bad)
 
 
 def test_bounds_counts_a_layers_flops_and_weights():

@@ -547,3 +547,15 @@ def test_encode_reads_a_task_models_folder_through_its_encoder(capsys):
     assert main(["encode", "a fine film"]) == 0
     base = json.loads(capsys.readouterr().out)["results"][0]["mean_embedding"]
     assert len(tuned) == len(base) == 384 and tuned != base  # the adapter's encoder, not the bare backbone
+
+
+def test_a_plain_text_file_for_a_task_of_two_fields_is_refused_once(tmp_path, capsys):
+    """Plain text gives each line's first field only: a QA file of questions failed every line alike ("input
+    'context' is missing"), exit 1; refused up front now, saying how to give the rest, unless -i gives it."""
+    questions = tmp_path / "questions.txt"
+    questions.write_text("Who wrote it?\nWhen?\n")
+    assert main(["predict", "qa", "--file", str(questions)]) == 2
+    assert "questions.txt: plain text gives each line's question; task 'qa' also needs context: give -i " \
+        "context=TEXT for every line, or write the file as .jsonl or .tsv (--format)" in capsys.readouterr().err
+    assert main(["predict", "qa", "--file", str(questions), "-i", "context=Moby-Dick was written by Melville."]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2

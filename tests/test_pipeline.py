@@ -397,3 +397,5 @@ def test_transformers_dtype_batch_size_and_arguments_no_task_takes(sentiment_fol
                                          "the tokens outside them \\('O'\\); to leave out a type, drop the answers "
                                          "whose 'entity_group' is it"):
         pipeline("ner")("Bob lives in Paris.", ignore_labels=[])
+    ner = pipeline("ner")  # transformers' own default, given: what the engine does anyway
+    assert ner("Bob lives in Paris.", ignore_labels=["O"]) == ner("Bob lives in Paris.")

@@ -90,3 +90,17 @@ def test_the_app_refuses_to_start_on_a_bad_value_naming_it(monkeypatch):
                               env={**os.environ, "GRADIO_SERVER_PORT": "1", name: value})
         assert done.returncode == 2 and "Traceback" not in done.stderr and f"ERROR app: {said}" in done.stderr, \
             done.stderr[-1500:]
+
+
+def test_the_app_without_the_playgrounds_packages_says_which_extra_to_install():
+    """`pip install bert-engine` leaves out Gradio and Pillow: `python app.py` ended in a ModuleNotFoundError
+    traceback; one line naming the missing package and the extra, exit 2."""
+    import subprocess
+    import sys
+
+    script = "import runpy, sys; sys.modules['PIL'] = None; sys.argv = ['app.py']; runpy.run_path('app.py', run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "GRADIO_SERVER_PORT": "1"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-1500:]
+    assert ("ERROR app: the playground needs PIL, which is not installed: pip install 'bert-engine[playground]' "
+            "(or -r requirements.txt)") in done.stderr

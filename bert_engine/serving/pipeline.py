@@ -218,6 +218,11 @@ NOT_TAKEN = {
 }
 
 
+# NOT_TAKEN arguments given a value that asks for what bert_engine does anyway: taken and dropped (transformers'
+# own default passed explicitly, `ignore_labels=["O"]`, must not break a port).
+AS_THE_ENGINE_DOES = {"ignore_labels": lambda value: isinstance(value, (list, tuple)) and set(value) == {"O"}}
+
+
 def translated(spec, options: Mapping[str, Any]) -> dict[str, Any]:
     """`options` with the transformers pipeline's arguments the task knows under other names
     (TaskSpec.pipeline_arguments) turned into its own options. Other names pass through (the task's checks
@@ -227,6 +232,9 @@ def translated(spec, options: Mapping[str, Any]) -> dict[str, Any]:
         InputError: two arguments that set one option to different values (`handle_impossible_answer=False`
             beside `no_answer="cautious"`), naming both, rather than one silently winning."""
     arguments = spec.pipeline_arguments
+    options = {name: value for name, value in options.items()
+               if not (name in AS_THE_ENGINE_DOES and name not in arguments and name not in spec.options
+                       and AS_THE_ENGINE_DOES[name](value))}
     for name in options:
         if name in NOT_TAKEN and name not in arguments and name not in spec.options:
             raise InputError(f"{spec.name}: {name}= is an argument of transformers' pipelines that bert_engine does "
