@@ -309,8 +309,14 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
             raise ValueError(f"--output {args.output!r} is a folder; give the path of a file to write")
     if args.format and not args.file:
         raise ValueError("--format says how --file is written; give --file")
-    # a bad file fails before the model loads
-    rows = _read_rows(args.file, task, args.format or _format_of(args.file)) if args.file else None
+    kind = (args.format or _format_of(args.file)) if args.file else None
+    needed = [f for f in task.spec.input_fields[1:] if f not in inputs]
+    if kind == "text" and needed:  # every line would fail alike: refused once, before the file is read
+        raise ValueError(f"{_file_name(args.file)}: plain text gives each line's {task.spec.input_fields[0]}; "
+                         f"task {task.spec.name!r} also needs {', '.join(needed)}: give "
+                         f"{' '.join(f'-i {f}=TEXT' for f in needed)} for every line, or write the file as .jsonl "
+                         "or .tsv (--format)")
+    rows = _read_rows(args.file, task, kind) if args.file else None  # a bad file fails before the model loads
     blank = 0
     if rows is not None:  # (a blank line is no input: skipped, said in the summary; it failed the run)
         blank = sum(row is BLANK for _, row in rows)
@@ -319,13 +325,6 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
             raise ValueError(f"{_file_name(args.file)}: no inputs ("
                              + (f"{blank} blank line{'s' if blank != 1 else ''})" if blank
                                 else "nothing was given)" if args.file == "-" else "the file is empty)"))
-        kind = args.format or _format_of(args.file)
-        needed = [f for f in task.spec.input_fields[1:] if f not in inputs]
-        if kind == "text" and needed:  # every line would fail alike: refused once, before the model loads
-            raise ValueError(f"{_file_name(args.file)}: plain text gives each line's {task.spec.input_fields[0]}; "
-                             f"task {task.spec.name!r} also needs {', '.join(needed)}: give "
-                             f"{' '.join(f'-i {f}=TEXT' for f in needed)} for every line, or write the file as .jsonl "
-                             "or .tsv (--format)")
     if rows is not None and inputs:  # -i with --file: a field every line leaves out (QA's question for many contexts)
         clash = sorted({f for _, row in rows if isinstance(row, dict) for f in row} & set(inputs))
         if clash:
