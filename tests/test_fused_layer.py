@@ -248,9 +248,10 @@ def test_the_provenance_and_info_say_where_layers_run_fused(monkeypatch, tmp_pat
     from bert_engine.tasks.registry import load_registry
 
     tiled = {name: {"chose": "tiled"} for name in fast.PROJECTIONS}
-    assert fast.fused_label(tiled) == "every input: each layer in one C call"
+    assert fast.fused_label(tiled) == "every input: " + fast.FUSED_WORDS
+    assert "the layers in one C call" in fast.FUSED_WORDS
     short = {**tiled, "up": {"chose": "tiled", "past_rows": [256, "packed"]}}
-    assert fast.fused_label(short) == "inputs of up to 256 rows: each layer in one C call"
+    assert fast.fused_label(short) == "inputs of up to 256 rows: " + fast.FUSED_WORDS
     assert fast.fused_label({**tiled, "up": {"chose": "packed"}}) == "not used: up does not run the tiled kernel"
     monkeypatch.setenv("BERT_ENGINE_FUSED_LAYERS", "0")
     assert fast.fused_label(tiled) == "off (BERT_ENGINE_FUSED_LAYERS=0)"
@@ -258,7 +259,7 @@ def test_the_provenance_and_info_say_where_layers_run_fused(monkeypatch, tmp_pat
     monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     monkeypatch.setenv("BERT_ENGINE_KERNELS", "tiled")
     predictor = Predictor.load(load_registry(entry_points=False).task("sentiment"), None, precision="fp32")
-    assert predictor.provenance()["fused_layers"] == "every input: each layer in one C call"
+    assert predictor.provenance()["fused_layers"] == "every input: " + fast.FUSED_WORDS
 
 
 def test_short_inputs_keep_every_projection_tiled_where_fusing_costs_their_matmuls_little(monkeypatch):
@@ -278,7 +279,7 @@ def test_short_inputs_keep_every_projection_tiled_where_fusing_costs_their_matmu
     near = choice(0.85)  # up: tiled 1/0.85 = 1.18x its packed; the layer: 4.0 against 3.85 (1.04x)
     fast.favour_fusion(near)
     assert fast.kernel_label(near["up"]) == "tiled up to 256 rows, then packed"
-    assert fast.fused_label(near) == "inputs of up to 256 rows: each layer in one C call"
+    assert fast.fused_label(near) == "inputs of up to 256 rows: " + fast.FUSED_WORDS
     far = choice(0.5)  # the layer: 4.0 against 3.5 (1.14x)
     fast.favour_fusion(far)
     assert far["up"]["chose"] == "packed" and fast.fused_label(far) == "not used: up does not run the tiled kernel"
@@ -329,10 +330,10 @@ def test_long_inputs_join_the_tiled_kernel_where_their_matmuls_lose_at_most_five
     fast.favour_fusion(choice)
     if fused_everywhere:
         assert all(fast.kernel_label(c) == "tiled" for c in choice.values())
-        assert fast.fused_label(choice) == "every input: each layer in one C call"
+        assert fast.fused_label(choice) == "every input: " + fast.FUSED_WORDS
     else:
         assert all(fast.kernel_label(c) == "tiled up to 256 rows, then packed" for c in choice.values())
-        assert fast.fused_label(choice) == "inputs of up to 256 rows: each layer in one C call"
+        assert fast.fused_label(choice) == "inputs of up to 256 rows: " + fast.FUSED_WORDS
 
 
 def _both_ways(model, *args, **kwargs):

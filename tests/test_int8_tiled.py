@@ -132,7 +132,7 @@ def test_an_int8_model_runs_the_tiled_kernel_on_avx2_cpus_and_says_so(monkeypatc
     model, _ = load(minilm_dir)
     reference, _ = load(minilm_dir)
     prepare_for_inference(model, "int8")
-    assert model.int8_kernel == "tiled" and fast.int8_fused_label(model) == "every input: each layer in one C call"
+    assert model.int8_kernel == "tiled" and fast.int8_fused_label(model) == "every input: " + fast.FUSED_WORDS
     ids = torch.randint(1000, 20000, (2, 30))
     with torch.inference_mode():
         got, want = model(ids).last_hidden_state, reference.eval()(ids).last_hidden_state
@@ -176,7 +176,7 @@ def test_info_says_where_int8_layers_run_fused(monkeypatch, tmp_path, capsys, mi
     from bert_engine.cli import main
 
     monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
-    cases = [("tiled", "every input: each layer in one C call")]
+    cases = [("tiled", "every input: " + fast.FUSED_WORDS)]
     if fast.fbgemm_int8_available():
         cases.append(("fbgemm", "not used: the int8 matmuls are fbgemm's"))
     for kernel, expected in cases:

@@ -267,9 +267,9 @@ def test_a_wide_kernel_gives_a_layers_projections_one_kernel_in_each_range_of_ro
     assert labels(choice(plain_mid=1.7, out_plain_mid=2.4)) == {"packed"}  # out's packed at 128: they differ
     past = choice(tiled_long=20)
     assert labels(past) == {"packed up to 256 rows, then tiled"}  # fused past it: all four picked it
-    assert fast.fused_label(past) == "inputs past 256 rows: each layer in one C call"
+    assert fast.fused_label(past) == "inputs past 256 rows: " + fast.FUSED_WORDS
     assert fast.fused_label({name: {"chose": "tiled", "past_rows": [64, "packed", 256, "tiled"]} for name in
-                             fast.PROJECTIONS}) == "inputs of up to 64 rows and inputs past 256 rows: each layer in one C call"
+                             fast.PROJECTIONS}) == "inputs of up to 64 rows and inputs past 256 rows: " + fast.FUSED_WORDS
     assert fast.fused_label({**past, "up": {"chose": "tiled", "past_rows": [256, "packed"]}}) == (
         "not used: the four projections never run the tiled kernel at the same number of rows")
     assert fast.fused_ranges({name: {"chose": "packed", "past_rows": [16, "tiled", 160, "packed"]}

@@ -1628,6 +1628,11 @@ def _fusing_costs_little(choice: dict[str, dict[str, Any]], chosen: list[str], c
     return layer(["tiled"] * len(PROJECTIONS)) <= margin * layer(chosen)
 
 
+# How the fused layers run, in the words of fused_label (`bert-engine info --kernels`, the provenance): every layer
+# in C, all of them in one call (fused_stack) unless something between them is asked for.
+FUSED_WORDS = "the layers in one C call (one a layer where hidden states, attentions or a hook between layers are asked for)"
+
+
 def fused_label(choice: dict[str, dict[str, Any]]) -> str:
     """Where the fused layer (fused_layer.c) runs under `choice` (choose_kernels' answer), in words: it needs
     all four projections on the tiled kernel at the input's number of rows."""
@@ -1642,7 +1647,7 @@ def fused_label(choice: dict[str, dict[str, Any]]) -> str:
     words = ["every input" if (low, high) == (0, math.inf) else f"inputs of up to {high} rows" if low == 0
              else f"inputs past {low} rows" if high == math.inf else f"inputs of {low + 1} to {high} rows"
              for low, high in ranges]
-    return f"{' and '.join(words)}: each layer in one C call"
+    return f"{' and '.join(words)}: {FUSED_WORDS}"
 
 
 def int8_fused_label(model: nn.Module) -> str:
@@ -1651,7 +1656,7 @@ def int8_fused_label(model: nn.Module) -> str:
         return "off (BERT_ENGINE_FUSED_LAYERS=0)"
     layers = encoder_of(model).layers
     if len(layers) and all(getattr(layer, "fused", None) is fused_layer for layer in layers):
-        return "every input: each layer in one C call"
+        return f"every input: {FUSED_WORDS}"
     kernel = getattr(model, "int8_kernel", None)
     return f"not used: the int8 matmuls are {kernel}'s" if kernel != "tiled" else "not used: a projection stays fp32"
 
