@@ -45,9 +45,8 @@ def matmul_flops(config, batch: int, tokens: int) -> float:
 
 
 def model_folders(names: list[str], workdir: Path) -> dict[str, Path]:
-    """name -> a Hugging Face-layout folder both implementations load."""
-    import transformers
-
+    """name -> a Hugging Face-layout folder both implementations load (bert-base's is made with transformers;
+    MiniLM's needs only the offline backbone)."""
     from bert_engine.checkpoints.hub import default_backbone
 
     folders = {}
@@ -57,6 +56,8 @@ def model_folders(names: list[str], workdir: Path) -> dict[str, Path]:
         elif name == "bert-base":
             folder = workdir / "bert-base-random"
             if not (folder / "config.json").is_file():
+                import transformers
+
                 torch.manual_seed(0)
                 transformers.BertModel(transformers.BertConfig()).save_pretrained(folder)  # bert-base-uncased sizes
             folders[name] = folder
@@ -65,18 +66,21 @@ def model_folders(names: list[str], workdir: Path) -> dict[str, Path]:
     return folders
 
 
-def load_pair(folder: Path, device: str, precision: str):
-    import transformers
-
+def load_pair(folder: Path, device: str, precision: str, reference: bool = True):
+    """(the engine's model, transformers' BertModel on the same weights; None without `reference`)."""
     from bert_engine import load_pretrained
     from bert_engine.runtime.precision import prepare_for_inference
 
     # The engine as the Predictor runs it (packed oneDNN linears on CPU; see bert_engine/runtime/fast.py).
     base, _, compiled = precision.partition("+")  # "int8+compile": load(compile=True)
     ours = prepare_for_inference(load_pretrained(folder, device=device), base, compile=compiled == "compile")
+    if not reference:
+        return ours, None
+    import transformers
+
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    reference = transformers.BertModel.from_pretrained(folder, attn_implementation="sdpa").to(device, dtype).eval()
-    return ours, reference
+    theirs = transformers.BertModel.from_pretrained(folder, attn_implementation="sdpa").to(device, dtype).eval()
+    return ours, theirs
 
 
 def run(names: list[str], shapes: list[tuple[int, int]], precisions: list[str], repeats: int, device: str,

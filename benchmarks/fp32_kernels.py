@@ -33,12 +33,13 @@ from benchmarks.encoder import load_pair, model_folders
 SHAPES = "1x12,1x24,1x48,1x128,8x128,32x128"
 
 
-def load_with(folder: Path, kernels: str):
-    """The engine's fp32 MiniLM with BERT_ENGINE_KERNELS=`kernels` (restored after)."""
+def load_with(folder: Path, kernels: str, reference: bool = True):
+    """The engine's fp32 MiniLM with BERT_ENGINE_KERNELS=`kernels` (restored after), and transformers' on the same
+    weights (None without `reference`)."""
     before = os.environ.get("BERT_ENGINE_KERNELS")
     os.environ["BERT_ENGINE_KERNELS"] = kernels
     try:
-        return load_pair(folder, "cpu", "fp32")
+        return load_pair(folder, "cpu", "fp32", reference)
     finally:
         if before is None:
             os.environ.pop("BERT_ENGINE_KERNELS", None)

@@ -1630,7 +1630,7 @@ def _fusing_costs_little(choice: dict[str, dict[str, Any]], chosen: list[str], c
 
 # How the fused layers run, in the words of fused_label (`bert-engine info --kernels`, the provenance): every layer
 # in C, all of them in one call (fused_stack) unless something between them is asked for.
-FUSED_WORDS = "the layers in one C call (one a layer where hidden states, attentions or a hook between layers are asked for)"
+FUSED_WORDS = "the layers in one C call (one call per layer where hidden states, attentions or a hook between layers are asked for)"
 
 
 def fused_label(choice: dict[str, dict[str, Any]]) -> str:

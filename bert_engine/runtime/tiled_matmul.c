@@ -268,12 +268,15 @@ AVX512 static int blocked_matmul512(const float *x, int64_t M, int64_t K, const 
                 _mm512_mask_storeu_ps(y + m * N + col, m0, s0);
                 _mm512_mask_storeu_ps(y + m * N + col + NR, m1, s1);
             }
-            /* The next pair's panels (2 K x 16 floats, one run in memory) fetched into L2 while this pair computes, a
-             * few cache lines every KRUN steps of k, spread so that the last arrives as this pair ends: without it,
-             * the first tile of each of the pair's blocks waited for the pair's trip from memory (an encoder's
-             * weights do not stay in cache from one forward to the next). 3-13 % faster at 128-384 rows on the Ice
-             * Lake Xeon (benchmarks/README.md, session 48); into L1 (_MM_HINT_T0) was level with L2 there, and L2
-             * leaves the 32 KB L1 of other CPUs to the pair at work. */
+            /* The next pair's panels (2 K x 16 floats, one run in memory, 2K cache lines) fetched into L2 while this
+             * pair computes: ceil(32 / tiles) lines every KRUN steps of k, so that up to 32 tiles (384 rows) the last
+             * arrives as this pair ends, and past that sooner (at 32 / tiles of the pair). Without it, the first tile
+             * of each of the pair's blocks waited for the pair's trip from memory (an encoder's weights do not stay
+             * in cache from one forward to the next). Under schedule(static) a thread's last pair fetches the next
+             * thread's first one, into its own L2: harmless. On the Ice Lake Xeon (benchmarks/README.md, session 48)
+             * one projection with its weights from memory ran 3-13 % faster at 100-384 rows, a whole MiniLM forward
+             * 3-5 % at 128-192 tokens; into L1 (_MM_HINT_T0) was level with L2 there, and L2 leaves the 32 KB L1 of
+             * other CPUs to the pair at work. */
             const char *next = (const char *)(panels + 2 * (q + 1) * K * NR);
             const char *end = (const char *)(panels + (2 * q + 4 < P ? 2 * q + 4 : P) * K * NR);
             const int lines = (int)((32 + tiles - 1) / tiles); /* 2K lines over tiles x K / KRUN runs */
