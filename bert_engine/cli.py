@@ -88,7 +88,7 @@ def _info(args: argparse.Namespace) -> dict:
     }
     if args.kernels:  # timed on this machine's first ask, then read from the cache
         from .runtime import native
-        from .runtime.fast import FUSED_WORDS, choose_kernels, fused_label, int8_kernel, kernel_label
+        from .runtime.fast import choose_kernels, fused_label, int8_fused_label, int8_kernel, kernel_label
         from .runtime.precision import kernel_cache
 
         choice = choose_kernels(model.eval(), kernel_cache())
@@ -100,9 +100,7 @@ def _info(args: argparse.Namespace) -> dict:
         # why bert_engine's own kernel is not a candidate, or the vector width it runs at
         info["tiled_kernel"] = native.unavailable() or f"available ({'AVX-512' if native.isa() == 512 else 'AVX2'})"
         info["int8_kernel"] = int8 = int8_kernel()  # what --precision int8 runs its projections' matmuls with
-        info["int8_fused_layers"] = ("off (BERT_ENGINE_FUSED_LAYERS=0)" if not settings.get("BERT_ENGINE_FUSED_LAYERS")
-                                     else f"every input: {FUSED_WORDS}" if int8 == "tiled"
-                                     else f"not used: the int8 matmuls are {int8}'s")
+        info["int8_fused_layers"] = int8_fused_label(kernel=int8)
     return info
 
 

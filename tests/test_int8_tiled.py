@@ -177,6 +177,9 @@ def test_info_says_where_int8_layers_run_fused(monkeypatch, tmp_path, capsys, mi
 
     monkeypatch.setenv("BERT_ENGINE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
     cases = [("tiled", "every input: " + fast.FUSED_WORDS)]
+    # the same words as a quantised model's (int8_fused_label of the model), from the kernel alone
+    assert fast.int8_fused_label(kernel="tiled") == "every input: " + fast.FUSED_WORDS
+    assert fast.int8_fused_label(kernel="onednn") == "not used: the int8 matmuls are onednn's"
     if fast.fbgemm_int8_available():
         cases.append(("fbgemm", "not used: the int8 matmuls are fbgemm's"))
     for kernel, expected in cases:

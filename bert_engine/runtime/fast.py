@@ -1650,14 +1650,20 @@ def fused_label(choice: dict[str, dict[str, Any]]) -> str:
     return f"{' and '.join(words)}: {FUSED_WORDS}"
 
 
-def int8_fused_label(model: nn.Module) -> str:
-    """Where an int8 model's layers run as one C call (fused_layer.c with int8_matmul.c), in words."""
+def int8_fused_label(model: nn.Module | None = None, kernel: str | None = None) -> str:
+    """Where an int8 model's layers run as one C call (fused_layer.c with int8_matmul.c), in words: of `model` as
+    quantised, or, without one, of a model `--precision int8` would quantise with the int8 `kernel`
+    (`bert-engine info --kernels`: every layer fuses where the kernel is tiled)."""
     if not settings.get("BERT_ENGINE_FUSED_LAYERS"):
         return "off (BERT_ENGINE_FUSED_LAYERS=0)"
-    layers = encoder_of(model).layers
-    if len(layers) and all(getattr(layer, "fused", None) is fused_layer for layer in layers):
+    if model is not None:
+        layers = encoder_of(model).layers
+        fused = len(layers) > 0 and all(getattr(layer, "fused", None) is fused_layer for layer in layers)
+        kernel = getattr(model, "int8_kernel", None)
+    else:
+        fused = kernel == "tiled"
+    if fused:
         return f"every input: {FUSED_WORDS}"
-    kernel = getattr(model, "int8_kernel", None)
     return f"not used: the int8 matmuls are {kernel}'s" if kernel != "tiled" else "not used: a projection stays fp32"
 
 
