@@ -27,7 +27,7 @@ from typing import Any
 PINS = ("transformers==4.57.1", "optimum==2.1.0", "optimum-onnx==0.1.0", "onnxruntime==1.32.0", "onnx==1.23.2")
 CONTENDERS = ("transformers", "onnxruntime")
 PIPELINES = {"sentiment": "text-classification", "ner": "token-classification", "qa": "question-answering",
-             "fill_mask": "fill-mask"}
+             "fill_mask": "fill-mask"}  # summary: no pipeline extracts sentences; the glue of summary_reference.py
 
 
 def setup(venv: Path) -> Path:
@@ -45,7 +45,8 @@ def _ort_class(task: str):
     from optimum import onnxruntime as ort  # noqa: PLC0415 - only in the peers' venv
 
     return {"sentiment": ort.ORTModelForSequenceClassification, "ner": ort.ORTModelForTokenClassification,
-            "qa": ort.ORTModelForQuestionAnswering, "fill_mask": ort.ORTModelForMaskedLM}[task]
+            "qa": ort.ORTModelForQuestionAnswering, "fill_mask": ort.ORTModelForMaskedLM,
+            "summary": ort.ORTModelForFeatureExtraction}[task]
 
 
 def _auto_class(task: str):
@@ -53,13 +54,15 @@ def _auto_class(task: str):
 
     return {"sentiment": transformers.AutoModelForSequenceClassification,
             "ner": transformers.AutoModelForTokenClassification,
-            "qa": transformers.AutoModelForQuestionAnswering, "fill_mask": transformers.AutoModelForMaskedLM}[task]
+            "qa": transformers.AutoModelForQuestionAnswering, "fill_mask": transformers.AutoModelForMaskedLM,
+            "summary": transformers.AutoModel}[task]
 
 
 class Peer:
     """One task's pipelines: transformers on PyTorch, and on ONNX Runtime."""
 
-    def __init__(self, task: str, folder: str, cache: str, items: list[Any], threads: int) -> None:
+    def __init__(self, task: str, folder: str, cache: str, items: list[Any], threads: int,
+                 options: dict[str, Any] | None = None) -> None:
         import torch  # noqa: PLC0415
         import transformers  # noqa: PLC0415
 
@@ -73,8 +76,15 @@ class Peer:
             model.save_pretrained(exported)
             tokenizer.save_pretrained(exported)
         self.export_s = time.perf_counter() - started
-        models = {"transformers": _auto_class(task).from_pretrained(folder).eval(),
+        unused = {"add_pooling_layer": False} if task == "summary" else {}  # (its pooler: new weights, never read)
+        models = {"transformers": _auto_class(task).from_pretrained(folder, **unused).eval(),
                   "onnxruntime": _ort_class(task).from_pretrained(exported)}
+        if task == "summary":  # the engine's options (the model's manifest merged in), sent with the load request
+            from benchmarks.summary_reference import SummaryReference, ort_encoder, torch_encoder  # noqa: PLC0415
+
+            encoders = {"transformers": torch_encoder(models["transformers"]), "onnxruntime": ort_encoder(models["onnxruntime"])}
+            self.pipelines = {name: SummaryReference(folder, encode, options or {}) for name, encode in encoders.items()}
+            return
         kwargs: dict[str, Any] = {"aggregation_strategy": "first"} if task == "ner" else {}
         if task == "fill_mask":
             kwargs["top_k"] = 1
@@ -86,6 +96,8 @@ class Peer:
             return pipe(question=[x["question"] for x in items], context=[x["context"] for x in items],
                         batch_size=batch, max_answer_len=30, doc_stride=128, max_seq_len=384)
         texts = [x["text"] for x in items]
+        if self.task == "summary":
+            return pipe.many(texts)
         if self.task == "sentiment":
             return pipe(texts, batch_size=batch, truncation=True)
         return pipe(texts, batch_size=batch)
@@ -98,6 +110,8 @@ class Peer:
             return sorted([e["start"], e["end"], e["entity_group"]] for e in output)
         if self.task == "qa":
             return output["answer"]
+        if self.task == "summary":
+            return output["selected"]
         return (output[0] if isinstance(output, list) else output)["token_str"].strip()
 
     def run(self, contender: str, mode: str, batch: int, limit: int | None = None) -> dict[str, Any]:
@@ -144,7 +158,7 @@ def serve() -> None:
         try:
             if request["op"] == "load":
                 peer = Peer(request["task"], request["folder"], request["cache"], request["items"],
-                            request.get("threads", 2))
+                            request.get("threads", 2), request.get("options"))
                 reply: dict[str, Any] = {"ok": True, "export_s": peer.export_s}
             elif request["op"] == "run" and peer is not None:
                 reply = {"ok": True, **peer.run(request["contender"], request["mode"], request["batch"],

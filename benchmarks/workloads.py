@@ -34,6 +34,11 @@ picks instead (optimum-onnx needs transformers < 4.58; see benchmarks/peers.py).
 - fill_mask: 1,000 words of WikiText-2 test (seed 0) that are one WordPiece, each behind one [MASK]
   in a window of 60 words; reference: `pipeline("fill-mask")`, its first word compared with the
   engine's first candidate (the engine skips word pieces and punctuation, the pipeline does not).
+- summary: the BBC News test split (the task's hash split, 205 articles); no transformers or optimum
+  pipeline summarises by extraction, so each peer runs the glue a user would write around its encoder,
+  taken from plugins/summary.py itself (benchmarks/summary_reference.py: the same sentences, windows,
+  scorer weights and options, transformers' BertModel or optimum's ORTModelForFeatureExtraction as the
+  encoder); the sentences chosen are compared, ROUGE-2 reported. A file: 8 articles per call on every side.
 
 Modes: "batched" (a file: every item in one call, batches of 32) and "single" (a visitor: one request
 at a time, the first --single-limit items, each request's latency; p50 / p95 reported; with --peers the
@@ -60,7 +65,7 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 BATCH = 32
 # Each task's held-out file under the shared data folder (--data)
 DATA_FILES = {"sentiment": "sst2/dev.tsv", "ner": "conll2003/eng.testb", "qa": "squad/dev-v1.1.json",
-              "fill_mask": "wikitext2/wiki.test.tokens"}
+              "fill_mask": "wikitext2/wiki.test.tokens", "summary": "bbc_news_summary/bbc_news_summary.jsonl"}
 
 
 def merged_folder(task_name: str, workdir: Path, starters: Path | None = None) -> Path:
@@ -283,6 +288,48 @@ def fill_mask(folder: Path, data: Path, precision: str, limit: int | None, devic
     return len(texts), run_engine, run_reference, out, lambda side: top1(out[side])
 
 
+# -- summary -------------------------------------------------------------------------------------------
+
+def summary(folder: Path, data: Path, precision: str, limit: int | None, device: str = "cpu"):
+    import transformers
+
+    from benchmarks.summary_reference import DOCUMENTS, SummaryReference, torch_encoder
+    from bert_engine.runtime.inference import Predictor, predict_texts
+    from bert_engine.tasks.registry import load_registry
+    from plugins.rouge import rouge
+
+    task = load_registry(entry_points=False).task("summary")
+    examples = list(task.spec.read_data(str(data / DATA_FILES["summary"]), "test"))[:limit]
+    texts, references = [x["text"] for x, _ in examples], [t["summary"] for _, t in examples]
+    engine = Predictor.load(task, str(folder), device=device, precision=precision)
+    place = _reference_place(device, precision)
+    model = transformers.BertModel.from_pretrained(str(folder), attn_implementation="sdpa", dtype=place["dtype"],
+                                                   add_pooling_layer=False).to(place["device"]).eval()
+    reference = SummaryReference(folder, torch_encoder(model), engine.check_options({}))
+    out = {}
+
+    def run_engine():
+        out["engine"] = [r["selected"] for r in predict_texts(engine, texts, batch_size=DOCUMENTS)]
+
+    def run_reference():
+        out["reference"] = [r["selected"] for r in reference.many(texts)]
+
+    def rouge2(side):
+        chosen = [" ".join(text[a:b] for k, (a, b) in enumerate(summary_spans(text)) if k in set(selected))
+                  for text, selected in zip(texts, out[side])]
+        return {"rouge2": rouge(chosen, references[:len(chosen)])["rouge2"]}
+
+    return len(texts), run_engine, run_reference, out, rouge2
+
+
+def summary_spans(text: str) -> list[tuple[int, int]]:
+    """The sentences plugins/summary.py reads `text` as (their character spans), to rebuild a summary from the
+    indices a contender chose."""
+    from plugins.sentences import split_sentences
+
+    return split_sentences(text)
+
+
 def _reference_precision(device: str, precision: str) -> str:
     """The precision transformers' in-process side runs at beside the engine's `precision`."""
     return "fp32" if device == "cpu" or precision not in ("bf16", "fp16") else precision
@@ -295,7 +342,7 @@ def _reference_place(device: str, precision: str) -> dict:
     return {"device": torch.device(device), "dtype": dtypes[_reference_precision(device, precision)]}
 
 
-TASKS = {"sentiment": sentiment, "ner": ner, "qa": qa, "fill_mask": fill_mask}
+TASKS = {"sentiment": sentiment, "ner": ner, "qa": qa, "fill_mask": fill_mask, "summary": summary}
 
 
 def _items(name: str, data: Path, limit: int | None, tokenizer) -> list[dict]:
@@ -319,6 +366,8 @@ def _engine_single(name: str, engine):
             return [list(e) for e in _argmax_entities(result["words"])]
         if name == "qa":
             return result["answer"] or ""
+        if name == "summary":
+            return result["selected"]
         return result["predictions"][0]["candidates"][0]["token"].lower()
     return predict
 
@@ -371,7 +420,7 @@ def visitors_in_turn(single, peer, items: list[dict], repeats: int, latencies: d
 
 def _same(a, b) -> bool:
     def norm(v):
-        return [list(x) for x in v] if isinstance(v, (list, tuple)) else v
+        return [list(x) if isinstance(x, (list, tuple)) else x for x in v] if isinstance(v, (list, tuple)) else v
     return norm(a) == norm(b)
 
 
@@ -469,7 +518,9 @@ def run(tasks: list[str], precisions: list[str], repeats: int, data: Path, limit
                 with_peers = peer is not None and precision == precisions[0]
                 if with_peers:
                     export = peer.ask(op="load", task=name, folder=str(folder), cache=str(workdir), items=items,
-                                      threads=torch.get_num_threads())["export_s"]
+                                      threads=torch.get_num_threads(),
+                                      options=_engine_of(workload[1]).check_options({}) if name == "summary" else None
+                                      )["export_s"]
                 for mode in modes:
                     shaped = workload if mode == "batched" else (single_limit, *workload[1:])
                     # in process, transformers runs beside the engine's fp32 on the CPU, and beside each precision
@@ -570,7 +621,7 @@ def main(argv: list[str] | None = None) -> None:
           + f"; batch {BATCH}; median of {args.repeats}")
     print_table(result["rows"], ["task", "mode", "impl", "precision", "items", "s", "items_per_s", "tokens_per_s",
                                  "p50_ms", "p95_ms", "vs_transformers", "vs_onnxruntime", "identical", "accuracy",
-                                 "f1", "crf_f1", "top1"])
+                                 "f1", "crf_f1", "top1", "rouge2"])
     if args.merge:
         result = merged(Path(args.json), result)
     write_json(args.json, result)

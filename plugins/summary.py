@@ -87,6 +87,11 @@ def _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_wei
     return length_option("summary", "max_length", max_length, 512, 32, tokenizer)
 
 
+def _max_length(options: dict, tokenizer) -> int:
+    """The max_length option as preprocess read it (checked there already)."""
+    return length_option("summary", "max_length", options["max_length"], 512, 32, tokenizer)
+
+
 def _check_values(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weight, layer) -> None:
     if num_sentences is not None:
         check_int("summary", "num_sentences", num_sentences, 1, 100)
@@ -134,13 +139,22 @@ def preprocess(inputs, tokenizer, *, num_sentences, ratio, min_words, mode, mmr_
             raise InputError(f"summary: the document has {len(spans):,} sentences; the limit is {MAX_SENTENCES:,}")
         documents.append(spans)
     if mode == "centroid":
-        sentences = [text[a:b] for text, spans in zip(texts, documents) for a, b in spans]
-        batch = tokenizer(sentences, max_length=min(max_length, 128))
-        if layer != -1:
-            batch.meta["model_kwargs"] = {"output_hidden_states": True}
-    else:
-        batch = pack_sentences(tokenizer, texts, documents, max_length)
+        return centroid_batch(tokenizer, texts, documents, max_length, layer)
+    batch = pack_sentences(tokenizer, texts, documents, max_length)
     batch.meta.update(texts=texts, spans=documents, mode=mode)
+    return batch
+
+
+def centroid_batch(tokenizer, texts: list[str], documents: list[list[tuple[int, int]]], max_length: int,
+                   layer: int) -> Batch:
+    """One row per sentence (each alone, at most 128 tokens) of documents already split into sentences: the
+    centroid mode's input, and the second pass of the hybrid and "auto" modes (which reuse the first pass's
+    sentences: splitting an article again cost about as much as its encoding's tenth)."""
+    sentences = [text[a:b] for text, spans in zip(texts, documents) for a, b in spans]
+    batch = tokenizer(sentences, max_length=min(max_length, 128))
+    if layer != -1:
+        batch.meta["model_kwargs"] = {"output_hidden_states": True}
+    batch.meta.update(texts=texts, spans=documents, mode="centroid")
     return batch
 
 
@@ -247,7 +261,7 @@ def postprocess(output: SummaryOutput, batch, *, context: TaskContext, num_sente
                    hybrid_weight=hybrid_weight, layer=layer, max_length=max_length)
     if used == "centroid" and batch.meta["mode"] != "centroid":
         # "auto" fell back to centroid mode: embed each sentence alone (a second, cheaper pass).
-        return _rerun_centroid(head, context, texts, options)
+        return _rerun_centroid(head, context, texts, documents, options)
     per_doc_scores: list[Tensor] = []
     per_doc_embeddings: list[Tensor | None] = []
     if used in ("supervised", "hybrid"):
@@ -258,7 +272,7 @@ def postprocess(output: SummaryOutput, batch, *, context: TaskContext, num_sente
             for (_, _, d, k), logit in zip(row, row_logits):
                 per_doc_scores[d][k] = torch.sigmoid(logit)
         if used == "hybrid":
-            similarities = _centroid_similarities(context, texts, options)
+            similarities = _centroid_similarities(context, texts, documents, options)
             per_doc_scores = [hybrid_weight * p + (1 - hybrid_weight) * c for p, c in zip(per_doc_scores, similarities)]
     else:
         embeddings = _mean_pool(output.encoder, batch, layer)  # one row per sentence, documents in order
@@ -278,9 +292,10 @@ def _by_document(rows: Tensor, documents: list[list[tuple[int, int]]]) -> list[T
     return out
 
 
-def _centroid_similarities(context: TaskContext, texts: list[str], options: dict) -> list[Tensor]:
+def _centroid_similarities(context: TaskContext, texts: list[str], documents: list[list[tuple[int, int]]],
+                           options: dict) -> list[Tensor]:
     """Each document's centroid similarities (clamped at 0), from a pass over each sentence alone."""
-    sub = preprocess({"text": texts}, context.tokenizer, **options, mode="centroid")
+    sub = centroid_batch(context.tokenizer, texts, documents, _max_length(options, context.tokenizer), options["layer"])
     embeddings = _mean_pool(context.encode(sub.model_inputs()), sub, options["layer"])
     return [centroid_scores(vectors).clamp(min=0.0) for vectors in _by_document(embeddings, sub.meta["spans"])]
 
@@ -298,8 +313,8 @@ def _layer(encoded, layer: int) -> Tensor:
     return states[layer]
 
 
-def _rerun_centroid(head, context, texts: list[str], options: dict):
-    sub = preprocess({"text": texts}, context.tokenizer, **options, mode="centroid")
+def _rerun_centroid(head, context, texts: list[str], documents: list[list[tuple[int, int]]], options: dict):
+    sub = centroid_batch(context.tokenizer, texts, documents, _max_length(options, context.tokenizer), options["layer"])
     output = SummaryOutput(torch.zeros(0), head, context.encode(sub.model_inputs()))
     return postprocess(output, sub, context=context, **options, mode="centroid")
 

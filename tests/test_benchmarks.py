@@ -389,3 +389,29 @@ def test_the_contention_benchmark_times_both_settings_in_turn_beside_spinning_pr
     assert os.environ["BERT_ENGINE_SHARE_CPUS"] == "1"
     with pytest.raises(SystemExit):
         contention.main(["--loads", "-1"])
+
+
+def test_the_summary_peers_glue_chooses_the_engines_sentences_with_transformers_as_the_encoder(tmp_path):
+    """benchmarks/summary_reference.py (what the workloads run as the summary task's transformers and ONNX Runtime
+    contenders: no pipeline extracts sentences) is plugins/summary.py's default around another encoder: on the
+    starter's merged folder, with transformers' BertModel, it picks what the engine picks."""
+    transformers = pytest.importorskip("transformers")
+    from benchmarks.summary_reference import SummaryReference, torch_encoder
+    from benchmarks.workloads import merged_folder
+    from bert_engine.runtime.inference import Predictor, predict_texts
+    from bert_engine.tasks.registry import load_registry
+    from plugins.summary import read_data
+
+    task = load_registry(entry_points=False).task("summary")
+    if task.spec.default_checkpoint is None:
+        pytest.skip("no summary starter model packed")
+    folder = merged_folder("summary", tmp_path)
+    engine = Predictor.load(task, str(folder))
+    texts = [inputs["text"] for inputs, _ in read_data(Path(__file__).parent / "fixtures" / "bbc_tiny.jsonl", "all")]
+    model = transformers.BertModel.from_pretrained(str(folder), add_pooling_layer=False).eval()
+    reference = SummaryReference(folder, torch_encoder(model, rows=2), engine.check_options({}))
+    ours = predict_texts(engine, texts, batch_size=2)
+    theirs = reference.many(texts, documents=2)
+    assert [r["selected"] for r in theirs] == [r["selected"] for r in ours] and all(r["mode"] == "hybrid" for r in theirs)
+    for a, b in zip(ours, theirs):
+        assert [s["score"] for s in b["sentences"]] == pytest.approx([s["score"] for s in a["sentences"]], abs=1e-4)

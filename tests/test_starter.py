@@ -87,6 +87,31 @@ def test_summary_starter(registry):
         assert result["lead"] == 0 and 0 in result["selected"], example["text"][:40]
 
 
+@pytest.mark.skipif("summary" not in PACKED, reason="no summary starter model packed")
+def test_a_summary_splits_each_article_into_sentences_once(registry, monkeypatch):
+    # the hybrid default's second pass (each sentence alone, for the centroid) reuses the first pass's sentences:
+    # splitting again cost a tenth of a request's time, for the same spans
+    import plugins.summary as summary
+
+    predictor = _predictor(registry, "summary")
+    text = summary.EXAMPLES[0]["text"]
+    expected = predictor.predict({"text": text})["result"]
+    calls = []
+    monkeypatch.setattr(summary, "split_sentences", lambda t: calls.append(t) or summary_split(t))
+    for mode in ("auto", "centroid", "hybrid", "supervised"):
+        calls.clear()
+        result = predictor.predict({"text": text}, mode=mode)["result"]
+        assert calls == [text], mode
+        if mode == "auto":
+            assert result == expected and result["mode"] == "hybrid"
+
+
+def summary_split(text):
+    from plugins.sentences import split_sentences
+
+    return split_sentences(text)
+
+
 @pytest.mark.skipif("fill_mask" not in PACKED, reason="no fill-mask starter model packed")
 def test_fill_mask_starter(registry):
     from scripts.fill_mask_probes import PROBES
