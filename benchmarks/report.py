@@ -10,7 +10,7 @@ names the machine a run was on), holding what these commands wrote with --json:
     python -m benchmarks.encoder --models minilm,bert-base --shapes 1x128,32x128 --precisions fp32,int8 \\
         --json benchmarks/results/CLASS/encoder.json
     python -m benchmarks.workloads --peers ../venv-peers/bin/python --modes batched,single \\
-        --tasks sentiment,ner,qa,fill_mask --json benchmarks/results/CLASS/workloads.json
+        --tasks sentiment,ner,qa,fill_mask,summary --json benchmarks/results/CLASS/workloads.json
 
 tests/test_readme.py checks that README.md holds exactly this block.
 """
@@ -27,7 +27,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- figures:performance:start -->", "<!-- figures:performance:end -->"
 CLASS_NAMES = {"avx2": "AVX2-only CPU", "avx512": "AVX-512 CPU", "avx512-amx": "AVX-512 + AMX CPU", "gpu": "GPU"}
 TASK_NAMES = {"sentiment": "sentiment (SST-2 dev)", "ner": "NER (CoNLL eng.testb)", "qa": "QA (SQuAD 1.1 dev)",
-              "fill_mask": "fill-mask (WikiText-2)"}
+              "fill_mask": "fill-mask (WikiText-2)", "summary": "summary (BBC News test)"}
 
 
 def load() -> dict[str, dict[str, Any]]:

@@ -5,7 +5,7 @@ would pick instead.
     python -m benchmarks.workloads --tasks sentiment --repeats 3 --json out.json
     python -m benchmarks.workloads --precisions fp32,int8   # also the engine's faster CPU modes
     python -m benchmarks.workloads --peers ../venv-peers/bin/python --modes batched,single \
-        --tasks sentiment,ner,qa,fill_mask --json benchmarks/results/avx512/workloads.json
+        --tasks sentiment,ner,qa,fill_mask,summary --json benchmarks/results/avx512/workloads.json
     python -m benchmarks.workloads --device cuda --precisions bf16,fp16 --modes batched,single   # on a GPU
 
 Every side runs the same weights: each starter model (LoRA adapter + head on MiniLM) is merged
