@@ -140,6 +140,7 @@ def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, m
         _check_beam_work(count, max(beam_width, top_k), batch.input_ids.shape[1])
     if targets is not None:
         batch.meta["target_pieces"] = _target_pieces(list(targets), tokenizer, batch.input_ids.shape[1])
+        targets = list(batch.meta["target_pieces"])  # spellings of one word (Paris, paris: one uncased piece) once
     batch.meta.update(text=text, targets=targets, windowed=len(batch.sample_index) > 1)
     return batch
 
@@ -320,11 +321,16 @@ def _score_targets(head, encode, batch, position: Tensor, targets, tokenizer, te
 
 
 def _target_pieces(targets: list[str], tokenizer, length: int) -> dict[str, list[str]]:
-    """Each target's word pieces, checked: at most MAX_TARGETS words of at most MAX_TARGET_PIECES pieces,
-    the widened text within the model's positions, the scoring's forward work within the request bound."""
+    """Each target's word pieces, checked: at most MAX_TARGETS words of 1 to MAX_TARGET_PIECES pieces, none a
+    special token, the widened text within the model's positions, the scoring's forward work within the request
+    bound. A target whose pieces an earlier one has (another spelling of it for an uncased model) is left out."""
     if len(targets) > MAX_TARGETS:
         raise InputError(f"fill_mask: {len(targets):,} target words; at most {MAX_TARGETS} can be scored at once")
     pieces = {word: tokenizer.tokenize(word) for word in targets}
+    for word in targets:
+        if not pieces[word]:  # zero pieces would score 1 (a product over no masks)
+            raise InputError(f"fill_mask: the target {word[:40]!r} holds no word piece (only invisible, control or "
+                             "combining characters); give a word")
     unk = tokenizer.special_tokens.get("unk_token")
     unknown = [word for word in targets if unk is not None and unk in pieces[word]]
     if unknown:  # scored as the unknown token, each would show its own word beside the same score
@@ -332,12 +338,24 @@ def _target_pieces(targets: list[str], tokenizer, length: int) -> dict[str, list
         raise InputError(f"fill_mask: the target{'s' if len(unknown) > 1 else ''} {shown} {'are' if len(unknown) > 1 else 'is'} "
                          f"not in the model's vocabulary (read as {unk}); leave "
                          f"{'them' if len(unknown) > 1 else 'it'} out")
+    specials = set(tokenizer.special_tokens.values())
+    special = [word for word in targets if specials & set(pieces[word])]
+    if special:
+        raise InputError(f"fill_mask: the target {special[0][:40]!r} is a special token of the model "
+                         f"({', '.join(sorted(specials & set(pieces[special[0]])))}), not a word")
+    seen: set[tuple[str, ...]] = set()
+    for word in targets:  # another spelling of a word given before (Paris after paris, uncased): left out
+        if tuple(pieces[word]) in seen:
+            del pieces[word]
+        else:
+            seen.add(tuple(pieces[word]))
+    targets = list(pieces)
     counts = {}
     for word in targets:
         n = len(pieces[word])
         if n > MAX_TARGET_PIECES:
             raise InputError(f"fill_mask: the target {word[:40]!r}{'...' if len(word) > 40 else ''} is {n} word pieces; "
-                             f"at most {MAX_TARGET_PIECES} (one word, not a phrase)")
+                             f"at most {MAX_TARGET_PIECES} (a word or a short phrase)")
         if length + n - 1 > tokenizer.model_max_length:
             raise InputError(f"fill_mask: with the target {word[:40]!r} the text would be {length + n - 1} tokens; "
                              f"the model takes {tokenizer.model_max_length}: shorten the text")

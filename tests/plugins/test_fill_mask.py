@@ -186,11 +186,22 @@ def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):
          "the limit per request is 65,536"),
         ("Paris is the [MASK].", {"targets": ["\U0001F60D", "paris", "\U0001F642"]},
          "the targets '\U0001F60D', '\U0001F642' are not in the model's vocabulary \\(read as \\[UNK\\]\\)"),
+        # no word piece at all: a product over no masks scored 1.0, first among the words (an outside test)
+        ("Paris is the [MASK].", {"targets": ["\u200b", "paris"]}, "the target '\\\\u200b' holds no word piece"),
+        ("Paris is the [MASK].", {"targets": ["paris", "\u0301"]}, "the target '\u0301' holds no word piece"),
+        ("Paris is the [MASK].", {"targets": ["[MASK]"]}, "the target '\\[MASK\\]' is a special token of the model"),
     ],
 )
 def test_bad_input_is_a_clear_input_error(predictor, text, options, message):
     with pytest.raises(InputError, match=message):
         predictor.predict({"text": text}, **options)
+
+
+def test_spellings_of_one_target_are_scored_once(predictor):
+    # an uncased model reads Paris, paris and PARIS as one piece: one candidate, under the first spelling given
+    assert predictor.tokenizer.tokenize("PARIS") == predictor.tokenizer.tokenize("paris")
+    result = predictor.predict({"text": TEXTS[0]}, targets=["paris", "Paris", "PARIS", "city"])["result"]
+    assert sorted(c["word"] for c in result["candidates"]) == ["city", "paris"]
 
 
 def _same_answer(a, b, where="result"):
