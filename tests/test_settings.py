@@ -3,9 +3,12 @@ and documented in docs/settings.md."""
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bert_engine import settings
 
@@ -90,6 +93,29 @@ def test_the_app_refuses_to_start_on_a_bad_value_naming_it(monkeypatch):
                               env={**os.environ, "GRADIO_SERVER_PORT": "1", name: value})
         assert done.returncode == 2 and "Traceback" not in done.stderr and f"ERROR app: {said}" in done.stderr, \
             done.stderr[-1500:]
+
+
+def test_the_app_refuses_a_taken_port_and_a_missing_device_in_one_line():
+    """An outside test: a port already in use was Gradio's traceback, then a native abort (exit 134), and
+    BERT_ENGINE_DEVICE=cuda on a CPU build of torch a 15-line traceback; one line each now, exit 2, before any
+    model loads."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "app.py"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                              env={**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_SERVER_NAME": "127.0.0.1"})
+    errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR") or "Traceback" in line]
+    assert done.returncode == 2 and errors == [
+        f"ERROR app: port {port} on 127.0.0.1 is in use (GRADIO_SERVER_PORT): stop what listens there or set "
+        "GRADIO_SERVER_PORT to another port"], done.stderr[-1500:]
+    if not torch.cuda.is_available():
+        done = subprocess.run([sys.executable, "app.py"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                              env={**os.environ, "GRADIO_SERVER_PORT": "1", "BERT_ENGINE_DEVICE": "cuda"})
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-1500:]
+        assert "ERROR app: BERT_ENGINE_DEVICE: device 'cuda': " in done.stderr
 
 
 def test_the_app_without_the_playgrounds_packages_says_which_extra_to_install():
