@@ -1057,6 +1057,10 @@ def test_a_new_run_does_not_write_over_one_and_a_resumed_run_keeps_its_settings(
     """A fresh run into a run folder had replaced its checkpoints and mixed the two logs; a resume with
     another lr trained on the old schedule while train_config.json and the card said the new one."""
     task = load_registry(entry_points=False).task("sentiment")
+    (tmp_path / "a-file").write_text("x")  # an output folder that is a file: named ("[Errno 17] File exists" before)
+    on_file = _sentiment_cfg(tiny_checkpoint, tmp_path / "a-file", stop_after=2)
+    with pytest.raises(ValueError, match="a-file: is a file, not a folder"):
+        train(TaskJob(task, on_file), on_file)
     cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", stop_after=2)
     train(TaskJob(task, cfg), cfg)
     recorded = (tmp_path / "run" / "train_config.json").read_text()
@@ -1072,6 +1076,13 @@ def test_a_new_run_does_not_write_over_one_and_a_resumed_run_keeps_its_settings(
     assert train(TaskJob(task, longer), longer)["steps"] == 10  # a longer schedule, as the starter recipes resume
     loaded = Predictor.load(task, str(tmp_path / "run"))  # a run's folder loads as its best checkpoint
     assert Path(loaded.model_id) == tmp_path / "run" / "best"
+    # and so everywhere a model loads (an outside test: `load()` and `bert-engine info` said "no config.json")
+    from bert_engine import load
+    from bert_engine.cli import main
+
+    assert load(str(tmp_path / "run"), "sequence").checkpoint.folder == tmp_path / "run" / "best"
+    for folder in ("run", "run/best"):  # info: the run's task (train_config.json) gives the head, no --head needed
+        assert main(["info", "--model", str(tmp_path / folder)]) == 0, folder
 
 
 @pytest.mark.parametrize("values, message", [

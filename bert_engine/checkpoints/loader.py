@@ -54,6 +54,7 @@ def load(name_or_path: str | Path, head: str | nn.Module | None = None, *, label
         raise TypeError(f"the model must be a folder or a Hub id (text), got {type(name_or_path).__name__}")
     if not str(name_or_path).strip():  # "" would be the current folder
         raise ValueError("the model is empty: give a checkpoint folder or a Hub id")
+    name_or_path = run_checkpoint(name_or_path)
     resolved = resolve(name_or_path, revision=revision, local_files_only=local_files_only, **hub_kwargs)
     if (resolved.folder / "adapter_config.json").is_file():
         if head is None or head == "auto":
@@ -66,6 +67,30 @@ def load(name_or_path: str | Path, head: str | nn.Module | None = None, *, label
     if with_tokenizer:
         loaded.tokenizer = _matching_tokenizer(loaded)
     return loaded
+
+
+def run_checkpoint(name_or_path: str | os.PathLike) -> str | os.PathLike:
+    """A training run's folder (train_config.json and best/, no checkpoint files of its own) as its best/
+    checkpoint, which `bert-engine train` keeps there; any other name as given."""
+    run = Path(str(name_or_path))
+    if ((run / "train_config.json").is_file() and (run / "best").is_dir() and not (run / "config.json").exists()
+            and not (run / "adapter_config.json").exists()):
+        logger.info("%s is a training run: loading its best/", name_or_path)
+        return str(run / "best")
+    return name_or_path
+
+
+def run_task(folder: str | os.PathLike) -> str | None:
+    """The task a training run trained (its train_config.json's "task"), for the run's folder or a checkpoint
+    inside it (best/, last/); None where there is none."""
+    folder = Path(str(folder))
+    for run in (folder, folder.parent):
+        try:
+            task = json.loads((run / "train_config.json").read_text(encoding="utf-8")).get("task")
+        except (OSError, ValueError, RecursionError, AttributeError):
+            continue
+        return task if isinstance(task, str) and task.isidentifier() else None
+    return None
 
 
 def _adapter_needs_a_head(folder: Path) -> str:

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from .. import settings
 from ..checkpoints.hub import default_backbone
-from ..checkpoints.loader import load
+from ..checkpoints.loader import load, run_checkpoint
 from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
 from ..hookspecs import InputError, PluginError, TaskContext, TaskSpec
 from ..model import BETWEEN_LAYERS, encoder_of
@@ -358,12 +358,7 @@ class Predictor:
                              "task's default")
         for name in ("BERT_ENGINE_SHARE_CPUS", "BERT_ENGINE_MAX_TOKENS", "BERT_ENGINE_MAX_GFLOP"):
             settings.get(name)  # read at each request: a bad value fails here, at load, named, not as a plugin's bug
-        name = checkpoint or task.spec.default_checkpoint or default_backbone()
-        run = Path(str(name))
-        if ((run / "train_config.json").is_file() and (run / "best").is_dir() and not (run / "config.json").exists()
-                and not (run / "adapter_config.json").exists()):  # a training run's folder: its best checkpoint
-            logger.info("%s is a training run: loading its best/", name)
-            name = str(run / "best")
+        name = run_checkpoint(checkpoint or task.spec.default_checkpoint or default_backbone())  # a run: its best/
         target = device_for(precision, device)
         # parameter_dtype checks the precision against the device and CPU before anything loads
         loaded = load(name, _staged_head(task.spec.build_head), device=target,

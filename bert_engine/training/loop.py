@@ -545,6 +545,8 @@ def check_run_folder(out: Path, cfg, kind: str) -> None:
     checkpoint restores and its model was built with (RESUME_KEEPS): a changed lr would be recorded in
     train_config.json and the model card without having been used."""
     record = out / "train_config.json"
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output-dir {out}: is a file, not a folder; name a folder for the run (it is made)")
     if not cfg.resume:
         held = [name for name in ("last", "best", "metrics.jsonl") if (out / name).exists()]
         if held:
