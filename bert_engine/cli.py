@@ -8,6 +8,7 @@ import csv
 import difflib
 import json
 import logging
+import math
 import os
 import shlex
 import stat
@@ -53,12 +54,14 @@ def _info_task(args: argparse.Namespace):
 
 
 def _folder_task(model: str | None):
-    """The registered task a local model folder's manifest.json names (a starter or packed model), or None: no
-    such folder or manifest, or a task no installed plugin registers (logged: loading as asked may not fit)."""
+    """The registered task a local model folder's manifest.json names (a starter or packed model), or the task a
+    training run's train_config.json names (the run's folder, or its best/ or last/), or None: no such folder or
+    record, or a task no installed plugin registers (logged: loading as asked may not fit)."""
+    from .checkpoints.loader import run_task
     from .checkpoints.lora import _manifest_task
 
     folder = Path(str(model)).expanduser()
-    named = _manifest_task(folder) if model is not None and folder.is_dir() else None
+    named = (_manifest_task(folder) or run_task(folder)) if model is not None and folder.is_dir() else None
     if named is None:
         return None
     try:
@@ -121,11 +124,14 @@ def _encode(args: argparse.Namespace) -> dict:
                          f"({', '.join(f'U+{ord(c):04X}' for c in dict.fromkeys(text[:200]))[:120]}); type some words")
     from .model import encoder_of
     from .runtime.inference import _staged_head
+    from .runtime.precision import pick_device
 
+    device = pick_device()  # BERT_ENGINE_DEVICE's, else CUDA, MPS or the CPU: as predict and eval run
     task = _folder_task(args.model)  # a task's model folder (a starter's adapter): its task's head, its encoder used
-    loaded = load(args.model, _staged_head(task.spec.build_head) if task is not None else None, revision=args.revision)
+    loaded = load(args.model, _staged_head(task.spec.build_head) if task is not None else None, revision=args.revision,
+                  device=device)
     model, tokenizer = encoder_of(loaded.model), loaded.tokenizer
-    batch = tokenizer(args.text)
+    batch = tokenizer(args.text).to(device)
     room = tokenizer.model_max_length - 2  # ([CLS] and [SEP] around the text's pieces)
     cut = [len(pieces.offsets) > room for pieces in tokenizer.pieces(args.text)]
     for i in (i for i, c in enumerate(cut) if c):  # the vector stands for the first `room` pieces only
@@ -133,7 +139,7 @@ def _encode(args: argparse.Namespace) -> dict:
                        i + 1, tokenizer.model_max_length)
     with torch.inference_mode():
         out = model(**batch.model_inputs())
-    mean = mean_pool(out.last_hidden_state, batch.attention_mask)  # mean over real tokens
+    mean = mean_pool(out.last_hidden_state, batch.attention_mask).float().cpu()  # mean over real tokens
     return {"results": [
         {"text": text, "tokens": tokenizer.convert_ids_to_tokens(batch.input_ids[i, : int(batch.attention_mask[i].sum())]),
          "truncated": cut[i], "mean_embedding": [round(v, 6) for v in mean[i].tolist()]}
@@ -432,7 +438,10 @@ def _read_rows(file: str, task, kind: str) -> list[tuple[int, dict | str]]:
             said = [f"missing {', '.join(missing)}"] if missing else []
             for name in unknown:
                 near = difflib.get_close_matches(name, [f for f in fields if f not in header], n=1, cutoff=0.6)
-                said.append(f"column {name!r} is not read" + (f" (did you mean {near[0]!r}?)" if near else ""))
+                shown = repr(name[:40]) + ("..." if len(name) > 40 else "")  # a binary file's "column": a glimpse
+                said.append(f"column {shown} is not read" + (f" (did you mean {near[0]!r}?)" if near else ""))
+            if len(said) > 4:
+                said[4:] = [f"and {len(said) - 4} more columns"]
             raise ValueError(f"{path}:1: the header must name the task's fields ({', '.join(spec.input_fields)}"
                              + (f"; optional: {', '.join(spec.optional_fields)}" if spec.optional_fields else "")
                              + f") and no others: {'; '.join(said)}")
@@ -768,6 +777,17 @@ def _add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
             parser.add_argument(flag, dest=f.name, type=base, default=argparse.SUPPRESS, help=text)
 
 
+def _seconds(text: str) -> float:
+    """argparse type: a time limit in seconds, a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
+
+
 def _at_least_one(text: str) -> int:
     """argparse type: a whole number of 1 or more (a count of examples, a rank)."""
     try:
@@ -905,7 +925,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--data", help="a few examples in the task's read_data format: also check training "
                                       "(read_data -> training batch -> loss with a gradient -> metric)")
     check.add_argument("--split", default=None, help="the split of --data to read (default: train)")
-    check.add_argument("--case-timeout", type=float, default=60.0,
+    check.add_argument("--case-timeout", type=_seconds, default=60.0,
                        help="seconds each case (prediction, tab event, training check) may take (default 60)")
     check.set_defaults(run=_plugin_check)
     _verbose_anywhere(parser)
@@ -943,6 +963,9 @@ def main(argv: list[str] | None = None) -> int:
     except (HubError, CheckpointError, ValueError, TypeError, FileNotFoundError) as err:  # the input's fault
         print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `bert-engine predict --file ... | head`: the reader left early; that is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor is the flush at exit
+        return getattr(args, "exit_code", 0)
     except (TaskFailed, OSError) as err:  # a plugin's bug, or the machine's (a read-only folder, a full disk)
         print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
         return 1

@@ -524,6 +524,30 @@ def test_encode_refuses_text_no_task_would_read(capsys):
     assert "text 2 has no readable text, only control or invisible characters (U+200B)" in capsys.readouterr().err
 
 
+def test_encode_runs_where_bert_engine_device_says_as_predict_does(monkeypatch, capsys):
+    # it ignored the setting (exit 0 on the CPU) where predict and eval refused a device the machine lacks
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has the device; the refusal needs a CPU build of torch")
+    monkeypatch.setenv("BERT_ENGINE_DEVICE", "cuda")
+    assert main(["encode", "fine"]) == 2
+    assert "BERT_ENGINE_DEVICE: device 'cuda': " in capsys.readouterr().err
+
+
+def test_predict_into_a_reader_that_leaves_early_is_no_error(tmp_path):
+    """`bert-engine predict --file ... | head -1` ended in "error: [Errno 32] Broken pipe", exit 1."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "many.txt"
+    data.write_text("a fine film\n" * 2000)
+    done = subprocess.run(f"{sys.executable} -m bert_engine predict sentiment --file {data} | head -1",
+                          shell=True, capture_output=True, text=True, timeout=300,
+                          executable="/bin/bash", env={**__import__("os").environ, "PYTHONUNBUFFERED": "1"})
+    assert done.stdout.strip() and "error" not in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr
+
+
 def test_eval_refuses_a_split_that_names_none(tmp_path, capsys):
     """`eval sentiment --split bogus` answered on the file and reported "split": "bogus" (an SST-2 or CoNLL file
     is one split; the name only says which); a typo is now refused naming the names, as summary's and fill-mask's
@@ -559,3 +583,11 @@ def test_a_plain_text_file_for_a_task_of_two_fields_is_refused_once(tmp_path, ca
         "context=TEXT for every line, or write the file as .jsonl or .tsv (--format)" in capsys.readouterr().err
     assert main(["predict", "qa", "--file", str(questions), "-i", "context=Moby-Dick was written by Melville."]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_plugin_check_refuses_a_case_timeout_that_is_no_time(value, capsys):
+    # 0 and nan had every case time out, and the cancellations then reached other threads (an outside test)
+    with pytest.raises(SystemExit) as exit_:
+        main(["plugin", "check", "sentiment", "--case-timeout", value])
+    assert exit_.value.code == 2 and "--case-timeout" in capsys.readouterr().err

@@ -43,6 +43,11 @@ class PredictionTimeout(RuntimeError):
 
 _cancelled_at: dict[int, float] = {}  # thread ident -> monotonic time its cancellation began
 _cancelled_guard = threading.Lock()
+# The request threads call_with_timeout started that have not yet finished their Python code; a cancellation is
+# injected only into one of these, under _cancelled_guard. An ident is the OS thread's: once a thread ends, the
+# next thread may get the same one, and "is it alive?" then "raise in that ident" let a cancellation meant for
+# an ended request land in an unrelated thread (fsspec's I/O thread in `plugin check --case-timeout 0`).
+_running: set[threading.Thread] = set()
 
 
 def cancelled_for(thread: threading.Thread) -> float | None:
@@ -53,8 +58,31 @@ def cancelled_for(thread: threading.Thread) -> float | None:
 
 
 def _inject(thread: threading.Thread) -> None:
-    if thread.is_alive() and thread.ident is not None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Cancelled))
+    # Under _cancelled_guard the thread cannot leave _running; under threading's own lock its ident cannot pass
+    # to another thread (a thread leaves threading's table under that lock before its OS thread ends, and a new
+    # one enters it under it). The second check covers a thread that ended without leaving _running (a
+    # cancellation arriving in its last bytecodes).
+    active = getattr(threading, "_active", None)
+    registry_lock = getattr(threading, "_active_limbo_lock", None) or contextlib.nullcontext()
+    with _cancelled_guard, registry_lock:
+        ident = thread.ident
+        if thread not in _running or ident is None:
+            return
+        if active.get(ident) is not thread if active is not None else not thread.is_alive():
+            return
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Cancelled))
+
+
+def _leave_running(thread: threading.Thread) -> None:
+    """Take `thread` (the current one, at the end of its work) out of _running, so that no cancellation is
+    injected after it; one injected just before arrives here, and is taken here too."""
+    while True:
+        try:
+            with _cancelled_guard:
+                _running.discard(thread)
+            return
+        except Cancelled:  # injected before the discard: no other can follow it, so the next round ends
+            continue
 
 
 def cancel(thread: threading.Thread, what: str = "a request", *, on_stuck: Callable[[], None] | None = None,
@@ -124,9 +152,18 @@ def call_with_timeout(function: Callable[..., Any], timeout_s: float | None, *ar
                 done.set()
         except Cancelled:  # arrived during the clean-up above: nothing is waiting for this thread any more
             done.set()
+        finally:
+            _leave_running(thread)
 
     thread = threading.Thread(target=target, name="bert-engine-request", daemon=True)
-    thread.start()
+    with _cancelled_guard:
+        _running.add(thread)
+    try:
+        thread.start()
+    except BaseException:
+        with _cancelled_guard:
+            _running.discard(thread)
+        raise
     try:
         finished = done.wait(timeout_s)
     except BaseException:  # the caller itself was interrupted (a real Ctrl-C): stop the call as well
