@@ -156,6 +156,31 @@ def test_declared_labels_must_be_the_heads():
     assert "head.labels = None" in _rules(_spec(labels=("no", "yes"), build_head=Unlabelled))["labels"]
 
 
+def test_an_option_value_the_task_does_not_refuse_and_crashes_on_is_named():
+    """Rule `option`: the docs' own tagging task crashed in the tokenizer at max_length=16 (its stride was fixed)
+    and no golden input reached it; each option is now tried with bad values, which must be refused with
+    InputError or answered."""
+    def preprocess(inputs, tokenizer, *, max_length):
+        if not str(inputs["text"]).strip():
+            raise InputError("empty")
+        return tokenizer(inputs["text"], max_length=max_length or 64)  # -1, nan, "lots": not refused
+
+    rules = _rules(_spec(preprocess=preprocess, options={"max_length": None}, build_tab=None))
+    assert "raised" in rules["option"] and "a bad option value must be refused with InputError" in rules["option"]
+    violations = check_task(_registry_with(_spec(preprocess=preprocess, options={"max_length": None}, build_tab=None))
+                            .task("yesno"))
+    assert {v.case for v in violations if v.rule == "option"} >= {"option max_length=-1", "option max_length='lots'"}
+
+    def checked(inputs, tokenizer, *, max_length):
+        from bert_engine.hookspecs import length_option
+
+        if not str(inputs["text"]).strip():
+            raise InputError("empty")
+        return tokenizer(inputs["text"], max_length=length_option("yesno", "max_length", max_length, 64, 8, tokenizer))
+
+    assert _rules(_spec(preprocess=checked, options={"max_length": None}, build_tab=None)) == {}
+
+
 def test_a_slow_case_is_cut_off_and_named():
     import time
 

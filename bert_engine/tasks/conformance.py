@@ -9,6 +9,8 @@ Rules checked on every result (the names appear in violations):
 - `distribution`: a list of dicts with "label" and "score" under a key "labels" sums to 1.
 - `label`: "label" values belong to the head's label set (when the head has one).
 - `input-error`: bad input may only raise the documented InputError.
+- `option`: each declared option set alone to a bad value (NaN, -1, 0, a billion, a word) is refused with
+  InputError or answered with a result the rules above accept; nothing else is raised.
 - `crash`: the task's own code (the head's forward, postprocess) raised, SystemExit included; the stage is named.
 - `brief`, `pipeline_output`: when declared, they answer (brief with a string) for every result.
 - `time`: every case (a prediction, a tab event, the training check) finishes within `case_timeout_s`.
@@ -181,6 +183,7 @@ def check_task(task: RegisteredTask, predictor: Predictor | None = None, *, buil
             continue
         violations += check_result(task, case, inputs, output["result"], labels)
         violations += _check_shapes(task, case, output["result"])
+    violations += _check_options(task, predictor, timed, labels)
     if task.spec.explain is not None:
         violations += _check_explain(task, predictor, timed)
     if build_tab and task.spec.build_tab is not None:
@@ -215,6 +218,35 @@ def _check_explain(task: RegisteredTask, predictor: Predictor, timed) -> list[Vi
                                        f"{target['name']!r}: attributions sum to {target['sum']:.4g} but the score moved "
                                        f"{difference:.4g} from the baseline: does the score read only the rows it is "
                                        "handed?"))
+    return found
+
+
+# Values a caller may send for any option (a form's free text, an API client's mistake): each must be refused with
+# InputError, naming it, or give a good answer; the written-out tagging task of docs/plugins.md once crashed in the
+# tokenizer on max_length=16 (its fixed stride did not fit), a case no golden input reached.
+BAD_OPTION_VALUES = (float("nan"), -1, 0, 10**9, "lots")
+
+
+def _check_options(task: RegisteredTask, predictor: Predictor, timed, labels: set[str] | None) -> list[Violation]:
+    """Rule `option`: the first golden case with each declared option set alone to each of BAD_OPTION_VALUES."""
+    found: list[Violation] = []
+    inputs = golden_cases(task)[0][1]
+    for name in task.spec.options:
+        for value in BAD_OPTION_VALUES:
+            case = f"option {name}={value!r}"
+            try:
+                output = timed(case, lambda n=name, v=value: predictor.predict(dict(inputs), **{n: v}))  # (an option
+                # may be named like timed's own parameters: sentiment's `function`)
+            except (InputError, _Skip):
+                continue
+            except (Exception, SystemExit, GeneratorExit) as err:
+                stage = getattr(err, "request_stage", None)
+                found.append(Violation(task.spec.name, case, "option",
+                                       f"raised {type(err).__name__}: {str(err)[:200]}"
+                                       + (f" in {stage}" if stage else "")
+                                       + " (a bad option value must be refused with InputError, naming it)"))
+                continue
+            found += check_result(task, case, inputs, output["result"], labels)
     return found
 
 
@@ -385,7 +417,14 @@ def check_plugin(name: str, *, data: str | Path | None = None, split: str | None
                  case_timeout_s: float = CASE_TIMEOUT_S) -> dict[str, Any]:
     """Load one plugin in isolation (built-in or entry point) and check each of its tasks; then load
     the full registry as the app would, and name any of its tasks another plugin already registers
-    (the registry would refuse the whole plugin). `data` feeds the training check (one task)."""
+    (the registry would refuse the whole plugin). `data` feeds the training check (one task).
+
+    Raises:
+        ValueError: no plugin of that name; case_timeout_s not a number of seconds above 0.
+    """
+    if (isinstance(case_timeout_s, bool) or not isinstance(case_timeout_s, (int, float))
+            or not math.isfinite(case_timeout_s) or case_timeout_s <= 0):
+        raise ValueError(f"case_timeout_s must be a number of seconds above 0, got {case_timeout_s!r}")
     builtins = tuple(m for m in builtin_plugins() if m.rsplit(".", 1)[-1] == name)
     installed = {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
     if not builtins and name not in installed:  # a name no plugin has (a typo): the caller's error, exit 2
