@@ -26,9 +26,9 @@ class Setting:
 
 
 SETTINGS = {s.name: s for s in (
-    Setting("BERT_ENGINE_DEVICE", "str", None, "start", "force a device (cpu, cuda, cuda:1, mps) for the app, every "
-            "CLI command that loads a model and `pipeline()` (their --device / device= win); default: CUDA, "
-            "then MPS, then the CPU"),
+    Setting("BERT_ENGINE_DEVICE", "str", None, "start", "force a device (cpu, cuda, cuda:1, mps) for the app, "
+            "`pipeline()` (its device= wins) and the CLI commands that run a model: predict, eval, encode, train "
+            "(its --device wins); `info` reads a model on the CPU; default: CUDA, then MPS, then the CPU"),
     Setting("BERT_ENGINE_PRECISION", "str", "auto", "start", "auto, fp32, bf16, fp16 or int8, for the app and "
             "every CLI command that predicts (their --precision wins)"),
     Setting("BERT_ENGINE_TIMEOUT", "float", 120.0, "start", "seconds a playground request (browser, API, MCP) may "

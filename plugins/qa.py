@@ -182,11 +182,12 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
     ranked = sorted(spans.items(), key=lambda item: -item[1])
     # Probabilities over every span considered and "no answer", so they do not depend on top_k.
     probs = torch.tensor([score for _, score in ranked] + [null_score]).softmax(0).tolist()
-    answers = [{"answer": context[s:e], "start": s, "end": e, "field": "context", "score": round(p, 6),
+    # six significant digits, not six decimals: a span far behind "no answer" has a small probability, not 0
+    answers = [{"answer": context[s:e], "start": s, "end": e, "field": "context", "score": float(f"{p:.6g}"),
                 "logit": round(score, 4)} for ((s, e), score), p in zip(ranked[:top_k], probs)]
     best = ranked[0][1] if ranked else None
     gap = None if best is None else round(null_score - best, 4)
-    verdict = {"logit": round(null_score, 4), "score": round(probs[-1], 6), "null_gap": gap}
+    verdict = {"logit": round(null_score, 4), "score": float(f"{probs[-1]:.6g}"), "null_gap": gap}
     # Who decides "no answer": a caller's raw null_threshold (on the gap) first, else the verifier.
     rule = None if null_threshold is not None else no_answer_rule(no_answer, answerability)
     if null_threshold is not None:
@@ -196,7 +197,7 @@ def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_l
         probability = no_answer_probability(features(batch.meta["question"], context,
                                                      {"answers": answers[:1], "no_answer": verdict}), answerability)
         predicted = probability > rule
-        verdict.update(rule="verifier", probability=round(probability, 6), threshold=rule,
+        verdict.update(rule="verifier", probability=float(f"{probability:.6g}"), threshold=rule,
                        choice=no_answer.strip().lower() if no_answer_choice(no_answer) else None)
     else:
         predicted = best is None
