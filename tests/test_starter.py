@@ -67,6 +67,16 @@ def test_qa_starter(registry):
     assert "cloud" in answers[0] and "Herman Melville" in answers[1] and answers[2] is None
 
 
+@pytest.mark.skipif("qa" not in PACKED, reason="no QA starter model packed")
+def test_a_span_far_behind_no_answer_keeps_a_probability_above_0(registry):
+    # six decimals made every span of an unanswerable question 0.0 (an outside test); six significant digits now
+    predictor = _predictor(registry, "qa")
+    result = predictor.predict({"question": "Who is the president?", "context": "Florida is a state."},
+                               top_k=3, no_answer="never")["result"]
+    assert result["answers"] and all(0 < a["score"] < 1e-3 for a in result["answers"]), result["answers"]
+    assert 0 < result["no_answer"]["score"] <= 1
+
+
 @pytest.mark.skipif("summary" not in PACKED, reason="no summary starter model packed")
 def test_summary_starter(registry):
     from plugins.summary import read_data, rouge
