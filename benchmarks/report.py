@@ -79,13 +79,17 @@ def workload_lines(result: dict[str, Any]) -> list[str]:
                 and (not on_gpu or o["precision"] == r["precision"])]
         latency = f"{r['p50_ms']:.0f} / {r['p95_ms']:.0f}" if r.get("p50_ms") is not None else "-"
         mode = modes.get(r["mode"], r["mode"]) + (f", {r['precision']}" if on_gpu else "")
+        if r["task"] == "summary" and r["mode"] == "batched":  # benchmarks/summary_reference.py's DOCUMENTS
+            mode = mode.replace("batches of 32", "8 articles per call")
         lines.append(f"| {TASK_NAMES.get(r['task'], r['task'])} | {mode} "
                      f"| {r['items_per_s']:.1f} | {latency} | {_x(r.get('vs_transformers'))} "
                      f"| {_x(r.get('vs_onnxruntime'))} | {f'{min(same):.1f} %' if same else '-'} |")
     if peers:
         lines.append("")
         lines.append(f"Peers: transformers {peers['transformers']} pipelines, optimum {peers['optimum']} with "
-                     f"onnxruntime {peers['onnxruntime']} (`ORTModelFor...` inside the same pipelines).")
+                     f"onnxruntime {peers['onnxruntime']} (`ORTModelFor...` inside the same pipelines)."
+                     + (" Summary has no pipeline: each peer runs plugins/summary.py's own steps around its encoder "
+                        "(`benchmarks/summary_reference.py`)." if any(r["task"] == "summary" for r in rows) else ""))
     earlier: dict[str, list[tuple[str, str]]] = {}
     for r in rows:  # rows kept from an earlier run by `benchmarks.workloads --merge`
         if "from" in r and r["impl"] == "engine":

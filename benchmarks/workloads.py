@@ -636,7 +636,9 @@ def merged(path: Path, result: dict) -> dict:
     measured = {(r["task"], r["mode"]) for r in result["rows"]}
     origin = {"command": earlier.get("command"), "cpu": earlier.get("machine", {}).get("cpu")}
     kept = [r if "from" in r else {**r, "from": origin} for r in earlier["rows"] if (r["task"], r["mode"]) not in measured]
-    order = {(r["task"], r["mode"]): i for i, r in enumerate(earlier["rows"])}
+    order: dict[tuple[str, str], int] = {}
+    for r in earlier["rows"]:  # each task and mode where it first stood; a new one after them all
+        order.setdefault((r["task"], r["mode"]), len(order))
     rows = sorted(kept + result["rows"], key=lambda r: order.get((r["task"], r["mode"]), len(order)))
     return {**result, "rows": rows, **({"peers": earlier["peers"]} if "peers" in earlier and "peers" not in result else {})}
 
