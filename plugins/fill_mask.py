@@ -11,6 +11,7 @@ over as many masks, and says so.
 from __future__ import annotations
 
 import math
+import unicodedata
 import zlib
 from dataclasses import dataclass
 from html import escape
@@ -329,7 +330,8 @@ def _target_pieces(targets: list[str], tokenizer, length: int) -> dict[str, list
     pieces = {word: tokenizer.tokenize(word) for word in targets}
     for word in targets:
         if not pieces[word]:  # zero pieces would score 1 (a product over no masks)
-            raise InputError(f"fill_mask: the target {word[:40]!r} holds no word piece (only invisible, control or "
+            shown = "".join(c if c.isprintable() and not unicodedata.combining(c) else f"\\u{ord(c):04x}" for c in word[:40])
+            raise InputError(f"fill_mask: the target '{shown}' holds no word piece (only invisible, control or "
                              "combining characters); give a word")
     unk = tokenizer.special_tokens.get("unk_token")
     unknown = [word for word in targets if unk is not None and unk in pieces[word]]

@@ -591,3 +591,11 @@ def test_plugin_check_refuses_a_case_timeout_that_is_no_time(value, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["plugin", "check", "sentiment", "--case-timeout", value])
     assert exit_.value.code == 2 and "--case-timeout" in capsys.readouterr().err
+
+
+def test_train_names_a_folder_given_for_a_tasks_data_file(tmp_path, capsys):
+    # "[Errno 21] Is a directory", exit 1, where --help says a file, folder or pattern (a folder: pretraining's)
+    (tmp_path / "sst2").mkdir()
+    assert main(["train", "sentiment", "--model", str(reference_checkpoint(tmp_path / "m", "BertForSequenceClassification")),
+                 "--train-file", str(tmp_path / "sst2"), "--max-steps", "1", "--output-dir", str(tmp_path / "run")]) == 2
+    assert f"{tmp_path / 'sst2'}: is a folder; task 'sentiment' reads its data from a file" in capsys.readouterr().err

@@ -1059,8 +1059,11 @@ def test_a_new_run_does_not_write_over_one_and_a_resumed_run_keeps_its_settings(
     task = load_registry(entry_points=False).task("sentiment")
     (tmp_path / "a-file").write_text("x")  # an output folder that is a file: named ("[Errno 17] File exists" before)
     on_file = _sentiment_cfg(tiny_checkpoint, tmp_path / "a-file", stop_after=2)
-    with pytest.raises(ValueError, match="a-file: is a file, not a folder"):
+    with pytest.raises(ValueError, match="a-file: it is a file, not a folder"):
         train(TaskJob(task, on_file), on_file)
+    under_file = _sentiment_cfg(tiny_checkpoint, tmp_path / "a-file" / "run", stop_after=2)
+    with pytest.raises(ValueError, match=f"a-file/run: {tmp_path / 'a-file'} is a file, not a folder"):
+        train(TaskJob(task, under_file), under_file)
     cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", stop_after=2)
     train(TaskJob(task, cfg), cfg)
     recorded = (tmp_path / "run" / "train_config.json").read_text()

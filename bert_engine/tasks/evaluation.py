@@ -66,6 +66,9 @@ def read_examples(spec: TaskSpec, path: str, split: str, limit: int | None) -> l
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not UTF-8 text (byte {err.start} is {err.object[err.start:err.start + 1]!r}); "
                          f"task {spec.name!r} reads text files") from None
+    except IsADirectoryError as err:  # a folder reads as text files for pretraining and fill-mask, not here
+        raise ValueError(f"{err.filename or path}: is a folder; task {spec.name!r} reads its data from a file (or a "
+                         "glob pattern of files, or a comma-separated list)") from None
     except (ValueError, OSError):
         raise
     except Exception as err:  # noqa: BLE001 - a third-party reader's failure on this file

@@ -545,8 +545,10 @@ def check_run_folder(out: Path, cfg, kind: str) -> None:
     checkpoint restores and its model was built with (RESUME_KEEPS): a changed lr would be recorded in
     train_config.json and the model card without having been used."""
     record = out / "train_config.json"
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output-dir {out}: is a file, not a folder; name a folder for the run (it is made)")
+    for folder in (out, *out.parents):  # the run's folder, or one it would be made in, that is a file
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--output-dir {out}: {'it' if folder == out else folder} is a file, not a folder; name "
+                             "a folder for the run (it is made)")
     if not cfg.resume:
         held = [name for name in ("last", "best", "metrics.jsonl") if (out / name).exists()]
         if held:

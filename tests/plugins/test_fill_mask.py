@@ -188,7 +188,7 @@ def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):
          "the targets '\U0001F60D', '\U0001F642' are not in the model's vocabulary \\(read as \\[UNK\\]\\)"),
         # no word piece at all: a product over no masks scored 1.0, first among the words (an outside test)
         ("Paris is the [MASK].", {"targets": ["\u200b", "paris"]}, "the target '\\\\u200b' holds no word piece"),
-        ("Paris is the [MASK].", {"targets": ["paris", "\u0301"]}, "the target '\u0301' holds no word piece"),
+        ("Paris is the [MASK].", {"targets": ["paris", "\u0301"]}, "the target '\\\\u0301' holds no word piece"),
         ("Paris is the [MASK].", {"targets": ["[MASK]"]}, "the target '\\[MASK\\]' is a special token of the model"),
     ],
 )
