@@ -6,7 +6,9 @@ windows, score every token with the scorer's weights, embed each sentence alone 
 `SummaryReference` is that glue, taken from plugins/summary.py itself (its preprocess and postprocess, the
 same options the engine's Predictor merges from the model's manifest) around an encoder of the peer's: the
 same algorithm and weights, so the answers can be compared sentence by sentence, and the time differs by the
-encoders and what each computes (the peers run every padded row, as their pipelines do).
+encoders and what each computes: the peers run `ROWS` rows at a time, each chunk padded to its own longest row, as
+their pipelines pad a batch; the engine runs the real tokens alone. The sentence splitting, tokenising and choosing
+are the engine's code on every side (the same cost), so the ratio is the encoders' and their padding's.
 
 Used in process (transformers 5, the suite's) and in the peers' venv (transformers 4.57, optimum's
 ORTModelForFeatureExtraction exported from the same folder): it needs only torch, safetensors and the repo.
@@ -25,22 +27,37 @@ ROWS = 32  # rows per forward, as the engine's Predictor (max_rows) and the pipe
 DOCUMENTS = 8  # documents per call in a file's run (plugins.summary.evaluate's batch)
 
 
+def chunks(inputs: dict, rows: int = ROWS):
+    """(start, width, inputs of `rows` rows cut to their own longest row): a padded batch as a pipeline batches it."""
+    names = ("input_ids", "attention_mask", "token_type_ids")
+    for i in range(0, len(inputs["input_ids"]), rows):
+        width = int(inputs["attention_mask"][i:i + rows].sum(1).max())
+        yield i, width, {k: inputs[k][i:i + rows, :width] for k in names}
+
+
+def _stitched(parts: list[tuple[int, torch.Tensor]], inputs: dict) -> torch.Tensor:
+    """The chunks' hidden states back in one (B, T, H) tensor, zeros past each chunk's width."""
+    batch, length = inputs["input_ids"].shape
+    out = torch.zeros(batch, length, parts[0][1].shape[-1])
+    for start, states in parts:
+        out[start:start + len(states), :states.shape[1]] = states
+    return out
+
+
 def torch_encoder(model, rows: int = ROWS) -> Callable[[dict], torch.Tensor]:
     """Model inputs -> last hidden states (B, T, H) through a transformers BertModel, `rows` rows at a time."""
     def encode(inputs: dict) -> torch.Tensor:
-        names = ("input_ids", "attention_mask", "token_type_ids")
         with torch.inference_mode():
-            return torch.cat([model(**{k: inputs[k][i:i + rows].to(model.device) for k in names}).last_hidden_state
-                              for i in range(0, len(inputs["input_ids"]), rows)]).float().cpu()
+            return _stitched([(i, model(**{k: v.to(model.device) for k, v in part.items()}).last_hidden_state.float().cpu())
+                              for i, _, part in chunks(inputs, rows)], inputs)
     return encode
 
 
 def ort_encoder(model, rows: int = ROWS) -> Callable[[dict], torch.Tensor]:
     """The same through optimum's ORTModelForFeatureExtraction (ONNX Runtime)."""
     def encode(inputs: dict) -> torch.Tensor:
-        names = ("input_ids", "attention_mask", "token_type_ids")
-        return torch.cat([torch.as_tensor(model(**{k: inputs[k][i:i + rows] for k in names}).last_hidden_state)
-                          for i in range(0, len(inputs["input_ids"]), rows)]).float()
+        return _stitched([(i, torch.as_tensor(model(**part).last_hidden_state).float())
+                          for i, _, part in chunks(inputs, rows)], inputs)
     return encode
 
 
