@@ -415,3 +415,23 @@ def test_the_summary_peers_glue_chooses_the_engines_sentences_with_transformers_
     assert [r["selected"] for r in theirs] == [r["selected"] for r in ours] and all(r["mode"] == "hybrid" for r in theirs)
     for a, b in zip(ours, theirs):
         assert [s["score"] for s in b["sentences"]] == pytest.approx([s["score"] for s in a["sentences"]], abs=1e-4)
+
+
+def test_summary_passes_splits_a_visitors_request_on_test_split_articles(tmp_path):
+    pytest.importorskip("transformers")
+    from benchmarks import summary_passes
+    from bert_engine.tasks.registry import load_registry
+    from plugins.summary import read_data, split_of
+
+    if load_registry(entry_points=False).task("summary").spec.default_checkpoint is None:
+        pytest.skip("no summary starter model packed")
+    articles = [inputs["text"] for inputs, _ in read_data(Path(__file__).parent / "fixtures" / "bbc_tiny.jsonl", "all")]
+    ids = [i for i in (f"doc{n}" for n in range(200)) if split_of(i) == "test"][:2]
+    data = tmp_path / "bbc.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "article": a, "summary": a.split(".")[0] + "."}) + "\n"
+                            for i, a in zip(ids, articles)))
+    out = tmp_path / "passes.json"
+    summary_passes.main(["--articles", "2", "--rounds", "1", "--data", str(data), "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["articles"] == 2 and all(v["median"] > 0 for v in result["ms"].values())
+    assert result["rows"]["sentences, padded"] >= result["rows"]["sentences, real tokens"] > 0
