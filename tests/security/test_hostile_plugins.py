@@ -231,11 +231,18 @@ def _postprocess(behaviour):
                 except Exception:
                     pass  # the attack: swallow whatever reaches it
         if behaviour == "spin-catch-all":
-            while not RELEASE.is_set():  # a careless loop whose `except BaseException` takes every cancellation
+            # a careless loop whose `except BaseException` takes every cancellation. A cancellation can also land
+            # on the loop's own test or its jump back, outside the `try` (a flaky run of the test below: the loop
+            # ended, the task answered again); the outer loop takes those too, so only RELEASE ends it
+            while not RELEASE.is_set():
                 try:
-                    sum(range(1000))
+                    while not RELEASE.is_set():
+                        try:
+                            sum(range(1000))
+                        except BaseException:
+                            continue  # the careless part: the cancellation is taken, and the loop goes round again
                 except BaseException:
-                    continue  # the careless part: the cancellation is taken, and the loop goes round again
+                    continue
         if behaviour == "sleep":
             time.sleep(30)
         if behaviour == "memory":
