@@ -54,7 +54,7 @@ def measure(articles: int, rounds: int, data: Path) -> dict:
         times[name].append(1e3 * (time.perf_counter() - start))
 
     def reference(inputs: dict) -> None:
-        for _, _, part in chunks(inputs):
+        for _, part in chunks(inputs):
             model(**part)
 
     with torch.inference_mode():
@@ -71,7 +71,7 @@ def measure(articles: int, rounds: int, data: Path) -> dict:
                 if round_ == 0:
                     for key, batch in (("windows", windows), ("sentences", alone)):
                         rows[f"{key}, real tokens"] += int(batch.attention_mask.sum())
-                        rows[f"{key}, padded"] += sum(part["input_ids"].numel() for _, _, part in chunks(batch.model_inputs()))
+                        rows[f"{key}, padded"] += sum(part["input_ids"].numel() for _, part in chunks(batch.model_inputs()))
     return {"articles": len(texts), "rounds": rounds, "rows": rows,
             "ms": {name: {"median": round(statistics.median(v), 1), "mean": round(statistics.fmean(v), 1)}
                    for name, v in times.items()}}

@@ -28,11 +28,11 @@ DOCUMENTS = 8  # documents per call in a file's run (plugins.summary.evaluate's 
 
 
 def chunks(inputs: dict, rows: int = ROWS):
-    """(start, width, inputs of `rows` rows cut to their own longest row): a padded batch as a pipeline batches it."""
+    """(start, inputs of `rows` rows cut to their own longest row): a padded batch as a pipeline batches it."""
     names = ("input_ids", "attention_mask", "token_type_ids")
     for i in range(0, len(inputs["input_ids"]), rows):
         width = int(inputs["attention_mask"][i:i + rows].sum(1).max())
-        yield i, width, {k: inputs[k][i:i + rows, :width] for k in names}
+        yield i, {k: inputs[k][i:i + rows, :width] for k in names}
 
 
 def _stitched(parts: list[tuple[int, torch.Tensor]], inputs: dict) -> torch.Tensor:
@@ -49,7 +49,7 @@ def torch_encoder(model, rows: int = ROWS) -> Callable[[dict], torch.Tensor]:
     def encode(inputs: dict) -> torch.Tensor:
         with torch.inference_mode():
             return _stitched([(i, model(**{k: v.to(model.device) for k, v in part.items()}).last_hidden_state.float().cpu())
-                              for i, _, part in chunks(inputs, rows)], inputs)
+                              for i, part in chunks(inputs, rows)], inputs)
     return encode
 
 
@@ -57,7 +57,7 @@ def ort_encoder(model, rows: int = ROWS) -> Callable[[dict], torch.Tensor]:
     """The same through optimum's ORTModelForFeatureExtraction (ONNX Runtime)."""
     def encode(inputs: dict) -> torch.Tensor:
         return _stitched([(i, torch.as_tensor(model(**part).last_hidden_state).float())
-                          for i, _, part in chunks(inputs, rows)], inputs)
+                          for i, part in chunks(inputs, rows)], inputs)
     return encode
 
 

@@ -297,6 +297,7 @@ def summary(folder: Path, data: Path, precision: str, limit: int | None, device:
     from bert_engine.runtime.inference import Predictor, predict_texts
     from bert_engine.tasks.registry import load_registry
     from plugins.rouge import rouge
+    from plugins.sentences import split_sentences
 
     task = load_registry(entry_points=False).task("summary")
     examples = list(task.spec.read_data(str(data / DATA_FILES["summary"]), "test"))[:limit]
@@ -315,19 +316,12 @@ def summary(folder: Path, data: Path, precision: str, limit: int | None, device:
         out["reference"] = [r["selected"] for r in reference.many(texts)]
 
     def rouge2(side):
-        chosen = [" ".join(text[a:b] for k, (a, b) in enumerate(summary_spans(text)) if k in set(selected))
+        # a summary rebuilt from the sentence indices a contender chose (plugins/summary.py reads the same spans)
+        chosen = [" ".join(text[a:b] for k, (a, b) in enumerate(split_sentences(text)) if k in selected)
                   for text, selected in zip(texts, out[side])]
         return {"rouge2": rouge(chosen, references[:len(chosen)])["rouge2"]}
 
     return len(texts), run_engine, run_reference, out, rouge2
-
-
-def summary_spans(text: str) -> list[tuple[int, int]]:
-    """The sentences plugins/summary.py reads `text` as (their character spans), to rebuild a summary from the
-    indices a contender chose."""
-    from plugins.sentences import split_sentences
-
-    return split_sentences(text)
 
 
 def _reference_precision(device: str, precision: str) -> str:

@@ -57,11 +57,10 @@ def _folder_task(model: str | None):
     """The registered task a local model folder's manifest.json names (a starter or packed model), or the task a
     training run's train_config.json names (the run's folder, or its best/ or last/), or None: no such folder or
     record, or a task no installed plugin registers (logged: loading as asked may not fit)."""
-    from .checkpoints.loader import run_task
-    from .checkpoints.lora import _manifest_task
+    from .checkpoints.loader import recorded_task
 
     folder = Path(str(model)).expanduser()
-    named = (_manifest_task(folder) or run_task(folder)) if model is not None and folder.is_dir() else None
+    named = recorded_task(folder) if model is not None and folder.is_dir() else None
     if named is None:
         return None
     try:

@@ -24,6 +24,7 @@ from typing import Any
 import plugins
 from bert_engine import settings, ui
 from bert_engine.checkpoints.hub import ADAPTER_WEIGHTS, WEIGHT_FILES, HubError
+from bert_engine.checkpoints.loader import recorded_task
 from bert_engine.checkpoints.loading import CheckpointError, inside_any
 from bert_engine.checkpoints.lora import looks_local
 from bert_engine.hookspecs import InputError
@@ -697,19 +698,6 @@ def allowed_model_dirs() -> list[Path]:
     plus those in BERT_ENGINE_MODEL_DIRS (separated by the OS path separator)."""
     extra = [Path(p) for p in settings.get("BERT_ENGINE_MODEL_DIRS")]
     return [STARTER_ROOT, Path.cwd() / "models", Path.cwd() / "runs", *extra]
-
-
-def recorded_task(folder: Path) -> str | None:
-    """The task a model folder was trained for, where it says: a packed folder's manifest.json, or the
-    train_config.json of the run whose best/ it is."""
-    for record in (folder / "manifest.json", folder.parent / "train_config.json"):
-        try:
-            task = json.loads(record.read_text(encoding="utf-8")).get("task")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(task, str):
-            return task
-    return None
 
 
 def find_checkpoints(allowed: list[Path], task: str | None = None, depth: int = 3) -> dict[str, str]:

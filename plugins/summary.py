@@ -84,12 +84,12 @@ def check_options(options) -> None:
 def _check_options(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weight, layer, max_length,
                    tokenizer) -> int:
     _check_values(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weight, layer)
-    return length_option("summary", "max_length", max_length, 512, 32, tokenizer)
+    return _max_length(max_length, tokenizer)
 
 
-def _max_length(options: dict, tokenizer) -> int:
-    """The max_length option as preprocess read it (checked there already)."""
-    return length_option("summary", "max_length", options["max_length"], 512, 32, tokenizer)
+def _max_length(value, tokenizer) -> int:
+    """The max_length option as a number of tokens (None: 512, or the model's positions if fewer), checked."""
+    return length_option("summary", "max_length", value, 512, 32, tokenizer)
 
 
 def _check_values(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weight, layer) -> None:
@@ -149,7 +149,7 @@ def centroid_batch(tokenizer, texts: list[str], documents: list[list[tuple[int, 
                    layer: int) -> Batch:
     """One row per sentence (each alone, at most 128 tokens) of documents already split into sentences: the
     centroid mode's input, and the second pass of the hybrid and "auto" modes (which reuse the first pass's
-    sentences: splitting an article again cost about as much as its encoding's tenth)."""
+    sentences: splitting an article again cost about a tenth of a request)."""
     sentences = [text[a:b] for text, spans in zip(texts, documents) for a, b in spans]
     batch = tokenizer(sentences, max_length=min(max_length, 128))
     if layer != -1:
@@ -295,7 +295,7 @@ def _by_document(rows: Tensor, documents: list[list[tuple[int, int]]]) -> list[T
 def _centroid_similarities(context: TaskContext, texts: list[str], documents: list[list[tuple[int, int]]],
                            options: dict) -> list[Tensor]:
     """Each document's centroid similarities (clamped at 0), from a pass over each sentence alone."""
-    sub = centroid_batch(context.tokenizer, texts, documents, _max_length(options, context.tokenizer), options["layer"])
+    sub = _sentences_alone(context, texts, documents, options)
     embeddings = _mean_pool(context.encode(sub.model_inputs()), sub, options["layer"])
     return [centroid_scores(vectors).clamp(min=0.0) for vectors in _by_document(embeddings, sub.meta["spans"])]
 
@@ -313,8 +313,15 @@ def _layer(encoded, layer: int) -> Tensor:
     return states[layer]
 
 
+def _sentences_alone(context: TaskContext, texts: list[str], documents: list[list[tuple[int, int]]],
+                     options: dict) -> Batch:
+    """centroid_batch for a postprocess's second pass, with the request's options."""
+    return centroid_batch(context.tokenizer, texts, documents, _max_length(options["max_length"], context.tokenizer),
+                          options["layer"])
+
+
 def _rerun_centroid(head, context, texts: list[str], documents: list[list[tuple[int, int]]], options: dict):
-    sub = centroid_batch(context.tokenizer, texts, documents, _max_length(options, context.tokenizer), options["layer"])
+    sub = _sentences_alone(context, texts, documents, options)
     output = SummaryOutput(torch.zeros(0), head, context.encode(sub.model_inputs()))
     return postprocess(output, sub, context=context, **options, mode="centroid")
 

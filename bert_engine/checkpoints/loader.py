@@ -18,7 +18,7 @@ from .. import heads
 from ..tokenizer import Tokenizer
 from .hub import resolve
 from .loading import CheckpointError, Loaded, load_model
-from .lora import load_adapter
+from .lora import _manifest_task, load_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,12 @@ def run_checkpoint(name_or_path: str | os.PathLike) -> str | os.PathLike:
         logger.info("%s is a training run: loading its best/", name_or_path)
         return str(run / "best")
     return name_or_path
+
+
+def recorded_task(folder: str | os.PathLike) -> str | None:
+    """The task a model folder was made for, where it says: a packed folder's manifest.json, else the training
+    run's train_config.json (run_task)."""
+    return _manifest_task(Path(str(folder))) or run_task(folder)
 
 
 def run_task(folder: str | os.PathLike) -> str | None:
