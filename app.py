@@ -7,7 +7,7 @@ import socket
 import sys
 
 from bert_engine import settings
-from bert_engine.runtime.precision import PrecisionError, pick_device
+from bert_engine.runtime.precision import PrecisionError, check_kernel_setting, device_for, pick_device, resolve
 from bert_engine.serving import memory
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -49,20 +49,34 @@ def check_listen(name: str, port: int) -> None:
                              f"{err.strerror or err}") from None
 
 
+def check_precision() -> None:
+    """BERT_ENGINE_PRECISION on the device the app's models will use, checked before the playground is imported:
+    a precision this machine cannot run is the first thing said, whatever else is missing."""
+    precision = settings.get("BERT_ENGINE_PRECISION")
+    try:
+        resolve(precision, device_for(precision, settings.get("BERT_ENGINE_DEVICE") or None))
+    except PrecisionError as err:
+        raise PrecisionError(f"BERT_ENGINE_PRECISION: {err}") from None
+
+
 if __name__ == "__main__":
     try:
         settings.check_all()  # a bad BERT_ENGINE_* value: one line and exit 2, not every request failing later
         pick_device()  # BERT_ENGINE_DEVICE names a device this machine has (cuda on a CPU build of torch: refused)
+        check_precision()
+        check_kernel_setting()  # a kernel that is not one, or "tiled" where bert_engine's kernel cannot run
         port = server_port()
     except ValueError as err:
         logging.getLogger("app").error("%s", err)
         sys.exit(2)
     try:
+        import gradio  # noqa: F401 - the playground imports it only when it builds the UI: missing, say so here
+
         from playground import build_app
         from playground.app import serve_queue, warm_up
     except ModuleNotFoundError as err:  # `pip install bert-engine` leaves out the playground's packages
         logging.getLogger("app").error("the playground needs %s, which is not installed: pip install "
-                                       "'bert-engine[playground]' (or -r requirements.txt)", err.name)
+                                       "'bert-engine[playground]' (or -r requirements.txt)", (err.name or "?").partition(".")[0])
         sys.exit(2)
     if settings.get("BERT_ENGINE_TUNE_MALLOC"):
         memory.tune_allocator()  # before any thread: a bounded number of arenas, tensors over 1 MB mmapped

@@ -94,12 +94,13 @@ def test_int8_is_not_a_training_precision():
 def test_predictor_refuses_before_loading_anything(avx2_only):
     task = load_registry().task("sentiment")
     with pytest.raises(PrecisionError, match="needs a CPU with AVX512-BF16 or AMX"):
-        Predictor.load(task, "/nonexistent/folder/never/read", precision="bf16")
+        Predictor.load(task, "/nonexistent/folder/never/read", precision="bf16", device="cpu")
 
 
 def _run(args, **env):
+    """`args` run on this machine's CPU, told it has AVX2 only (where a GPU is, it would be picked first)."""
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, CAPABILITY_ENV: "avx2", **env})
+                          env={**os.environ, CAPABILITY_ENV: "avx2", "BERT_ENGINE_DEVICE": "cpu", **env})
 
 
 def test_cli_bf16_on_an_avx2_cpu_is_one_line_and_exit_2():

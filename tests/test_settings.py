@@ -118,15 +118,18 @@ def test_the_app_refuses_a_taken_port_and_a_missing_device_in_one_line():
         assert "ERROR app: BERT_ENGINE_DEVICE: device 'cuda': " in done.stderr
 
 
-def test_the_app_without_the_playgrounds_packages_says_which_extra_to_install():
+@pytest.mark.parametrize("missing", ["PIL", "gradio"])
+def test_the_app_without_the_playgrounds_packages_says_which_extra_to_install(missing):
     """`pip install bert-engine` leaves out Gradio and Pillow: `python app.py` ended in a ModuleNotFoundError
-    traceback; one line naming the missing package and the extra, exit 2."""
+    traceback; one line naming the missing package and the extra, exit 2. Gradio too, which the playground
+    imports only when it builds the UI (without it, the traceback came from there)."""
     import subprocess
     import sys
 
-    script = "import runpy, sys; sys.modules['PIL'] = None; sys.argv = ['app.py']; runpy.run_path('app.py', run_name='__main__')"
+    script = (f"import runpy, sys; sys.modules[{missing!r}] = None; sys.argv = ['app.py']; "
+              "runpy.run_path('app.py', run_name='__main__')")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env={**os.environ, "GRADIO_SERVER_PORT": "1"})
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-1500:]
-    assert ("ERROR app: the playground needs PIL, which is not installed: pip install 'bert-engine[playground]' "
-            "(or -r requirements.txt)") in done.stderr
+    assert (f"ERROR app: the playground needs {missing}, which is not installed: pip install "
+            "'bert-engine[playground]' (or -r requirements.txt)") in done.stderr

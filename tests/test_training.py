@@ -767,7 +767,7 @@ def test_a_run_records_its_wall_time_and_machine_and_pack_carries_them(tiny_chec
 
     task = load_registry(entry_points=False).task("sentiment")
     cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", lora_rank=4, max_steps=4, eval_every=4,
-                         precision="fp32")
+                         precision="fp32", device="cpu")
     train(TaskJob(task, cfg), cfg)
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["steps"] == 4 and record["wall_seconds"] > 0 and record["device"] == "cpu"
