@@ -113,6 +113,17 @@ def test_a_sentiment_pipeline_on_cuda_answers_as_on_the_cpu(tiny_checkpoint, tmp
             abs(cpu["score"] - 0.5) < tolerance, (precision, cpu, gpu)
 
 
+@pytest.mark.parametrize("kernels", ["tiled", "packed"])
+def test_a_cpu_kernel_setting_does_not_stop_a_half_precision_model_on_cuda(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                            kernels):
+    """BERT_ENGINE_KERNELS picks the CPU's matmuls: "tiled" (fp32 only) refused every bf16 load on a GPU (session
+    50's lent H200)."""
+    monkeypatch.setenv("BERT_ENGINE_KERNELS", kernels)
+    folder = str(_headed("sentiment", tiny_checkpoint, tmp_path / "sentiment"))
+    answers = pipeline("sentiment", model=folder, device="cuda", precision="bf16")(TEXTS)
+    assert len(answers) == len(TEXTS) and all(answer["label"] for answer in answers)
+
+
 def test_qa_spans_on_cuda_are_the_cpu_spans(tiny_checkpoint, tmp_path):
     task = load_registry(entry_points=False).task("qa")
     folder = str(_headed("qa", tiny_checkpoint, tmp_path / "qa"))

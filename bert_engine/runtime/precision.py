@@ -249,7 +249,8 @@ def prepare_for_inference(model: nn.Module, name: str = "auto", *, pack: bool = 
         fast.quantize_int8(model)
         if pack and fast.mlm_heads(model):  # a masked-LM head's decoder stays fp32: packed where that is faster
             _choose_kernels(model, (fast.DECODER,))
-    elif precision.prepare == "pack" and pack and not compile:  # Inductor cannot lower the packed matmuls;
+    elif precision.prepare == "pack" and pack and not compile and device.type == "cpu":
+        # the CPU's matmuls (BERT_ENGINE_KERNELS says nothing of a GPU's); Inductor cannot lower the packed ones
         _choose_kernels(model, fast.KERNEL_CHOICES if fast.mlm_heads(model) else fast.PROJECTIONS)
     if compile and precision.prepare == "quantize":
         # Inductor cannot lower oneDNN's int8 matmuls: it compiles what feeds them, each projection's quantiser
