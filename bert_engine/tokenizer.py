@@ -93,6 +93,23 @@ class Batch:
                    listed("offsets", (0, 0)), listed("sequence_ids", None), listed("word_ids", None), sample_index,
                    [cut for part in parts for cut in part.truncated], meta={"parts": list(parts)})
 
+    def split(self) -> list[Batch]:
+        """Each input's rows as a Batch of its own, padded to its own longest row: what tokenising that input
+        alone gives (the rows' bookkeeping is per row already; meta is not copied)."""
+        rows: list[list[int]] = [[] for _ in self.truncated]
+        for r, sample in enumerate(self.sample_index):
+            rows[sample].append(r)
+        lengths = self.attention_mask.sum(1).tolist()
+        parts = []
+        for sample, chosen in enumerate(rows):
+            width = max(lengths[r] for r in chosen)
+            index = torch.tensor(chosen)
+            parts.append(Batch(self.input_ids[index, :width], self.attention_mask[index, :width],
+                               self.token_type_ids[index, :width], [self.offsets[r] for r in chosen],
+                               [self.sequence_ids[r] for r in chosen], [self.word_ids[r] for r in chosen],
+                               [0] * len(chosen), [self.truncated[sample]]))
+        return parts
+
     def tokens_within(self, row: int, start: int, end: int, sequence: int = 0) -> list[int]:
         """Positions in row `row` of the tokens of text `sequence` (0: the first, 1: the second of a pair)
         whose characters lie in [start, end), e.g. an entity's or an answer's pieces."""

@@ -169,6 +169,38 @@ def test_batched_answers_equal_one_by_one_predictions(predictor):
             assert x["logit"] == pytest.approx(y["logit"], abs=1e-3)
 
 
+TOKENIZERS = Path(__file__).resolve().parents[1] / "fixtures" / "tokenizers"
+
+
+@pytest.mark.parametrize("kind", ["model", "roberta", "albert"])
+def test_preprocessing_many_gives_each_inputs_own_windows(predictor, kind):
+    """predict_many tokenises every question in one call and every (question, context) pair of a stride in
+    another: each input's batch must be the one tokenising it alone gives (windows, widths, offsets, cuts),
+    on WordPiece, byte-level BPE and Unigram (whose offsets are moved off the leading space)."""
+    from bert_engine.tokenizer import Tokenizer
+    from plugins.qa import preprocess, preprocess_many
+
+    tokenizer = predictor.tokenizer if kind == "model" else Tokenizer.from_pretrained(TOKENIZERS / kind)
+    long_question = " ".join(["which river of the valley"] * 60) + "?"  # cut at 200 pieces: room 181, stride 90
+    items = [{"question": "Who wrote it?", "context": "Ada Lovelace wrote the first program."},
+             {"question": "Which river joins the sea?", "context": LONG_CONTEXT},  # windows
+             {"question": long_question, "context": LONG_CONTEXT[:900]},  # cut, and another stride
+             {"question": "  Where?  ", "context": "  Héllo wörld, 北京 🤗 harbour.  "}]
+    options = {**predictor.check_options({}), "max_question_len": 200}  # the others: stride 128, one call
+    together = preprocess_many(items, tokenizer, **options)
+    for item, batch in zip(items, together):
+        alone = preprocess(item, tokenizer, **options)
+        assert torch.equal(batch.input_ids, alone.input_ids) and torch.equal(batch.attention_mask, alone.attention_mask)
+        assert torch.equal(batch.token_type_ids, alone.token_type_ids)
+        assert (batch.offsets, batch.sequence_ids, batch.word_ids, batch.sample_index, batch.truncated, batch.meta) == \
+            (alone.offsets, alone.sequence_ids, alone.word_ids, alone.sample_index, alone.truncated, alone.meta)
+    assert len(together[1]) > 1 and together[2].meta["question_truncated"] and len(together[2]) > 1
+    assert len({batch.input_ids.shape[1] for batch in together}) == 3  # the short ones narrower than the windows
+    with pytest.raises(InputError, match=r"^qa: input 2: the context needs \d+ windows"):
+        preprocess_many([*items[:2], {"question": "Why?", "context": LONG_CONTEXT * 40}], tokenizer,
+                        **{**options, "max_seq_len": 64})
+
+
 def test_batched_prediction_names_the_bad_input(predictor):
     with pytest.raises(InputError, match="^qa: input 1: the question is empty") as caught:  # the task named once
         predict_many(predictor, [{"question": "Who?", "context": "Ada."}, {"question": " ", "context": "x"}])
