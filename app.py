@@ -62,6 +62,10 @@ def check_precision() -> None:
 if __name__ == "__main__":
     try:
         settings.check_all()  # a bad BERT_ENGINE_* value: one line and exit 2, not every request failing later
+        for folder in settings.get("BERT_ENGINE_MODEL_DIRS"):  # (one may appear later: a warning, not a refusal)
+            if not os.path.isdir(folder):
+                logging.getLogger("app").warning("BERT_ENGINE_MODEL_DIRS: %r is not a folder (yet); the model "
+                                                 "picker lists nothing from it until it is", folder)
         pick_device()  # BERT_ENGINE_DEVICE names a device this machine has (cuda on a CPU build of torch: refused)
         check_precision()
         check_kernel_setting()  # a kernel that is not one, or "tiled" where bert_engine's kernel cannot run

@@ -126,6 +126,15 @@ def test_app_with_a_bad_kernel_setting_refuses_to_start_in_one_line():
     assert errors == ["ERROR app: BERT_ENGINE_KERNELS='fastest' is not one of auto, packed, plain, tiled"]
 
 
+def test_app_names_a_model_folder_that_is_not_there_before_anything_else(tmp_path):
+    done = _run(["app.py"], BERT_ENGINE_MODEL_DIRS=f"{tmp_path}{os.pathsep}{tmp_path / 'missing'}",
+                BERT_ENGINE_KERNELS="fastest", GRADIO_SERVER_PORT="1")
+    assert done.returncode == 2, done.stderr
+    assert [line for line in done.stderr.splitlines() if line.strip()] == [
+        f"WARNING app: BERT_ENGINE_MODEL_DIRS: {str(tmp_path / 'missing')!r} is not a folder (yet); the model picker "
+        "lists nothing from it until it is", "ERROR app: BERT_ENGINE_KERNELS='fastest' is not one of auto, packed, plain, tiled"]
+
+
 def _faster_precisions():
     native_bf16 = pytest.mark.skipif(not cpu_capability().bf16,
                                      reason=f"this CPU ({cpu_capability().describe()}) has no native bf16; "
