@@ -435,3 +435,17 @@ def test_summary_passes_splits_a_visitors_request_on_test_split_articles(tmp_pat
     result = json.loads(out.read_text())
     assert result["articles"] == 2 and all(v["median"] > 0 for v in result["ms"].values())
     assert result["rows"]["sentences, padded"] >= result["rows"]["sentences, real tokens"] > 0
+
+
+def test_qa_host_times_each_step_around_the_forward_on_squad_questions(tmp_path):
+    from benchmarks import qa_host
+
+    out = tmp_path / "host.json"
+    qa_host.main(["--questions", "6", "--rounds", "1", "--data", str(Path(__file__).parent / "fixtures" / "squad_tiny.json"),
+                  "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["questions"] == 3 and result["machine"]["cpu_class"]  # all the fixture holds
+    assert set(result["ms_per_question"]) == {"preprocess, one at a time", "preprocess, all at once", "postprocess"}
+    assert all(ms > 0 for ms in result["ms_per_question"].values())
+    with pytest.raises(SystemExit):
+        qa_host.main(["--data", str(tmp_path / "missing.json")])
