@@ -9,9 +9,6 @@ rule), and duplicate spans are merged. The null score comes from [CLS] (SQuAD 2.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -20,199 +17,24 @@ from tqdm.auto import tqdm
 
 from bert_engine import ui
 from bert_engine.heads import SpanHead, SpanOutput
-from bert_engine.hookspecs import ExplainTarget, InputError, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.hookspecs import ExplainTarget, TaskSpec, hookimpl
 from bert_engine.tokenizer import Batch
-from plugins.qa_answerability import features, no_answer_probability, verifier_problem
+from plugins.qa_answerability import features, no_answer_probability
 from plugins.qa_data import read_data
 from plugins.qa_metric import metric
+from plugins.qa_options import check_options, no_answer_choice, no_answer_rule
 from plugins.qa_spans import bands, whole_words
 from plugins.qa_view import PIPELINE_ARGUMENTS, answer_view, candidate_scores, pipeline_output
+from plugins.qa_windows import at_input, max_context_windows, preprocess, preprocess_many
 from plugins.starter import starter_checkpoint
 
 N_BEST_PER_WINDOW = 20  # best spans kept per window before merging across windows
-MAX_WINDOWS = 256
 
 
 # The task's options and their defaults, declared once: the Predictor passes every one to preprocess
 # and postprocess (a caller's values over these).
 OPTIONS = {"top_k": 1, "max_seq_len": None, "doc_stride": None, "max_question_len": 64, "max_answer_len": 30,
            "null_threshold": None, "no_answer": None, "answerability": None}
-# How readily "no answer" is said, in a visitor's terms: each a threshold on the answerability verifier's
-# P(no answer), calibrated per model (scripts/qa_calibrate.py writes them into the pack's verifier record).
-NO_ANSWER_CHOICES = ("eager", "balanced", "cautious", "never")
-
-
-def preprocess(inputs, tokenizer, *, top_k, max_seq_len, doc_stride, max_question_len, max_answer_len,
-               null_threshold, no_answer, answerability):
-    max_seq_len = _check_options(tokenizer, top_k, max_seq_len, max_question_len, max_answer_len, null_threshold,
-                                 no_answer, answerability)
-    _check_texts(inputs)
-    question, cut, stride = _question_plan(inputs["question"], tokenizer.pieces([inputs["question"]])[0], max_seq_len,
-                                           max_question_len, doc_stride)
-    batch = tokenizer(question, inputs["context"], max_length=max_seq_len, truncation="only_second", stride=stride,
-                      return_overflowing=True)
-    return _windows(batch, inputs, cut, max_seq_len, stride)
-
-
-def preprocess_many(items, tokenizer, *, top_k, max_seq_len, doc_stride, max_question_len, max_answer_len,
-                    null_threshold, no_answer, answerability) -> list[Batch]:
-    """preprocess of each item, the same batches, with the tokenizer called twice for them all (the questions,
-    then the question + context pairs of each window stride) instead of twice per item: the Rust library
-    works on the whole list at once, on every core.
-
-    Raises:
-        InputError: a bad option, or an item's error with its position (InputError.at).
-    """
-    max_seq_len = _check_options(tokenizer, top_k, max_seq_len, max_question_len, max_answer_len, null_threshold,
-                                 no_answer, answerability)
-    for i, inputs in enumerate(items):
-        with _at(i):
-            _check_texts(inputs)
-    plans = []
-    for i, pieces in enumerate(tokenizer.pieces([inputs["question"] for inputs in items])):
-        with _at(i):
-            plans.append(_question_plan(items[i]["question"], pieces, max_seq_len, max_question_len, doc_stride))
-    batches: list[Any] = [None] * len(items)
-    for stride in sorted({plan[2] for plan in plans}):  # one call per stride (a long question shortens it)
-        chosen = [i for i, plan in enumerate(plans) if plan[2] == stride]
-        try:
-            batch = tokenizer([plans[i][0] for i in chosen], [items[i]["context"] for i in chosen],
-                              max_length=max_seq_len, truncation="only_second", stride=stride, return_overflowing=True)
-        except ValueError:  # the library refused the list: one item at a time says which
-            parts = [tokenizer(plans[i][0], items[i]["context"], max_length=max_seq_len, truncation="only_second",
-                               stride=stride, return_overflowing=True) for i in chosen]
-        else:
-            parts = batch.split()
-        for i, part in zip(chosen, parts):
-            with _at(i):
-                batches[i] = _windows(part, items[i], plans[i][1], max_seq_len, stride)
-    return batches
-
-
-@contextmanager
-def _at(position: int) -> Iterator[None]:
-    """An InputError raised inside says which input it is about ("qa: input 3: ...")."""
-    try:
-        yield
-    except InputError as err:
-        raise InputError.at("qa", position, str(err).removeprefix("qa: ")) from None
-
-
-def _check_options(tokenizer, top_k, max_seq_len, max_question_len, max_answer_len, null_threshold, no_answer,
-                   answerability) -> int:
-    """The options checked; the window length they give (max_seq_len, or the model's default)."""
-    max_seq_len = length_option("qa", "max_seq_len", max_seq_len, 384, 32, tokenizer)
-    check_options({"top_k": top_k, "max_question_len": max_question_len, "max_answer_len": max_answer_len,
-                   "null_threshold": null_threshold, "no_answer": no_answer, "answerability": answerability})
-    return max_seq_len
-
-
-def _check_texts(inputs) -> None:
-    if not inputs["question"].strip():
-        raise InputError("qa: the question is empty; ask something about the context")
-    if not inputs["context"].strip():
-        raise InputError("qa: the context is empty; paste the text that holds the answer")
-
-
-def _question_plan(question: str, pieces, max_seq_len: int, max_question_len: int,
-                   doc_stride: int | None) -> tuple[str, bool, int]:
-    """The question cut to max_question_len word pieces (at a character boundary of the original: `pieces` is
-    its encoding without special tokens), whether it was cut, and the windows' stride."""
-    offsets = pieces.offsets
-    question_cut = len(offsets) > max_question_len
-    if question_cut:
-        question = question[:offsets[max_question_len - 1][1]]
-    room = max_seq_len - min(len(offsets), max_question_len) - 3
-    if room < 8:
-        raise InputError(f"qa: the question takes {min(len(offsets), max_question_len)} of the {max_seq_len} tokens "
-                         "a window holds, leaving no room for the context; ask a shorter question")
-    doc_stride = min(128, room // 2) if doc_stride is None else doc_stride
-    if not isinstance(doc_stride, int) or not 0 <= doc_stride < room:
-        raise InputError(f"qa: doc_stride must be an integer in [0, {room}) for max_seq_len {max_seq_len} "
-                         f"and this question, got {doc_stride!r}")
-    return question, question_cut, doc_stride
-
-
-def _windows(batch: Batch, inputs, question_cut: bool, max_seq_len: int, stride: int) -> Batch:
-    """One input's windows, checked, with what postprocess reads in their meta."""
-    if not any(s == 1 for s in batch.sequence_ids[0]):
-        raise InputError("qa: the context has no readable text (only control or invisible characters)")
-    if len(batch) > MAX_WINDOWS:
-        room = max_seq_len - sum(s == 0 for s in batch.sequence_ids[0]) - 3
-        raise InputError(f"qa: the context needs {len(batch)} windows of {max_seq_len} tokens; "
-                         f"the limit is {MAX_WINDOWS} (about {MAX_WINDOWS * (room - stride):,} tokens)")
-    batch.meta.update(context=inputs["context"], question=inputs["question"], question_truncated=question_cut)
-    return batch
-
-
-def max_context_windows(batch) -> dict[tuple[int, int], int]:
-    """For every context token (by its character span), the window where it has most context:
-    the largest min(tokens to its left, tokens to its right) in that window, ties to the longer window."""
-    best: dict[tuple[int, int], tuple[float, int]] = {}
-    for row, sequence_ids in enumerate(batch.sequence_ids):
-        positions = [t for t, s in enumerate(sequence_ids) if s == 1]
-        if not positions:
-            continue
-        first, last = positions[0], positions[-1]
-        for t in positions:
-            score = min(t - first, last - t) + 0.01 * len(positions)
-            span = tuple(batch.offsets[row][t])
-            if span not in best or score > best[span][0]:
-                best[span] = (score, row)
-    return {span: row for span, (_, row) in best.items()}
-
-
-def check_options(options) -> None:
-    """The option values that need no tokenizer, checked when a pipeline is made and again per request:
-    `pipeline("qa", null_threshold=float("nan"))` fails where it is written, not at its first call."""
-    for name, low, high in (("top_k", 1, 50), ("max_question_len", 4, 256), ("max_answer_len", 1, 512)):
-        check_int("qa", name, options[name], low, high)
-    null_threshold = options["null_threshold"]
-    if null_threshold is not None and (isinstance(null_threshold, bool) or not isinstance(null_threshold, (int, float))
-                                       or not math.isfinite(null_threshold)):
-        raise InputError(f"qa: null_threshold must be a finite number or None, got {null_threshold!r}")
-    answerability = options["answerability"]
-    if answerability is not None and (problem := verifier_problem(answerability)) is not None:
-        raise InputError(f"qa: answerability must be a verifier record as scripts/qa_calibrate.py writes into a model's "
-                         f"manifest, or None, but {problem}: got {answerability!r:.80}")
-    no_answer_rule(options["no_answer"], answerability)  # refuses a bad choice before any work
-
-
-def no_answer_rule(no_answer, answerability) -> float | None:
-    """The P(no answer) above which the verifier's answer is "no answer", for a choice (a name of
-    NO_ANSWER_CHOICES or a probability from 0 to 1; None: "eager"), or None
-    for "never" or a model without a verifier.
-
-    Raises:
-        InputError: an unknown choice, naming it.
-    """
-    if no_answer_choice(no_answer):
-        no_answer = no_answer.strip().lower()
-    elif isinstance(no_answer, str) and (value := _probability_text(no_answer)) is not None:
-        no_answer = value  # "0.5": as `-o no_answer=0.5` and an MCP client send it
-    elif no_answer is not None and (isinstance(no_answer, bool) or not isinstance(no_answer, (int, float))
-                                    or not 0.0 <= no_answer <= 1.0):
-        raise InputError(f"qa: no_answer must be one of {', '.join(NO_ANSWER_CHOICES)} or a probability from 0 "
-                         f"to 1, got {no_answer!r}")
-    if answerability is None or no_answer == "never":
-        return None
-    if isinstance(no_answer, (int, float)):
-        return float(no_answer)
-    return float(answerability.get("presets", {}).get(no_answer or "eager", 0.5))
-
-
-def no_answer_choice(no_answer) -> bool:
-    """Whether `no_answer` names one of NO_ANSWER_CHOICES (any case), not a probability."""
-    return isinstance(no_answer, str) and no_answer.strip().lower() in NO_ANSWER_CHOICES
-
-
-def _probability_text(text: str) -> float | None:
-    """A probability written as text ("0.5", " 1 "), else None."""
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value if 0.0 <= value <= 1.0 else None
 
 
 def postprocess(output, batch, *, top_k, max_seq_len, doc_stride, max_question_len, max_answer_len,
@@ -293,11 +115,11 @@ def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: 
     predictor = predictor.get()
     options = predictor.check_options(options)
     for i, item in enumerate(items):
-        with _at(i):
+        with at_input(i):
             predictor.check_fields(item)  # the options, checked once above
     batches = preprocess_many(items, predictor.tokenizer, **options)
     for i, batch in enumerate(batches):
-        with _at(i):
+        with at_input(i):
             predictor.check_cost(batch)  # tokens and work, per input, as one request's
     groups = window_groups(batches, max_rows)
     results: list[Any] = [None] * len(items)
