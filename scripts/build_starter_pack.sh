@@ -177,6 +177,11 @@ for task in "${TASKS[@]}"; do
       RUN=qa_gpu2 train_and_pack qa "${qa_gpu[@]}" --max-minutes 3 --seed 49
       # (session 32: the verifier reads the missing words over the best span's paragraph; the calibration also
       # reports a COVID-QA sample of whole papers, about 20 minutes more on 2 cores)
+      PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "${calibrate[@]}" --long-documents
+      # then (session 50, on a GPU, the first stage of one call of scripts/gpu_call.sh: QA_MINUTES=2.8 QA_SEED=51)
+      # 2,037 more steps from that pack, the same settings but seed 51 and --max-minutes 2.8, its last checkpoint
+      # (part 9, session 35, was cut at a high learning rate by the call's time limit and not shipped)
+      RUN=qa_gpu3 train_and_pack qa "${qa_gpu[@]}" --max-minutes 2.8 --seed 51
       PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "${calibrate[@]}" --long-documents ;;
     *) echo "unknown task $task" >&2; exit 2 ;;
   esac
