@@ -122,6 +122,12 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+def _figures(value: float) -> float:
+    """Three significant figures: a one-token floor is hundredths of a millisecond, which two decimals blur (a ratio
+    of two such roundings missed the ratio itself by more than 2 %)."""
+    return float(f"{value:.3g}")
+
+
 def forward_costs(config, length: int) -> tuple[float, float]:
     """(FLOPs, weight bytes) of an encoder's layers for one sequence of `length` tokens: the four projections'
     multiply-adds and the attention's (scores and context), and the projections' fp32 weights, read once."""
@@ -166,10 +172,10 @@ def measure(task: str, lengths: list[int], rounds: int) -> dict:
         seconds = time_forward(model, length, rounds)
         weights_ms, compute_ms = 1e3 * weight_bytes / (reads["all_threads"] * 1e9), 1e3 * flops / (peak_fma * 1e9)
         floor = max(weights_ms, compute_ms)
-        rows.append({"tokens": length, "forward_ms": round(1e3 * seconds, 2), "gflops": round(flops / seconds / 1e9, 1),
+        rows.append({"tokens": length, "forward_ms": _figures(1e3 * seconds), "gflops": round(flops / seconds / 1e9, 1),
                      "share_of_fma_peak": round(flops / seconds / 1e9 / peak_fma, 3),
-                     "weights_floor_ms": round(weights_ms, 2), "fma_floor_ms": round(compute_ms, 2),
-                     "floor_ms": round(floor, 2), "over_floor": round(1e3 * seconds / floor, 2)})
+                     "weights_floor_ms": _figures(weights_ms), "fma_floor_ms": _figures(compute_ms),
+                     "floor_ms": _figures(floor), "over_floor": _figures(1e3 * seconds / floor)})
     return {"machine": machine(), "task": task, "model": predictor.provenance()["model"],
             "precision": predictor.provenance()["dtype"], "bounds": bounds, "rounds": rounds, "rows": rows}
 
