@@ -60,7 +60,7 @@ TESTS=${TESTS:-tests/test_cuda.py tests/test_model.py tests/test_parity.py tests
 start_suite() {  # in the background, ending 60 s before the deadline (at least 30 s)
   local limit=$(( $(left) - 60 )); [ "$limit" -lt 30 ] && limit=30
   echo "== $(date +%T) the suite's GPU and engine files, in the background (at most $limit s)"
-  # SIGINT, not SIGTERM: pytest then still prints what failed and why (session 50's cut run named 13 failures
+  # SIGINT, not SIGTERM: pytest then still prints what failed and why (session 50's cut run named 12 failures
   # and gave no reason for any)
   # two threads a worker: most likely why, in session 50, six workers at torch's default (16 threads each) starved fill-mask's
   # training beside them, on the CPU that builds its batches (1.1 s a step, 128 steps, where 14 steps/s is usual)

@@ -370,7 +370,8 @@ def test_lora_fine_tuning_runs_and_loads_back_on_every_family(family, tmp_path):
     sst = Path(__file__).parent / "fixtures" / "sst_tiny.tsv"
     cfg = TrainConfig(task="sentiment", model=str(folder), train_file=str(sst), eval_file=str(sst),
                       output_dir=str(tmp_path / "run"), max_steps=6, batch_size=8, lr=1e-2, log_every=2,
-                      save_every=100, lora_rank=4, lora_targets="query,value,ffn_down", merge_lora=True)
+                      save_every=100, lora_rank=4, lora_targets="query,value,ffn_down", merge_lora=True,
+                      device="cpu")  # compared at 1e-5 with the reloaded copies, on the CPU (a GPU would be picked)
     job = TaskJob(task, cfg)
     train(job, cfg)
     adapted, tokenizer = load(tmp_path / "run" / "last", task.spec.build_head)
