@@ -19,7 +19,8 @@
 # There:
 #   OUT=$OUT QA_MINUTES=2.5 FM_MINUTES=2 DEADLINE_S=570 bash scripts/gpu_call.sh
 # What comes back (7 files): call.log, suite.log, workloads_cuda.json, qa/{logs,last}.tar, fm/{logs,last}.tar.
-# STAGES (default "suite train workloads") leaves stages out; TESTS replaces the test files, WORKLOADS the tasks.
+# STAGES (default "suite train workloads") leaves stages out; TESTS replaces the test files, WORKLOADS the tasks;
+# TRAIN (default "qa fill_mask") the tasks trained: with one alone, the suite runs after it, not beside.
 # Session 35 ran it twice: then, the suite started first, beside QA's training, whose data took 3 minutes to build
 # on the shared CPU, and the time limit stopped QA at step 708 of 1,924 (hence the order above); then
 # STAGES="suite workloads" with the files that had failed, after fixing them.
@@ -70,11 +71,15 @@ start_suite() {  # in the background, ending 60 s before the deadline (at least 
   suite=$!
 }
 suite=
-if has train; then
+TRAIN=${TRAIN:-qa fill_mask}  # TRAIN="fill_mask": fill-mask alone, the suite after it (session 51)
+trains() { case " $TRAIN " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+if has train && trains qa; then
   echo "== $(date +%T) QA training"
   SKIP_SMOKE=1 CARRY=$L BENCH=none KINDS=last TASK=qa TRAIN_MINUTES=${QA_MINUTES:-2.5} SEED=${QA_SEED:-50} \
     WORK=/tmp/lq OUT=$OUT/qa bash scripts/gpu_lease.sh
-  has suite && start_suite
+  has suite && trains fill_mask && start_suite
+fi
+if has train && trains fill_mask; then
   echo "== $(date +%T) fill-mask training ($(left) s left)"
   SKIP_SMOKE=1 CARRY=$L BENCH=none KINDS=last TASK=fill_mask TRAIN_MINUTES=${FM_MINUTES:-2} SEED=${FM_SEED:-48} \
     WORK=/tmp/lf OUT=$OUT/fm bash scripts/gpu_lease.sh
