@@ -76,16 +76,19 @@ class CRF(nn.Module):
         constraint changes (in place, or replaced): a request's decode reads them without three torch ops each."""
         tensors = (self.transitions, self.start_transitions, self.end_transitions, self.allowed, self.allowed_start,
                    self.allowed_end)
-        versions = tuple((t._version, t.data_ptr()) for t in tensors)
+        # A CRF built under torch.inference_mode (ner's decoder for another scheme, or for a model on the GPU) has
+        # tensors without a version counter: nothing can tell that they changed, so nothing is kept
+        versions = None if any(t.is_inference() for t in tensors) else tuple((t._version, t.data_ptr()) for t in tensors)
         kept = self.__dict__.get("_numpy_potentials")
-        if (kept is not None and kept[0] == constrained and kept[2] == versions
+        if (versions is not None and kept is not None and kept[0] == constrained and kept[2] == versions
                 and all(a is b for a, b in zip(kept[1], tensors))):
             return kept[3]
         with torch.no_grad():
             arrays = tuple(np.ascontiguousarray(t.detach().float().cpu().numpy()) for t in self.potentials(constrained))
         for array in arrays:
             array.flags.writeable = False
-        self.__dict__["_numpy_potentials"] = (constrained, tensors, versions, arrays)
+        if versions is not None:
+            self.__dict__["_numpy_potentials"] = (constrained, tensors, versions, arrays)
         return arrays
 
     # -- the pieces every method shares ----------------------------------------------------------------

@@ -312,3 +312,22 @@ def test_the_requests_decode_in_numpy_is_the_general_paths_to_the_bit_and_sees_n
     after, want = both(emissions, None)
     assert after[0] == want[0] and torch.equal(after[1], want[1]) and torch.equal(after[2], want[2])
     assert not torch.equal(after[1], before[1])  # the new weights were read, not the kept ones
+
+
+def test_a_crf_built_under_inference_mode_decodes_as_one_built_outside():
+    """NER's decoder for another tag scheme (or for a model on the GPU) is built in the request's inference_mode:
+    its tensors have no version counter, which the kept numpy potentials once read (a RuntimeError for any
+    `scheme=` but the head's own, and for every NER request on CUDA)."""
+    torch.manual_seed(6)
+    outside = CRF(5)
+    with torch.no_grad():
+        outside.transitions.normal_()
+        outside.end_transitions.normal_()
+    emissions, mask = torch.randn(2, 7, 5), torch.ones(2, 7, dtype=torch.bool)
+    want = outside.decode_with_marginals(emissions, mask, nbest=2)
+    with torch.inference_mode():
+        inside = CRF(5)
+        inside.load_state_dict(outside.state_dict())
+        for _ in range(2):  # the second call must not reuse anything kept from the first
+            paths, marginals, log_z = inside.decode_with_marginals(emissions, mask, nbest=2)
+            assert paths == want[0] and torch.equal(marginals, want[1]) and torch.equal(log_z, want[2])

@@ -17,7 +17,7 @@ from bert_engine.hookspecs import InputError
 from bert_engine.runtime.inference import Predictor
 from bert_engine.tasks.registry import load_registry
 from plugins.ner import NerHead, is_valid, loss, metric, read_data, training_batch, transition_table
-from plugins.tagging import chunks, convert, entity_scores
+from plugins.tagging import allowed_transitions, chunks, convert, entity_scores
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "conll_tiny.txt"
 BIO = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-ORG", 4: "I-ORG", 5: "B-LOC", 6: "I-LOC", 7: "B-MISC", 8: "I-MISC"}
@@ -226,6 +226,20 @@ def test_bad_input_and_options_name_the_value(task, plain_checkpoint):
         predictor.predict({"text": "Paris"}, scheme="BILOU")
     with pytest.raises(ValueError, match="'PERSON'"):
         NerHead(predictor.model.config.with_labels(["O", "PERSON"]))
+
+
+@pytest.mark.parametrize("scheme", ["BIO", "IOB1", "BIOES"])
+def test_every_tag_scheme_decodes_on_the_starter(task, scheme):
+    """A scheme other than the head's builds a CRF copy in the request's inference_mode (it crashed before)."""
+    predictor = Predictor.load(task)
+    result = predictor.predict({"text": "Tim Cook visited Berlin."}, scheme=scheme)["result"]
+    assert result["scheme"] == scheme and len(result["words"]) == 5
+    labels = list(predictor.model.head.labels)
+    allowed, first, last = allowed_transitions(labels, scheme)
+    tags = [labels.index(w["tag"]) for w in result["words"]]
+    assert first[tags[0]] and last[tags[-1]] and all(allowed[a, b] for a, b in zip(tags, tags[1:]))
+    if scheme == "BIO":  # the starter's own scheme
+        assert [e["text"] for e in result["entities"]] == ["Tim Cook", "Berlin"]
 
 
 def test_cli_predicts_ner_with_provenance(plain_checkpoint):
