@@ -21,6 +21,7 @@
 # What comes back (7 files): call.log, suite.log, workloads_cuda.json, qa/{logs,last}.tar, fm/{logs,last}.tar.
 # STAGES (default "suite train workloads") leaves stages out; TESTS replaces the test files, WORKLOADS the tasks;
 # TRAIN (default "qa fill_mask") the tasks trained: with one alone, the suite runs after it, not beside.
+# STAGES may add qa_host: `benchmarks.qa_host --device cuda` (fp32 and bf16) with predict_many's profile, before the workloads.
 # Session 35 ran it twice: then, the suite started first, beside QA's training, whose data took 3 minutes to build
 # on the shared CPU, and the time limit stopped QA at step 708 of 1,924 (hence the order above); then
 # STAGES="suite workloads" with the files that had failed, after fixing them.
@@ -86,10 +87,18 @@ if has train && trains fill_mask; then
 fi
 [ -z "$suite" ] && has suite && start_suite  # without training: alone
 if [ -n "$suite" ]; then wait $suite; grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR)|[0-9]+ (passed|failed)|suite exit" "$OUT/suite.log" | tail -40; fi
+has workloads || has qa_host || exit 0
+$PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('/tmp', filter='data')" "$L/bench-data.tar.xz"
+if has qa_host; then  # QA's host work and forward passes on CUDA, with predict_many's profile (session 51)
+  for p in ${QA_HOST_PRECISIONS:-fp32 bf16}; do
+    echo "== $(date +%T) qa_host on CUDA, $p ($(left) s left)"
+    timeout 90 $PY -m benchmarks.qa_host --device cuda --precision $p --model /tmp/starters/qa --questions 1000 \
+        --rounds 3 --profile 30 --data /tmp/bench-data/squad/dev-v1.1.json --json "$OUT/qa_host_cuda_$p.json" 2>&1 | grep -v -i warn
+  done
+fi
 has workloads || exit 0
 
 echo "== $(date +%T) workloads on CUDA ($(left) s left)"
-$PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('/tmp', filter='data')" "$L/bench-data.tar.xz"
 for t in ${WORKLOADS:-sentiment qa ner fill_mask}; do
   budget=$(( $(left) - 5 )); [ "$budget" -gt 60 ] && budget=60
   [ "$budget" -lt 20 ] && { echo "no time left for $t"; continue; }

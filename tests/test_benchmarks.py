@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import train_step
 from bert_engine.runtime.fast import onednn_int8_available
@@ -444,10 +445,16 @@ def test_qa_host_times_each_step_around_the_forward_on_squad_questions(tmp_path)
 
     out = tmp_path / "host.json"
     qa_host.main(["--questions", "6", "--rounds", "1", "--data", str(Path(__file__).parent / "fixtures" / "squad_tiny.json"),
-                  "--json", str(out)])
+                  "--json", str(out), "--profile", "5"])
     result = json.loads(out.read_text())
     assert result["questions"] == 3 and result["machine"]["cpu_class"]  # all the fixture holds
-    assert set(result["ms_per_question"]) == {"preprocess, one at a time", "preprocess, all at once", "postprocess"}
+    assert set(result["ms_per_question"]) == {"preprocess, one at a time", "preprocess, all at once", "postprocess",
+                                              "forward passes", "predict_many"}
     assert all(ms > 0 for ms in result["ms_per_question"].values())
+    assert len(result["profile"]) == 5 and all(row["calls"] >= 1 and row["own_ms"] >= 0 for row in result["profile"])
+    assert any("predict_many" in row["function"] or row["cumulative_ms"] > 0 for row in result["profile"])
     with pytest.raises(SystemExit):
         qa_host.main(["--data", str(tmp_path / "missing.json")])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            qa_host.main(["--device", "cuda", "--data", str(Path(__file__).parent / "fixtures" / "squad_tiny.json")])
