@@ -67,7 +67,9 @@ if [ -f "$COMPACT/compact.safetensors.xz" ]; then  # xz'd to fit both tasks' dat
   COMPACT=$WORK/compact
 fi
 $PY scripts/compact_base.py expand "$COMPACT" "$WORK/minilm" > "$LOGS/base.json"
-$PY scripts/compact_base.py rebase plugins/starter/$TASK --base default --copy "$WORK/minilm" \
+# INIT: the adapter to continue from (default the shipped starter), a folder on the real MiniLM as `rebase` writes
+# it; session 51 kept a run that its shipping rule did not ship in .devcarry/lease/fm-init, for the next loan
+$PY scripts/compact_base.py rebase "${INIT:-plugins/starter/$TASK}" --base default --copy "$WORK/minilm" \
     --out "$WORK/init" > "$LOGS/rebase.json" || exit 1
 $PY - <<'EOF' > "$LOGS/machine.json"
 import json, platform, torch
