@@ -21,6 +21,9 @@
 # What comes back (7 files): call.log, suite.log, workloads_cuda.json, qa/{logs,last}.tar, fm/{logs,last}.tar.
 # STAGES (default "suite train workloads") leaves stages out; TESTS replaces the test files, WORKLOADS the tasks;
 # TRAIN (default "qa fill_mask") the tasks trained: with one alone, the suite runs after it, not beside.
+# FM_INIT / QA_INIT: the adapter each continues from (default its shipped starter; gpu_lease.sh's INIT). The next
+# loan, as session 51 left it: OUT=$OUT TRAIN=fill_mask FM_INIT=$L/fm-init STAGES="train qa_host workloads"
+#   WORKLOADS=qa FM_MINUTES=5.5 DEADLINE_S=578 bash scripts/gpu_call.sh   (carry .devcarry/lease with fm-init/ in it)
 # STAGES may add qa_host: `benchmarks.qa_host --device cuda` (fp32 and bf16) with predict_many's profile, before the workloads.
 # Session 35 ran it twice: then, the suite started first, beside QA's training, whose data took 3 minutes to build
 # on the shared CPU, and the time limit stopped QA at step 708 of 1,924 (hence the order above); then
@@ -76,13 +79,13 @@ TRAIN=${TRAIN:-qa fill_mask}  # TRAIN="fill_mask": fill-mask alone, the suite af
 trains() { case " $TRAIN " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if has train && trains qa; then
   echo "== $(date +%T) QA training"
-  SKIP_SMOKE=1 CARRY=$L BENCH=none KINDS=last TASK=qa TRAIN_MINUTES=${QA_MINUTES:-2.5} SEED=${QA_SEED:-50} \
+  INIT=${QA_INIT:-plugins/starter/qa} SKIP_SMOKE=1 CARRY=$L BENCH=none KINDS=last TASK=qa TRAIN_MINUTES=${QA_MINUTES:-2.5} SEED=${QA_SEED:-50} \
     WORK=/tmp/lq OUT=$OUT/qa bash scripts/gpu_lease.sh
   has suite && trains fill_mask && start_suite
 fi
 if has train && trains fill_mask; then
   echo "== $(date +%T) fill-mask training ($(left) s left)"
-  SKIP_SMOKE=1 CARRY=$L BENCH=none KINDS=last TASK=fill_mask TRAIN_MINUTES=${FM_MINUTES:-2} SEED=${FM_SEED:-48} \
+  INIT=${FM_INIT:-plugins/starter/fill_mask} SKIP_SMOKE=1 CARRY=$L BENCH=none KINDS=last TASK=fill_mask TRAIN_MINUTES=${FM_MINUTES:-2} SEED=${FM_SEED:-48} \
     WORK=/tmp/lf OUT=$OUT/fm bash scripts/gpu_lease.sh
 fi
 [ -z "$suite" ] && has suite && start_suite  # without training: alone
