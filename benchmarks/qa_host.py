@@ -117,8 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA GPU")
     logging.basicConfig(level=logging.WARNING)
-    result = {"machine": machine(), **measure(args.questions, args.rounds, args.data, device=args.device,
-                                              precision=args.precision, model=args.model, profile=args.profile)}
+    from bert_engine.checkpoints.hub import HubError
+
+    try:
+        measured = measure(args.questions, args.rounds, args.data, device=args.device, precision=args.precision,
+                           model=args.model, profile=args.profile)
+    except (ValueError, HubError) as err:  # a device, precision or model it cannot load: one line, named
+        parser.error(str(err))
+    result = {"machine": machine(), **measured}
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else result["machine"]["cpu_class"]
     print(f"# QA's host work, {result['questions']} SQuAD dev questions x {result['rounds']} rounds, "
           f"{result['machine']['cpu']} ({where}, {args.precision})")

@@ -174,6 +174,7 @@ def postprocess(output: NerOutput, batch, *, max_length, stride, nbest, constrai
     the n-best tag sequences of the first window with their probabilities."""
     head = output.head
     used_scheme = head.scheme if scheme == "auto" else scheme
+    check_scheme_fits(used_scheme, head.labels)
     crf = _decoder(head, used_scheme)
     mask, begins, ends, spans = word_layout(batch)
     emissions = output.logits.float().cpu()
@@ -187,6 +188,19 @@ def postprocess(output: NerOutput, batch, *, max_length, stride, nbest, constrai
         results.append(_one_input(i, text, rows_of[i], batch, head.labels, mask, paths, marginals, log_z, emissions,
                                   spans, used_scheme, constrained))
     return results[0] if len(results) == 1 else results
+
+
+def check_scheme_fits(scheme: str, labels) -> None:
+    """Refuse a `scheme=` the model's labels cannot be read in: BIO or IOB1 over labels with E- or S- tags (the
+    scheme has none), BIOES over labels without them (no entity could end: every word would be "O"). BIO labels read
+    as IOB1 are a real choice (B- then only splits two neighbouring entities of one type) and pass."""
+    own = detect_scheme(labels)
+    if own != "BIOES" and scheme == "BIOES":
+        raise InputError("ner: scheme 'BIOES' does not fit this model's labels (B-/I- tags, no E- or S-: no entity "
+                         "could end); use 'auto', 'BIO' or 'IOB1'")
+    if own == "BIOES" and scheme != "BIOES":
+        raise InputError(f"ner: scheme {scheme!r} does not fit this model's labels (they use E- and S- tags); use "
+                         "'auto' or 'BIOES'")
 
 
 def _decoder(head: NerHead, scheme: str) -> CRF:

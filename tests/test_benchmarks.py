@@ -440,7 +440,7 @@ def test_summary_passes_splits_a_visitors_request_on_test_split_articles(tmp_pat
     assert result["rows"]["sentences, padded"] >= result["rows"]["sentences, real tokens"] > 0
 
 
-def test_qa_host_times_each_step_around_the_forward_on_squad_questions(tmp_path):
+def test_qa_host_times_each_step_around_the_forward_on_squad_questions(tmp_path, capsys):
     from benchmarks import qa_host
 
     out = tmp_path / "host.json"
@@ -455,6 +455,11 @@ def test_qa_host_times_each_step_around_the_forward_on_squad_questions(tmp_path)
     assert any("predict_many" in row["function"] or row["cumulative_ms"] > 0 for row in result["profile"])
     with pytest.raises(SystemExit):
         qa_host.main(["--data", str(tmp_path / "missing.json")])
+    fixture = str(Path(__file__).parent / "fixtures" / "squad_tiny.json")
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
-            qa_host.main(["--device", "cuda", "--data", str(Path(__file__).parent / "fixtures" / "squad_tiny.json")])
+            qa_host.main(["--device", "cuda", "--data", fixture])
+    for bad in (["--device", "tpu"], ["--precision", "xyz"], ["--model", str(tmp_path / "nope")]):
+        with pytest.raises(SystemExit):  # parser.error: one line, no traceback
+            qa_host.main([*bad, "--data", fixture])
+    assert "xyz" in capsys.readouterr().err
