@@ -23,7 +23,7 @@
 # TRAIN (default "qa fill_mask") the tasks trained: with one alone, the suite runs after it, not beside.
 # FM_INIT / QA_INIT: the adapter each continues from (default its shipped starter; gpu_lease.sh's INIT). The next
 # loan, as session 51 left it: OUT=$OUT TRAIN=fill_mask FM_INIT=.devcarry/lease/fm-init STAGES="train qa_host workloads"
-#   WORKLOADS=qa FM_MINUTES=5.5 DEADLINE_S=578 bash scripts/gpu_call.sh   (carry .devcarry/lease, fm-init/ in it: 7 files back)
+#   WORKLOADS=qa FM_MINUTES=5 DEADLINE_S=578 bash scripts/gpu_call.sh   (carry .devcarry/lease, fm-init/ in it: 7 files back)
 # STAGES may add qa_host: `benchmarks.qa_host --device cuda` (fp32 and bf16) with predict_many's profile, before the workloads.
 # Session 35 ran it twice: then, the suite started first, beside QA's training, whose data took 3 minutes to build
 # on the shared CPU, and the time limit stopped QA at step 708 of 1,924 (hence the order above); then
@@ -94,8 +94,10 @@ has workloads || has qa_host || exit 0
 $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('/tmp', filter='data')" "$L/bench-data.tar.xz"
 if has qa_host; then  # QA's host work and forward passes on CUDA, with predict_many's profile (session 51)
   for p in ${QA_HOST_PRECISIONS:-fp32 bf16}; do
+    budget=$(( $(left) - 5 )); [ "$budget" -gt 90 ] && budget=90
+    [ "$budget" -lt 20 ] && { echo "no time left for qa_host $p"; continue; }
     echo "== $(date +%T) qa_host on CUDA, $p ($(left) s left)"
-    timeout 90 $PY -m benchmarks.qa_host --device cuda --precision $p --model /tmp/starters/qa --questions 1000 \
+    timeout "$budget" $PY -m benchmarks.qa_host --device cuda --precision $p --model /tmp/starters/qa --questions 1000 \
         --rounds 3 --profile 30 --data /tmp/bench-data/squad/dev-v1.1.json --json "$OUT/qa_host_cuda_$p.json" 2>&1 | grep -v -i warn
   done
 fi
