@@ -493,7 +493,7 @@ def candidate_bars(result: dict[str, Any]) -> str:
 EXAMPLES = (
     {"text": "The capital of France is [MASK]."},
     {"text": "It was a dark and stormy [MASK]."},
-    {"text": "A week has seven [MASK]."},
+    {"text": "She drank a cup of hot [MASK]."},
     {"text": "I [MASK] to the [MASK] to buy some bread."},
 )
 # What the starter is, in one line on the tab (a picked checkpoint says its own name in the raw result).

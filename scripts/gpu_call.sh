@@ -22,8 +22,9 @@
 # STAGES (default "suite train workloads") leaves stages out; TESTS replaces the test files, WORKLOADS the tasks;
 # TRAIN (default "qa fill_mask") the tasks trained: with one alone, the suite runs after it, not beside.
 # FM_INIT / QA_INIT: the adapter each continues from (default its shipped starter; gpu_lease.sh's INIT). The next
-# loan, as session 51 left it: OUT=$OUT TRAIN=fill_mask FM_INIT=.devcarry/lease/fm-init STAGES="train qa_host workloads"
-#   WORKLOADS=qa FM_MINUTES=5 DEADLINE_S=578 bash scripts/gpu_call.sh   (carry .devcarry/lease, fm-init/ in it: 7 files back)
+# loan, as session 52 left it (session 51's fill-mask run is now the starter): OUT=$OUT TRAIN=fill_mask
+#   STAGES="train qa_host workloads" WORKLOADS=qa FM_MINUTES=5 FM_SEED=52 DEADLINE_S=578 bash scripts/gpu_call.sh
+#   (carry .devcarry/lease: 7 files back)
 # STAGES may add qa_host: `benchmarks.qa_host --device cuda` (fp32 and bf16) with predict_many's profile, before the workloads.
 # Session 35 ran it twice: then, the suite started first, beside QA's training, whose data took 3 minutes to build
 # on the shared CPU, and the time limit stopped QA at step 708 of 1,924 (hence the order above); then

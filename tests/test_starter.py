@@ -142,7 +142,7 @@ def test_the_fill_mask_tabs_one_mask_examples_are_answered_right_by_the_starter(
 
     predictor = Predictor.load(registry.task("fill_mask"))
     expected = {"The capital of France is [MASK].": "paris", "It was a dark and stormy [MASK].": "night",
-                "A week has seven [MASK].": "days"}
+                "She drank a cup of hot [MASK].": "tea"}
     for example in EXAMPLES:
         if example["text"].count("[MASK]") == 1:
             first = predictor.predict(example)["result"]["predictions"][0]["candidates"][0]["token"]
