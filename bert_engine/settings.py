@@ -90,6 +90,12 @@ SETTINGS = {s.name: s for s in (
             "for a place beyond those caps, up to the request time limit; more are refused at once (0: none wait)"),
     Setting("BERT_ENGINE_MAX_IN_FLIGHT_PER_IP", "int", 8, "use", "requests one address may have running at once "
             "over all its sessions (0: no cap); its sessions also share one share of the compute gate"),
+    Setting("BERT_ENGINE_MAX_DOWNLOAD_MB", "int", 2048, "use", "the most one Hub checkpoint may download, all its "
+            "files together, checked from the sizes the Hub declares before each file is fetched (the weights only "
+            "after config.json describes a model they fit)", least=1),
+    Setting("BERT_ENGINE_DOWNLOAD_TIMEOUT", "float", 1800.0, "use", "seconds one Hub checkpoint's download may take "
+            "in all (0: no limit); slower, it is stopped, the part fetched kept for the next try. In the app a "
+            "request's own limit (BERT_ENGINE_TIMEOUT) also applies to a model it loads"),
     Setting("BERT_ENGINE_MAX_PARAMETERS", "int", 2_000_000_000, "use", "the largest model a config.json may "
             "describe"),
     Setting("BERT_ENGINE_MAX_FILE_MB", "int", 1024, "use", "the largest input file `predict --file` and `eval "

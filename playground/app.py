@@ -23,10 +23,11 @@ from typing import Any
 
 import plugins
 from bert_engine import settings, ui
-from bert_engine.checkpoints.hub import ADAPTER_WEIGHTS, WEIGHT_FILES, HubError
+from bert_engine.checkpoints.hub import ADAPTER_WEIGHTS, WEIGHT_FILES, HubError, download_deadline
 from bert_engine.checkpoints.loader import recorded_task
 from bert_engine.checkpoints.loading import CheckpointError, inside_any
 from bert_engine.checkpoints.lora import looks_local
+from bert_engine.files import read_json
 from bert_engine.hookspecs import InputError
 from bert_engine.runtime.cancel import STUCK_AFTER_S, PredictionTimeout, call_with_timeout
 from bert_engine.runtime.explain import DEFAULT_STEPS, MAX_STEPS, checked_method
@@ -111,6 +112,14 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     def serve(predict, predictor: LazyPredictor, name: str):
         return guarded(on_gpu(predict, predictor, timeout_s), name, registry, timeout_s, in_flight, stuck)
 
+    @contextlib.contextmanager
+    def loading():
+        """A model picker's load as a request: within the visitor's in-flight cap (waiting for a place up to the
+        time limit) and, for a Hub id, a download that ends by that limit (hub.download_deadline)."""
+        with in_flight.admit(current_visitor(), current_group(), wait_s=timeout_s or DEFAULT_TIMEOUT_S), \
+                download_deadline(timeout_s):
+            yield
+
     # Concurrent requests to a one-field task share a forward pass (see BatchingPredictor); each request
     # is admitted, timed and contained by `guarded` (ServedPredictor).
     # models loaded to compare with the served ones (any visitor's pick), at most 2 at once
@@ -136,7 +145,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
                            label="Go to a task", elem_classes=["be-task-menu"], filterable=False)  # phones only (CSS)
         with gr.Tabs() as tabs:
             _build_tabs(gr, app, registry, predictors, statuses, endpoints, (wrap, publish), model_dirs, precisions,
-                        timeout_s, stray)
+                        timeout_s, stray, loading)
         _build_insight_api(gr, registry, predictors, endpoints, model_dirs, precisions)
         # the menu empties after each jump, so choosing the same entry again (after tapping another tab) jumps again
         menu.change(lambda chosen: (gr.Tabs(selected=chosen), None) if chosen else (gr.skip(), gr.skip()), menu,
@@ -145,14 +154,14 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
 
 
 def _build_tabs(gr, app, registry, predictors, statuses, endpoints, wiring, model_dirs, precisions, timeout_s,
-                stray: dict[str, list[str]]) -> None:
+                stray: dict[str, list[str]], loading=contextlib.nullcontext) -> None:
     """One tab per task (with its model picker, why and compare), All tasks, Plugins and Attention; `wiring`:
-    the host's (wrap, publish) for ui.wiring."""
+    the host's (wrap, publish) for ui.wiring; `loading()`, what a picker's load runs inside (build_app's)."""
     for name, task in registry.tasks.items():
         with gr.Tab(task.spec.title, id=name) as tab:
             if task.spec.description:
                 gr.Markdown(task.spec.description)
-            statuses[name] = _build_model_picker(gr, name, predictors[name], model_dirs)
+            statuses[name] = _build_model_picker(gr, name, predictors[name], model_dirs, loading)
             _build_task_tab(gr, task, predictors[name], registry, *wiring, stray=stray.get(name, []))
             _build_insight(gr, task, predictors[name], model_dirs, precisions)
         tab.select(with_request(gr, functools.partial(model_line, predictors[name])), None, statuses[name],
@@ -598,7 +607,8 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
         try:
             # beyond its in-flight cap a request waits (idle) up to its time limit for a place: fairness.py
             with in_flight.admit(visitor, group, wait_s=timeout_s or DEFAULT_TIMEOUT_S), \
-                    visitor_scope(visitor, group):  # its share of the gate (fairness.py)
+                    visitor_scope(visitor, group), \
+                    download_deadline(timeout_s):  # its share of the gate (fairness.py); a model it loads, in time
                 return call_with_timeout(predict_and_put_back, timeout_s, *args, what=f"task {task!r}",
                                          **stuck.callbacks(task),
                                          **kwargs)
@@ -740,8 +750,8 @@ FAMILY_NAMES = {"bert": "BERT", "roberta": "RoBERTa", "albert": "ALBERT", "disti
 def family_label(folder: str | Path) -> str:
     """The family a model folder's config.json declares, as people write it ("RoBERTa"); "?" if unreadable."""
     try:
-        data = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(Path(folder), "config.json")  # inside the folder, capped, a regular file (not a FIFO)
+    except (OSError, ValueError):  # CheckpointError is a ValueError
         return "?"
     family = data.get("model_type", "bert") if isinstance(data, dict) else "?"
     return FAMILY_NAMES.get(family, str(family)[:20])
@@ -836,10 +846,12 @@ def public_message(message: str) -> str:
     return message
 
 
-def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: list[Path]):
+def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: list[Path],
+                        loading=contextlib.nullcontext):
     """The tab's model accordion: a list of the checkpoints found in the allowed folders, or any Hub id
-    or allowed folder typed in. The choice is the visitor's own (LazyPredictor.switch); returns the
-    status line, which the app refreshes when a visitor opens the page or the tab."""
+    or allowed folder typed in. The choice is the visitor's own (LazyPredictor.switch), loaded inside
+    `loading()` (the visitor's in-flight cap, a download deadline); returns the status line, which the
+    app refreshes when a visitor opens the page or the tab."""
     known = find_checkpoints(model_dirs, name)
     with gr.Accordion("Model", open=False):
         with gr.Row():
@@ -852,10 +864,11 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
     def switch(model: str | None) -> str:
         value = (model or "").strip()
         try:
-            with visitor_scope(current_visitor()):  # this visitor's model; the others keep theirs
-                predictor.switch(check_model_choice(value, model_dirs, find_checkpoints(model_dirs, name)))
+            checkpoint = check_model_choice(value, model_dirs, find_checkpoints(model_dirs, name))
+            with visitor_scope(current_visitor()), loading():  # this visitor's model; the others keep theirs
+                predictor.switch(checkpoint)
                 return describe(predictor)
-        except InputError as err:
+        except (InputError, TooManyRequests) as err:
             message = str(err)
         except (HubError, CheckpointError, ValueError, OSError) as err:
             message = f"could not load {value or 'the default'}: {public_message(str(err))}"

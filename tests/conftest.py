@@ -123,7 +123,8 @@ class FakeHub:
     inline in the commit).
 
     Repositories are folders: `repos[(repo_id, revision)] = folder`. `faults[filename]` picks a
-    failure: "500", "drop" (close the connection mid-body), "truncate" (short body, full length).
+    failure: "500", "drop" (close the connection mid-body), "truncate" (short body, full length),
+    "huge" (a Content-Length of 10 GB declared, no body), "trickle" (the body a byte every 0.2 s).
     Writes need `Authorization: Bearer <token>` with a token in `write_tokens`; `commits` records
     each commit's (repo_id, revision, summary, paths).
     """
@@ -138,6 +139,7 @@ class FakeHub:
         self.commits: list[tuple[str, str, str, list[str]]] = []
         self.validated: list[bool] = []  # one entry per README.md metadata check: did it pass
         self.storage = Path(tempfile.mkdtemp(prefix="fake-hub-"))
+        self.stopped = threading.Event()  # set on exit: a trickling answer ends
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -171,15 +173,26 @@ class FakeHub:
                 data = path.read_bytes()
                 commit = hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
                 self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", str(10 * 2**30 if fault == "huge" else len(data)))
                 self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
                 self.send_header("X-Repo-Commit", commit)
                 self.end_headers()
                 if not body:
                     return
-                if fault in ("drop", "truncate"):
+                if fault in ("drop", "truncate", "huge"):
                     self.wfile.write(data[: len(data) // 2])
                     self.wfile.flush()
+                    self.close_connection = True
+                    return
+                if fault == "trickle":
+                    for i in range(len(data)):
+                        if hub.stopped.wait(0.2):
+                            break
+                        try:
+                            self.wfile.write(data[i:i + 1])
+                            self.wfile.flush()
+                        except OSError:  # the client hung up
+                            break
                     self.close_connection = True
                     return
                 self.wfile.write(data)
@@ -260,6 +273,7 @@ class FakeHub:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stopped.set()
         self.server.shutdown()
         self.server.server_close()
         shutil.rmtree(self.storage, ignore_errors=True)

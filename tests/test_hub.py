@@ -161,3 +161,98 @@ def test_a_mistyped_local_folder_is_said_to_be_one(tmp_path, monkeypatch):
     with pytest.raises(HubError) as other:
         resolve("owner/elsewhere", local_files_only=True)
     assert "typo" not in str(other.value)
+
+
+# -- what a download may cost: sizes checked from the Hub's HEAD before a byte is fetched, a deadline -------
+
+
+def _gets(hub, filename: str) -> list[str]:
+    return [r for r in hub.requests if r.startswith("GET ") and r.split("?")[0].endswith("/" + filename)]
+
+
+def test_a_sharded_checkpoint_loads_from_the_hub(fake_hub, tmp_path, tiny_tokenizer):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    folder = save_pretrained(BertWithHead(PRESETS["tiny"].with_labels(["neg", "pos"]), "sequence").eval(),
+                             tmp_path / "sharded", tiny_tokenizer)
+    state = load_file(folder / "model.safetensors")
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, keys in halves.items():
+        save_file({k: state[k] for k in keys}, folder / shard)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: shard for shard, keys in halves.items() for k in keys}}))
+    fake_hub.repos[("owner/sharded", "main")] = folder
+    # the shards come through the Hub's cache, whose blobs have no .safetensors name: read as safetensors all the same
+    model, tokenizer = load("owner/sharded", "sequence", endpoint=fake_hub.endpoint, cache_dir=tmp_path / "cache")
+    local, _ = load(folder, "sequence")
+    torch.testing.assert_close(_logits(model, tokenizer), _logits(local, tokenizer))
+
+
+def test_weights_larger_than_the_config_allows_are_refused_before_downloading(hub_repo, tmp_path):
+    hub_repo.faults["model.safetensors"] = "huge"  # 10 GB declared for a model of a few hundred kB
+    with pytest.raises(HubError, match=r"'model.safetensors' of 'owner/tiny' is 10,737,418,240 bytes; a file of "
+                                       "this kind over .* bytes is not downloaded"):
+        _load(hub_repo, tmp_path)
+    assert _gets(hub_repo, "model.safetensors") == []
+
+
+def test_the_download_budget_is_checked_from_declared_sizes(hub_repo, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "repo" / "main" / "model.safetensors"
+    save_file({**load_file(weights), "padding": torch.zeros(2**19)}, weights)  # 2 MB more: over a 1 MB budget
+    monkeypatch.setenv("BERT_ENGINE_MAX_DOWNLOAD_MB", "1")
+    with pytest.raises(HubError, match="'owner/tiny' needs more than 1 MB downloaded .*BERT_ENGINE_MAX_DOWNLOAD_MB"):
+        _load(hub_repo, tmp_path)
+    assert _gets(hub_repo, "model.safetensors") == []
+
+
+def test_a_config_the_engine_cannot_load_costs_no_weights_download(hub_repo, tmp_path):
+    import json
+
+    config = tmp_path / "repo" / "main" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="gpt2"):
+        _load(hub_repo, tmp_path)
+    assert _gets(hub_repo, "model.safetensors") == []
+
+
+def test_an_index_naming_too_many_shards_is_refused_before_any_shard(hub_repo, tmp_path):
+    import json
+
+    from bert_engine.files import MAX_SHARDS
+
+    folder = tmp_path / "repo" / "main"
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {f"t{i}": f"model-{i:05d}.safetensors" for i in range(MAX_SHARDS + 1)}}))
+    with pytest.raises(ValueError, match=f"names {MAX_SHARDS + 1} shard files; at most {MAX_SHARDS}"):
+        _load(hub_repo, tmp_path)
+    assert not any("model-0" in r for r in hub_repo.requests)
+
+
+@pytest.mark.parametrize("how", ["setting", "caller"])
+def test_a_trickling_download_is_stopped_at_its_deadline(hub_repo, tmp_path, monkeypatch, how):
+    import contextlib
+    import time
+
+    from bert_engine.checkpoints.hub import download_deadline
+
+    hub_repo.faults["model.safetensors"] = "trickle"  # a byte every 0.2 s: no read ever times out
+    if how == "setting":
+        monkeypatch.setenv("BERT_ENGINE_DOWNLOAD_TIMEOUT", "2")
+    started = time.monotonic()
+    with download_deadline(2) if how == "caller" else contextlib.nullcontext(), \
+            pytest.raises(HubError, match="downloading 'model.safetensors' of 'owner/tiny' ran past its time limit"):
+        _load(hub_repo, tmp_path)
+    assert time.monotonic() - started < 10
+    # the next try, with the server healthy again, downloads and works
+    del hub_repo.faults["model.safetensors"]
+    model, tokenizer = _load(hub_repo, tmp_path)
+    assert torch.isfinite(_logits(model, tokenizer)).all()

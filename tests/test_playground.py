@@ -378,6 +378,60 @@ def test_model_picker_switches_and_reports_errors(served, tmp_path):
     assert output["provenance"]["model"] == shown
 
 
+def test_a_hub_model_picked_in_the_app_downloads_within_the_request_time_limit(registry, fake_hub, tmp_path,
+                                                                              monkeypatch, tiny_tokenizer):
+    """A visitor types a Hub id whose server sends a byte every 0.2 s (no read ever times out): the load is
+    stopped by the app's request limit (not BERT_ENGINE_DOWNLOAD_TIMEOUT's half hour) and said so."""
+    import huggingface_hub.constants as hub_constants
+
+    from bert_engine import PRESETS, BertWithHead, save_pretrained
+
+    monkeypatch.setattr(hub_constants, "ENDPOINT", fake_hub.endpoint)  # what HF_ENDPOINT sets at import
+    monkeypatch.setattr(hub_constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        fake_hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    fake_hub.repos[("owner/slow", "main")] = save_pretrained(
+        BertWithHead(PRESETS["tiny"].with_labels(["neg", "pos"]), "sequence").eval(), tmp_path / "slow", tiny_tokenizer)
+    fake_hub.faults["model.safetensors"] = "trickle"
+    app = build_app(registry, timeout_s=3)
+    app.queue(default_concurrency_limit=2)
+    port = _launch(app)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        started = time.monotonic()
+        with pytest.raises(Exception, match="downloading .*model.safetensors.* of .*owner/slow.* ran past its time limit"):
+            client.predict("owner/slow", api_name="/sentiment_model")
+        assert time.monotonic() - started < 15
+    finally:
+        app.close()
+
+
+def test_a_fifo_or_huge_manifest_in_the_model_folders_does_not_stall_the_picker(tmp_path):
+    """Files a folder says about itself (manifest.json, config.json, train_config.json) are read as metadata:
+    inside the folder, size-capped, regular files only; a FIFO, which blocks when opened, is skipped."""
+    import os
+
+    from conftest import reference_checkpoint
+
+    from playground.app import family_label, find_checkpoints
+
+    folder = reference_checkpoint(tmp_path / "models" / "evil", "BertForSequenceClassification")
+    os.mkfifo(folder / "manifest.json")
+    huge = reference_checkpoint(tmp_path / "models" / "big" / "best", "BertForSequenceClassification")
+    with open(huge.parent / "train_config.json", "wb") as handle:  # 5 MB, sparse: over the 4 MB metadata cap
+        handle.truncate(5 * 2**20)
+    done = {}
+    worker = threading.Thread(target=lambda: done.update(found=find_checkpoints([tmp_path / "models"], "sentiment"),
+                                                         family=family_label(folder)), daemon=True)
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), "the picker's scan blocked on a FIFO"
+    assert set(done["found"].values()) == {str(folder), str(huge)} and done["family"] == "BERT"
+    os.unlink(folder / "config.json")
+    os.mkfifo(folder / "config.json")
+    assert family_label(folder) == "?"
+
+
 def test_a_visitors_model_choice_is_theirs_alone(served, tmp_path):
     """Two sessions: one switches the sentiment model; the other keeps the default, and its model line
     and answers never show the first one's choice."""

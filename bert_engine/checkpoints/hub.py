@@ -7,16 +7,24 @@ only once complete). Offline mode (`HF_HUB_OFFLINE=1` or `local_files_only`) use
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import re
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx2
 import huggingface_hub
 from huggingface_hub import errors as hub_errors
+from huggingface_hub.utils import _http as hub_http
 
-from ..files import weight_files
+from .. import settings
+from ..config import BertConfig
+from ..files import MAX_METADATA_BYTES, MAX_TOKENIZER_BYTES, weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +40,84 @@ TASK_OPTIONS = "task_options.json"  # the task options a checkpoint was trained 
 
 class HubError(RuntimeError):
     """A checkpoint could not be resolved or downloaded; the message names the id and what to do."""
+
+
+# -- what one download may cost ------------------------------------------------------------------------
+# Every file's size is read from the Hub (a HEAD: hf_hub_download(dry_run=True)) before it is downloaded and
+# checked against its kind's limit and what is left of the checkpoint's budget (BERT_ENGINE_MAX_DOWNLOAD_MB);
+# the weights are fetched only after config.json was read and found to describe a model that fits, and to
+# hold no more bytes than such a model can (8 a parameter, with room for heads: loading.check_size's rule).
+# A download also ends by a deadline (BERT_ENGINE_DOWNLOAD_TIMEOUT, or a caller's download_deadline): the
+# body of every response is read through a stream that stops at it, so a server sending a byte now and then,
+# which no per-read timeout ends, is cut off too.
+
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("bert_engine_download_deadline",
+                                                                         default=None)
+
+
+class DownloadDeadline(Exception):  # noqa: N818 - not an HTTP error: huggingface_hub must not retry it
+    """Raised inside a response's body stream once the download's deadline has passed."""
+
+
+@contextlib.contextmanager
+def download_deadline(seconds: float | None) -> Iterator[None]:
+    """Downloads started inside end within `seconds` from now (None or 0: no limit of the caller's own;
+    BERT_ENGINE_DOWNLOAD_TIMEOUT still applies); nested limits keep the earliest. The app puts a visitor's
+    request time limit here, so a model picked from the Hub cannot download for longer than the request."""
+    if not seconds:
+        yield
+        return
+    deadline = time.monotonic() + seconds
+    current = _DEADLINE.get()
+    token = _DEADLINE.set(deadline if current is None else min(current, deadline))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+class _DeadlineStream(httpx2.SyncByteStream):
+    """A response body read as it arrives, which raises DownloadDeadline after `deadline` (time.monotonic)."""
+
+    def __init__(self, inner, deadline: float) -> None:
+        self.inner, self.deadline = inner, deadline
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.inner:
+            if time.monotonic() > self.deadline:
+                raise DownloadDeadline
+            yield chunk
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _bound_body(response) -> None:
+    """httpx's response hook: runs before the body is read, in the thread that reads it."""
+    deadline = _DEADLINE.get()
+    if deadline is not None:
+        response.stream = _DeadlineStream(response.stream, deadline)
+
+
+def _client_factory(previous=hub_http.default_client_factory):
+    def factory():
+        client = previous()
+        client.event_hooks = {**client.event_hooks, "response": [*client.event_hooks.get("response", []),
+                                                                 _bound_body]}
+        return client
+    return factory
+
+
+# Installed once, at import (set_client_factory closes huggingface_hub's shared client: never mid-download),
+# around whatever factory was set before (a proxy's, a user's own).
+huggingface_hub.set_client_factory(_client_factory(getattr(hub_http, "_GLOBAL_CLIENT_FACTORY",
+                                                           hub_http.default_client_factory)))
+
+
+def _weights_limit(config: BertConfig) -> int:
+    """The most bytes the weights of a model of `config` may declare: loading.check_size's rule."""
+    room = 2 * config.vocab_size * config.hidden_size + 64 * 2**20  # an untrained MLM head, pooler or task head
+    return 8 * config.parameter_count() + 4 * room
 
 
 @dataclass(frozen=True)
@@ -75,25 +161,34 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
         raise HubError(f"{name!r} is neither an existing folder nor a Hub id like 'owner/name'")
     offline = local_files_only or is_offline()
     fetch = _Fetcher(name, revision, offline, cache_dir, endpoint, token, etag_timeout)
-    if not offline and not fetch.hub_reachable():
-        # One failed probe, then cache only: otherwise every uncached optional file would wait
-        # through huggingface_hub's retry back-off (tens of seconds each) before falling back.
-        logger.warning("the Hub is unreachable; using the cached copy of %r if there is one", name)
-        fetch.go_offline(unreachable=True)
-    config = fetch("config.json", required=True)
-    weights = fetch.first_of(WEIGHT_FILES + (ADAPTER_WEIGHTS,), "weights")
-    if weights.name == ADAPTER_WEIGHTS:
-        # A LoRA adapter + head: its base model is resolved when loading, and may bring the tokenizer.
-        fetch("adapter_config.json", required=True)
-        for optional in (*TOKENIZER_FILES, PACK_MANIFEST):
-            fetch(optional, required=False)
-    else:
-        if weights.name.endswith(".index.json"):
-            for shard in weight_files(weights):  # the index checked: JSON, string names inside the checkpoint
-                fetch(shard.relative_to(weights.parent).as_posix(), required=True)
-        fetch.first_of(TOKENIZER_FILES, "tokenizer")
-    for optional in (*OPTIONAL_FILES, TASK_OPTIONS):
-        fetch(optional, required=False)
+    with download_deadline(settings.get("BERT_ENGINE_DOWNLOAD_TIMEOUT")):
+        if not offline and not fetch.hub_reachable():
+            # One failed probe, then cache only: otherwise every uncached optional file would wait
+            # through huggingface_hub's retry back-off (tens of seconds each) before falling back.
+            logger.warning("the Hub is unreachable; using the cached copy of %r if there is one", name)
+            fetch.go_offline(unreachable=True)
+        config = fetch("config.json", required=True, limit=MAX_METADATA_BYTES)
+        # read before any weights come: a config we cannot load, or of a model too large, costs one small file
+        weights_limit = _weights_limit(BertConfig.from_json_file(config))
+        weights = fetch.first_of(WEIGHT_FILES + (ADAPTER_WEIGHTS,), "weights",  # an index is a metadata file
+                                 limit=lambda file: MAX_METADATA_BYTES if file.endswith(".json") else weights_limit)
+        if weights.name == ADAPTER_WEIGHTS:
+            # A LoRA adapter + head: its base model is resolved when loading, and may bring the tokenizer.
+            fetch("adapter_config.json", required=True, limit=MAX_METADATA_BYTES)
+            fetch(PACK_MANIFEST, required=False, limit=MAX_METADATA_BYTES)
+            for optional in TOKENIZER_FILES:
+                fetch(optional, required=False, limit=MAX_TOKENIZER_BYTES)
+        else:
+            if weights.name.endswith(".index.json"):
+                # the index checked (JSON, string names inside the checkpoint, at most MAX_SHARDS), and the
+                # shards' declared sizes together within the weights' limit before the first is fetched
+                shards = [shard.relative_to(weights.parent).as_posix() for shard in weight_files(weights)]
+                fetch.check_sizes(shards, weights_limit)
+                for shard in shards:
+                    fetch(shard, required=True)
+            fetch.first_of(TOKENIZER_FILES, "tokenizer", limit=MAX_TOKENIZER_BYTES)
+        for optional in (*OPTIONAL_FILES, TASK_OPTIONS):
+            fetch(optional, required=False, limit=MAX_METADATA_BYTES)
     folder = config.parent
     commit = folder.name if folder.parent.name == "snapshots" else None
     return Resolved(folder, name, revision, commit)
@@ -104,6 +199,7 @@ class _Fetcher:
 
     def __init__(self, repo_id, revision, offline, cache_dir, endpoint, token, etag_timeout) -> None:
         self.repo_id, self.revision, self.offline = repo_id, revision, offline
+        self.budget = settings.get("BERT_ENGINE_MAX_DOWNLOAD_MB") * 2**20  # bytes this checkpoint may still download
         self.unreachable = False
         self.last_error: BaseException | None = None
         self.kwargs = dict(revision=revision, cache_dir=cache_dir, local_files_only=offline, endpoint=endpoint,
@@ -129,9 +225,58 @@ class _Fetcher:
         self.offline, self.unreachable = True, unreachable
         self.kwargs["local_files_only"] = True
 
-    def __call__(self, filename: str, required: bool) -> Path | None:
-        try:
+    def size(self, filename: str) -> int | None:
+        """The bytes `filename` would download (0 when cached; None offline), from the Hub's HEAD."""
+        if self.offline:
+            return None
+        info = huggingface_hub.hf_hub_download(self.repo_id, filename, dry_run=True, **self.kwargs)
+        return info.file_size if info.will_download else 0
+
+    def admit(self, filename: str, size: int | None, limit) -> None:
+        """Refuse, before downloading it, a file larger than its kind's `limit` (bytes, or a function of the
+        file's name giving them) or than the budget left."""
+        if size is None:
+            return
+        limit = limit(filename) if callable(limit) else limit
+        if limit is not None and size > limit:
+            raise HubError(f"{filename!r} of {self.where} is {size:,} bytes; a file of this kind over {limit:,} bytes "
+                           "is not downloaded")
+        if size > self.budget:
+            cap = settings.get("BERT_ENGINE_MAX_DOWNLOAD_MB")
+            raise HubError(f"{self.where} needs more than {cap:,} MB downloaded ({filename!r} alone {size:,} "
+                           "bytes); the limit is BERT_ENGINE_MAX_DOWNLOAD_MB")
+        self.budget -= size
+
+    def check_sizes(self, filenames: list[str], limit: int) -> None:
+        """The declared sizes of `filenames` together within `limit` and the budget (each one HEAD)."""
+        sizes = [self._guarded(lambda name=name: self.size(name), name) for name in filenames]
+        if None in sizes:
+            return
+        if sum(sizes) > limit:
+            raise HubError(f"the {len(filenames)} weight shards of {self.where} declare {sum(sizes):,} bytes, more "
+                           f"than a model of its config.json holds ({limit:,}); not downloaded")
+        cap = settings.get("BERT_ENGINE_MAX_DOWNLOAD_MB")
+        if sum(sizes) > self.budget:
+            raise HubError(f"{self.where} needs more than {cap:,} MB downloaded (its weight shards alone "
+                           f"{sum(sizes):,} bytes); the limit is BERT_ENGINE_MAX_DOWNLOAD_MB")
+
+    def __call__(self, filename: str, required: bool, limit=None) -> Path | None:
+        def download() -> Path:
+            if _DEADLINE.get() is not None and time.monotonic() > _DEADLINE.get():
+                raise DownloadDeadline
+            self.admit(filename, self.size(filename), limit)
             return Path(huggingface_hub.hf_hub_download(self.repo_id, filename, **self.kwargs))
+        return self._guarded(download, filename, required)
+
+    def _guarded(self, action, filename: str, required: bool = True):
+        """`action()`, with huggingface_hub's errors turned into HubError (None: an optional file absent)."""
+        try:
+            return action()
+        except DownloadDeadline:
+            limit = settings.get("BERT_ENGINE_DOWNLOAD_TIMEOUT")
+            raise HubError(f"downloading {filename!r} of {self.where} ran past its time limit (this request's, or "
+                           f"BERT_ENGINE_DOWNLOAD_TIMEOUT: {limit:g} s) and was stopped; try again later or pass a "
+                           "local folder") from None
         except hub_errors.RepositoryNotFoundError:
             raise HubError(f"Hub repository {self.repo_id!r} not found (or private/gated without a token); "
                            "check the spelling of the id or log in with `hf auth login`") from None
@@ -180,10 +325,10 @@ class _Fetcher:
             return f". There is no folder {self.repo_id!r} here either (the folder {first!r} exists: a typo?)"
         return ""
 
-    def first_of(self, filenames: tuple[str, ...], what: str) -> Path:
+    def first_of(self, filenames: tuple[str, ...], what: str, limit=None) -> Path:
         self.last_error = None
         for filename in filenames:
-            path = self(filename, required=False)
+            path = self(filename, required=False, limit=limit)
             if path is not None:
                 return path
         if self.last_error is not None:

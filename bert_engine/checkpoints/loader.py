@@ -6,7 +6,6 @@ between them, then loads the tokenizer and checks that model and tokenizer belon
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import heads
+from ..files import recorded_field
 from ..tokenizer import Tokenizer
 from .hub import resolve
 from .loading import CheckpointError, Loaded, load_model
@@ -90,11 +90,11 @@ def run_task(folder: str | os.PathLike) -> str | None:
     """The task a training run trained (its train_config.json's "task"), for the run's folder or a checkpoint
     inside it (best/, last/); None where there is none."""
     folder = Path(str(folder))
-    for run in (folder, folder.parent):
-        try:
-            task = json.loads((run / "train_config.json").read_text(encoding="utf-8")).get("task")
-        except (OSError, ValueError, RecursionError, AttributeError):
+    # the run's folder itself, or the run around one of its checkpoints (nothing above any other folder is read)
+    for run in (folder, folder.parent) if folder.name in ("best", "last") else (folder,):
+        if not (run / "train_config.json").exists():
             continue
+        task = recorded_field(run, "train_config.json", "task")  # inside, capped, a regular file
         return task if isinstance(task, str) and task.isidentifier() else None
     return None
 
@@ -102,12 +102,7 @@ def run_task(folder: str | os.PathLike) -> str | None:
 def _adapter_needs_a_head(folder: Path) -> str:
     """The refusal for an adapter folder loaded without a head: which task it is for (its manifest.json,
     when it has one) and the two ways to load it."""
-    try:
-        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        manifest = None
-    task = manifest.get("task") if isinstance(manifest, dict) else None
-    task = task if isinstance(task, str) and task.isidentifier() else None
+    task = _manifest_task(folder)
     use = (f"`bert-engine predict {task} --model {folder}` (its manifest says task {task!r})" if task
            else "`bert-engine predict TASK --model FOLDER`")
     return (f"{folder}: a LoRA adapter folder needs a head to load: pass --head (one of "

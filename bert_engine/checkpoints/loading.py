@@ -335,8 +335,13 @@ def read_weights(path: str | Path) -> dict[str, Tensor]:
 
 
 def check_finite(state: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
-    """Refuse weights holding NaN or infinity: every answer of such a model would be NaN."""
+    """Refuse weights holding NaN or infinity (every answer of such a model would be NaN), and weights or biases
+    stored as booleans or integers (cast to 0/1 they would load silently; buffers such as position_ids may be
+    integers)."""
     for name, tensor in state.items():
+        if name.endswith((".weight", ".bias", ".gamma", ".beta")) and not tensor.is_floating_point():
+            raise CheckpointError(f"{path}: tensor {name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}; "
+                                  "a model weight must be a floating-point tensor")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; the checkpoint is broken")
     return state

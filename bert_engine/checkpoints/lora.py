@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..files import recorded_field
 from .hub import ADAPTER_WEIGHTS, Resolved, default_backbone, resolve
 from .loading import (
     CheckpointError,
@@ -190,6 +191,7 @@ def reduce_rank(tensors: dict[str, Tensor], scale: float, rank: int) -> tuple[di
 # -- adapter files ------------------------------------------------------------------------------------
 
 ADAPTER_CONFIG = "adapter_config.json"
+MAX_LORA_SCALE = 1000.0  # alpha / rank: the adapters here use 1 (alpha = rank); far above, every answer is overflow
 
 
 def file_sha256(path) -> str:
@@ -243,6 +245,9 @@ def read_adapter_config(folder) -> dict:
                                   f"{getattr(kind, '__name__', 'number')} (got {meta.get(key)!r:.60})")
     if meta["rank"] < 1 or not all(isinstance(t, str) for t in meta["targets"]):
         raise CheckpointError(f"{Path(folder).name}/{ADAPTER_CONFIG}: rank must be >= 1 and targets a list of names")
+    if not math.isfinite(meta["alpha"]) or not 0 < meta["alpha"] <= MAX_LORA_SCALE * meta["rank"]:
+        raise CheckpointError(f"{Path(folder).name}/{ADAPTER_CONFIG}: alpha {meta['alpha']!r:.30} must be a finite "
+                              f"number above 0 and at most {MAX_LORA_SCALE:g} x rank ({meta['rank']})")
     return meta
 
 
@@ -255,10 +260,7 @@ def looks_local(name: str) -> bool:
 
 def _manifest_task(folder: Path) -> str | None:
     """The task a packed folder's manifest.json names, when it is a plain name (None: no manifest, or not one)."""
-    try:
-        task = json.loads((folder / "manifest.json").read_text(encoding="utf-8")).get("task")
-    except (OSError, ValueError, RecursionError, AttributeError):
-        return None
+    task = recorded_field(folder, "manifest.json", "task")  # read as a metadata file: inside, capped, regular
     return task if isinstance(task, str) and task.isidentifier() else None
 
 
@@ -377,6 +379,10 @@ def load_adapter(resolved: Resolved, head, *, merge: bool = True, allowed_dirs=N
                       warn_missing=False, **kwargs)
     model = base.model
     check_base_weights(meta, base.checkpoint.folder, folder)
+    hidden = model.encoder.config.hidden_size
+    if config.rank > hidden:  # checked before add_lora allocates rank x (in + out) for every target
+        raise CheckpointError(f"{folder.name}/{ADAPTER_CONFIG}: rank {config.rank:,} is above the base model's hidden "
+                              f"size {hidden}; no LoRA delta of it has a higher rank")
     add_lora(model.encoder, config)
     weights = copy_adapter_weights(model, folder)
     report = base.report

@@ -93,11 +93,52 @@ def _adapter(folder, **meta):
     ({}, "'rank' is missing or not a int"),
     ({"rank": 4, "alpha": 8, "targets": ["query"]}, "'base_model' is missing"),
     ({"rank": 0, "alpha": 8, "targets": ["query"], "base_model": "default"}, "rank must be >= 1"),
+    # the scale alpha / rank multiplies every delta: NaN, 0 or astronomic, every answer would be NaN or overflow
+    ({"rank": 4, "alpha": float("nan"), "targets": ["query"], "base_model": "default"}, "alpha nan must be a finite"),
+    ({"rank": 4, "alpha": 1e308, "targets": ["query"], "base_model": "default"}, r"alpha 1e\+308 must be .* at most "
+                                                                                  r"1000 x rank \(4\)"),
+    ({"rank": 4, "alpha": 0, "targets": ["query"], "base_model": "default"}, "alpha 0 must be a finite number above 0"),
 ])
 def test_a_malformed_adapter_config_names_the_key(tmp_path, meta, message):
     folder = _adapter(tmp_path / "adapter", **meta)
     with pytest.raises(CheckpointError, match=message):
         load(folder, "sequence")
+
+
+def test_an_adapter_rank_above_the_base_width_is_refused_before_allocating(tmp_path, tiny):
+    """rank x (in + out) floats for every target: a rank of ten million asked for gigabytes; no LoRA delta of a
+    hidden-32 model has a rank above 32."""
+    adapter = _adapter(tmp_path / "adapter", rank=10_000_000, alpha=10_000_000.0, targets=["query"],
+                       base_model=str(tiny))
+    with pytest.raises(CheckpointError, match="adapter/adapter_config.json: rank 10,000,000 is above the base "
+                                              "model's hidden size 32"):
+        load(adapter, "sequence")
+
+
+def test_a_weight_stored_as_bool_or_integers_is_refused(tiny):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tiny / "model.safetensors")
+    name = next(k for k in state if k.endswith("query.weight"))
+    save_file({**state, name: state[name] > 0}, tiny / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"tensor '.*{name.split('.', 1)[-1]}' is stored as bool; a model weight "
+                                              "must be a floating-point tensor"):
+        load_pretrained(tiny)
+
+
+def test_a_fifo_in_place_of_a_metadata_file_is_refused_unread(tiny):
+    """Opening a FIFO blocks until someone writes to it: the loader would hang, not fail."""
+    from bert_engine.checkpoints.loader import recorded_task
+    from bert_engine.files import metadata_file
+
+    for name in ("config.json", "manifest.json", "tokenizer.json"):
+        (tiny / name).unlink(missing_ok=True)
+        os.mkfifo(tiny / name)
+        with pytest.raises(CheckpointError, match=f"tiny/{name}: not a regular file; refused unread"):
+            metadata_file(tiny, name)
+    assert recorded_task(tiny) is None  # the manifest says nothing it can read
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load(tiny)
 
 
 def test_an_adapter_cannot_point_its_base_outside_the_allowed_folders(tmp_path, tiny):
