@@ -840,8 +840,12 @@ def visitor_message():
 
 
 def public_message(message: str) -> str:
-    """An error message with the server's folders taken out (they tell a visitor nothing they need)."""
-    for folder in sorted({str(Path.cwd().resolve()), str(Path.home())}, key=len, reverse=True):
+    """An error message with the server's folders taken out (they tell a visitor nothing they need): the
+    working folder, the home folder and the Hub cache (HF_HOME / HF_HUB_CACHE may lie anywhere)."""
+    from huggingface_hub import constants as hub_constants  # noqa: PLC0415 - read at call time (tests move it)
+
+    folders = {str(Path.cwd().resolve()), str(Path.home()), str(Path(hub_constants.HF_HUB_CACHE).resolve())}
+    for folder in sorted(folders, key=len, reverse=True):
         message = message.replace(folder + os.sep, "").replace(folder, ".")
     return message
 

@@ -1196,3 +1196,15 @@ def test_the_model_picker_lists_the_default_once(tmp_path):
     choices = model_choices({"starter": str(starter), "mine": str(other)}, str(starter))
     assert choices == [("default (the task's starter model)", ""), ("mine · BERT", "mine")]
     assert len(model_choices({"mine": str(other)}, None)) == 2
+
+
+def test_a_visitors_error_names_no_server_folder_not_even_the_hub_cache(monkeypatch):
+    """A Hub model's refusal names files in its cache snapshot; the cache may lie outside the home folder
+    (HF_HOME=/srv/...): the visitor sees the repository's part of the path only."""
+    import huggingface_hub.constants as hub_constants
+
+    from playground.app import public_message
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", "/srv/hf-cache/hub")
+    shown = public_message("/srv/hf-cache/hub/models--owner--x/snapshots/abc/config.json: model_type 'gpt2' ...")
+    assert shown == "models--owner--x/snapshots/abc/config.json: model_type 'gpt2' ..." and "/srv" not in shown

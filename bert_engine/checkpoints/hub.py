@@ -212,8 +212,13 @@ class _Fetcher:
         try:
             huggingface_hub.get_hf_file_metadata(url, token=self.kwargs["token"], timeout=self.kwargs["etag_timeout"],
                                                  endpoint=self.kwargs["endpoint"], retry_on_errors=False)
-        except hub_errors.HfHubHTTPError:
-            return True  # the Hub answered (404, 401, 500...): the regular path reports it
+        except hub_errors.HfHubHTTPError as err:
+            status = getattr(getattr(err, "response", None), "status_code", None)
+            if isinstance(status, int) and status >= 500:
+                # said now, not after huggingface_hub's back-off (23 s of retries) ends in "check the network"
+                raise HubError(f"could not download 'config.json' of {self.where}: the Hub answered HTTP {status} "
+                               "(an error on its side); try again later, or pass a local folder") from None
+            return True  # the Hub answered (404, 401...): the regular path reports it
         except Exception as err:
             if _is_connection_error(err):
                 self.last_error = err
@@ -289,7 +294,11 @@ class _Fetcher:
                                "Hugging Face layout?") from None
             return None
         except hub_errors.LocalEntryNotFoundError as err:
-            # Offline and not cached, or the Hub unreachable and not cached.
+            # Offline and not cached, or the Hub unreachable and not cached, or the Hub answering with an error
+            status = getattr(getattr(err.__cause__, "response", None), "status_code", None)
+            if isinstance(err.__cause__, hub_errors.HfHubHTTPError) and isinstance(status, int):
+                raise HubError(f"could not download {filename!r} of {self.where}: the Hub answered HTTP {status}; "
+                               "try again later, or pass a local folder") from None
             self.last_error = err
             if required:
                 raise HubError(self._unavailable(filename, err)) from None
