@@ -394,7 +394,7 @@ def test_a_hub_model_picked_in_the_app_downloads_within_the_request_time_limit(r
         BertWithHead(PRESETS["tiny"].with_labels(["neg", "pos"]), "sequence").eval(), tmp_path / "slow", tiny_tokenizer)
     fake_hub.faults["model.safetensors"] = "trickle"
     app = build_app(registry, timeout_s=3)
-    app.queue(default_concurrency_limit=2)
+    app.queue(default_concurrency_limit=8)
     port = _launch(app)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
@@ -402,6 +402,14 @@ def test_a_hub_model_picked_in_the_app_downloads_within_the_request_time_limit(r
         with pytest.raises(Exception, match="downloading .*model.safetensors.* of .*owner/slow.* ran past its time limit"):
             client.predict("owner/slow", api_name="/sentiment_model")
         assert time.monotonic() - started < 15
+        # one session's loads are requests: 2 run, 2 wait for a place, the rest are refused at once
+        jobs = [client.submit("owner/slow", api_name="/sentiment_model") for _ in range(6)]
+        errors = []
+        for job in jobs:
+            with pytest.raises(Exception) as caught:
+                job.result(timeout=30)
+            errors.append(str(caught.value))
+        assert sum("wait for their answers before sending more" in e for e in errors) >= 2, errors
     finally:
         app.close()
 
