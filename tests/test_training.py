@@ -604,6 +604,17 @@ def test_reduce_rank_keeps_a_delta_of_lower_rank_exactly_and_the_best_approximat
             reduce_rank(full, 1.0, bad)
 
 
+def test_a_lora_rank_above_the_model_width_is_refused_before_allocating(tiny_checkpoint, tmp_path):
+    """A rank of 100,000 on MiniLM once trained, writing 14 GB of checkpoints for one step; no LoRA delta of a
+    width-32 model has a rank above 32, and the adapter would be larger than the model."""
+    task = load_registry(entry_points=False).task("sentiment")
+    cfg = _sentiment_cfg(tiny_checkpoint, tmp_path / "run", lora_rank=33)
+    with pytest.raises(ValueError, match="lora_rank 33 is above the model's hidden size 32"):
+        TaskJob(task, cfg)
+    assert not (tmp_path / "run").exists()
+    TaskJob(task, _sentiment_cfg(tiny_checkpoint, tmp_path / "run", lora_rank=32))  # at the width: allowed
+
+
 def test_adapter_on_a_changed_base_is_refused(tiny_checkpoint, tmp_path):
     base = tmp_path / "base"
     shutil.copytree(tiny_checkpoint, base)

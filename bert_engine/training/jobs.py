@@ -381,6 +381,10 @@ def _mlm_loss(logits: torch.Tensor, gold: torch.Tensor) -> tuple[torch.Tensor, i
 def _prepare_lora(model: nn.Module, cfg: TrainConfig):
     """Add LoRA adapters (encoder frozen) or freeze the encoder, as the config says."""
     if cfg.lora_rank:
+        hidden = model.encoder.config.hidden_size
+        if cfg.lora_rank > hidden:  # before add_lora allocates rank x (in + out) floats for every target
+            raise ValueError(f"lora_rank {cfg.lora_rank:,} is above the model's hidden size {hidden}: no LoRA delta of "
+                             f"it has a higher rank, and the adapter would be larger than the model; use at most {hidden}")
         lora = LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                           targets=tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip()),
                           dropout=cfg.lora_dropout)
