@@ -195,6 +195,9 @@ class BertWithHead(nn.Module):
             head = HEADS[head](config)
             head.apply(lambda module: init_weights(module, config.initializer_range))
         else:
+            if not isinstance(head, nn.Module):  # a task's build_head returned a function, a tensor, None...
+                raise TypeError(f"a head must be an nn.Module (a task's build_head returns one), got "
+                                f"{type(head).__name__} {head!r:.60}")
             # A task's own head: `kind` names the standard checkpoint head its weights follow, if any.
             self.head_name = getattr(head, "kind", None) or type(head).__name__
         self.config = config

@@ -421,7 +421,30 @@ def with_request(gr, function):
         inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=gr.Request),
         *signature.parameters.values()])
     handler.__annotations__ = {"request": gr.Request}  # what Gradio reads to fill it
+    handler.__doc__ = one_line_args(function.__doc__)  # what Gradio reads to describe the inputs (API, MCP)
     return handler
+
+
+def one_line_args(doc: str | None) -> str | None:
+    """A Google-style docstring with each `Args:` entry on one line: Gradio reads only an entry's first line
+    into the API's and the MCP tools' input descriptions, and cut every wrapped one mid-sentence."""
+    if not doc:
+        return doc
+    lines, out, args_indent, entry_indent = inspect.cleandoc(doc).split("\n"), [], None, None
+    for line in lines:
+        stripped, indent = line.strip(), len(line) - len(line.lstrip())
+        if stripped in ("Args:", "Arguments:", "Parameters:"):
+            args_indent, entry_indent = indent, None
+        elif args_indent is not None and stripped and indent <= args_indent:
+            args_indent = None  # the next section (Returns:, Raises:) or the text after it
+        elif args_indent is not None and stripped:
+            if entry_indent is None or indent <= entry_indent:
+                entry_indent = indent  # an entry's first line: "name: what it is"
+            else:
+                out[-1] = f"{out[-1]} {stripped}"  # its continuation, joined to it
+                continue
+        out.append(line)
+    return "\n".join(out)
 
 
 def host_handler(gr, endpoints: dict[str, Any], function, api_name: str | None = None):
@@ -455,7 +478,7 @@ def publish_json(gr, function, inputs: list[Any], api_name: str, description: st
         if isinstance(answer, dict) and ("result" in answer or any(isinstance(v, dict) for v in answer.values())):
             message = f"the tab's answer {problem}"  # a prediction, or All tasks' mapping of them
             if registry is not None and api_name in registry.tasks:
-                registry.record_request_failure(api_name, message, stage="tab")
+                registry.record_request_failure(api_name, message, stage="tab handler")
             raise shown_error(gr, f"{api_name}: {message}; this is a bug in the task's tab, not in your input")
         try:  # the tab's other outputs, page values (an update, an image): their text where JSON has none
             return json.dumps(answer, ensure_ascii=False, default=str, allow_nan=False)
@@ -897,8 +920,15 @@ def _build_task_tab(gr, task, predictor: LazyPredictor, registry: Registry, wrap
         gr.Markdown(f"**The tab of `{task.spec.name}` (plugin {task.plugin} {task.plugin_version}) is left out:** "
                     f"it would take the endpoints {html.escape(', '.join(stray))}.")
         return
+
+    def named_wrap(fn, api_name):
+        return wrap(tab_failures_named(gr, fn, task.spec.name, registry), api_name)
+
+    def named_publish(fn, inputs, api_name, description=""):
+        return publish(tab_failures_named(gr, fn, task.spec.name, registry), inputs, api_name, description)
+
     try:
-        with ui.wiring(wrap, task.spec.description, publish=publish):
+        with ui.wiring(named_wrap, task.spec.description, publish=named_publish if publish else None):
             task.spec.build_tab(predictor)
     except Exception as err:  # a stranger's tab must not take the app down
         registry.record_failure(PluginFailure(task.plugin, task.plugin_version, "tab",
@@ -1075,6 +1105,30 @@ def shown_error(gr, message: str):
     to the console for every refused input (the failures of a task's code are logged where caught)."""
     logger.info("answered with an error: %s", message)
     return gr.Error(message, print_exception=False)
+
+
+def tab_failures_named(gr, function, task: str, registry: Registry):
+    """`function` (a task's tab handler) with an exception of its own code (not the task's InputError, nor a
+    message the app already shows) recorded for the Plugins tab at stage "tab handler" and shown in one line that
+    names the plugin: a tab's formatting of an answer is the plugin's code as much as its hooks are.
+    Generators and coroutines are left as they are."""
+    if function is None or inspect.isgeneratorfunction(function) or inspect.iscoroutinefunction(function):
+        return function
+
+    @functools.wraps(function)
+    def named(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except (InputError, gr.Error):
+            raise
+        except Exception as err:  # noqa: BLE001 - a plugin's tab code: contained, recorded, named
+            failure = registry.record_request_failure(task, f"{type(err).__name__}: {err}"[:300], stage="tab handler",
+                                                      location=failure_location(err))
+            message = (f"{task}: its tab failed ({type(err).__name__}: {str(err)[:200]}); this is a bug in plugin "
+                       f"{failure.plugin}, not in your input")
+        raise shown_error(gr, html.escape(public_message(message), quote=False))
+
+    return named
 
 
 def input_errors_shown(gr, function):

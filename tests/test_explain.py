@@ -171,3 +171,19 @@ def test_a_pipeline_is_explained_as_its_predictor():
     assert explained["task"] == "sentiment" and explained["targets"]
     with pytest.raises(TypeError, match="explain needs a pipeline\\(\\) or a Predictor, got int"):
         explain(42, INPUTS["sentiment"])
+
+
+def test_explain_hands_the_head_a_padding_mask_as_predictions_do(registry, predictors, monkeypatch):
+    """docs/plugins.md's mean-pooling head reads `encoded.attention_mask`; explain once called the model with
+    none, and a plugin built on that head failed in `explain` alone (the session-52 plugin audit)."""
+    predictor = predictors["sentiment"]
+    head_class = type(predictor.model.head)
+    forward, masks = head_class.forward, []
+
+    def recording(self, encoded, *args, **kwargs):
+        masks.append(encoded.attention_mask)
+        return forward(self, encoded, *args, **kwargs)
+
+    monkeypatch.setattr(head_class, "forward", recording)
+    explain(predictor, INPUTS["sentiment"], steps=4)
+    assert masks and all(mask is not None and bool(mask.all()) for mask in masks)

@@ -222,3 +222,27 @@ def test_overlapping_chunk_thread_settings_put_back_the_count_before_the_first()
     assert torch.get_num_threads() == start and not threads_held()
     with _threads(None):
         assert not threads_held()  # (None: as set, nothing held)
+
+
+def test_a_build_head_that_returns_no_module_is_named_at_load(tmp_path):
+    """A plugin's build_head returned a plain function: it loaded, and every request then failed in postprocess
+    with "'NoneType' object is not iterable" (the session-52 plugin audit). Now the load says what is wrong."""
+    from conftest import reference_checkpoint
+
+    from bert_engine import PRESETS
+    from bert_engine.runtime.inference import Predictor
+
+    with pytest.raises(TypeError, match="a head must be an nn.Module .*got function"):
+        BertWithHead(PRESETS["tiny"], lambda encoded: encoded.pooled)
+
+    class Plugin:
+        @hookimpl
+        def register_tasks(self, register):
+            register(TaskSpec(name="lam", title="L", build_head=lambda config: (lambda encoded: encoded.pooled),
+                              preprocess=lambda i, t, **o: t(i["text"]), postprocess=lambda o, b, **k: {}))
+
+    registry = load_registry(entry_points=False)
+    assert registry.load_plugin("lam", "0.1", "test", Plugin)
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "A", 1: "B"}))
+    with pytest.raises(TypeError, match="a head must be an nn.Module"):
+        Predictor.load(registry.task("lam"), tiny)

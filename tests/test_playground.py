@@ -1175,7 +1175,37 @@ def test_a_value_the_tab_adds_that_json_cannot_hold_is_the_tabs_recorded_failure
     finally:
         app.close()
     (failure,) = [f for f in registry.failures if f.plugin == "tabby"]
-    assert failure.stage == "tab" and "float32" in failure.message
+    assert failure.stage == "tab handler" and "float32" in failure.message
+
+
+def _read_a_missing_field(predictor, text, out, button):
+    """The tab reads a field its task's result does not have (a plugin author's slip)."""
+    def run(t):
+        return predictor.predict({"text": t})["result"]["no_such_field"]
+
+    ui.wire(gr, button, run, [text], [out], api_name="tabby")
+
+
+def test_an_exception_in_a_tabs_own_handler_names_the_plugin_and_is_recorded(tmp_path):
+    """The API and MCP answered Gradio's generic "the upstream Gradio app has raised an exception" and the Plugins
+    tab showed nothing (the session-52 plugin audit): the tab's handler is the plugin's code too."""
+    from conftest import reference_checkpoint
+
+    registry = load_registry(entry_points=False)
+    assert registry.load_plugin("tabby", "0.1", "test", _tab_plugin("tabby", _read_a_missing_field))
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
+    app = build_app(registry, checkpoints={"tabby": tiny})
+    port = _launch(app)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        for api_name in ("/tabby", "/tabby_view"):  # the API and MCP tool, and the page's own event
+            with pytest.raises(Exception, match="tabby: its tab failed \(KeyError: .*no_such_field.*\); this is a "
+                                                "bug in plugin tabby, not in your input"):
+                client.predict("hello", api_name=api_name)
+    finally:
+        app.close()
+    (failure,) = [f for f in registry.failures if f.plugin == "tabby"]
+    assert failure.stage == "tab handler" and "no_such_field" in failure.message
 
 
 def test_results_json_cannot_hold_are_named_for_what_they_are():
@@ -1216,3 +1246,26 @@ def test_a_visitors_error_names_no_server_folder_not_even_the_hub_cache(monkeypa
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", "/srv/hf-cache/hub")
     shown = public_message("/srv/hf-cache/hub/models--owner--x/snapshots/abc/config.json: model_type 'gpt2' ...")
     assert shown == "models--owner--x/snapshots/abc/config.json: model_type 'gpt2' ..." and "/srv" not in shown
+
+
+def test_every_api_input_is_described_in_full_for_mcp_clients(registry):
+    """Gradio reads an `Args:` entry's first line only: wrapped descriptions reached MCP clients cut mid-sentence
+    ("for a task of one text field, the"; "cautious (when in"). Each is joined into one line (one_line_args)."""
+    import gradio.utils as gradio_utils
+
+    from playground.app import one_line_args
+
+    app = build_app(registry)
+    published = {*registry.tasks, "explain", "compare"}
+    seen = 0
+    for block_fn in app.fns.values():
+        if block_fn.api_name not in published:
+            continue
+        _, described, _ = gradio_utils.get_function_description(block_fn.fn)
+        for name, text in described.items():
+            if name != "request":
+                seen += 1
+                assert text.rstrip().endswith((".", ")", '"')), (block_fn.api_name, name, text)
+    assert seen >= 15
+    assert one_line_args("Do.\n\n    Args:\n        a: one\n            two.\n        b: three.\n\n    Returns:\n"
+                         "        x\n") == "Do.\n\nArgs:\n    a: one two.\n    b: three.\n\nReturns:\n    x"

@@ -242,8 +242,8 @@ def _attribute(predictor: Predictor, model: nn.Module, batch, r: int, n: int, ta
         lock (the hook lives only inside the call, so no other request's forward ever meets it)."""
         rows = embeddings.shape[0]
         handle = table.register_forward_hook(lambda _module, _args, _output: embeddings)
-        try:
-            return model(input_ids=ids.expand(rows, -1), attention_mask=None,
+        try:  # one unpadded row: every token attended to, a mask of ones (heads read it: docs/plugins.md)
+            return model(input_ids=ids.expand(rows, -1), attention_mask=torch.ones_like(ids).expand(rows, -1),
                          token_type_ids=segments.expand(rows, -1), **extra)
         finally:
             handle.remove()

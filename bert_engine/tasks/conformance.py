@@ -96,6 +96,25 @@ def golden_cases(task: RegisteredTask) -> list[tuple[str, dict[str, str]]]:
     return cases
 
 
+def _not_plain(node: Any, path: str) -> str:
+    """Where in `node` JSON would change something: the first tuple or non-string key, as a path."""
+    if isinstance(node, tuple):
+        return f"{path} (a tuple)"
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            if not isinstance(key, str):
+                return f"{path} (the key {key!r}, not a string)"
+            found = _not_plain(value, f"{path}.{key}")
+            if found:
+                return found
+    if isinstance(node, list):
+        for index, value in enumerate(node):
+            found = _not_plain(value, f"{path}[{index}]")
+            if found:
+                return found
+    return "" if path != "result" else f"{path} ({type(node).__name__} at the top)"
+
+
 def check_result(task: RegisteredTask, case: str, inputs: Mapping[str, str], result: Any,
                  labels: set[str] | None) -> list[Violation]:
     """Every rule above, applied to one result."""
@@ -111,7 +130,7 @@ def check_result(task: RegisteredTask, case: str, inputs: Mapping[str, str], res
     else:
         if json.loads(json.dumps(result)) != result:  # a tuple or a non-string key changes on the way
             fail("json", f"result is not plain JSON data (dicts with string keys, lists, strings, numbers): "
-                         f"it comes back from JSON changed ({type(result).__name__} at the top)")
+                         f"{_not_plain(result, 'result')} comes back from JSON changed")
     default_field = task.spec.input_fields[-1]
 
     def walk(node: Any, path: str) -> None:
@@ -297,7 +316,28 @@ def _check_labels(task: RegisteredTask, predictor: Predictor) -> list[Violation]
     if found is None or tuple(found) != tuple(declared):
         return [Violation(task.spec.name, "labels", "labels", f"the task declares labels {declared} but a new head "
                                                               f"has head.labels = {found!r}")]
+    width = _scores_per_row(head, config)
+    if width is not None and width != len(found):  # softmax over 5 scores for 2 labels: sums that are not 1
+        return [Violation(task.spec.name, "labels", "labels", f"the head gives {width} scores per row (the last "
+                                                              f"dimension of its output) for its {len(found)} labels "
+                                                              f"{tuple(found)}: size its output layer by the labels")]
     return []
+
+
+def _scores_per_row(head: Any, config) -> int | None:
+    """The last dimension of what `head` returns for one short row (a tensor, or an output with `.logits`);
+    None where it returns something else or fails (the golden cases report a failure)."""
+    from ..model import EncoderOutput  # noqa: PLC0415 - the encoder's output type, for one made-up row
+
+    hidden = torch.randn(1, 3, config.hidden_size)
+    encoded = EncoderOutput(hidden, pooled=torch.tanh(hidden[:, 0]), attention_mask=torch.ones(1, 3, dtype=torch.long))
+    try:
+        with torch.no_grad():
+            output = head(encoded)
+    except (Exception, SystemExit):
+        return None
+    output = getattr(output, "logits", output)
+    return int(output.shape[-1]) if isinstance(output, torch.Tensor) and output.dim() >= 2 else None
 
 
 def _check_tab(task: RegisteredTask, predictor: Predictor, timed) -> list[Violation]:

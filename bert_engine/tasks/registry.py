@@ -62,7 +62,7 @@ SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 HOST_ENDPOINTS = frozenset({"plugins", "all_tasks", "explain", "compare", "attention"})
 HOST_SUFFIXES = ("_view", "_model", "_why", "_compare")
 
-REQUEST_STAGES = ("preprocess", "forward", "postprocess", "explain", "request", "time limit")
+REQUEST_STAGES = ("preprocess", "forward", "postprocess", "explain", "tab handler", "request", "time limit")
 IMPORT_TIMEOUT_S = 30.0  # importing a plugin and running its register_tasks hook (BERT_ENGINE_PLUGIN_TIMEOUT)
 
 
@@ -84,7 +84,8 @@ class PluginFailure:
     plugin: str
     version: str
     # "select", "import", "register", "hook", "validate", "duplicate", "tab", or at request time
-    # "preprocess", "forward", "postprocess", "request" (elsewhere in its call), "time limit"
+    # "preprocess", "forward", "postprocess", "explain", "tab handler" (its tab's code answering an event),
+    # "request" (elsewhere in its call), "time limit"
     stage: str
     message: str
     source: str = ""              # "builtin" or "entry point" ("" for request-time records)
