@@ -68,9 +68,17 @@ def test_server_error_gives_clear_message(hub_repo, tmp_path):
 
     hub_repo.faults["config.json"] = "500"
     started = time.monotonic()
-    with pytest.raises(HubError, match="could not download 'config.json' of 'owner/tiny': the Hub answered HTTP 500"):
+    with pytest.raises(HubError, match="could not download 'config.json' of 'owner/tiny': the Hub answered HTTP 500 "
+                                       r"\(an error on its side\) and there is no cached copy"):
         _load(hub_repo, tmp_path)
     assert time.monotonic() - started < 10  # not after huggingface_hub's 23 s of retries
+
+
+def test_a_hub_answering_500_leaves_the_cached_copy_usable(hub_repo, tmp_path):
+    first, tokenizer = _load(hub_repo, tmp_path)
+    hub_repo.faults["config.json"] = "500"
+    again, _ = _load(hub_repo, tmp_path)
+    torch.testing.assert_close(_logits(again, tokenizer), _logits(first, tokenizer))
 
 
 @pytest.mark.parametrize("fault", ["drop", "truncate"])

@@ -114,8 +114,9 @@ huggingface_hub.set_client_factory(_client_factory(getattr(hub_http, "_GLOBAL_CL
                                                            hub_http.default_client_factory)))
 
 
-def _weights_limit(config: BertConfig) -> int:
-    """The most bytes the weights of a model of `config` may declare: loading.check_size's rule."""
+def max_weight_bytes(config: BertConfig) -> int:
+    """The most bytes the weights of a model of `config` may declare (8 a parameter, with room for an untrained
+    MLM head, pooler or task head): what a download admits and loading.check_size reads."""
     room = 2 * config.vocab_size * config.hidden_size + 64 * 2**20  # an untrained MLM head, pooler or task head
     return 8 * config.parameter_count() + 4 * room
 
@@ -165,11 +166,16 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
         if not offline and not fetch.hub_reachable():
             # One failed probe, then cache only: otherwise every uncached optional file would wait
             # through huggingface_hub's retry back-off (tens of seconds each) before falling back.
-            logger.warning("the Hub is unreachable; using the cached copy of %r if there is one", name)
+            logger.warning("the Hub is %s; using the cached copy of %r if there is one",
+                           f"answering HTTP {fetch.status}" if fetch.status else "unreachable", name)
             fetch.go_offline(unreachable=True)
         config = fetch("config.json", required=True, limit=MAX_METADATA_BYTES)
         # read before any weights come: a config we cannot load, or of a model too large, costs one small file
-        weights_limit = _weights_limit(BertConfig.from_json_file(config))
+        model_config = BertConfig.from_json_file(config)
+        if model_config.parameter_count() > settings.get("BERT_ENGINE_MAX_PARAMETERS"):
+            raise HubError(f"{name!r}: config.json describes {model_config.parameter_count():,} parameters; the limit "
+                           f"is {settings.get('BERT_ENGINE_MAX_PARAMETERS'):,} (BERT_ENGINE_MAX_PARAMETERS); not downloaded")
+        weights_limit = max_weight_bytes(model_config)
         weights = fetch.first_of(WEIGHT_FILES + (ADAPTER_WEIGHTS,), "weights",  # an index is a metadata file
                                  limit=lambda file: MAX_METADATA_BYTES if file.endswith(".json") else weights_limit)
         if weights.name == ADAPTER_WEIGHTS:
@@ -201,6 +207,7 @@ class _Fetcher:
         self.repo_id, self.revision, self.offline = repo_id, revision, offline
         self.budget = settings.get("BERT_ENGINE_MAX_DOWNLOAD_MB") * 2**20  # bytes this checkpoint may still download
         self.unreachable = False
+        self.status: int | None = None  # an HTTP 5xx the probe got from the Hub
         self.last_error: BaseException | None = None
         self.kwargs = dict(revision=revision, cache_dir=cache_dir, local_files_only=offline, endpoint=endpoint,
                            token=token, etag_timeout=etag_timeout, library_name="bert-engine")
@@ -215,9 +222,10 @@ class _Fetcher:
         except hub_errors.HfHubHTTPError as err:
             status = getattr(getattr(err, "response", None), "status_code", None)
             if isinstance(status, int) and status >= 500:
-                # said now, not after huggingface_hub's back-off (23 s of retries) ends in "check the network"
-                raise HubError(f"could not download 'config.json' of {self.where}: the Hub answered HTTP {status} "
-                               "(an error on its side); try again later, or pass a local folder") from None
+                # An error on the Hub's side: the cached copy, as for an unreachable Hub, else said now (not
+                # after huggingface_hub's 23 s of retries, which ended in "check the network")
+                self.last_error, self.status = err, status
+                return False
             return True  # the Hub answered (404, 401...): the regular path reports it
         except Exception as err:
             if _is_connection_error(err):
@@ -316,6 +324,9 @@ class _Fetcher:
         return f"{self.repo_id!r}" + (f" at revision {self.revision!r}" if self.revision else "")
 
     def _unavailable(self, filename: str, err: BaseException | None) -> str:
+        if self.status is not None:
+            return (f"could not download {filename!r} of {self.where}: the Hub answered HTTP {self.status} (an error "
+                    "on its side) and there is no cached copy; try again later, or pass a local folder")
         if self.unreachable:
             return (f"could not reach the Hub for {filename!r} of {self.where} and there is no cached copy "
                     f"({_short(self.last_error or err)}); check the network, or pass a local folder{self._typo()}")

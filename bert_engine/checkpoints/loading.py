@@ -38,7 +38,7 @@ from ..files import (  # noqa: F401  (re-exported: loading is where callers look
 )
 from ..heads import BertWithHead
 from ..model import BertModel, encoder_of
-from .hub import WEIGHT_FILES
+from .hub import WEIGHT_FILES, max_weight_bytes
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
@@ -303,7 +303,7 @@ def check_size(config: BertConfig, weights: Path, source: str) -> None:
     if 2 * count > 2 * stored + room:
         raise CheckpointError(f"{source}: config.json describes {count:,} parameters but the weights files hold "
                               f"{stored:,} bytes; the config does not belong to these weights")
-    if stored > 8 * count + 4 * room:
+    if stored > max_weight_bytes(config):
         raise CheckpointError(f"{source}: the weights files declare {stored:,} bytes of tensors, more than a model of "
                               f"this config holds ({count:,} parameters); they do not belong to this config")
 
