@@ -94,7 +94,7 @@ SETTINGS = {s.name: s for s in (
             "files together, checked from the sizes the Hub declares before each file is fetched (the weights only "
             "after config.json describes a model they fit)", least=1),
     Setting("BERT_ENGINE_DOWNLOAD_TIMEOUT", "float", 1800.0, "use", "seconds one Hub checkpoint's download may take "
-            "in all (0: no limit); slower, it is stopped, the part fetched kept for the next try. In the app a "
+            "in all (0: no limit); slower, it is stopped (nothing half-written is kept; the next try starts over). In the app a "
             "request's own limit (BERT_ENGINE_TIMEOUT) also applies to a model it loads"),
     Setting("BERT_ENGINE_MAX_PARAMETERS", "int", 2_000_000_000, "use", "the largest model a config.json may "
             "describe"),

@@ -74,6 +74,17 @@ def test_server_error_gives_clear_message(hub_repo, tmp_path):
     assert time.monotonic() - started < 10  # not after huggingface_hub's 23 s of retries
 
 
+def test_a_server_error_on_the_weights_is_named_at_once(hub_repo, tmp_path):
+    import time
+
+    hub_repo.faults["model.safetensors"] = "500"
+    started = time.monotonic()
+    with pytest.raises(HubError, match="could not download 'model.safetensors' of 'owner/tiny': the Hub answered "
+                                       "HTTP 500"):
+        _load(hub_repo, tmp_path)
+    assert time.monotonic() - started < 10  # the size probe does not retry (huggingface_hub's back-off: 23 s)
+
+
 def test_a_hub_answering_500_leaves_the_cached_copy_usable(hub_repo, tmp_path):
     first, tokenizer = _load(hub_repo, tmp_path)
     hub_repo.faults["config.json"] = "500"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx2
 import huggingface_hub
+from huggingface_hub import constants as hub_constants
 from huggingface_hub import errors as hub_errors
 from huggingface_hub.utils import _http as hub_http
 
@@ -239,11 +240,20 @@ class _Fetcher:
         self.kwargs["local_files_only"] = True
 
     def size(self, filename: str) -> int | None:
-        """The bytes `filename` would download (0 when cached; None offline), from the Hub's HEAD."""
+        """The bytes `filename` would download (0 when its blob is cached; None offline), from one HEAD without
+        retries (an HTTP error is said at once, not after huggingface_hub's 23 s of back-off)."""
         if self.offline:
             return None
-        info = huggingface_hub.hf_hub_download(self.repo_id, filename, dry_run=True, **self.kwargs)
-        return info.file_size if info.will_download else 0
+        url = huggingface_hub.hf_hub_url(self.repo_id, filename, revision=self.revision,
+                                         endpoint=self.kwargs["endpoint"])
+        meta = huggingface_hub.get_hf_file_metadata(url, token=self.kwargs["token"], timeout=self.kwargs["etag_timeout"],
+                                                    endpoint=self.kwargs["endpoint"], retry_on_errors=False)
+        cache = Path(self.kwargs["cache_dir"] or hub_constants.HF_HUB_CACHE) / f"models--{self.repo_id.replace('/', '--')}"
+        if meta.etag and (cache / "blobs" / meta.etag).is_file():
+            return 0  # the cache's layout: blobs named by their ETag
+        if meta.size is None:  # a chunked answer declares nothing: its size could be anything
+            raise HubError(f"the Hub declared no size for {filename!r} of {self.where}; not downloaded")
+        return meta.size
 
     def admit(self, filename: str, size: int | None, limit) -> None:
         """Refuse, before downloading it, a file larger than its kind's `limit` (bytes, or a function of the
@@ -312,6 +322,10 @@ class _Fetcher:
                 raise HubError(self._unavailable(filename, err)) from None
             return None
         except (hub_errors.HfHubHTTPError, hub_errors.OfflineModeIsEnabled, OSError, ValueError) as err:
+            status = getattr(getattr(err, "response", None), "status_code", None)
+            if isinstance(err, hub_errors.HfHubHTTPError) and isinstance(status, int):
+                raise HubError(f"could not download {filename!r} of {self.where}: the Hub answered HTTP {status}; "
+                               "try again later, or pass a local folder") from None
             raise HubError(f"could not download {filename!r} of {self.where}: {_short(err)}. Check the network, "
                            "or pass a local folder; a cached copy is used with HF_HUB_OFFLINE=1") from None
         except Exception as err:  # connection errors of the HTTP client huggingface_hub uses
