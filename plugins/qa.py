@@ -24,7 +24,7 @@ from plugins.qa_data import read_data
 from plugins.qa_metric import metric
 from plugins.qa_options import check_options, no_answer_choice, no_answer_rule
 from plugins.qa_spans import bands, whole_words
-from plugins.qa_view import PIPELINE_ARGUMENTS, answer_view, candidate_scores, pipeline_output
+from plugins.qa_view import PIPELINE_ARGUMENTS, answer_view, candidate_bars, pipeline_output
 from plugins.qa_windows import at_input, max_context_windows, preprocess, preprocess_many
 from plugins.starter import starter_checkpoint
 
@@ -220,7 +220,7 @@ def build_tab(predictor) -> None:
     button = ui.run_button(gr, "Answer")
     view = gr.HTML(ui.empty_state("The answer appears here, marked in its context (or “No answer in this "
                                   "context”)."), label="Answer in its context")
-    candidates = gr.Label(label="Candidates", show_label=True)
+    candidates = gr.HTML(label="Candidates", elem_classes=["qa-candidates-box"])
     details = ui.details(gr)
 
     def run(question: str, context: str, top_k: float = 3, no_answer: str = "eager"):
@@ -235,7 +235,7 @@ def build_tab(predictor) -> None:
         """
         output = predictor.predict({"question": question, "context": context}, top_k=ui.whole(top_k), no_answer=no_answer)
         result = output["result"]
-        return answer_view(context, result), candidate_scores(result), output
+        return answer_view(context, result), candidate_bars(result), output
 
     ui.wire(gr, button, run, [question, context, top_k, no_answer], [view, candidates, details],
             api_name="qa", examples=[[e["question"], e["context"]] for e in EXAMPLES])

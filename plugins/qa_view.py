@@ -5,7 +5,7 @@ question-answering pipeline's shape, with that pipeline's arguments read as this
 from __future__ import annotations
 
 from bert_engine.hookspecs import InputError
-from bert_engine.ui import percent, user_text
+from bert_engine.ui import bar, percent, user_text
 
 EXCERPT_CHARS = 600  # a longer context shows this much around the answer, the whole text one click away
 
@@ -57,16 +57,23 @@ def answer_view(context: str, result: dict) -> str:
             f'{_excerpt(context, start, end, mark)}</div></div>')
 
 
-def candidate_scores(result: dict) -> dict[str, float]:
-    """Candidates for the bars: answer text -> probability, with "no answer" among them; the same text
-    found at two places is told apart by its position."""
-    scores: dict[str, float] = {}
-    for a in result["answers"]:
-        label = a["answer"] if a["answer"] not in scores else f"{a['answer']} (at {a['start']})"
-        scores[label] = a["score"]
-    verdict = result["no_answer"]  # the probability that decided, as the headline says it (the verifier's where it
-    scores["(no answer)"] = verdict["probability"] if verdict.get("rule") == "verifier" else verdict["score"]  # ruled)
-    return scores
+def candidate_bars(result: dict) -> str:
+    """The candidates as bars (the span head's probabilities), under a line saying how the "no answer" decision
+    went. No headline of its own: a bar chart whose tallest bar was "(no answer)" read as the answer beside an
+    answer line that gave a span, because the verifier's probability decides against its own threshold, not
+    against the spans' (the session-52 browser audit)."""
+    null = result["no_answer"]
+    if null.get("rule") == "verifier":
+        decision = (f"“No answer”: {percent(null['probability'])} sure the text does not say it (this setting "
+                    f"says “no answer” above {percent(null['threshold'])})" if null.get("threshold") is not None else "")
+    elif null.get("rule") == "null gap":
+        decision = f"“No answer” by the null gap {null['null_gap']} against the threshold {null['threshold']}"
+    else:
+        decision = ""
+    rows = "".join(bar(a["score"], a["answer"] if len(a["answer"]) <= 60 else a["answer"][:57] + "…")
+                   for a in result["answers"])
+    note = f'<p class="qa-decision" style="opacity:.85;margin:.4em 0 0">{user_text(decision)}</p>' if decision else ""
+    return f'<div class="qa-candidates">{rows or user_text("No span fits.")}{note}</div>'
 
 
 def pipeline_output(result: dict, options, single: bool):
