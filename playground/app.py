@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 import uuid
@@ -233,7 +234,8 @@ class ServedPredictor(BatchingPredictor):
             provenance = output["provenance"]
             sides.append({"label": label, "model": provenance["model"], "precision": provenance["dtype"],
                           "seconds": round(time.perf_counter() - start, 3), "result": output["result"],
-                          "brief": brief_answer(self.task, output["result"])})
+                          "brief": brief_answer(self.task, output["result"]),
+                          "untrained_head": bool(provenance.get("untrained_head"))})
         disagree, scores = insight.differences(sides[0]["result"], sides[1]["result"])
         return {"task": self.task.spec.name, "a": sides[0], "b": sides[1], "agree": not disagree,
                 "disagreements": disagree, "score_differences": scores}, inputs
@@ -814,14 +816,18 @@ def check_model_choice(value: str, allowed: list[Path], known: dict[str, str] | 
 
 
 def _checked_choice(value: str, allowed: list[Path]) -> str:
+    if re.match(r"^[a-z][a-z0-9+.-]*://", value, re.IGNORECASE):  # a web address: neither a folder nor a Hub id
+        hub = re.match(r"^https?://(?:www\.)?huggingface\.co/([^/?#]+(?:/[^/?#]+)?)/?$", value, re.IGNORECASE)
+        hint = f"; for this one, {hub.group(1)!r}" if hub else ""
+        raise InputError(f"{value[:200]!r} is a web address; give a Hub id such as owner/name{hint}, or a listed model")
     first = value.replace("\\", "/").split("/")[0]
     local = looks_local(value) or first in {Path(root).name for root in allowed} or (Path.cwd() / first).is_dir()
     if not local:
         return value
     if not inside_any(value, allowed):
         raise InputError(f"the local folder {value[:200]!r} is outside the folders models may be loaded from "
-                         f"({', '.join(short_path(root) for root in allowed)}); set BERT_ENGINE_MODEL_DIRS to allow "
-                         "another")
+                         f"({', '.join(short_path(root) for root in allowed)}); a Hub id has the form owner/name (the "
+                         "server's operator can allow another folder with BERT_ENGINE_MODEL_DIRS)")
     resolved, cwd = Path(value).expanduser().resolve(), Path.cwd().resolve()
     if not resolved.is_dir():
         raise InputError(f"there is no model folder {value[:200]!r} here; pick one from the list, or give a Hub id "

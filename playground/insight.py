@@ -143,7 +143,8 @@ def compare_html(compared: dict[str, Any]) -> str:
     largest score differences."""
     cards = "".join(
         f'<div class="be-card"><div class="be-card-title">{html.escape(side["label"])}: {html.escape(side["model"])} · '
-        f'{html.escape(side["precision"])} · {side["seconds"]:.2f} s</div>'
+        f'{html.escape(side["precision"])} · {side["seconds"]:.2f} s'
+        f'{" · <strong>head not trained</strong> (its answers are chance)" if side.get("untrained_head") else ""}</div>'
         f'<div class="be-card-answer">{html.escape(side["brief"])}</div></div>' for side in (compared["a"], compared["b"]))
     disagree, scores = compared["disagreements"], compared["score_differences"]
     if disagree:

@@ -167,6 +167,10 @@ def _round(value: float) -> float:
 classify_many = predict_texts  # many texts in length-sorted batches, results in input order
 
 
+TRUNCATED_LABEL = ("Labels: only the start of this long text was read (choose “windows” under Options to read all "
+                   "of it)")
+
+
 def build_tab(predictor) -> None:
     import gradio as gr  # noqa: PLC0415 - Gradio loads only where a UI is built
 
@@ -187,7 +191,10 @@ def build_tab(predictor) -> None:
             long_input: what to do with a text longer than the model reads at once: "truncate" or "windows".
         """
         output = predictor.predict({"text": text, "text_pair": text_pair or None}, long_input=long_input)
-        return {item["label"]: item["score"] for item in output["result"]["labels"]}, output
+        scores = {item["label"]: item["score"] for item in output["result"]["labels"]}
+        # a long text read only in part says so where the answer is, not only in the closed details' JSON
+        cut = (output["result"].get("long_input") or {}).get("truncated")
+        return gr.Label(value=scores, label=TRUNCATED_LABEL if cut else "Labels"), output
 
     ui.wire(gr, button, run, [text, pair, long_input], [bars, details], api_name="sentiment",
             examples=[[e["text"]] for e in EXAMPLES])

@@ -609,9 +609,17 @@ def _keep_probability(start: int, end: int):
     return score
 
 
+BRIEF_SENTENCES = 3  # a card's share of a summary (the tab's own default length): All tasks showed 175 of a long paste
+
+
 def brief(result) -> str:
-    """The chosen sentences, or why there are none."""
-    return result["summary"] or f"no sentence chosen: {result.get('explanation') or 'the text has none to choose'}"
+    """The chosen sentences (the first BRIEF_SENTENCES of them, saying how many there are), or why there are none."""
+    if not result["summary"]:
+        return f"no sentence chosen: {result.get('explanation') or 'the text has none to choose'}"
+    chosen = [s["text"] for s in result["sentences"] if s["selected"]]
+    if len(chosen) <= BRIEF_SENTENCES:
+        return result["summary"]
+    return " ".join(chosen[:BRIEF_SENTENCES]) + f" … ({len(chosen)} sentences in all; the Summary tab sets the length)"
 
 
 @hookimpl

@@ -43,5 +43,7 @@ def test_differences_tell_a_different_answer_from_a_different_score():
     page = insight.compare_html({"a": {"label": "A", "model": "m", "precision": "float32", "seconds": 0.1,
                                        "brief": "POSITIVE 98 %"},
                                  "b": {"label": "B", "model": "m", "precision": "int8", "seconds": 0.1,
-                                       "brief": "NEGATIVE 51 %"}, "disagreements": disagree, "score_differences": scores})
+                                       "brief": "NEGATIVE 51 %", "untrained_head": True},
+                                 "disagreements": disagree, "score_differences": scores})
     assert "They disagree" in page and page.count('class="be-disagree"') == len(disagree)
+    assert page.count("head not trained") == 1  # B's card says its answers are chance (the browser audit)

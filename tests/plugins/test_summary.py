@@ -254,3 +254,16 @@ def test_cli_predicts_a_summary_with_provenance(minilm_dir):
     payload = json.loads(out.stdout)
     assert payload["task"] == "summary" and len(payload["result"]["selected"]) == 2
     assert "latency_ms" in payload["provenance"]
+
+
+def test_the_brief_answer_of_a_long_summary_is_its_first_sentences_and_their_count():
+    """All tasks put a 50,000-character paste's whole 175-sentence summary on its card (the browser audit)."""
+    from plugins.summary import BRIEF_SENTENCES, brief
+
+    sentences = [{"text": f"Sentence {i}.", "selected": i % 2 == 0} for i in range(20)]
+    chosen = [s["text"] for s in sentences if s["selected"]]
+    result = {"summary": " ".join(chosen), "sentences": sentences}
+    assert brief(result) == " ".join(chosen[:BRIEF_SENTENCES]) + " … (10 sentences in all; the Summary tab sets the length)"
+    short = {"summary": "Sentence 0. Sentence 2.", "sentences": sentences[:3]}
+    assert brief(short) == "Sentence 0. Sentence 2."
+    assert brief({"summary": "", "explanation": "no sentence was long enough"}).startswith("no sentence chosen")
