@@ -124,6 +124,12 @@ def served(registry):
         app.close()
 
 
+def _labels(bars: dict) -> set[str]:
+    """The labels of the sentiment tab's Label as the page event answers it: the tab returns the component (its
+    title says when a long text was read only in part), which reaches a client as an update holding the value."""
+    return {c["label"] for c in (bars["value"] if bars.get("__type__") == "update" else bars)["confidences"]}
+
+
 def test_every_task_endpoint_answers_through_gradio_client(served):
     """`/<task>` (the documented API and the MCP tool) answers JSON text: the result and its provenance;
     `/<task>_view` is the tab's own event, answering with the page's components."""
@@ -155,7 +161,7 @@ def test_every_task_endpoint_answers_through_gradio_client(served):
     assert output["task"] == "similarity" and 0.0 <= output["result"]["score"] <= 1.0
     assert output["provenance"]["plugin"] == "similarity" and output["provenance"]["latency_ms"] > 0
     bars, output = client.predict("A gorgeous, witty movie.", "", "truncate", api_name="/sentiment_view")
-    assert output["task"] == "sentiment" and {c["label"] for c in bars["confidences"]} == {"NEGATIVE", "POSITIVE"}
+    assert output["task"] == "sentiment" and _labels(bars) == {"NEGATIVE", "POSITIVE"}
     view, candidates, output = client.predict("Who wrote it?", "Moby-Dick was written by Herman Melville.", 2, "eager",
                                               api_name="/qa_view")  # an undocumented endpoint: every input given
     assert output["task"] == "qa" and candidates.count('class="be-bar"') == 2  # two answers, as bars
@@ -381,7 +387,7 @@ def test_model_picker_switches_and_reports_errors(served, tmp_path):
     shown = f"{tmp_path.name}/stars"  # outside the working folder: without the server's folders
     assert f"`{shown}`" in status and "head not trained" not in status
     bars, output = client.predict("Great value.", "", "truncate", api_name="/sentiment_view")
-    assert {c["label"] for c in bars["confidences"]} == {f"{i + 1} stars" for i in range(5)}
+    assert _labels(bars) == {f"{i + 1} stars" for i in range(5)}
     assert output["provenance"]["model"] == shown
 
 
@@ -457,18 +463,15 @@ def test_a_visitors_model_choice_is_theirs_alone(served, tmp_path):
     folder = reference_checkpoint(tmp_path / "stars", "BertForSequenceClassification",
                                   id2label={i: f"{i + 1} stars" for i in range(5)})
     alice, bob = Client(url, verbose=False), Client(url, verbose=False)
-    default_labels = {c["label"] for c in bob.predict("Great value.", "", "truncate", api_name="/sentiment_view")[0]
-                      ["confidences"]}
+    default_labels = _labels(bob.predict("Great value.", "", "truncate", api_name="/sentiment_view")[0])
     alice.predict(str(folder), api_name="/sentiment_model")
     stars = {f"{i + 1} stars" for i in range(5)}
-    assert {c["label"] for c in alice.predict("Great value.", "", "truncate", api_name="/sentiment_view")[0]
-            ["confidences"]} == stars
+    assert _labels(alice.predict("Great value.", "", "truncate", api_name="/sentiment_view")[0]) == stars
     bars, output = bob.predict("Great value.", "", "truncate", api_name="/sentiment_view")
-    assert {c["label"] for c in bars["confidences"]} == default_labels != stars
+    assert _labels(bars) == default_labels != stars
     assert "stars" not in output["provenance"]["model"]
     alice.predict("", api_name="/sentiment_model")  # back to the default: for alice only, as before
-    assert {c["label"] for c in alice.predict("Fine.", "", "truncate", api_name="/sentiment_view")[0]
-            ["confidences"]} == default_labels
+    assert _labels(alice.predict("Fine.", "", "truncate", api_name="/sentiment_view")[0]) == default_labels
 
 
 def test_a_web_address_in_the_model_picker_is_answered_with_the_hub_id_to_type():
@@ -1230,7 +1233,7 @@ def test_an_exception_in_a_tabs_own_handler_names_the_plugin_and_is_recorded(tmp
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         for api_name in ("/tabby", "/tabby_view"):  # the API and MCP tool, and the page's own event
-            with pytest.raises(Exception, match="tabby: its tab failed \(KeyError: .*no_such_field.*\); this is a "
+            with pytest.raises(Exception, match=r"tabby: its tab failed \(KeyError: .*no_such_field.*\); this is a "
                                                 "bug in plugin tabby, not in your input"):
                 client.predict("hello", api_name=api_name)
     finally:
