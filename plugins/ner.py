@@ -565,12 +565,17 @@ def _type_probability(positions: list[int], kind: str):
     return score
 
 
+BRIEF_ENTITIES = 20  # a card's share: a long paste's 242 entities filled All tasks' card
+
+
 def brief(result) -> str:
-    """The entities with type and score: "Tim Cook (PER 99 %), Berlin (LOC 98 %)"."""
+    """The entities with type and score: "Tim Cook (PER 99 %), Berlin (LOC 98 %)"; past BRIEF_ENTITIES, how many more."""
     entities = result["entities"]
     if not entities:
         return "no entities found"
-    return ", ".join(f"{e['text']} ({e['type']} {ui.percent(e['score'])})" for e in entities)
+    shown = ", ".join(f"{e['text']} ({e['type']} {ui.percent(e['score'])})" for e in entities[:BRIEF_ENTITIES])
+    more = len(entities) - BRIEF_ENTITIES
+    return shown + (f" … and {more:,} more (the Named entities tab shows them all)" if more > 0 else "")
 
 
 @hookimpl

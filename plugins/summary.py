@@ -619,7 +619,8 @@ def brief(result) -> str:
     chosen = [s["text"] for s in result["sentences"] if s["selected"]]
     if len(chosen) <= BRIEF_SENTENCES:
         return result["summary"]
-    return " ".join(chosen[:BRIEF_SENTENCES]) + f" … ({len(chosen)} sentences in all; the Summary tab sets the length)"
+    return (" ".join(chosen[:BRIEF_SENTENCES]) + f" … ({len(chosen)} of the text's {len(result['sentences'])} "
+            "sentences chosen; the Summary tab sets the length)")
 
 
 @hookimpl

@@ -310,3 +310,14 @@ def test_another_tasks_file_is_named_with_its_line(tmp_path):
     data.write_text("sentence\tlabel\ngood film\t1\n")
     with pytest.raises(ValueError, match=r"sst.tsv:1: tag 'label' is not 'O' or PREFIX-TYPE.*'TOKEN POS CHUNK TAG'"):
         list(read_conll(data))
+
+
+def test_the_brief_answer_of_many_entities_is_capped_and_counted():
+    """All tasks' NER card listed all 242 entities of a long paste (the session-52 check)."""
+    from plugins.ner import BRIEF_ENTITIES, brief
+
+    entities = [{"text": f"Paris{i}", "type": "LOC", "score": 0.99} for i in range(BRIEF_ENTITIES + 5)]
+    line = brief({"entities": entities})
+    assert line.count("(LOC") == BRIEF_ENTITIES and line.endswith("… and 5 more (the Named entities tab shows them all)")
+    assert brief({"entities": entities[:2]}) == "Paris0 (LOC 99 %), Paris1 (LOC 99 %)"
+    assert brief({"entities": []}) == "no entities found"

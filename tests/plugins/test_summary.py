@@ -263,7 +263,7 @@ def test_the_brief_answer_of_a_long_summary_is_its_first_sentences_and_their_cou
     sentences = [{"text": f"Sentence {i}.", "selected": i % 2 == 0} for i in range(20)]
     chosen = [s["text"] for s in sentences if s["selected"]]
     result = {"summary": " ".join(chosen), "sentences": sentences}
-    assert brief(result) == " ".join(chosen[:BRIEF_SENTENCES]) + " … (10 sentences in all; the Summary tab sets the length)"
+    assert brief(result) == " ".join(chosen[:BRIEF_SENTENCES]) + " … (10 of the text's 20 sentences chosen; the Summary tab sets the length)"
     short = {"summary": "Sentence 0. Sentence 2.", "sentences": sentences[:3]}
     assert brief(short) == "Sentence 0. Sentence 2."
     assert brief({"summary": "", "explanation": "no sentence was long enough"}).startswith("no sentence chosen")
