@@ -1,5 +1,6 @@
 """The playground: tabs from the registry, the Plugins and Attention views, and a real server."""
 
+import contextlib
 import json
 import re
 import socket
@@ -1194,20 +1195,28 @@ def _add_a_numpy_number(predictor, text, out, button):
     ui.wire(gr, button, run, [text], [out], api_name="tabby")
 
 
-def test_a_value_the_tab_adds_that_json_cannot_hold_is_the_tabs_recorded_failure(tmp_path):
-    """The API had answered the numpy number as the string "1.5" (json's default=str), recording nothing."""
+@contextlib.contextmanager
+def _tabby_served(tmp_path, wire_tab):
+    """The "tabby" task (a tiny sentiment model, its tab wired by `wire_tab`) served on loopback: yields (registry,
+    a client); the task's recorded failures are read from the registry after."""
     from conftest import reference_checkpoint
 
     registry = load_registry(entry_points=False)
-    assert registry.load_plugin("tabby", "0.1", "test", _tab_plugin("tabby", _add_a_numpy_number))
+    assert registry.load_plugin("tabby", "0.1", "test", _tab_plugin("tabby", wire_tab))
     tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
     app = build_app(registry, checkpoints={"tabby": tiny})
     port = _launch(app)
     try:
-        with pytest.raises(Exception, match="tabby: the tab's answer is not JSON data \\(Object of type float32"):
-            Client(f"http://127.0.0.1:{port}/", verbose=False).predict("hello", api_name="/tabby")
+        yield registry, Client(f"http://127.0.0.1:{port}/", verbose=False)
     finally:
         app.close()
+
+
+def test_a_value_the_tab_adds_that_json_cannot_hold_is_the_tabs_recorded_failure(tmp_path):
+    """The API had answered the numpy number as the string "1.5" (json's default=str), recording nothing."""
+    with _tabby_served(tmp_path, _add_a_numpy_number) as (registry, client):
+        with pytest.raises(Exception, match="tabby: the tab's answer is not JSON data \\(Object of type float32"):
+            client.predict("hello", api_name="/tabby")
     (failure,) = [f for f in registry.failures if f.plugin == "tabby"]
     assert failure.stage == "tab handler" and "float32" in failure.message
 
@@ -1223,21 +1232,11 @@ def _read_a_missing_field(predictor, text, out, button):
 def test_an_exception_in_a_tabs_own_handler_names_the_plugin_and_is_recorded(tmp_path):
     """The API and MCP answered Gradio's generic "the upstream Gradio app has raised an exception" and the Plugins
     tab showed nothing (the session-52 plugin audit): the tab's handler is the plugin's code too."""
-    from conftest import reference_checkpoint
-
-    registry = load_registry(entry_points=False)
-    assert registry.load_plugin("tabby", "0.1", "test", _tab_plugin("tabby", _read_a_missing_field))
-    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
-    app = build_app(registry, checkpoints={"tabby": tiny})
-    port = _launch(app)
-    try:
-        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+    with _tabby_served(tmp_path, _read_a_missing_field) as (registry, client):
         for api_name in ("/tabby", "/tabby_view"):  # the API and MCP tool, and the page's own event
             with pytest.raises(Exception, match=r"tabby: its tab failed \(KeyError: .*no_such_field.*\); this is a "
                                                 "bug in plugin tabby, not in your input"):
                 client.predict("hello", api_name=api_name)
-    finally:
-        app.close()
     (failure,) = [f for f in registry.failures if f.plugin == "tabby"]
     assert failure.stage == "tab handler" and "no_such_field" in failure.message
 
