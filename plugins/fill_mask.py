@@ -118,8 +118,8 @@ def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, m
     if count == 0:
         raise InputError(f"fill_mask: the text has no {mask} token; write {mask} where a word is missing")
     if count > max_masks:
-        raise InputError(f"fill_mask: the text has {count} {mask} tokens; at most {max_masks} are allowed (the option "
-                         f"max_masks, up to {MAX_MASKS})")
+        raise InputError(f"fill_mask: the text has {count} {mask} tokens; at most {max_masks} are allowed (API callers may "
+                         f"raise that with the option max_masks, up to {MAX_MASKS})")
     if targets is not None and count > 1:
         raise InputError(f"fill_mask: targets work with exactly one {mask}; the text has {count}")
     # Windows of half overlap; pick the one holding every mask with the most context around them.
@@ -153,7 +153,8 @@ def _check_beam_work(masks: int, width: int, length: int) -> None:
     if work > (limit := max_request_tokens()):
         raise InputError(f"fill_mask: mode joint over {masks} masks re-reads the text's {length} tokens up to {width} "
                          f"times a mask (the larger of beam_width and top_k), {work:,} tokens of work; the limit per "
-                         f"request is {limit:,}: use fewer masks, a smaller beam_width or top_k, or a shorter text")
+                         f"request is {limit:,}: use fewer masks, fewer candidates (top_k), mode independent or a shorter "
+                         f"text (API callers: a smaller beam_width too)")
 
 
 def _select_row(batch, row: int):

@@ -173,7 +173,7 @@ def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):
         ("no mask here", {}, "has no \\[MASK\\] token"),
         ("", {}, "the text is empty; type a sentence with \\[MASK\\]"),
         (" \n\t", {}, "the text is empty"),
-        ("[MASK] " * 6, {}, "has 6 \\[MASK\\] tokens; at most 5 are allowed \\(the option max_masks, up to 50\\)"),
+        ("[MASK] " * 6, {}, "has 6 \\[MASK\\] tokens; at most 5 are allowed \\(API callers may raise that with the option max_masks, up to 50\\)"),
         ("a [MASK] b [MASK]", {"targets": ["x"]}, "targets work with exactly one"),
         ("a [MASK]", {"top_k": 0}, "top_k must be an integer in \\[1, 100\\]"),
         ("a [MASK]", {"mode": "greedy"}, "mode 'greedy' is not one of"),
