@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import math
+import os
 from typing import Any
 
 from bert_engine import ui
@@ -156,8 +157,9 @@ def compare_html(compared: dict[str, Any]) -> str:
             ", and every score is within 0.001.</p>")
     # (the ≠ column only where something differs: empty and unheaded, it read as a broken table)
     mark = (lambda cell: f"<td>{cell}</td>") if disagree else (lambda cell: "")
-    rows = [f'<tr class="be-disagree">{mark("≠")}<td>{html.escape(d["path"])}</td><td>{html.escape(_shown(d["a"]))}</td>'
-            f'<td>{html.escape(_shown(d["b"]))}</td></tr>' for d in disagree]
+    rows = [f'<tr class="be-disagree">{mark("≠")}<td>{html.escape(d["path"])}</td>'
+            + "".join(f"<td>{html.escape(cell)}</td>" for cell in _shown_pair(d["a"], d["b"])) + "</tr>"
+            for d in disagree]
     rows += [f'<tr>{mark("")}<td>{html.escape(d["path"])}</td><td>{_shown(d["a"])}</td><td>{_shown(d["b"])}</td></tr>'
              for d in scores[:10]]
     head = '<th title="the answers differ">≠</th>' if disagree else ""
@@ -166,8 +168,30 @@ def compare_html(compared: dict[str, Any]) -> str:
     return f'<div class="be-cards">{cards}</div>{verdict}{table}'
 
 
+SHOWN_CHARS = 80  # a compare cell's most characters
+
+
 def _shown(value: Any) -> str:
     if _is_number(value):
         return f"{value:.4g}"
     text = str(value)
-    return text if len(text) <= 80 else text[:79] + "…"
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 1] + "…"
+
+
+def _shown_pair(a: Any, b: Any) -> tuple[str, str]:
+    """Two differing values as a compare row shows them: long texts (a fill-mask sequence, a summary) cut
+    around where they first differ, not at their start, which they may share for pages."""
+    if not (isinstance(a, str) and isinstance(b, str)) or max(len(a), len(b)) <= SHOWN_CHARS:
+        return _shown(a), _shown(b)
+    same = len(os.path.commonprefix([a, b]))
+    start = max(0, same - SHOWN_CHARS // 3)
+    if start and (space := a.rfind(" ", max(0, start - 15), start)) >= 0:
+        start = space + 1  # at a word's start where one is near
+
+    def cut(text: str) -> str:
+        lead = "…" if start else ""
+        room = SHOWN_CHARS - len(lead)
+        part = text[start:]
+        return lead + (part if len(part) <= room else part[:room - 1] + "…")
+
+    return cut(a), cut(b)

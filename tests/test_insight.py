@@ -47,3 +47,18 @@ def test_differences_tell_a_different_answer_from_a_different_score():
                                  "disagreements": disagree, "score_differences": scores})
     assert "They disagree" in page and page.count('class="be-disagree"') == len(disagree)
     assert page.count("head not trained") == 1  # B's card says its answers are chance (the browser audit)
+
+
+def test_a_long_text_that_differs_is_shown_where_it_differs():
+    """Two fill-mask sequences of a long text share their first 400 characters: the row shows both around the
+    filled words (it showed the same first 79 characters twice)."""
+    start = "word " * 80
+    a, b = start + "hot tea and more text " * 10, start + "hot wine and more text " * 10
+    page = insight.compare_html({"a": {"label": "A", "model": "m", "precision": "float32", "seconds": 0.1, "brief": "tea"},
+                                 "b": {"label": "B", "model": "m", "precision": "int8", "seconds": 0.1, "brief": "wine"},
+                                 "disagreements": insight.differences({"sequence": a}, {"sequence": b})[0],
+                                 "score_differences": []})
+    row = page[page.index('class="be-disagree"'):]
+    assert "hot tea" in row and "hot wine" in row and row.count("…") >= 2
+    assert max(map(len, insight._shown_pair(a, b))) <= insight.SHOWN_CHARS
+    assert insight._shown_pair("tea", "wine") == ("tea", "wine")
