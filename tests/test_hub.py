@@ -213,6 +213,9 @@ def test_a_sharded_checkpoint_loads_from_the_hub(fake_hub, tmp_path, tiny_tokeni
     fake_hub.repos[("owner/sharded", "main")] = folder
     # the shards come through the Hub's cache, whose blobs have no .safetensors name: read as safetensors all the same
     model, tokenizer = load("owner/sharded", "sequence", endpoint=fake_hub.endpoint, cache_dir=tmp_path / "cache")
+    # each shard's size is asked once (for the shards' total, then kept for its own check), then the download
+    for shard in halves:
+        assert fake_hub.requests.count(f"HEAD /owner/sharded/resolve/main/{shard}") == 2  # ours + hf_hub_download's
     local, _ = load(folder, "sequence")
     torch.testing.assert_close(_logits(model, tokenizer), _logits(local, tokenizer))
 

@@ -210,6 +210,7 @@ class _Fetcher:
         self.unreachable = False
         self.status: int | None = None  # an HTTP 5xx the probe got from the Hub
         self.last_error: BaseException | None = None
+        self.sizes: dict[str, int | None] = {}  # each file's declared size, from its one HEAD
         self.kwargs = dict(revision=revision, cache_dir=cache_dir, local_files_only=offline, endpoint=endpoint,
                            token=token, etag_timeout=etag_timeout, library_name="bert-engine")
 
@@ -241,9 +242,15 @@ class _Fetcher:
 
     def size(self, filename: str) -> int | None:
         """The bytes `filename` would download (0 when its blob is cached; None offline), from one HEAD without
-        retries (an HTTP error is said at once, not after huggingface_hub's 23 s of back-off)."""
+        retries (an HTTP error is said at once, not after huggingface_hub's 23 s of back-off); asked once per file
+        (a shard's size is read for the shards' total, then again before it downloads)."""
         if self.offline:
             return None
+        if filename not in self.sizes:
+            self.sizes[filename] = self._declared_size(filename)
+        return self.sizes[filename]
+
+    def _declared_size(self, filename: str) -> int:
         url = huggingface_hub.hf_hub_url(self.repo_id, filename, revision=self.revision,
                                          endpoint=self.kwargs["endpoint"])
         meta = huggingface_hub.get_hf_file_metadata(url, token=self.kwargs["token"], timeout=self.kwargs["etag_timeout"],
