@@ -333,7 +333,7 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
         if clash:
             raise ValueError(f"--input {clash[0]}= and the lines of {args.file} both give {clash[0]}; with --file, -i "
                              "gives a field the lines leave out (say QA's question for a file of contexts)")
-    predictor = Predictor.load(task, args.model, revision=args.revision, precision=args.precision or settings.get("BERT_ENGINE_PRECISION"))
+    predictor = Predictor.load(task, args.model, revision=args.revision, precision=_precision(args))
     if rows is None:
         output = predictor.predict(inputs, **options)
         check_json_result(task.spec.name, output["result"])  # what a script reads must be JSON
@@ -713,7 +713,7 @@ def _eval(args: argparse.Namespace) -> dict:
         raise ValueError(f"{args.data}: no {args.split!r} examples for task {spec.name!r}")
     model = args.model or spec.default_checkpoint
     predictor = Predictor.load(task, resolve_model_name(model) if model in (None, "default") else model,
-                               revision=args.revision, precision=args.precision or settings.get("BERT_ENGINE_PRECISION"))
+                               revision=args.revision, precision=_precision(args))
     options = _parse_options(args.option)
     head = getattr(predictor.model, "head", None)
     check_targets(spec, getattr(head, "labels", None), examples, args.data)  # an unknown label: named, not a crash
@@ -943,12 +943,30 @@ def _verbose_anywhere(parser: argparse.ArgumentParser) -> None:
                 _verbose_anywhere(child)
 
 
+def _precision(args) -> str:
+    """A command's --precision, else BERT_ENGINE_PRECISION's, whose name a refusal of it then says (it was
+    "precision 'fp8' is not one of ..." with nothing pointing at the environment)."""
+    if args.precision:
+        return args.precision
+    precision = settings.get("BERT_ENGINE_PRECISION")
+    from .runtime.precision import NAMES, PrecisionError  # noqa: PLC0415 - torch loads with it, after parsing
+
+    if precision not in NAMES:
+        raise PrecisionError(f"BERT_ENGINE_PRECISION: precision {precision!r} is not one of {', '.join(NAMES)}")
+    return precision
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # --help and usage errors end here, before torch loads
     args.typed = shlex.join(["bert-engine", *(sys.argv[1:] if argv is None else argv)])  # recorded by training
     from .checkpoints.hub import HubError, default_backbone
     from .checkpoints.loading import CheckpointError
 
+    try:
+        settings.check_all()  # a BERT_ENGINE_* value of the wrong type: one line naming it, before any work
+    except ValueError as err:
+        print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
+        return 2
     verbose = args.verbose or args.command in ("train", "pretrain")  # training reports its progress
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "model", "unset") is None and (args.command == "encode"

@@ -423,6 +423,20 @@ def test_a_bad_share_cpus_setting_is_a_setting_error_at_load_not_a_plugin_bug(mo
     assert "BERT_ENGINE_SHARE_CPUS must be" in err and "got 'bogus'" in err and "bug in plugin" not in err
 
 
+def test_a_bad_setting_is_named_before_any_work_whatever_the_command_reads(monkeypatch, capsys):
+    """docs/settings.md: "at start" settings are read and checked when a command starts. The CLI ignored
+    BERT_ENGINE_TIMEOUT=abc (exit 0; only app.py checked), and BERT_ENGINE_PRECISION=fp8 was refused without
+    naming the variable it came from."""
+    monkeypatch.setenv("BERT_ENGINE_TIMEOUT", "abc")
+    assert main(["plugins"]) == 2
+    assert "BERT_ENGINE_TIMEOUT must be a number, got 'abc'" in capsys.readouterr().err
+    monkeypatch.delenv("BERT_ENGINE_TIMEOUT")
+    monkeypatch.setenv("BERT_ENGINE_PRECISION", "fp8")
+    assert main(["predict", "sentiment", "-i", "text=hi"]) == 2
+    assert "BERT_ENGINE_PRECISION: precision 'fp8' is not one of auto, fp32" in capsys.readouterr().err
+    assert main(["predict", "sentiment", "-i", "text=hi", "--precision", "fp32"]) == 0  # the flag wins
+
+
 def test_a_tsv_field_past_csvs_limit_is_read_and_another_format_is_named(sentiment_checkpoint, tmp_path, capsys):
     """A TSV line's fields are its text between tabs, up to the input limit (Python's csv reader stopped at 131,072
     characters with a traceback); `eval` on a file of another format says so in one line, exit 2."""
