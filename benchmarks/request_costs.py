@@ -1,17 +1,18 @@
 """The slow requests of the hardening review, timed on the starter models: each is now refused up front
 (InputError) or runs in bounded time. Prints the machine (CPU capability included) and one row each.
 
-    python -m benchmarks.request_costs
+    python -m benchmarks.request_costs [--json FILE]
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 
 import torch
 
-from benchmarks.common import machine, print_table
+from benchmarks.common import machine, print_table, write_json
 from bert_engine.hookspecs import InputError
 from bert_engine.runtime.inference import Predictor
 from bert_engine.tasks.registry import load_registry
@@ -34,7 +35,10 @@ CASES = [  # (name, task, inputs, options)
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="also write the rows and the machine here")
+    args = parser.parse_args(argv)  # (--help said nothing and ran the whole benchmark)
     registry = load_registry(entry_points=False)
     predictors = {}
     rows = []
@@ -52,8 +56,10 @@ def main() -> None:
         start = time.perf_counter()
         mmr_select(scores, embeddings, list(range(n)), math.ceil(0.3 * n), 0.7)
         rows.append({"request": f"MMR alone, {n:,} sentences", "s": time.perf_counter() - start, "outcome": "chosen"})
-    print(machine())
+    info = machine()
+    print(info)
     print_table(rows, ["request", "s", "outcome"])
+    write_json(args.json, {"machine": info, "rows": rows})
 
 
 if __name__ == "__main__":

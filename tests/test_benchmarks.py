@@ -465,3 +465,16 @@ def test_qa_host_times_each_step_around_the_forward_on_squad_questions(tmp_path,
         with pytest.raises(SystemExit):  # parser.error: one line, no traceback
             qa_host.main([*bad, "--data", fixture])
     assert "xyz" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in (Path(__file__).parents[1] / "benchmarks").glob("*.py")
+                                        if "__main__" in path.read_text() and path.stem != "common"))
+def test_every_benchmark_answers_help_without_running(name, capsys):
+    """benchmarks/README lists each command; `--help` says what it takes and runs nothing (request_costs had no
+    parser: --help ran the whole benchmark for 30 s)."""
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{name}")
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0 and "usage:" in capsys.readouterr().out
