@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -185,7 +186,9 @@ class Tokenizer:
         # A normaliser that can lengthen text (Replace, NFKC's ligatures, a SentencePiece map): texts are
         # measured after it, in pieces, before the whole is tokenised (normalised_length).
         self.grows = _can_grow(json.loads(backend.to_str()).get("normalizer"))
-        self._lock = threading.Lock()  # truncation settings live on the backend; calls must not interleave
+        self.backend.no_truncation()  # never changed after this: each truncation setting has its own copy
+        self._lock = threading.Lock()  # guards _backends, not the calls: those run at once
+        self._backends: OrderedDict[tuple, Backend] = OrderedDict()
         for name, token in self.special_tokens.items():
             if backend.token_to_id(token) is None:
                 raise ValueError(f"special token {name}={token!r} is not in the vocabulary")
@@ -355,10 +358,27 @@ class Tokenizer:
         if self.grows:
             for text in texts:
                 self.check_normalised_length(text)
-        with self._lock:  # truncation is state of the shared backend
-            self.backend.no_truncation()
-            with _backend_crash_is_the_models():
-                return self.backend.encode_batch(texts, add_special_tokens=False) if texts else []
+        with _backend_crash_is_the_models():  # (the shared backend never truncates: no setting to change)
+            return self.backend.encode_batch(texts, add_special_tokens=False) if texts else []
+
+    def _truncating(self, max_length: int, stride: int, strategy: str) -> Backend:
+        """A copy of the backend with this truncation set once and never changed, kept for the next call (at
+        most BACKENDS_KEPT settings). With one backend whose settings each call changed, calls had to run in
+        turn behind a lock: a visitor's 1,000,000-character text held every other request of the task for the
+        seconds it took to tokenise (a hostile-visitor audit, session 53); now they run at once."""
+        key = (max_length, stride, strategy)
+        with self._lock:
+            if (backend := self._backends.get(key)) is not None:
+                self._backends.move_to_end(key)
+                return backend
+        backend = Backend.from_str(self.backend.to_str())  # ~20 ms for BERT's vocabulary; once per setting
+        backend.no_padding()
+        backend.enable_truncation(max_length, stride=stride, strategy=strategy)
+        with self._lock:
+            backend = self._backends.setdefault(key, backend)  # another thread's copy if it was first
+            while len(self._backends) > BACKENDS_KEPT:
+                self._backends.popitem(last=False)
+        return backend
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.backend.id_to_token(int(i)) for i in ids]
@@ -407,24 +427,28 @@ class Tokenizer:
             for value in (*texts, *(pairs or ())):
                 self.check_normalised_length(value)
         inputs = list(zip(texts, pairs)) if pairs is not None else texts
-        with self._lock:
-            if truncation is None:
-                self.backend.no_truncation()
-            else:
-                self.backend.enable_truncation(max_length, stride=stride if return_overflowing else 0,
-                                               strategy=truncation)
-            try:
-                with _backend_crash_is_the_models():
-                    encodings = self.backend.encode_batch(inputs)
-            except InputError:
-                raise
-            except Exception as err:  # the Rust library raises a bare Exception, e.g. a pair that cannot fit
-                raise ValueError(f"cannot tokenise with max_length={max_length}, truncation={truncation!r}: {err}") from None
+        backend = self.backend if truncation is None else self._truncating(
+            max_length, stride if return_overflowing else 0, truncation)
+        cut = [False] * len(inputs)  # a text read in part because its start alone already overflows
+        # a long text that truncation cuts anyway is read from its start (the rest, all together, in one call)
+        long = {i for i, text in enumerate(texts) if len(text) > START_CHARS} if (
+            truncation is not None and not return_overflowing and pairs is None) else set()
+        try:
+            with _backend_crash_is_the_models():
+                encodings = backend.encode_batch([text for i, text in enumerate(inputs) if i not in long] if long
+                                                 else inputs)
+                for i in sorted(long):  # (ascending: each goes back to its place)
+                    encoding, cut[i] = _start_of(backend, texts[i], max_length)
+                    encodings.insert(i, encoding)
+        except InputError:
+            raise
+        except Exception as err:  # the Rust library raises a bare Exception, e.g. a pair that cannot fit
+            raise ValueError(f"cannot tokenise with max_length={max_length}, truncation={truncation!r}: {err}") from None
         rows, sample_index, truncated = [], [], []
         for index, encoding in enumerate(encodings):
             rows.append(encoding)
             sample_index.append(index)
-            truncated.append(bool(encoding.overflowing) and not return_overflowing)
+            truncated.append((cut[index] or bool(encoding.overflowing)) and not return_overflowing)
             if return_overflowing:
                 rows.extend(encoding.overflowing)
                 sample_index.extend([index] * len(encoding.overflowing))
@@ -448,6 +472,26 @@ class Tokenizer:
         return Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(types),
                      offsets=offsets, sequence_ids=[e.sequence_ids for e in rows],
                      word_ids=[e.word_ids for e in rows], sample_index=sample_index, truncated=truncated)
+
+
+BACKENDS_KEPT = 4  # truncation settings whose backend copies a tokenizer keeps (a task uses one or two)
+# A truncated text is read from its start, this many characters first, doubling, until the tokens kept end
+# this far before the cut: a 1,000,000-character text cut to 512 tokens costs ~1 ms, not seconds.
+START_CHARS, CUT_MARGIN = 8_192, 256
+
+
+def _start_of(backend: Backend, text: str, max_length: int):
+    """(the encoding of `text` truncated to `max_length`, whether only a start of it was read): its start,
+    read in growing pieces, until the tokens kept end CUT_MARGIN characters before the cut (the cut cannot
+    change them: no word of a model's pre-tokeniser spans that far), else the whole text."""
+    size = max(START_CHARS, 8 * max_length)
+    while size < len(text):
+        part = backend.encode(text[:size])
+        ends = [end for (_, end), sequence in zip(part.offsets, part.sequence_ids) if sequence is not None]
+        if part.overflowing and ends and ends[-1] <= size - CUT_MARGIN:
+            return part, True
+        size *= 2
+    return backend.encode(text), False
 
 
 def _without_leading_space(offsets, sequence_ids, texts: tuple[str, str]) -> list[tuple[int, int]]:

@@ -244,3 +244,58 @@ def test_stacked_batches_keep_each_part_and_number_the_inputs_in_order(tiny_toke
     assert both.input_ids[-1, :n].tolist() == short.input_ids[0].tolist()
     assert set(both.input_ids[-1, n:].tolist()) == {tiny_tokenizer.pad_token_id} and both.attention_mask[-1, n:].sum() == 0
     assert both.offsets[-1] == short.offsets[0] + [(0, 0)] * (width - n) and len(both.word_ids[-1]) == width
+
+
+FAMILY_TOKENIZERS = __import__("pathlib").Path(__file__).parent / "fixtures" / "tokenizers"
+
+
+@pytest.mark.parametrize("source", ["minilm", "roberta", "albert", "distilbert"])
+def test_a_long_text_cut_by_truncation_is_read_from_its_start_with_the_same_tokens(source, minilm_dir, monkeypatch):
+    """A truncated text longer than START_CHARS is tokenised from its start in growing pieces (a 1,000,000-
+    character text cut to 512 tokens took seconds): the same ids, offsets, word ids and truncated flags as the
+    whole text tokenised, on WordPiece, byte-level BPE and Unigram, in a batch beside short texts, at two lengths."""
+    from bert_engine import tokenizer as module
+
+    tokenizer = Tokenizer.from_pretrained(minilm_dir if source == "minilm" else FAMILY_TOKENIZERS / source)
+    words = " ".join(TEXTS[:8] + TEXTS[10:]).split()
+    rng = __import__("random").Random(0)
+    long_texts = [" ".join(rng.choice(words) for _ in range(n)) for n in (3_000, 40_000)]
+    long_texts += ["中" * 30_000, "x" * 20_000 + " tail", "   " * 5_000 + "late start"]  # (one 20,000-character word)
+    long_texts += [" ".join(f"{'x' * (k % 40)}{k}" for k in range(2_000))]  # a piece cut ends near the kept tokens
+    texts = ["a short one", *long_texts, "another short one"]
+    for max_length in (128, 512):
+        read = tokenizer(texts, max_length=max_length, truncation="longest_first")
+        with monkeypatch.context() as whole_text:
+            whole_text.setattr(module, "START_CHARS", 10**9)
+            whole = tokenizer(texts, max_length=max_length, truncation="longest_first")
+        assert torch.equal(read.input_ids, whole.input_ids) and torch.equal(read.attention_mask, whole.attention_mask)
+        assert read.offsets == whole.offsets and read.word_ids == whole.word_ids
+        assert read.truncated == whole.truncated and read.truncated[:3] == [False, True, True]
+        assert len(read) == len(texts)
+
+
+def test_calls_with_different_truncation_run_at_once(ours):
+    """Each truncation setting has its own copy of the backend, set once: a long text being tokenised does not
+    hold a short one with another setting behind a lock (one visitor's 1,000,000 characters held every request of
+    the task for seconds; a hostile-visitor audit)."""
+    import threading
+    import time
+
+    text = "中 " * 400_000  # windows: the whole text is read
+    done = threading.Event()
+
+    def heavy():
+        ours(text, max_length=128, truncation="longest_first", stride=16, return_overflowing=True)
+        done.set()
+
+    worker = threading.Thread(target=heavy)
+    worker.start()
+    time.sleep(0.05)
+    answered_while_heavy = 0
+    while not done.is_set():
+        ours("a nice film", max_length=512, truncation="longest_first")
+        answered_while_heavy += 1
+    worker.join()
+    assert answered_while_heavy > 10
+    assert len(ours._backends) <= __import__("bert_engine.tokenizer").tokenizer.BACKENDS_KEPT
+    assert ours.backend.truncation is None  # the shared one never truncates (a saved tokenizer.json says none)
