@@ -493,7 +493,23 @@ def publish_json(gr, function, inputs: list[Any], api_name: str, description: st
     handler = host_handler(gr, {}, answer, api_name)
     described = {"api_description": description} if description else {}
     result = gr.Textbox(visible=False, label="result (JSON)")
-    gr.Button(visible=False).click(handler, inputs, result, api_name=api_name, **described)
+    gr.Button(visible=False).click(handler, required_inputs(gr, function, inputs), result, api_name=api_name,
+                                   **described)
+
+
+def required_inputs(gr, function, inputs: list[Any]) -> list[Any]:
+    """The endpoint's inputs, where a text box the handler needs (a parameter without a default) and the page
+    fills with an example stands in for by an empty, hidden twin: Gradio makes an input with a starting value
+    optional, with that value as its default, so an agent's MCP call or an API call that left the text out was
+    answered about the tab's example ("ner" with no text: the entities of "Angela Merkel met ...")."""
+    parameters = list(inspect.signature(function).parameters.values())
+    out = []
+    for parameter, component in zip(parameters, inputs):
+        if (parameter.default is inspect.Parameter.empty and isinstance(component, gr.Textbox)
+                and component.value not in (None, "")):
+            component = gr.Textbox(visible=False, label=component.label, lines=component.lines)
+        out.append(component)
+    return out + list(inputs[len(out):])
 
 
 def json_answer(outputs: Any) -> Any:
