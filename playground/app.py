@@ -569,6 +569,12 @@ class TorchSettings:
         self.torch = torch
         self.threads, self.dtype = torch.get_num_threads(), torch.get_default_dtype()
 
+    def start(self) -> None:
+        """A request's thread at the app's thread count: torch's count is per thread, and a thread started while
+        another request's chunk ran on a half share took that half share (then read as this task's change)."""
+        if self.torch.get_num_threads() != self.threads:
+            self.torch.set_num_threads(self.threads)
+
     def restore(self, task: str, registry: Registry) -> None:
         torch = self.torch
         changed = []
@@ -630,6 +636,7 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
     torch_settings = TorchSettings()  # the process-wide ones a task's code could change for everyone
 
     def predict_and_put_back(*args, **kwargs):
+        torch_settings.start()  # this thread's count as the app set it (a new thread takes the last one set anywhere)
         try:
             return predict(*args, **kwargs)
         finally:  # in the request's own thread: torch's thread count is read per thread

@@ -224,6 +224,43 @@ def test_overlapping_chunk_thread_settings_put_back_the_count_before_the_first()
         assert not threads_held()  # (None: as set, nothing held)
 
 
+def test_a_chunk_in_one_thread_puts_its_own_thread_back_while_another_still_runs():
+    """torch's thread count is per thread. A request's chunk (thread X, a half share) overlapped by another's (thread
+    Y) kept X at the half share when it ended first (only the last block put a count back, in Y): the playground
+    then blamed X's task for changing torch's thread count (the session-53 hostile-visitor audit)."""
+    import threading
+
+    from bert_engine.runtime.inference import _threads
+
+    start = torch.get_num_threads()
+    if start < 2:
+        pytest.skip("one thread: no half share to take")
+    x_in, y_in, x_out, y_out = (threading.Event() for _ in range(4))
+    seen = {}
+
+    def x():
+        with _threads(1):
+            x_in.set()
+            y_in.wait(10)
+        seen["x after"] = torch.get_num_threads()
+        x_out.set()
+
+    def y():
+        x_in.wait(10)
+        with _threads(1):
+            y_in.set()
+            x_out.wait(10)
+            seen["y inside"] = torch.get_num_threads()
+        y_out.set()
+
+    threads = [threading.Thread(target=x), threading.Thread(target=y)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen == {"x after": start, "y inside": 1}
+
+
 def test_a_build_head_that_returns_no_module_is_named_at_load(tmp_path):
     """A plugin's build_head returned a plain function: it loaded, and every request then failed in postprocess
     with "'NoneType' object is not iterable" (the session-52 plugin audit). Now the load says what is wrong."""

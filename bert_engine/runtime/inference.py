@@ -625,10 +625,12 @@ _THREADS_HELD = {"blocks": 0, "base": 0}  # _threads blocks running now (any thr
 
 @contextmanager
 def _threads(count: int | None):
-    """Run the block on `count` intra-op threads (None: as set). One chunk holds the gate at a time, so the
-    process-wide setting is the holder's while it runs; a chunk that hands its turn back between layers may
-    overlap the next holder's block, so the count before the first of them is put back when the last ends (each
-    putting back its own "before" left the count at a half share after such an overlap)."""
+    """Run the block on `count` intra-op threads (None: as set). torch's count is its calling thread's (OpenMP's
+    per-thread setting), and a thread started later takes the last count set anywhere: so each block puts its
+    own thread back to the count before the first of the blocks running now (a thread started while another's
+    block held a half share starts at that half share, and its own "before" would keep it there). Putting back
+    only when the last block ended left an earlier one's thread at its half share (the playground then blamed
+    that request's task for changing torch's thread count: a hostile-visitor audit, session 53)."""
     if count is None:
         yield
         return
@@ -636,15 +638,16 @@ def _threads(count: int | None):
         if _THREADS_HELD["blocks"] == 0:
             _THREADS_HELD["base"] = torch.get_num_threads()
         _THREADS_HELD["blocks"] += 1
-        if count != torch.get_num_threads():
-            torch.set_num_threads(count)
+        base = _THREADS_HELD["base"]
+    if count != torch.get_num_threads():
+        torch.set_num_threads(count)
     try:
         yield
     finally:
         with _THREADS_LOCK:
             _THREADS_HELD["blocks"] -= 1
-            if _THREADS_HELD["blocks"] == 0 and torch.get_num_threads() != _THREADS_HELD["base"]:
-                torch.set_num_threads(_THREADS_HELD["base"])
+        if torch.get_num_threads() != base:
+            torch.set_num_threads(base)
 
 
 def threads_held() -> bool:
