@@ -110,8 +110,9 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     in_flight = InFlight()  # per visitor, across the tabs (bert_engine.runtime.fairness)
     stuck = StuckTasks(registry)  # tasks whose cut-off request would not stop: off until it does
 
-    def serve(predict, predictor: LazyPredictor, name: str):
-        return guarded(on_gpu(predict, predictor, timeout_s), name, registry, timeout_s, in_flight, stuck)
+    def serve(predict, predictor: LazyPredictor, name: str, cut_off_hint: str | None = None):
+        return guarded(on_gpu(predict, predictor, timeout_s), name, registry, timeout_s, in_flight, stuck,
+                       cut_off_hint=cut_off_hint)
 
     @contextlib.contextmanager
     def loading():
@@ -192,7 +193,7 @@ class ServedPredictor(BatchingPredictor):
         super().__init__(task, checkpoint, **kwargs)
         self.shelf = shelf
         self._served = serve(self._answer, self, task.spec.name)
-        self._explained = serve(self._explain, self, task.spec.name)
+        self._explained = serve(self._explain, self, task.spec.name, cut_off_hint=EXPLAIN_CUT_OFF)
         self._compared = serve(self._compare, self, task.spec.name)
 
     def _answer(self, inputs, **options: Any) -> dict[str, Any]:
@@ -622,8 +623,13 @@ class StuckTasks:
         return {"on_stuck": on_stuck, "on_stopped": on_stopped}
 
 
+# What an explanation cut off at the time limit says: trying again cannot help, less work can.
+EXPLAIN_CUT_OFF = ("an explanation runs a forward and a backward pass per step: use fewer steps, gradient_x_input "
+                   "(one pass), or a shorter input")
+
+
 def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_flight: InFlight | None = None,
-            stuck: StuckTasks | None = None):
+            stuck: StuckTasks | None = None, cut_off_hint: str | None = None):
     """`predict` with a time limit (cut off and cancelled, see bert_engine.runtime.cancel), and a task's own
     failures turned into a clear message in the UI (recorded for the Plugins tab) instead of a stack
     trace; bad input stays the task's InputError. Contains every BaseException a task can raise
@@ -675,8 +681,11 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
                 logger.info("task %s: a request was cut off at %g s while the machine was busy (%d others "
                             "running, %.0f s waiting at the gate)", task, timeout_s, in_flight.total(), waited.seconds)
                 message = (f"{task}: the machine is busy with other requests and this one did not finish within "
-                           f"the {timeout_s:g} s limit ({waited.seconds:.0f} s spent waiting); try again in a "
-                           "moment, or send a shorter input.")
+                           f"the {timeout_s:g} s limit ({waited.seconds:.0f} s spent waiting); "
+                           + (f"{cut_off_hint}." if cut_off_hint else "try again in a moment, or send a shorter input."))
+            elif cut_off_hint:  # most likely the request's own size (many steps over a long input), not a failure
+                logger.info("task %s: a request was cut off at %g s (%s)", task, timeout_s, cut_off_hint)
+                message = f"{err}: {cut_off_hint}."
             else:
                 registry.record_exception(task, err)
                 message = f"{err}. The task may be stuck or the machine overloaded; try again later."
