@@ -27,6 +27,9 @@ def check_options(options) -> None:
         raise InputError(f"qa: answerability must be a verifier record as scripts/qa_calibrate.py writes into a model's "
                          f"manifest, or None, but {problem}: got {answerability!r:.80}")
     no_answer_rule(options["no_answer"], answerability)  # refuses a bad choice before any work
+    if null_threshold is not None and isinstance(options["no_answer"], str) and options["no_answer"].strip().lower() == "never":
+        raise InputError(f"qa: null_threshold={null_threshold!r} refuses where the null gap passes it, and "
+                         "no_answer='never' never refuses; give one of them")
 
 
 def no_answer_rule(no_answer, answerability) -> float | None:

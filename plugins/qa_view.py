@@ -97,7 +97,8 @@ def _handle_impossible_answer(value) -> dict:
         raise InputError(f"qa: handle_impossible_answer must be True or False, got {value!r:.80}")
     # True: transformers' rule, "no answer" where its score beats the best span's (the span head's null gap past
     # 0; it was the default "eager" verifier, which answered where the null score was 0.99996); False: never
-    return {"null_threshold": 0.0} if value else {"no_answer": "never"}
+    # (True also clears no_answer, so that a no_answer= beside it is refused as a conflict, not silently overridden)
+    return {"null_threshold": 0.0, "no_answer": None} if value else {"no_answer": "never"}
 
 
 # transformers' question-answering arguments read under this task's names (TaskSpec.pipeline_arguments)

@@ -348,6 +348,12 @@ def test_transformers_arguments_are_read_under_the_tasks_own_names(sentiment_fol
     with pytest.raises(InputError, match="qa: handle_impossible_answer=False and no_answer='eager' ask for different"):
         pipeline("qa")(question="Who?", context="Bob lives in London.", handle_impossible_answer=False,
                        no_answer="eager")
+    # True beside a choice of the verifier's: transformers' rule (the null gap) would silently win over it
+    with pytest.raises(InputError, match="qa: handle_impossible_answer=True and no_answer='cautious' ask for different"):
+        pipeline("qa")(question="Who?", context="Bob lives in London.", handle_impossible_answer=True,
+                       no_answer="cautious")
+    with pytest.raises(InputError, match="qa: null_threshold=5.0 refuses .* and no_answer='never' never refuses"):
+        pipeline("qa")(question="Who?", context="Bob lives in London.", null_threshold=5.0, no_answer="never")
     with pytest.raises(InputError, match="sentiment: function_to_apply must be one of"):
         ours(REVIEWS[0], function_to_apply="relu")
     with pytest.raises(InputError, match="ner: aggregation_strategy 'max' is not offered: .*'simple'"):
