@@ -494,21 +494,27 @@ def publish_json(gr, function, inputs: list[Any], api_name: str, description: st
     handler = host_handler(gr, {}, answer, api_name)
     described = {"api_description": description} if description else {}
     result = gr.Textbox(visible=False, label="result (JSON)")
-    gr.Button(visible=False).click(handler, required_inputs(gr, function, inputs), result, api_name=api_name,
+    gr.Button(visible=False).click(handler, api_inputs(gr, function, inputs), result, api_name=api_name,
                                    **described)
 
 
-def required_inputs(gr, function, inputs: list[Any]) -> list[Any]:
-    """The endpoint's inputs, where a text box the handler needs (a parameter without a default) and the page
-    fills with an example stands in for by an empty, hidden twin: Gradio makes an input with a starting value
-    optional, with that value as its default, so an agent's MCP call or an API call that left the text out was
-    answered about the tab's example ("ner" with no text: the entities of "Angela Merkel met ...")."""
+def api_inputs(gr, function, inputs: list[Any]) -> list[Any]:
+    """The endpoint's inputs: the page's, but hidden twins where the page's would mislead an API or MCP caller.
+    - A text box the handler needs (a parameter without a default) that the page fills with an example: an
+      empty twin. Gradio makes an input with a starting value optional, that value its default, so an agent's
+      call that left the text out was answered about the tab's example ("ner" with no text: the entities of
+      "Angela Merkel met ...").
+    - A slider: a number with the slider's value as its default and no bounds of Gradio's, so that the task's
+      own check answers a value out of range, naming the option ("ner: nbest must be an integer in [1, 20], got
+      50"; Gradio said "Value 50 is greater than maximum value 20." and logged a traceback)."""
     parameters = list(inspect.signature(function).parameters.values())
     out = []
     for parameter, component in zip(parameters, inputs):
         if (parameter.default is inspect.Parameter.empty and isinstance(component, gr.Textbox)
                 and component.value not in (None, "")):
             component = gr.Textbox(visible=False, label=component.label, lines=component.lines)
+        elif isinstance(component, gr.Slider):
+            component = gr.Number(value=component.value, visible=False, label=component.label)
         out.append(component)
     return out + list(inputs[len(out):])
 

@@ -439,7 +439,7 @@ def build_tab(predictor) -> None:
 
         Args:
             text: a text with one or more [MASK] tokens, e.g. "She drank a cup of hot [MASK]."
-            top_k: how many candidate words to return per mask (1-20).
+            top_k: how many candidate words to return per mask (1-100; the page's slider stops at 20).
             mode: with several masks, "independent" (each mask alone) or "joint" (the masks filled together).
             targets: optional comma-separated words to score instead of the model's own guesses.
         """

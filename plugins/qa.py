@@ -229,7 +229,7 @@ def build_tab(predictor) -> None:
         Args:
             question: the question to answer.
             context: the text that may hold the answer.
-            top_k: how many candidate answers to return (1-10).
+            top_k: how many candidate answers to return (1-50; the page's slider stops at 10).
             no_answer: how readily to answer "no answer": "eager" (rarely), "balanced", "cautious" (when in
                 doubt) or "never".
         """

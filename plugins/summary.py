@@ -547,7 +547,7 @@ def build_tab(predictor) -> None:
             text: the document to summarise.
             length: "1 sentence", "2 sentences", "3 sentences", "5 sentences", "10 sentences",
                 "a fifth of the document", "a third of the document" or "half of the document".
-            min_words: sentences shorter than this many words are never picked.
+            min_words: sentences shorter than this many words are never picked (0-100; the page's slider stops at 20).
             mode: "auto", "hybrid", "centroid" or "supervised": how sentences are scored.
         """
         if length not in LENGTHS:
