@@ -301,7 +301,9 @@ def copy_adapter_weights(model: nn.Module, folder, *, grow: bool = False, b_scal
         task = _manifest_task(Path(folder))
         if task is not None:  # the usual reason: another task's head (an NER adapter picked in the sentiment tab)
             raise CheckpointError(f"{folder}: a model of task {task!r} (its manifest.json), which does not fit the "
-                                  f"head asked for: load it as a {task!r} model (missing {missing[:3]}, "
+                                  f"head asked for: load it with its task (its tab in the playground, "
+                                  f"pipeline({task!r}, model=...), `bert-engine predict {task} --model ...`) "
+                                  f"(missing {missing[:3]}, "
                                   f"unexpected {unexpected[:3]})")
         raise CheckpointError(f"{path}: does not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}")
     slots = {}
