@@ -157,7 +157,7 @@ def test_another_tasks_starter_is_refused_naming_the_task_it_is_for(registry):
 
     folder = STARTER_ROOT / "ner"
     with pytest.raises(CheckpointError, match=f"^{re.escape(str(folder))}: a model of task 'ner' \\(its manifest.json\\), "
-                                              "which does not fit the head asked for: load it with its task, e.g. pipeline\\('ner'"):
+                                              "which does not fit the head asked for: load it with its task \\(its tab in the playground, pipeline\\('ner'"):
         Predictor.load(registry.task("sentiment"), str(folder))
 
 
