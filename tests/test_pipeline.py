@@ -354,6 +354,8 @@ def test_transformers_arguments_are_read_under_the_tasks_own_names(sentiment_fol
                        no_answer="cautious")
     with pytest.raises(InputError, match="qa: null_threshold=5.0 refuses .* and no_answer='never' never refuses"):
         pipeline("qa")(question="Who?", context="Bob lives in London.", null_threshold=5.0, no_answer="never")
+    with pytest.raises(TypeError, match="qa: give one input, not 2 positional arguments: a \\(question, context\\) tuple"):
+        pipeline("qa")("Who wrote it?", "Moby-Dick was written by Herman Melville.")  # transformers v4's form
     with pytest.raises(InputError, match="sentiment: function_to_apply must be one of"):
         ours(REVIEWS[0], function_to_apply="relu")
     with pytest.raises(InputError, match="ner: aggregation_strategy 'max' is not offered: .*'simple'"):

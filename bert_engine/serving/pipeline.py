@@ -47,10 +47,15 @@ class Pipeline:
         self.task = predictor.task
         self.options = predictor.check_options(translated(self.task.spec, options))  # unknown ones fail here, named
 
-    def __call__(self, inputs: Any = None, /, *, raw: bool | None = None, **kwargs: Any) -> Any:
+    def __call__(self, inputs: Any = None, /, *more: Any, raw: bool | None = None, **kwargs: Any) -> Any:
         """Answer one input (a text, a mapping of the task's fields, or for a pair task a (first, second)
         tuple), a list of them, or an iterable (streamed); `raw` (default: the pipeline's) gives the
         engine's {"task", "result", "provenance"} instead of the transformers-shaped answer."""
+        if more:  # qa("Who?", "Bob lives in London."), as transformers v4 took it: said how, not Python's signature error
+            fields = self.task.spec.input_fields + self.task.spec.optional_fields
+            pair = f"a ({', '.join(fields[:2])}) tuple, or " if len(fields) >= 2 else ""
+            raise TypeError(f"{self.task.spec.name}: give one input, not {1 + len(more)} positional arguments: "
+                            f"{pair}{', '.join(f'{f}=...' for f in fields)} as keywords, or a list of inputs")
         if raw is not None:
             _check_arguments(raw=raw)
         raw = self.raw if raw is None else raw
