@@ -858,8 +858,11 @@ def _checked_choice(value: str, allowed: list[Path]) -> str:
         hub = re.match(r"^https?://(?:www\.)?huggingface\.co/([^/?#]+(?:/[^/?#]+)?)/?$", value, re.IGNORECASE)
         hint = f"; for this one, {hub.group(1)!r}" if hub else ""
         raise InputError(f"{value[:200]!r} is a web address; give a Hub id such as owner/name{hint}, or a listed model")
+    # Local by its form, or by naming an allowed folder's first part (runs/..., plugins/starter/...); whether a
+    # path exists on the server is not asked: "README.md" and "nothing.txt" answer alike (one was "outside the
+    # folders", the other a Hub error: which names exist in the working folder could be read off them)
     first = value.replace("\\", "/").split("/")[0]
-    local = looks_local(value) or first in {Path(root).name for root in allowed} or (Path.cwd() / first).is_dir()
+    local = looks_local(value, probe=False) or first in _first_parts(allowed)
     if not local:
         return value
     if not inside_any(value, allowed):
@@ -872,6 +875,16 @@ def _checked_choice(value: str, allowed: list[Path]) -> str:
                          "such as owner/name")
     # relative to the working folder where possible, so provenance does not show the server's folders
     return str(resolved.relative_to(cwd)) if resolved.is_relative_to(cwd) else str(resolved)
+
+
+def _first_parts(allowed: list[Path]) -> set[str]:
+    """The first part of each allowed folder as a visitor types it: relative to the working folder where it lies
+    inside it ("plugins" for plugins/starter), else its own name."""
+    cwd, parts = Path.cwd().resolve(), set()
+    for root in allowed:
+        root = Path(root).expanduser().resolve()
+        parts.add(root.relative_to(cwd).parts[0] if root.is_relative_to(cwd) and root != cwd else root.name)
+    return parts
 
 
 def short_path(path: Path | str) -> str:
@@ -940,10 +953,12 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
                 predictor.switch(checkpoint)
                 return describe(predictor)
         except (InputError, TooManyRequests) as err:
-            message = str(err)
+            message = public_message(str(err))  # (a listed folder's refusal named its whole path on the server)
         except (HubError, CheckpointError, ValueError, OSError) as err:
             message = f"could not load {value or 'the default'}: {public_message(str(err))}"
-        raise shown_error(gr, html.escape(message))  # the toast renders HTML: what the visitor typed is shown as text
+        # the toast renders HTML: what the visitor typed is shown as text (quotes need no escaping there, and an API
+        # caller read them as &#x27;)
+        raise shown_error(gr, html.escape(message, quote=False))
 
     # per browser session; not a documented endpoint (nor an MCP tool, whose calls share one session)
     load.click(with_request(gr, switch), choice, status, api_name=f"{name}_model", api_visibility="undocumented")

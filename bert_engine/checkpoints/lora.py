@@ -251,11 +251,13 @@ def read_adapter_config(folder) -> dict:
     return meta
 
 
-def looks_local(name: str) -> bool:
-    """Whether a model name is meant as a local path rather than a Hub id (owner/name)."""
+def looks_local(name: str, probe: bool = True) -> bool:
+    """Whether a model name is meant as a local path rather than a Hub id (owner/name): by its form, and with
+    `probe` where a file or folder of that name exists (a server reading a visitor's name does not ask)."""
 
     parts = name.replace("\\", "/").split("/")
-    return name.startswith(("/", "~", ".")) or "\\" in name or ".." in parts or len(parts) > 2 or Path(name).exists()
+    return (name.startswith(("/", "~", ".")) or "\\" in name or ".." in parts or len(parts) > 2
+            or (probe and Path(name).exists()))
 
 
 def _manifest_task(folder: Path) -> str | None:
