@@ -513,6 +513,14 @@ def test_a_mistyped_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch):
     for typo in ("runs/sst3", "runs/sst2/bset"):
         with pytest.raises(InputError, match="there is no model folder"):
             check_model_choice(typo, [runs])
+    # what exists in the working folder outside the allowed ones is not asked: a file there and a name that is
+    # nowhere are both Hub ids (one was "outside the folders", the other a Hub error: a visitor could tell them apart)
+    (tmp_path / "secret.txt").write_text("x")
+    (tmp_path / "private").mkdir()
+    assert check_model_choice("secret.txt", [runs]) == "secret.txt"
+    assert check_model_choice("nothing.txt", [runs]) == "nothing.txt"
+    assert check_model_choice("private/x", [runs]) == "private/x" == check_model_choice("nowhere/x", [runs]).replace(
+        "nowhere", "private")
 
 
 def test_visitors_models_are_shared_and_bounded(tmp_path):
