@@ -375,6 +375,13 @@ def test_a_refused_input_is_one_log_line_not_a_traceback(served, capfd, caplog):
     assert "Traceback" not in capfd.readouterr().err
     lines = [r.getMessage() for r in caplog.records if "the text is empty" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("answered with an error: sentiment: the text is empty"), lines
+    # what Gradio itself refused before any handler ran (a value missing, a choice not offered) was a 23-30 line
+    # traceback in the log each, and a mapping sent for a text was classified as its Python spelling
+    for data, said in ((["hi"], "expected 3 inputs \\(Text, "), ([{"a": 1}, "", "truncate"], "Text: expected text, got dict"),
+                       (["hi", "", "bogus"], "bogus")):
+        event, payload = _raw_call(url, "/sentiment", data)
+        assert event == "error" and re.search(said, payload["error"] or ""), (data, payload)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_model_picker_switches_and_reports_errors(served, tmp_path):
