@@ -482,10 +482,11 @@ START_CHARS, CUT_MARGIN = 8_192, 256
 
 def _start_of(backend: Backend, text: str, max_length: int):
     """(the encoding of `text` truncated to `max_length`, whether only a start of it was read): its start,
-    read in growing pieces, until the tokens kept end CUT_MARGIN characters before the cut (the cut cannot
-    change them: no word of a model's pre-tokeniser spans that far), else the whole text."""
+    read in growing pieces, until the tokens kept end CUT_MARGIN characters before the cut (a cut changes the
+    tokens of the word it splits, which ends past the kept ones then), else the whole text: at most about twice
+    the whole text's work, for a text whose kept tokens reach its second half."""
     size = max(START_CHARS, 8 * max_length)
-    while size < len(text):
+    while 2 * size <= len(text):
         part = backend.encode(text[:size])
         ends = [end for (_, end), sequence in zip(part.offsets, part.sequence_ids) if sequence is not None]
         if part.overflowing and ends and ends[-1] <= size - CUT_MARGIN:
