@@ -806,6 +806,8 @@ def find_checkpoints(allowed: list[Path], task: str | None = None, depth: int = 
             folder = config.parent
             if folder.name == "last" or not any((folder / f).is_file() for f in WEIGHT_FILES + (ADAPTER_WEIGHTS,)):
                 continue
+            if not inside_any(folder, allowed):  # a link out of the allowed folders: listed, it could not load
+                continue
             if task is not None and recorded_task(folder) not in (None, task):
                 continue
             name = short_path(folder) if folder.resolve().is_relative_to(Path.cwd().resolve()) else \

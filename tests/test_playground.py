@@ -516,6 +516,12 @@ def test_a_mistyped_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch):
     (runs / "sst2" / "last" / "model.safetensors").write_bytes(b"")
     assert find_checkpoints([runs], "sentiment") == {"runs/sst2/best": str(runs / "sst2" / "best")}
     assert find_checkpoints([runs], "ner") == {}  # trained for another task
+    outside = tmp_path / "elsewhere" / "model"  # a link from an allowed folder to one outside: not listed (it cannot load)
+    outside.mkdir(parents=True)
+    (outside / "config.json").write_text("{}")
+    (outside / "model.safetensors").write_bytes(b"")
+    (runs / "linked").symlink_to(outside)
+    assert list(find_checkpoints([runs], "sentiment")) == ["runs/sst2/best"]
     assert check_model_choice("runs/sst2/best", [runs]) == "runs/sst2/best"
     for typo in ("runs/sst3", "runs/sst2/bset"):
         with pytest.raises(InputError, match="there is no model folder"):
