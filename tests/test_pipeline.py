@@ -354,6 +354,13 @@ def test_transformers_arguments_are_read_under_the_tasks_own_names(sentiment_fol
                        no_answer="cautious")
     with pytest.raises(InputError, match="qa: null_threshold=5.0 refuses .* and no_answer='never' never refuses"):
         pipeline("qa")(question="Who?", context="Bob lives in London.", null_threshold=5.0, no_answer="never")
+    # transformers' summarization reads max_length as the generated summary's length; here it was silently the rows'
+    # token window: refused under that name (per call or when made), taken under the task's own
+    with pytest.raises(InputError, match="summary: max_length= in transformers' summarization it is the generated"):
+        pipeline("summarization")("One sentence here. Another one there.", max_length=130)
+    with pytest.raises(InputError, match="summary: max_length= in transformers' summarization"):
+        pipeline("summarization", max_length=130)
+    assert pipeline("summary", max_length=256)("One sentence here. Another one there.")
     with pytest.raises(TypeError, match="qa: give one input, not 2 positional arguments: a \\(question, context\\) tuple"):
         pipeline("qa")("Who wrote it?", "Moby-Dick was written by Herman Melville.")  # transformers v4's form
     with pytest.raises(InputError, match="sentiment: function_to_apply must be one of"):

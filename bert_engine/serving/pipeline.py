@@ -41,11 +41,13 @@ def find_task(registry: Registry, name: str) -> RegisteredTask:
 class Pipeline:
     """A loaded task; call it on inputs (see the module docstring)."""
 
-    def __init__(self, predictor: Predictor, *, raw: bool = False, batch_size: int = 32, **options: Any) -> None:
+    def __init__(self, predictor: Predictor, *, raw: bool = False, batch_size: int = 32, called_as: str | None = None,
+                 **options: Any) -> None:
         _check_arguments(raw=raw, batch_size=batch_size)
         self.predictor, self.raw, self.batch_size = predictor, raw, batch_size
         self.task = predictor.task
-        self.options = predictor.check_options(translated(self.task.spec, options))  # unknown ones fail here, named
+        self.called_as = called_as  # the task name it was made under (transformers' "summarization", say)
+        self.options = predictor.check_options(translated(self.task.spec, options, called_as))  # unknown ones: named
 
     def __call__(self, inputs: Any = None, /, *more: Any, raw: bool | None = None, **kwargs: Any) -> Any:
         """Answer one input (a text, a mapping of the task's fields, or for a pair task a (first, second)
@@ -65,7 +67,7 @@ class Pipeline:
         spec = self.task.spec
         fields = spec.input_fields + spec.optional_fields
         by_field = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
-        options = self.predictor.check_options({**self.options, **translated(spec, kwargs)})
+        options = self.predictor.check_options({**self.options, **translated(spec, kwargs, self.called_as)})
         if by_field:
             first = spec.input_fields[0]
             if (isinstance(inputs, (str, list)) and first not in by_field and len(spec.input_fields) == 1
@@ -228,14 +230,26 @@ NOT_TAKEN = {
 AS_THE_ENGINE_DOES = {"ignore_labels": lambda value: isinstance(value, (list, tuple)) and set(value) == {"O"}}
 
 
-def translated(spec, options: Mapping[str, Any]) -> dict[str, Any]:
+# Arguments that mean something else in the transformers pipeline of that name than in the task's own options:
+# refused where the pipeline was made under transformers' name, since code written for it means transformers'.
+MEANS_ELSE = {("summarization", "max_length"): (
+    "in transformers' summarization it is the generated summary's length, but an extractive summary picks whole "
+    "sentences: ask for num_sentences= or ratio= (this task's own max_length, its rows' token window of 32-512, "
+    "is taken under pipeline('summary'))")}
+
+
+def translated(spec, options: Mapping[str, Any], called_as: str | None = None) -> dict[str, Any]:
     """`options` with the transformers pipeline's arguments the task knows under other names
     (TaskSpec.pipeline_arguments) turned into its own options. Other names pass through (the task's checks
     refuse the unknown ones, naming them).
 
     Raises:
         InputError: two arguments that set one option to different values (`handle_impossible_answer=False`
-            beside `no_answer="cautious"`), naming both, rather than one silently winning."""
+            beside `no_answer="cautious"`), naming both, rather than one silently winning; an argument that
+            means another thing in transformers' pipeline of the name `called_as` (MEANS_ELSE)."""
+    for name in options:
+        if (called_as, name) in MEANS_ELSE:
+            raise InputError(f"{spec.name}: {name}= {MEANS_ELSE[called_as, name]}")
     arguments = spec.pipeline_arguments
     options = {name: value for name, value in options.items()
                if not (name in AS_THE_ENGINE_DOES and name not in arguments and name not in spec.options
@@ -325,7 +339,7 @@ def pipeline(task: str, model: str | None = None, *, revision: str | None = None
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):
         raise TypeError(f"revision must be a Hub branch, tag or commit (text), got {revision!r}")
     registered = find_task(registry or load_registry(), task)
-    check_task_options(registered.spec, translated(registered.spec, options))  # fails before the model loads
+    check_task_options(registered.spec, translated(registered.spec, options, task))  # fails before the model loads
     where = {"revision": revision} if revision is not None else {}
     return Pipeline(Predictor.load(registered, model, device=device, precision=precision, compile=compile, **where),
-                    raw=raw, batch_size=batch_size, **options)
+                    raw=raw, batch_size=batch_size, called_as=task, **options)
