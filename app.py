@@ -7,7 +7,7 @@ import socket
 import sys
 
 from bert_engine import settings
-from bert_engine.runtime.precision import PrecisionError, check_kernel_setting, device_for, pick_device, resolve
+from bert_engine.runtime.precision import PrecisionError, check_kernel_setting, pick_device, setting_precision
 from bert_engine.serving import memory
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -49,16 +49,6 @@ def check_listen(name: str, port: int) -> None:
                              f"{err.strerror or err}") from None
 
 
-def check_precision() -> None:
-    """BERT_ENGINE_PRECISION on the device the app's models will use, checked before the playground is imported:
-    a precision this machine cannot run is the first thing said, whatever else is missing."""
-    precision = settings.get("BERT_ENGINE_PRECISION")
-    try:
-        resolve(precision, device_for(precision, settings.get("BERT_ENGINE_DEVICE") or None))
-    except PrecisionError as err:
-        raise PrecisionError(f"BERT_ENGINE_PRECISION: {err}") from None
-
-
 if __name__ == "__main__":
     try:
         settings.check_all()  # a bad BERT_ENGINE_* value: one line and exit 2, not every request failing later
@@ -67,7 +57,7 @@ if __name__ == "__main__":
                 logging.getLogger("app").warning("BERT_ENGINE_MODEL_DIRS: %r is not a folder (yet); the model "
                                                  "picker lists nothing from it until it is", folder)
         pick_device()  # BERT_ENGINE_DEVICE names a device this machine has (cuda on a CPU build of torch: refused)
-        check_precision()
+        setting_precision()  # before the playground is imported: a precision this machine cannot run is said first
         check_kernel_setting()  # a kernel that is not one, or "tiled" where bert_engine's kernel cannot run
         port = server_port()
     except ValueError as err:

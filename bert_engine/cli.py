@@ -944,16 +944,13 @@ def _verbose_anywhere(parser: argparse.ArgumentParser) -> None:
 
 
 def _precision(args) -> str:
-    """A command's --precision, else BERT_ENGINE_PRECISION's, whose name a refusal of it then says (it was
-    "precision 'fp8' is not one of ..." with nothing pointing at the environment)."""
+    """A command's --precision, else BERT_ENGINE_PRECISION's, checked as the app checks it, so that a refusal names
+    the variable (it was "precision 'fp8' is not one of ..." with nothing pointing at the environment)."""
     if args.precision:
         return args.precision
-    precision = settings.get("BERT_ENGINE_PRECISION")
-    from .runtime.precision import NAMES, PrecisionError  # noqa: PLC0415 - torch loads with it, after parsing
+    from .runtime.precision import setting_precision  # noqa: PLC0415 - torch loads with it, after parsing
 
-    if precision not in NAMES:
-        raise PrecisionError(f"BERT_ENGINE_PRECISION: precision {precision!r} is not one of {', '.join(NAMES)}")
-    return precision
+    return setting_precision()
 
 
 def main(argv: list[str] | None = None) -> int:

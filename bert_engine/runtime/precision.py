@@ -130,6 +130,20 @@ def device_for(precision: str, preference: str | torch.device | None = None) -> 
     return pick_device(preference)
 
 
+def setting_precision() -> str:
+    """BERT_ENGINE_PRECISION, checked on the device it would run on (BERT_ENGINE_DEVICE, else pick_device's): the
+    app and the CLI commands that predict read it so, and a refusal names the variable.
+
+    Raises:
+        PrecisionError: a name that is not a precision, or one this machine cannot run, after the variable's name."""
+    precision = settings.get("BERT_ENGINE_PRECISION")
+    try:
+        resolve(precision, device_for(precision, settings.get("BERT_ENGINE_DEVICE") or None))
+    except PrecisionError as err:
+        raise PrecisionError(f"BERT_ENGINE_PRECISION: {err}") from None
+    return precision
+
+
 def _present(preference: str | torch.device) -> torch.device:
     """`preference` as a device, checked to exist here (torch itself fails later with an AssertionError)."""
     if isinstance(preference, int) and not isinstance(preference, bool):
