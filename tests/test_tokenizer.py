@@ -1,10 +1,14 @@
 """Our tokenizer against the reference fast tokenizer, plus windows, padding and bad input."""
 
+import random
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
 
 from bert_engine import Tokenizer
+from bert_engine.tokenizer import BACKENDS_KEPT
 
 TEXTS = [
     "Hello, world!",
@@ -246,7 +250,7 @@ def test_stacked_batches_keep_each_part_and_number_the_inputs_in_order(tiny_toke
     assert both.offsets[-1] == short.offsets[0] + [(0, 0)] * (width - n) and len(both.word_ids[-1]) == width
 
 
-FAMILY_TOKENIZERS = __import__("pathlib").Path(__file__).parent / "fixtures" / "tokenizers"
+FAMILY_TOKENIZERS = Path(__file__).parent / "fixtures" / "tokenizers"
 
 
 @pytest.mark.parametrize("source", ["minilm", "roberta", "albert", "distilbert"])
@@ -258,7 +262,7 @@ def test_a_long_text_cut_by_truncation_is_read_from_its_start_with_the_same_toke
 
     tokenizer = Tokenizer.from_pretrained(minilm_dir if source == "minilm" else FAMILY_TOKENIZERS / source)
     words = " ".join(TEXTS[:8] + TEXTS[10:]).split()
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     long_texts = [" ".join(rng.choice(words) for _ in range(n)) for n in (3_000, 40_000)]
     long_texts += ["中" * 30_000, "x" * 20_000 + " tail", "   " * 5_000 + "late start"]  # (one 20,000-character word)
     long_texts += [" ".join(f"{'x' * (k % 40)}{k}" for k in range(2_000))]  # a piece cut ends near the kept tokens
@@ -297,5 +301,5 @@ def test_calls_with_different_truncation_run_at_once(ours):
         answered_while_heavy += 1
     worker.join()
     assert answered_while_heavy > 10
-    assert len(ours._backends) <= __import__("bert_engine.tokenizer").tokenizer.BACKENDS_KEPT
+    assert len(ours._backends) <= BACKENDS_KEPT
     assert ours.backend.truncation is None  # the shared one never truncates (a saved tokenizer.json says none)
