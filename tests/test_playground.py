@@ -728,6 +728,8 @@ def test_a_task_that_raises_or_hangs_at_request_time_is_cut_off_and_listed(tmp_p
     registry.load_plugin("fails-late", "0.1", "test", FailingAtRequestPlugin)
     tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
     app = build_app(registry, checkpoints={"explodes": tiny, "hangs": tiny, "sentiment": tiny}, timeout_s=3)
+    for name in ("explodes", "hangs", "sentiment"):  # loaded first: a first load alone (torch's warm-up) took 3 s
+        app.predictors[name].get()
     try:
         with pytest.raises(gr.Error, match="postprocess exploded.*bug in plugin fails-late.*Other tasks are not affected"):
             app.predictors["explodes"].predict({"text": "hello"})
@@ -1321,3 +1323,103 @@ def test_one_line_args_joins_each_wrapped_entry():
     assert one_line_args("Do.\n\n    Args:\n        a: one\n            two.\n        b: three.\n\n    Returns:\n"
                          "        x\n") == "Do.\n\nArgs:\n    a: one two.\n    b: three.\n\nReturns:\n    x"
     assert one_line_args(None) is None and one_line_args("") == ""
+
+
+SPINS = {"count": 0, "stopped": 0}
+
+
+class SpinningPlugin:
+    """A task whose postprocess runs a Python loop for up to 60 s, counting its rounds (a long request)."""
+
+    @hookimpl
+    def register_tasks(self, register):
+        def spin(output, batch, **options):
+            end = time.monotonic() + 60
+            try:
+                while time.monotonic() < end and not RELEASE.is_set():
+                    SPINS["count"] += 1
+                    time.sleep(0.002)
+            except BaseException:
+                SPINS["stopped"] += 1
+                raise
+            return {"spun": True}
+
+        def build_tab(predictor):
+            text, button, out = gr.Textbox(label="Text"), ui.run_button(gr, "Spin"), gr.JSON()
+
+            def run(text: str):
+                """Spin a while.
+
+                Args:
+                    text: anything.
+                """
+                return predictor.predict({"text": text})
+
+            ui.wire(gr, button, run, [text], [out], api_name="spins")
+
+        register(TaskSpec(name="spins", title="Spins", build_head=lambda c: torch.nn.Identity(),
+                          preprocess=lambda i, t, **o: t(i["text"]), postprocess=spin, build_tab=build_tab))
+
+
+def _spinning_until(predicate, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def _stopped_spinning(stops_before: int) -> bool:
+    """The spinning request was stopped (its loop saw the cancellation) and counts no more rounds."""
+    if not _spinning_until(lambda: SPINS["stopped"] > stops_before, 10):
+        return False
+    count = SPINS["count"]
+    time.sleep(0.5)
+    return SPINS["count"] == count
+
+
+def test_a_request_whose_visitor_cancels_or_leaves_stops_at_once(tmp_path, monkeypatch):
+    """A visitor's long request that they cancel (gradio_client's job.cancel(), the page's stop) or walk away
+    from (the event stream closed) stops within a second or two, freeing the CPU and their in-flight place;
+    it ran on to its end or its time limit (an outside check: 85 s of CPU after a cancel)."""
+    from conftest import reference_checkpoint
+
+    monkeypatch.setenv("GRADIO_HEARTBEAT_INTERVAL", "0.5")  # how often Gradio looks whether a stream closed
+    monkeypatch.setenv("BERT_ENGINE_MAX_IN_FLIGHT", "1")
+    registry = load_registry(entry_points=False)
+    registry.load_plugin("spinning", "0.1", "test", SpinningPlugin)
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
+    app = build_app(registry, checkpoints={"spins": tiny}, timeout_s=60)
+    app.predictors["spins"].get()
+    app.queue(default_concurrency_limit=4)
+    port = _launch(app)
+    url = f"http://127.0.0.1:{port}/"
+    RELEASE.clear()
+    try:
+        client = Client(url, verbose=False)
+        stops = SPINS["stopped"]
+        started = SPINS["count"]
+        job = client.submit("hello", api_name="/spins")
+        assert _spinning_until(lambda: SPINS["count"] > started + 20), "the request never started"
+        job.cancel()
+        assert _stopped_spinning(stops), "the cancelled request ran on"
+        # its place is free: the same visitor's next request runs (the cap is 1)
+        stops = SPINS["stopped"]
+        started = SPINS["count"]
+        job = client.submit("hello again", api_name="/spins")
+        assert _spinning_until(lambda: SPINS["count"] > started + 20), "the next request did not start"
+        job.cancel()
+        assert _stopped_spinning(stops)
+
+        # A raw HTTP caller that reads its event stream a moment and closes the connection
+        stops = SPINS["stopped"]
+        started = SPINS["count"]
+        body = json.dumps({"data": ["left"]}).encode()
+        request = urllib.request.Request(f"{url}gradio_api/call/spins", body, {"Content-Type": "application/json"})
+        event_id = json.load(urllib.request.urlopen(request, timeout=30))["event_id"]
+        stream = urllib.request.urlopen(f"{url}gradio_api/call/spins/{event_id}", timeout=30)
+        assert _spinning_until(lambda: SPINS["count"] > started + 20), "the raw request never started"
+        stream.close()
+        assert _stopped_spinning(stops), "the request ran on after its sender left"
+    finally:
+        RELEASE.set()
+        app.close()

@@ -12,6 +12,12 @@ Python cannot kill a thread. A loop that catches BaseException (`except:`) and g
 each cancellation inside its `try` and runs on; so does one endless native call. The caller hears of such
 a thread through `on_stuck` once it has outlived STUCK_AFTER_S of cancellations, and through `on_stopped`
 if it ever ends: the app then refuses the task's further requests, so one stuck thread cannot become many.
+
+A request is stopped the same way before its time limit when the one who sent it is gone: the caller sets
+the event in CALLER_GONE (the playground does when Gradio cancels the visitor's event, or the visitor's
+connection closes), and call_with_timeout, seeing it within GONE_POLL_S, cancels the thread and raises
+RequestCancelled. Without this a cancelled request ran on to its end or its time limit, holding the CPU
+and its visitor's in-flight place.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -31,6 +38,10 @@ REINJECT_EVERY_S = 0.5   # a task that catches BaseException gets the cancellati
 GIVE_UP_AFTER_S = 60.0   # then the thread is left alone (logged); its model lock was abandoned long before
 STUCK_AFTER_S = 10.0     # a cancelled thread still running this long is reported stuck (on_stuck)
 WATCH_STUCK_EVERY_S = 5.0  # how often a stuck thread, no longer cancelled, is looked at to report its end
+GONE_POLL_S = 0.1        # how often a waiting caller looks whether the request's sender is gone (CALLER_GONE)
+
+# Set by whoever serves a request when its sender cancels it or goes away (None: nobody says so)
+CALLER_GONE: ContextVar[threading.Event | None] = ContextVar("bert_engine_caller_gone", default=None)
 
 
 class Cancelled(BaseException):
@@ -39,6 +50,27 @@ class Cancelled(BaseException):
 
 class PredictionTimeout(RuntimeError):
     """A prediction did not finish in time (a hung plugin, an overloaded machine)."""
+
+
+class RequestCancelled(RuntimeError):
+    """The request's sender cancelled it or went away (CALLER_GONE was set), so it was stopped."""
+
+
+def wait_or_gone(event: threading.Event | threading.Condition, timeout_s: float | None) -> bool:
+    """`event.wait(timeout_s)` in steps of GONE_POLL_S, or RequestCancelled as soon as this request's
+    CALLER_GONE is set; returns what the wait returned (a Condition must be held by the caller)."""
+    gone = CALLER_GONE.get()
+    if gone is None:
+        return event.wait(timeout_s)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if gone.is_set():
+            raise RequestCancelled("the request was cancelled by its sender")
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return event.wait(0)
+        if event.wait(GONE_POLL_S if left is None else min(GONE_POLL_S, left)):
+            return True
 
 
 _cancelled_at: dict[int, float] = {}  # thread ident -> monotonic time its cancellation began
@@ -86,7 +118,7 @@ def _leave_running(thread: threading.Thread) -> None:
 
 
 def cancel(thread: threading.Thread, what: str = "a request", *, on_stuck: Callable[[], None] | None = None,
-           on_stopped: Callable[[], None] | None = None) -> threading.Thread:
+           on_stopped: Callable[[], None] | None = None, why: str = "its time limit") -> threading.Thread:
     """Raise Cancelled in `thread` now and every REINJECT_EVERY_S until it ends; returns the watcher thread.
     `on_stuck()` is called (from the watcher) once the thread has outlived STUCK_AFTER_S of cancellations,
     and then `on_stopped()` when it ends, however late."""
@@ -113,7 +145,7 @@ def cancel(thread: threading.Thread, what: str = "a request", *, on_stuck: Calla
                 logger.error("%s still runs %.0f s after it was cancelled (inside a native call?); "
                              "it no longer holds its model", what, GIVE_UP_AFTER_S)
             else:
-                logger.info("%s stopped %.2f s after its time limit", what, time.monotonic() - start)
+                logger.info("%s stopped %.2f s after %s", what, time.monotonic() - start, why)
         finally:
             with _cancelled_guard:
                 _cancelled_at.pop(thread.ident, None)
@@ -133,10 +165,11 @@ def call_with_timeout(function: Callable[..., Any], timeout_s: float | None, *ar
                       what: str = "the prediction", on_stuck: Callable[[], None] | None = None,
                       on_stopped: Callable[[], None] | None = None, **kwargs: Any) -> Any:
     """`function(*args, **kwargs)`, or PredictionTimeout after `timeout_s` seconds (None: no limit),
-    with the call cancelled (see the module docstring; `on_stuck`, `on_stopped`: as `cancel` takes them).
+    with the call cancelled (see the module docstring; `on_stuck`, `on_stopped`: as `cancel` takes them);
+    RequestCancelled, the call cancelled as well, once this request's CALLER_GONE is set.
     Any exception of the call, BaseExceptions such as SystemExit or a native library's panic included,
     is raised here in the caller."""
-    if timeout_s is None:
+    if timeout_s is None and CALLER_GONE.get() is None:
         return function(*args, **kwargs)
     box: dict[str, Any] = {}
     done = threading.Event()
@@ -165,7 +198,10 @@ def call_with_timeout(function: Callable[..., Any], timeout_s: float | None, *ar
             _running.discard(thread)
         raise
     try:
-        finished = done.wait(timeout_s)
+        finished = wait_or_gone(done, timeout_s)
+    except RequestCancelled:
+        cancel(thread, what, on_stuck=on_stuck, on_stopped=on_stopped, why="its sender cancelled it")
+        raise RequestCancelled(f"{what} was cancelled by its sender and stopped") from None
     except BaseException:  # the caller itself was interrupted (a real Ctrl-C): stop the call as well
         cancel(thread, what, on_stuck=on_stuck, on_stopped=on_stopped)
         raise

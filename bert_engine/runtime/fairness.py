@@ -34,7 +34,7 @@ from contextvars import ContextVar
 import torch
 
 from .. import settings
-from .cancel import cancelled_for
+from .cancel import cancelled_for, wait_or_gone
 
 
 def chunk_flops() -> float:
@@ -144,7 +144,7 @@ class InFlight:
                 deadline = time.monotonic() + wait_s
                 try:
                     while full is not None and time.monotonic() < deadline:
-                        self._cond.wait(deadline - time.monotonic())
+                        wait_or_gone(self._cond, deadline - time.monotonic())  # sender gone: stop waiting
                         full = self._full(visitor, group, limit, group_limit)
                 finally:
                     for key in lines:

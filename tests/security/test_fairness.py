@@ -171,6 +171,26 @@ def test_a_wait_for_a_place_ends_with_a_refusal_when_none_frees():
             raise AssertionError("admitted beyond the cap")
 
 
+def test_a_request_waiting_for_a_place_leaves_the_line_when_its_sender_is_gone():
+    """A visitor who cancels a request that waits for a place (or closes the page) frees its place in the
+    line at once: it held it for up to its whole time limit."""
+    from bert_engine.runtime.cancel import CALLER_GONE, RequestCancelled
+
+    in_flight = InFlight(limit=1, group_limit=8, waiting=1)
+    gone = threading.Event()
+    with in_flight.admit("a", "ip:1"):
+        threading.Timer(0.3, gone.set).start()
+        token = CALLER_GONE.set(gone)
+        began = time.monotonic()
+        try:
+            with pytest.raises(RequestCancelled), in_flight.admit("a", "ip:1", wait_s=60):
+                raise AssertionError("admitted while the first still ran")
+        finally:
+            CALLER_GONE.reset(token)
+        assert time.monotonic() - began < 2 and in_flight.waiting("a") == 0 and in_flight.running("a") == 1
+    assert in_flight.running("a") == 0
+
+
 def test_an_address_has_one_waiting_line_over_all_its_sessions():
     """Rotating sessions does not lengthen the line either: an address's sessions share it."""
     in_flight = InFlight(limit=2, group_limit=1, waiting=1)
