@@ -300,7 +300,8 @@ def playground_class(gr):
             from starlette.middleware import Middleware  # noqa: PLC0415 - Gradio's server brings starlette
 
             app_kwargs = dict(kwargs.get("app_kwargs") or {})
-            app_kwargs["middleware"] = [*app_kwargs.get("middleware", ()), Middleware(McpCallerAddress)]
+            app_kwargs["middleware"] = [*app_kwargs.get("middleware", ()), Middleware(McpCallerAddress),
+                                     Middleware(UnknownEndpoint)]
             kwargs["app_kwargs"] = app_kwargs
             kwargs.setdefault("theme", page_theme(gr))
             kwargs.setdefault("css", ui.CSS + PAGE_CSS)
@@ -331,6 +332,49 @@ class McpCallerAddress:
                 headers.append((b"x-forwarded-for", str(client[0]).encode("latin-1", "replace")))
             scope = {**scope, "headers": headers}
         await self.app(scope, receive, send)
+
+
+class UnknownEndpoint:
+    """ASGI middleware: a call to an endpoint the app does not have (`/gradio_api/call/nosuch`, a `fn_index` no event
+    has) is answered 404 with one line naming it, and logged as one line. Gradio's routes raised there: an HTTP 500
+    with no reason, and a 40-line traceback in the log per request, which any visitor could repeat."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            started = started or message.get("type") == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as err:
+            name = unknown_endpoint(scope.get("path", ""), err)
+            if name is None or started:
+                raise
+            logger.info("a call to an endpoint the app does not have: %s", name)
+            body = json.dumps({"detail": f"no API endpoint {name} here; /gradio_api/info lists them"}).encode()
+            await send({"type": "http.response.start", "status": 404,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+
+def unknown_endpoint(path: str, err: Exception) -> str | None:
+    """The endpoint a request named that Gradio's routes did not find (from the error they raised), in words;
+    None when `err` is anything else."""
+    if type(err).__name__ == "FnIndexInferError":  # gradio.route_utils: an api_name no event has
+        match = re.search(r"API name: (.*)$", str(err))
+        return repr((match.group(1) if match else "?")[:100])
+    if isinstance(err, KeyError) and path.rstrip("/").endswith("/queue/join"):  # a fn_index no event has
+        return f"number {str(err.args[0] if err.args else '?')[:40]}"
+    return None
 
 
 def text_input(gr, block: Any, value: Any) -> Any:

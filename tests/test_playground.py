@@ -1423,3 +1423,22 @@ def test_a_request_whose_visitor_cancels_or_leaves_stops_at_once(tmp_path, monke
     finally:
         RELEASE.set()
         app.close()
+
+
+def test_a_call_to_an_endpoint_the_app_does_not_have_is_a_404_naming_it(served, caplog):
+    """Gradio's routes raised on an unknown api_name or fn_index: HTTP 500 with no reason, and a traceback of
+    about 40 lines in the log per request, which any visitor could repeat."""
+    app, url = served
+    calls = (("gradio_api/call/nosuch", {"data": ["x"]}, "no API endpoint 'nosuch' here"),
+             ("gradio_api/run/nosuch", {"data": ["x"]}, "no API endpoint 'nosuch' here"),
+             ("gradio_api/queue/join", {"data": ["x"], "fn_index": 9999, "session_hash": "s"},
+              "no API endpoint number 9999 here"))
+    with caplog.at_level("INFO"):
+        for path, body, message in calls:
+            request = urllib.request.Request(f"{url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 404 and message in json.load(refused.value)["detail"], path
+    assert not [r for r in caplog.records if r.levelno >= 40 or r.exc_info], [r.getMessage() for r in caplog.records]
+    assert sum("an endpoint the app does not have" in r.getMessage() for r in caplog.records) == 3
+    assert Client(url, verbose=False).predict("fine", "", "truncate", api_name="/sentiment")  # the app still answers
