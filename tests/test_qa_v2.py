@@ -336,3 +336,34 @@ def test_the_qa_analysis_scripts_name_a_missing_data_file_in_one_line(tmp_path, 
                            "--data", str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"--data: no {tmp_path / missing} (point --data at the folder that holds {missing})" in done.stderr
+
+
+def test_the_verifier_probe_fits_on_half_a_and_reports_half_b(monkeypatch):
+    """scripts/qa_verifier_probe.py's fit: a column that tells unanswerable questions apart is found by the
+    cross-validated regression and scores its AUC on half B; a noise column alone scores about 0.5."""
+    import importlib
+
+    import numpy as np
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    probe = importlib.import_module("qa_verifier_probe")
+    rng = np.random.default_rng(0)
+
+    def rows(n):
+        out, x = [], []
+        for i in range(n):
+            none = i % 2 == 0
+            target = {"answers": [""] if none else ["paris"], "starts": [-1] if none else [0]}
+            out.append(({"question": "q", "context": "paris"}, target,
+                        {"answers": [{"answer": "paris", "start": 0, "end": 5}]}))
+            x.append([float(none) + rng.normal(0, 0.7), rng.normal()])
+        return out, np.asarray(x)
+
+    sets = {name: rows(n) for name, n in (("v2", 400), ("v1", 50), ("qed", 50))}
+    for name in ("v1", "qed"):  # every one answerable
+        sets[name] = ([r for r in sets[name][0] if r[1]["answers"] != [""]],
+                      sets[name][1][[r[1]["answers"] != [""] for r in sets[name][0]]])
+    told = probe.probe("signal", lambda x: x, sets, half=200)
+    noise = probe.probe("noise", lambda x: x[:, 1:], sets, half=200)
+    assert told["half_B_auc"] > 0.8 and 0.35 < noise["half_B_auc"] < 0.65, (told, noise)
+    assert told["eager"]["answerable refused %"] <= 15 and told["cautious"]["half B F1"] > 70
