@@ -507,7 +507,8 @@ def with_request(gr, function):
                 CALLER_GONE.reset(gone_token)
                 REQUEST.reset(token)
 
-        work = asyncio.ensure_future(anyio.to_thread.run_sync(run, abandon_on_cancel=True))
+        work = asyncio.ensure_future(anyio.to_thread.run_sync(run, abandon_on_cancel=True,
+                                                              limiter=gradio_limiter(request)))
         try:
             while not (await asyncio.wait({work}, timeout=WATCH_SENDER_EVERY_S))[0]:
                 if not gone.is_set() and sender_gone(request):
@@ -525,6 +526,16 @@ def with_request(gr, function):
     handler.__annotations__ = {"request": gr.Request}  # what Gradio reads to fill it
     handler.__doc__ = one_line_args(function.__doc__)  # what Gradio reads to describe the inputs (API, MCP)
     return handler
+
+
+def gradio_limiter(request: Any) -> Any:
+    """The worker-thread pool Gradio runs plain handlers in (max_threads: serve_queue sizes it for every admitted
+    request, beyond anyio's default 40), so a handler run as a coroutine gets the same; None where it cannot be
+    read (anyio's default pool)."""
+    try:
+        return request.request.app.get_blocks().limiter
+    except Exception:  # noqa: BLE001 - Gradio's internals: a call outside the queue has none
+        return None
 
 
 def sender_gone(request: Any) -> bool:

@@ -901,6 +901,37 @@ def test_gradios_queue_never_holds_a_light_request_behind_long_ones(tmp_path):
         app.close()
 
 
+def test_every_request_the_queue_admits_reaches_its_handler_beyond_anyios_default_pool(tmp_path, monkeypatch):
+    """The handlers run each request in a worker thread of Gradio's pool (max_threads, sized by serve_queue for
+    every admitted request), not anyio's default pool of 40: 44 visitors' long requests all reach the task."""
+    from conftest import reference_checkpoint
+
+    from playground.app import serve_queue
+
+    monkeypatch.setenv("BERT_ENGINE_MAX_IN_FLIGHT_PER_IP", "100")  # every caller here is 127.0.0.1
+    registry = load_registry(entry_points=False)
+    registry.load_plugin("slow", "0.1", "test", SlowWhenAskedPlugin)
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertModel"))
+    app = serve_queue(build_app(registry, checkpoints={"slowtask": tiny}, timeout_s=60))
+    app.predictors["slowtask"].get()
+    port = _launch(app)
+    url = f"http://127.0.0.1:{port}/"
+    SlowWhenAskedPlugin.waiting = 0
+    SlowWhenAskedPlugin.release.clear()
+    try:
+        for i in range(44):  # each call its own session: its own visitor
+            body = json.dumps({"data": [f"slow request {i}"]}).encode()
+            request = urllib.request.Request(f"{url}gradio_api/call/slowtask", body, {"Content-Type": "application/json"})
+            urllib.request.urlopen(request, timeout=30).read()
+        deadline = time.monotonic() + 60
+        while SlowWhenAskedPlugin.waiting < 44 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert SlowWhenAskedPlugin.waiting == 44, f"only {SlowWhenAskedPlugin.waiting} of 44 reached the handler"
+    finally:
+        SlowWhenAskedPlugin.release.set()
+        app.close()
+
+
 def test_one_session_sending_four_at_once_gets_two_running_two_waiting_and_four_answers(tmp_path):
     """A client that sends more than its in-flight cap at once (issue 36's attacker sends 4) is not
     refused and left to resend: the two beyond the cap wait, idle, and run as places free."""
