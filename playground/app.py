@@ -1081,7 +1081,7 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
             with visitor_scope(current_visitor()), loading():  # this visitor's model; the others keep theirs
                 predictor.switch(checkpoint)
                 return describe(predictor)
-        except (InputError, TooManyRequests) as err:
+        except (InputError, TooManyRequests, RequestCancelled) as err:  # (cancelled: its sender left the line)
             message = public_message(str(err))  # (a listed folder's refusal named its whole path on the server)
         except (HubError, CheckpointError, ValueError, OSError) as err:
             message = f"could not load {value or 'the default'}: {public_message(str(err))}"
