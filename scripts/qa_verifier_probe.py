@@ -11,7 +11,8 @@ ten plus, in turn:
 - `similarity`: the base MiniLM's sentence embedding (all-MiniLM-L6-v2 is a sentence-similarity model; mean of the
   last layer, normalised): cosine of the question with the best span's sentence, with the paragraph's closest
   sentence, their difference, and whether the two are the same sentence (sentences split at . ! ? + space);
-and the ten alone, as the baseline the shipped pack reports.
+each of those alone with the ten, [CLS] alone with the ten, both with the ten, and the ten alone (the
+shipped verifier's, the baseline): five variants.
 
 Each variant's L2 weight is chosen by 5-fold cross-validation on half A (contiguous folds: whole articles stay
 together), its thresholds ("eager": at most 5 % of half A's answerable refused, "balanced" 15 %, "cautious" half
@@ -189,9 +190,13 @@ def probe(name, columns, sets, half):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="plugins/starter/qa", help="the QA checkpoint folder (a pack)")
-    parser.add_argument("--data", type=Path, default=DATA, help=f"the datasets folder (default: {DATA})")
-    parser.add_argument("--report", type=Path, default=Path("runs/qa_verifier_probe.json"))
+    parser.add_argument("--model", default="plugins/starter/qa",
+                        help="the QA checkpoint folder, a pack (default: %(default)s)")
+    parser.add_argument("--data", type=Path, default=DATA,
+                        help=f"the datasets folder holding squad/ and qed/ (../shared/data beside the checkout; "
+                             f"default: {DATA})")
+    parser.add_argument("--report", type=Path, default=Path("runs/qa_verifier_probe.json"),
+                        help="where the JSON report goes; the predictions are cached beside it (default: %(default)s)")
     args = parser.parse_args()
     need_files(parser, args.data, *FILES.values())
     logging.basicConfig(level=logging.INFO, format="%(message)s")
