@@ -7,6 +7,7 @@ import torch
 
 import plugins
 from bert_engine.hookspecs import InputError
+from bert_engine.runtime import explain as explain_module
 from bert_engine.runtime.explain import MAX_STEPS, explain, gauss_legendre, request_flop_limit
 from bert_engine.runtime.inference import Predictor
 from bert_engine.tasks.registry import load_registry
@@ -161,6 +162,46 @@ def test_an_explanation_never_reaches_another_requests_forward(registry, monkeyp
     assert not errors and seen
     for logits in seen:
         assert torch.allclose(torch.tensor(logits), torch.tensor(alone), atol=1e-5)
+
+
+def test_an_explanation_never_reads_another_explanations_embeddings(registry, monkeypatch):
+    """Two visitors explaining with one model: while one holds the model's lock, its hook answers the word
+    embeddings' forward with its own rows. The other read its input's embeddings by calling that module before it
+    waited for the lock, so it got the first visitor's text (an outside check: 10 of 15 explanations of a negative
+    text came back with the other's POSITIVE scores; others failed on mismatched lengths)."""
+    monkeypatch.setenv("BERT_ENGINE_KERNELS", "plain")  # the served model itself is explained (no copy)
+    predictor = Predictor.load(registry.tasks["sentiment"], precision="fp32")
+    text = {"text": "The plot is predictable and the acting is wooden."}
+    alone = explain(predictor, text, method="gradient_x_input")
+    table = predictor.model.encoder.embeddings.word_embeddings
+    other = table.weight[:1].expand(40, -1).unsqueeze(0).clone()  # another visitor's 40 tokens
+    holding, release = threading.Event(), threading.Event()
+
+    def other_explanation():  # what run() does for another request: the lock held, its hook on the table
+        with predictor._lock:
+            handle = table.register_forward_hook(lambda _module, _args, _output: other)
+            holding.set()
+            release.wait(30)
+            handle.remove()
+
+    thread = threading.Thread(target=other_explanation)
+    real = explain_module.gradient_model
+
+    def then_the_other_takes_the_lock(served):  # between this explanation's prediction and its attributions
+        thread.start()
+        assert holding.wait(30)
+        threading.Timer(0.5, release.set).start()
+        return real(served)
+
+    monkeypatch.setattr(explain_module, "gradient_model", then_the_other_takes_the_lock)
+    try:
+        beside = explain(predictor, text, method="gradient_x_input")
+    finally:
+        release.set()
+        if thread.is_alive():
+            thread.join(30)
+    assert [t["attributions"] for t in beside["targets"]] == [t["attributions"] for t in alone["targets"]]
+    assert [t["score"] for t in beside["targets"]] == [t["score"] for t in alone["targets"]]
 
 
 def test_a_pipeline_is_explained_as_its_predictor():

@@ -233,7 +233,9 @@ def _attribute(predictor: Predictor, model: nn.Module, batch, r: int, n: int, ta
     kept = {tokenizer.token_id(name) for name in ("cls_token", "sep_token", "pad_token", "mask_token")}
     varied = ~torch.isin(ids[0], torch.tensor(sorted(kept), device=device))  # (n,) the text's own tokens
     with torch.no_grad():
-        x = table(ids)[0].detach()  # (n, E)
+        # the table's weights read directly, not the module called: outside the lock, another explanation's hook
+        # on this table (run() below) answered the call with that visitor's embeddings
+        x = torch.nn.functional.embedding(ids, table.weight)[0].detach()  # (n, E)
         blank = table.weight[tokenizer.pad_token_id].detach() if tokenizer.pad_token_id is not None else 0.0
         base = torch.where(varied[:, None], blank, x)
     delta = x - base  # 0 at the kept tokens
