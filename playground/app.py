@@ -357,6 +357,12 @@ class UnknownEndpoint:
             await self.app(scope, receive, sending)
         except Exception as err:
             name = unknown_endpoint(scope.get("path", ""), err)
+            if started and name is None and unknown_event_stream(scope.get("path", ""), err):
+                # GET /gradio_api/call/<name>/<no such event>: Gradio's stream had sent its error event ("404: Not
+                # Found"), then raised (a 78-line traceback per request); the stream just ends here
+                logger.info("a call's result asked for an event the app does not have: %s", scope.get("path", "")[:200])
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
             if name is None or started:
                 raise
             logger.info("a call to an endpoint the app does not have: %s", name)
@@ -374,7 +380,16 @@ def unknown_endpoint(path: str, err: Exception) -> str | None:
         return repr((match.group(1) if match else "?")[:100])
     if isinstance(err, KeyError) and path.rstrip("/").endswith("/queue/join"):  # a fn_index no event has
         return f"number {str(err.args[0] if err.args else '?')[:40]}"
+    if isinstance(err, KeyError) and "/call/v2/" in path:  # POST /gradio_api/call/v2/<an api_name no event has>
+        return repr(path.rstrip("/").rsplit("/", 1)[-1][:100])
     return None
+
+
+def unknown_event_stream(path: str, err: Exception) -> bool:
+    """Whether `err` is Gradio's refusal of a result stream for an event id it does not know, raised after the
+    stream began (`GET /gradio_api/call/<name>/<event id>`)."""
+    return (isinstance(err, RuntimeError) and "response already started" in str(err)
+            and re.search(r"/call/(v2/)?[^/]+/[^/]+/?$", path) is not None)
 
 
 def text_input(gr, block: Any, value: Any) -> Any:

@@ -1462,6 +1462,7 @@ def test_a_call_to_an_endpoint_the_app_does_not_have_is_a_404_naming_it(served, 
     app, url = served
     calls = (("gradio_api/call/nosuch", {"data": ["x"]}, "no API endpoint 'nosuch' here"),
              ("gradio_api/run/nosuch", {"data": ["x"]}, "no API endpoint 'nosuch' here"),
+             ("gradio_api/call/v2/nosuch", {"data": ["x"]}, "no API endpoint 'nosuch' here"),
              ("gradio_api/queue/join", {"data": ["x"], "fn_index": 9999, "session_hash": "s"},
               "no API endpoint number 9999 here"))
     with caplog.at_level("INFO"):
@@ -1470,6 +1471,10 @@ def test_a_call_to_an_endpoint_the_app_does_not_have_is_a_404_naming_it(served, 
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(request, timeout=30)
             assert refused.value.code == 404 and message in json.load(refused.value)["detail"], path
+        # the result stream of an event the app does not have: Gradio's error event, then the stream ends
+        stream = urllib.request.urlopen(f"{url}gradio_api/call/sentiment/no-such-event", timeout=30).read().decode()
+        assert stream.startswith("event: error") and "Not Found" in stream, stream
     assert not [r for r in caplog.records if r.levelno >= 40 or r.exc_info], [r.getMessage() for r in caplog.records]
-    assert sum("an endpoint the app does not have" in r.getMessage() for r in caplog.records) == 3
+    assert sum("an endpoint the app does not have" in r.getMessage() for r in caplog.records) == 4
+    assert sum("an event the app does not have" in r.getMessage() for r in caplog.records) == 1
     assert Client(url, verbose=False).predict("fine", "", "truncate", api_name="/sentiment")  # the app still answers
