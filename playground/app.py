@@ -526,7 +526,7 @@ def with_request(gr, function):
                                                               limiter=gradio_limiter(request)))
         try:
             while not (await asyncio.wait({work}, timeout=WATCH_SENDER_EVERY_S))[0]:
-                if not gone.is_set() and sender_gone(request):
+                if not gone.is_set() and (sender_gone(request) or await connection_closed(request)):
                     logger.info("a request's sender went away; stopping it")
                     gone.set()  # the thread's request stops; its answer (an error) reaches nobody
             return work.result()
@@ -565,6 +565,19 @@ def sender_gone(request: Any) -> bool:
     except Exception:  # noqa: BLE001 - Gradio's internals: reading them must never fail a request
         return False
     return bool(events) and not any(getattr(event, "alive", True) for event in events)
+
+
+async def connection_closed(request: Any) -> bool:
+    """Whether the sender of a direct (unqueued) call, `POST /gradio_api/run/<name>`, has closed its connection: that
+    request is the live one, so its own disconnect is read. A queued event's request is its join call, long
+    answered, which is what sender_gone reads instead. False when this cannot be read."""
+    raw = getattr(request, "request", None) if request is not None else None
+    try:
+        if raw is None or not re.search(r"/(run|api)/[^/]+/?$", raw.url.path):
+            return False
+        return bool(await raw.is_disconnected())
+    except Exception:  # noqa: BLE001 - the server's internals: reading them must never fail a request
+        return False
 
 
 def one_line_args(doc: str | None) -> str | None:

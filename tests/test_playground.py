@@ -1451,6 +1451,16 @@ def test_a_request_whose_visitor_cancels_or_leaves_stops_at_once(tmp_path, monke
         assert _spinning_until(lambda: SPINS["count"] > started + 20), "the raw request never started"
         stream.close()
         assert _stopped_spinning(stops), "the request ran on after its sender left"
+
+        # A direct call (POST /gradio_api/run/<name>, no queue) whose caller closes the connection
+        stops = SPINS["stopped"]
+        started = SPINS["count"]
+        body = json.dumps({"data": ["direct"]}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+            raw.sendall(b"POST /gradio_api/run/spins HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            assert _spinning_until(lambda: SPINS["count"] > started + 20), "the direct call never started"
+        assert _stopped_spinning(stops), "the direct call ran on after its caller closed the connection"
     finally:
         RELEASE.set()
         app.close()
@@ -1478,3 +1488,7 @@ def test_a_call_to_an_endpoint_the_app_does_not_have_is_a_404_naming_it(served, 
     assert sum("an endpoint the app does not have" in r.getMessage() for r in caplog.records) == 4
     assert sum("an event the app does not have" in r.getMessage() for r in caplog.records) == 1
     assert Client(url, verbose=False).predict("fine", "", "truncate", api_name="/sentiment")  # the app still answers
+    # a direct call that stays connected is answered (the handler reads whether its connection closed)
+    request = urllib.request.Request(f"{url}gradio_api/run/sentiment", json.dumps({"data": ["fine", "", "truncate"]}).encode(),
+                                     {"Content-Type": "application/json"})
+    assert json.loads(json.load(urllib.request.urlopen(request, timeout=60))["data"][0])["result"]["label"]
