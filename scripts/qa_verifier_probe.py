@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from qa_calibrate import DATA, at, auc, need_files, predictions, question_keys, scored, thresholds  # noqa: E402
+from qa_cls_verifier import fit_logistic, score  # noqa: E402 - session 23's [CLS] probe: its regression, reused
 
 from bert_engine import load  # noqa: E402
 from bert_engine.checkpoints.hub import default_backbone  # noqa: E402
@@ -51,7 +52,7 @@ from plugins.qa_windows import preprocess_many  # noqa: E402
 FILES = {"v2": "squad/dev-v2.0.json", "v1": "squad/dev-v1.1.json", "qed": "qed/qed-dev.squad.json"}
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 FOLDS = 5
-L2 = (1.0, 10.0, 100.0, 1000.0)
+L2 = (0.1, 1.0, 10.0, 100.0, 1000.0)  # qa_cls_verifier.chosen_l2's grid
 
 
 def hidden_states(predictor, rows) -> np.ndarray:
@@ -128,51 +129,30 @@ def similarities(encoder, tokenizer, rows) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-def logistic(x: np.ndarray, y: np.ndarray, l2: float, iterations: int = 30) -> np.ndarray:
-    """Weights (bias first) of an L2-penalised logistic regression on standardised x, by Newton's method."""
-    z = np.hstack([np.ones((len(x), 1)), x])
-    w, penalty = np.zeros(z.shape[1]), np.full(z.shape[1], l2)
-    penalty[0] = 0.0
-    for _ in range(iterations):
-        p = 1.0 / (1.0 + np.exp(-np.clip(z @ w, -60, 60)))
-        hessian = (z * (p * (1 - p))[:, None]).T @ z + np.diag(penalty + 1e-9)
-        step = np.linalg.solve(hessian, z.T @ (p - y) + penalty * w)
-        w -= step
-        if np.abs(step).max() < 1e-7:
-            break
-    return w
-
-
-def score(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    return np.hstack([np.ones((len(x), 1)), x]) @ w
-
-
 def probe(name, columns, sets, half):
     """One variant: fitted on half A (L2 by cross-validation), thresholds from out-of-fold scores, scored."""
     v2_rows, v2_x = sets["v2"]
-    x_all = columns(v2_x)
-    mean, scale = x_all[:half].mean(0), x_all[:half].std(0) + 1e-6
-    x = (x_all - mean) / scale
-    labels = np.array([t["answers"] == [""] for _, t, _ in v2_rows], dtype=np.float64)
+    x = torch.from_numpy(columns(v2_x)).double()
+    labels = torch.tensor([float(t["answers"] == [""]) for _, t, _ in v2_rows], dtype=torch.float64)
     x_a, y_a = x[:half], labels[:half]
     folds = np.array_split(np.arange(half), FOLDS)
     best = None
-    for l2 in L2:
+    for l2 in L2:  # as qa_cls_verifier.chosen_l2, keeping each fold's held-out scores for the thresholds
         oof = np.zeros(half)
         for fold in folds:
-            train = np.setdiff1d(np.arange(half), fold)
-            oof[fold] = score(logistic(x_a[train], y_a[train], l2), x_a[fold])
-        fold_auc = auc(list(oof[y_a == 1]), list(oof[y_a == 0]))
+            train = torch.from_numpy(np.setdiff1d(np.arange(half), fold))
+            oof[fold] = score(fit_logistic(x_a[train], y_a[train], l2), x_a[torch.from_numpy(fold)])
+        fold_auc = auc(list(oof[y_a.numpy() == 1]), list(oof[y_a.numpy() == 0]))
         if best is None or fold_auc > best[0]:
             best = (fold_auc, l2, oof)
     fold_auc, l2, oof = best
-    w = logistic(x_a, y_a, l2)
+    model = fit_logistic(x_a, y_a, l2)
 
     def rows_of(rows, values):
         return [(float(v), span, none) for v, (_, span, none) in zip(values, scored(rows, lambda *_: 0.0))]
 
     cut = thresholds(rows_of(v2_rows[:half], oof))
-    held = rows_of(v2_rows[half:], score(w, x[half:]))
+    held = rows_of(v2_rows[half:], score(model, x[half:]))
     report = {"features": x.shape[1], "l2": l2, "half_A_out_of_fold_auc": round(fold_auc, 4),
               "half_B_auc": round(auc([s for s, _, n in held if n], [s for s, _, n in held if not n]), 4)}
     for preset in ("eager", "balanced", "cautious"):
@@ -181,7 +161,7 @@ def probe(name, columns, sets, half):
                  "answerable refused %": round(100 * m["answerable_refused"], 1)}
         for other in ("v1", "qed"):
             rows, other_x = sets[other]
-            refused = at(rows_of(rows, score(w, (columns(other_x) - mean) / scale)), cut[preset])
+            refused = at(rows_of(rows, score(model, torch.from_numpy(columns(other_x)).double())), cut[preset])
             entry[f"{other} refused %"] = round(100 * refused["answerable_refused"], 1)
         report[preset] = entry
     logging.getLogger(__name__).info("%s: half B AUC %.4f", name, report["half_B_auc"])
