@@ -37,10 +37,11 @@ from bert_engine.runtime.cancel import (
     PredictionTimeout,
     RequestCancelled,
     call_with_timeout,
+    wait_or_gone,
 )
 from bert_engine.runtime.explain import DEFAULT_STEPS, MAX_STEPS, checked_method
 from bert_engine.runtime.explain import explain as explain_prediction
-from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
+from bert_engine.runtime.fairness import VISITOR, WAITED, InFlight, TooManyRequests, Waited, visitor_scope
 from bert_engine.runtime.inference import check_json_result, json_problem, threads_held
 from bert_engine.runtime.precision import NAMES as PRECISIONS
 from bert_engine.runtime.precision import PrecisionError, check_kernel_setting, device_for
@@ -199,15 +200,41 @@ class ServedPredictor(BatchingPredictor):
                  **kwargs: Any) -> None:
         super().__init__(task, checkpoint, **kwargs)
         self.shelf = shelf
+        self._answering: dict[str, int] = {}  # visitor -> their requests being answered in this task now
+        self._answered = threading.Condition()
         self._served = serve(self._answer, self, task.spec.name)
         self._explained = serve(self._explain, self, task.spec.name, cut_off_hint=EXPLAIN_CUT_OFF)
         self._compared = serve(self._compare, self, task.spec.name)
 
     def _answer(self, inputs, **options: Any) -> dict[str, Any]:
-        output = super().predict(inputs, **options)
-        check_json_result(self.task.spec.name, output["result"])  # the API answers JSON: a task's NaN, set or
-        self.remember_request(inputs, options)                     # array is its failure, not a string
-        return output
+        visitor = VISITOR.get()
+        with self._answered:
+            self._answering[visitor] = self._answering.get(visitor, 0) + 1
+        try:
+            output = super().predict(inputs, **options)
+            check_json_result(self.task.spec.name, output["result"])  # the API answers JSON: a task's NaN, set or
+            self.remember_request(inputs, options)                     # array is its failure, not a string
+            return output
+        finally:
+            with self._answered:
+                if self._answering.get(visitor, 0) <= 1:
+                    self._answering.pop(visitor, None)
+                else:
+                    self._answering[visitor] -= 1
+                self._answered.notify_all()
+
+    ANSWER_WAIT_STEP_S = 0.5
+
+    def last_answered(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The current visitor's last answered request in this task (last_request), after any of theirs still
+        being answered here: "why" or "compare" clicked while an answer is on its way (an example clicked, then
+        "why") explains that answer, not "no answer yet" or the one before it. The wait is the request's own:
+        within its time limit, and it stops when its sender leaves (wait_or_gone)."""
+        visitor = VISITOR.get()
+        with self._answered:
+            while visitor is not None and self._answering.get(visitor):
+                wait_or_gone(self._answered, self.ANSWER_WAIT_STEP_S)  # a finite step: the time limit's cancellation lands
+        return self.last_request()
 
     def predict(self, inputs, **options: Any) -> dict[str, Any]:
         return self._served(inputs, **options)
@@ -226,12 +253,12 @@ class ServedPredictor(BatchingPredictor):
 
     def _explain(self, inputs, *, method: str, steps: int, **options: Any):
         if inputs is None:
-            inputs, options = self.last_request()
+            inputs, options = self.last_answered()
         return explain_prediction(self, inputs, method=method, steps=steps, **options), inputs
 
     def _compare(self, inputs, *, other, this, **options: Any):
         if inputs is None:
-            inputs, options = self.last_request()
+            inputs, options = self.last_answered()
         if self.shelf is None:
             raise InputError(f"{self.task.spec.name}: comparing needs the app's model shelf")
         sides = []

@@ -1117,6 +1117,33 @@ def test_every_html_answer_says_what_will_appear_before_the_first_run(registry):
     assert all('class="be-empty"' in value and "appear" in value for value in found.values()), found
 
 
+def test_why_clicked_while_the_answer_is_on_its_way_explains_that_answer(served, monkeypatch):
+    """An example clicked, then "Why this answer?" at once (a browser test under load did it): the explanation
+    waits for the visitor's answer still being computed and explains it, not "no answer yet"."""
+    from bert_engine.serving.predictors import BatchingPredictor
+
+    app, url = served
+    answering, release = threading.Event(), threading.Event()
+    plain = BatchingPredictor.predict
+
+    def slow(self, inputs, **options):
+        answering.set()
+        assert release.wait(30)
+        return plain(self, inputs, **options)
+
+    monkeypatch.setattr(BatchingPredictor, "predict", slow)
+    visitor = Client(url, verbose=False)
+    answer = visitor.submit("A luminous, tender film.", "", "truncate", api_name="/sentiment")
+    assert answering.wait(30)
+    why = visitor.submit("gradient_x_input", 8, api_name="/sentiment_why")
+    time.sleep(1.5)  # the explanation has started and finds the answer still on its way
+    assert not why.done(), why.exception()
+    release.set()
+    assert json.loads(answer.result(timeout=60))["result"]["label"] == "POSITIVE"
+    explained = why.result(timeout=60)
+    assert "luminous" in explained and 'class="be-mark"' in explained
+
+
 def test_why_and_compare_explain_the_visitors_own_last_answer(served, registry):
     """The tab's buttons explain and compare the visitor's own last answer (another visitor has none
     yet); the documented /explain and /compare take the inputs in the call."""
