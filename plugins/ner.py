@@ -118,6 +118,12 @@ def preprocess(inputs, tokenizer, *, max_length, stride, nbest, constrained, sch
     for text in texts:
         if not text.strip():
             raise InputError("ner: the text is empty; type a sentence with names, places or organisations")
+    counted = getattr(tokenizer, "windows_at_least", None)  # from below, nothing tokenised: a text far over the
+    if counted is not None:                                  # limit is refused in milliseconds, not seconds
+        least = sum(counted(text, max_length=max_length, stride=stride) for text in texts)
+        if least > MAX_WINDOWS * len(texts):
+            raise InputError(f"ner: the text needs at least {least:,} windows of {max_length} tokens; the limit is "
+                             f"{MAX_WINDOWS}")
     batch = tokenizer(texts, max_length=max_length, stride=stride, return_overflowing=True)
     if len(batch) > MAX_WINDOWS * len(texts):
         raise InputError(f"ner: the text needs {len(batch)} windows of {max_length} tokens; the limit is {MAX_WINDOWS}")

@@ -23,6 +23,7 @@ def preprocess(inputs, tokenizer, *, top_k, max_seq_len, doc_stride, max_questio
     _check_texts(inputs)
     question, cut, stride = _question_plan(inputs["question"], tokenizer.pieces([inputs["question"]])[0], max_seq_len,
                                            max_question_len, doc_stride)
+    _check_windows_at_least(tokenizer, question, inputs["context"], max_seq_len, stride)
     batch = tokenizer(question, inputs["context"], max_length=max_seq_len, truncation="only_second", stride=stride,
                       return_overflowing=True)
     return _windows(batch, inputs, cut, max_seq_len, stride)
@@ -46,6 +47,7 @@ def preprocess_many(items, tokenizer, *, top_k, max_seq_len, doc_stride, max_que
     for i, pieces in enumerate(tokenizer.pieces([inputs["question"] for inputs in items])):
         with at_input(i):
             plans.append(_question_plan(items[i]["question"], pieces, max_seq_len, max_question_len, doc_stride))
+            _check_windows_at_least(tokenizer, plans[i][0], items[i]["context"], max_seq_len, plans[i][2])
     batches: list[Any] = [None] * len(items)
     for stride in sorted({plan[2] for plan in plans}):  # one call per stride (a long question shortens it)
         chosen = [i for i, plan in enumerate(plans) if plan[2] == stride]
@@ -105,6 +107,17 @@ def _question_plan(question: str, pieces, max_seq_len: int, max_question_len: in
         raise InputError(f"qa: doc_stride must be an integer in [0, {room}) for max_seq_len {max_seq_len} "
                          f"and this question, got {doc_stride!r}")
     return question, question_cut, doc_stride
+
+
+def _check_windows_at_least(tokenizer, question: str, context: str, max_seq_len: int, stride: int) -> None:
+    """InputError when the context needs more than MAX_WINDOWS windows by a count from below that tokenises
+    nothing (Tokenizer.windows_at_least): a context far over the limit is refused in milliseconds, not after
+    seconds of tokenising all of it. A tokenizer without that count is checked after tokenising (_windows)."""
+    counted = getattr(tokenizer, "windows_at_least", None)
+    least = counted(question, context, max_length=max_seq_len, stride=stride) if counted is not None else 0
+    if least > MAX_WINDOWS:
+        raise InputError(f"qa: the context needs at least {least:,} windows of {max_seq_len} tokens; the limit is "
+                         f"{MAX_WINDOWS}: shorten it to the part that holds the answer")
 
 
 def _windows(batch: Batch, inputs, question_cut: bool, max_seq_len: int, stride: int) -> Batch:

@@ -303,3 +303,59 @@ def test_calls_with_different_truncation_run_at_once(ours):
     assert answered_while_heavy > 10
     assert len(ours._backends) <= BACKENDS_KEPT
     assert ours.backend.truncation is None  # the shared one never truncates (a saved tokenizer.json says none)
+
+
+@pytest.mark.parametrize("source", ["minilm", "roberta", "albert", "distilbert"])
+def test_windows_counted_from_below_never_exceed_the_windows_made(source, minilm_dir):
+    """windows_at_least (a text far over a request's window limit refused without tokenising it) is a lower bound
+    on every tokenizer kind: texts of words, unknown symbols, CJK, punctuation runs, zero-width characters and
+    one long word, alone and as the second text of a pair, at three window lengths and strides."""
+    tokenizer = Tokenizer.from_pretrained(minilm_dir if source == "minilm" else FAMILY_TOKENIZERS / source)
+    assert tokenizer.counts_words
+    rng = random.Random(1)
+    words = " ".join(TEXTS).split() + ["©©", "...", "a-b-c", "東京都", "\u200b", "——", "x" * 300, "12,345.6", "e.g.",
+                                       "!!!", "\u0301", "\t", "👩‍👩‍👧"]
+    texts = [" ".join(rng.choice(words) for _ in range(n)) for n in (5, 400, 3_000, 9_000)]
+    texts += ["\u200b " * 2_000 + "word", "!" * 5_000, "中" * 4_000, "x" * 3_000]
+    seen = 0
+    for text in texts:
+        assert tokenizer.words_at_least(text) <= len(tokenizer.tokenize(text))
+        for question in (None, "Which river joins the sea?"):
+            for max_length, stride in ((64, 0), (128, 60), (384, 128)):
+                batch = (tokenizer(text, max_length=max_length, stride=stride, return_overflowing=True)
+                         if question is None else
+                         tokenizer(question, text, max_length=max_length, truncation="only_second", stride=stride,
+                                   return_overflowing=True))
+                least = tokenizer.windows_at_least(*([text] if question is None else [question, text]),
+                                                   max_length=max_length, stride=stride)
+                assert 1 <= least <= len(batch), (text[:40], question, max_length, stride, least, len(batch))
+                seen += least > 1
+    assert seen >= 10  # the bound is not the trivial 1
+
+
+def test_no_bound_is_claimed_for_a_tokenizer_that_could_drop_words(minilm_dir, tmp_path):
+    """A normaliser rule that removes letters, or a pre-tokeniser that does not split at whitespace: a chunk of
+    text may then be no token at all, so no count from below is made (0 words, 1 window: the check after
+    tokenising decides). The count itself is linear: a million characters of punctuation, no backtracking."""
+    import json
+    import shutil
+
+    for name, change in [("letters removed", lambda spec: spec.update(normalizer={
+                             "type": "Sequence", "normalizers": [spec["normalizer"], {
+                                 "type": "Replace", "pattern": {"String": "e"}, "content": ""}]})),
+                         ("a regex rule", lambda spec: spec.update(normalizer={
+                             "type": "Replace", "pattern": {"Regex": "[a-z]+"}, "content": ""})),
+                         ("no whitespace split", lambda spec: spec.update(pre_tokenizer={"type": "Digits",
+                                                                                          "individual_digits": True}))]:
+        folder = tmp_path / name.replace(" ", "_")
+        shutil.copytree(minilm_dir, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.onnx", "*.h5",
+                                                                          "*.ot", "onnx", "openvino"))
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        change(spec)
+        (folder / "tokenizer.json").write_text(json.dumps(spec))
+        tokenizer = Tokenizer.from_pretrained(folder)
+        assert not tokenizer.counts_words, name
+        assert tokenizer.words_at_least("three plain words") == 0
+        assert tokenizer.windows_at_least("word " * 100_000, max_length=64) == 1
+    ours = Tokenizer.from_pretrained(minilm_dir)
+    assert ours.words_at_least("!" * 1_000_000 + " a") == 1 and ours.words_at_least("(a) b. ,,, 1") == 3

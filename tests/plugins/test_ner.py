@@ -224,6 +224,12 @@ def test_bad_input_and_options_name_the_value(task, plain_checkpoint):
         predictor.predict({"text": "Paris"}, nbest=99)
     with pytest.raises(InputError, match="scheme 'BILOU'"):
         predictor.predict({"text": "Paris"}, scheme="BILOU")
+    # a text far over the window limit: refused from a count of its words, before it is tokenised
+    with pytest.MonkeyPatch.context() as untokenised:
+        untokenised.setattr(type(predictor.tokenizer), "__call__", lambda *a, **k: pytest.fail("tokenised"))
+        with pytest.raises(InputError, match=r"^ner: the text needs at least [\d,]+ windows of \d+ tokens; the limit "
+                                             r"is 256"):
+            predictor.predict({"text": "Paris " * 160_000})
     with pytest.raises(ValueError, match="'PERSON'"):
         NerHead(predictor.model.config.with_labels(["O", "PERSON"]))
 

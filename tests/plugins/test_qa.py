@@ -196,9 +196,29 @@ def test_preprocessing_many_gives_each_inputs_own_windows(predictor, kind):
             (alone.offsets, alone.sequence_ids, alone.word_ids, alone.sample_index, alone.truncated, alone.meta)
     assert len(together[1]) > 1 and together[2].meta["question_truncated"] and len(together[2]) > 1
     assert len({batch.input_ids.shape[1] for batch in together}) == 3  # the short ones narrower than the windows
-    with pytest.raises(InputError, match=r"^qa: input 2: the context needs \d+ windows"):
+    with pytest.raises(InputError, match=r"^qa: input 2: the context needs at least [\d,]+ windows"):
         preprocess_many([*items[:2], {"question": "Why?", "context": LONG_CONTEXT * 40}], tokenizer,
                         **{**options, "max_seq_len": 64})
+
+
+def test_a_context_far_over_the_window_limit_is_refused_before_it_is_tokenised(predictor, monkeypatch):
+    """Counted from below (a word is at least one token), nothing tokenised: 1,000,000 characters took seconds to
+    tokenise only to be refused. Words of many pieces, under that count, are still refused after tokenising."""
+    from plugins import qa_windows
+
+    tokenizer, options = predictor.tokenizer, {**predictor.check_options({}), "max_seq_len": 64, "doc_stride": None}
+    calls = []
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda *a, **k: calls.append(a) or pytest.fail("tokenised"))
+    for run in (qa_windows.preprocess, lambda item, tok, **o: qa_windows.preprocess_many([item], tok, **o)):
+        with pytest.raises(InputError, match=r"the context needs at least 3\d,\d{3} windows of 64 tokens; the limit "
+                                             r"is 256: shorten it"):
+            run({"question": "Why?", "context": "word " * 1_000_000}, tokenizer, **options)
+    assert not calls
+    monkeypatch.undo()
+    rare = "xqzvbnmkl " * 4_000  # about four pieces a word: 134 windows counted from below, over 256 in fact
+    assert tokenizer.windows_at_least("Why?", rare, max_length=64, stride=29) <= 256
+    with pytest.raises(InputError, match=r"^qa: the context needs \d+ windows of 64 tokens; the limit is 256 "):
+        qa_windows.preprocess({"question": "Why?", "context": rare}, tokenizer, **options)
 
 
 def test_batched_prediction_names_the_bad_input(predictor):
@@ -286,6 +306,13 @@ def test_the_answer_view_marks_the_answer_inline_and_says_no_answer():
     assert "overflow-wrap:anywhere" in mark and ">20:17</bdi><sup" in mark and "\n" not in mark  # (wraps on a phone)
     assert "at </bdi><mark" in view and '</mark><bdi style="color:inherit"> UTC' in view  # inline: no break around it
     assert "&lt;b&gt;saw&lt;/b&gt;" in view  # the context is text, never markup
+    assert "a guess" not in view
+    # answered while "no answer" is likelier (eager answers below its threshold): the headline says it is a guess
+    unsure = {"predicted": False, "rule": "verifier", "probability": 0.714, "threshold": 0.738, "choice": "eager"}
+    guess = answer_view(context, {**result, "no_answer": unsure})
+    assert ("– 88 % <span class=\"qa-why\">(a guess: the model is 71 % sure the text does not say it; “eager” answers "
+            "below 74 %)</span></p>") in guess and "qa-answer" in guess
+    assert "a guess" not in answer_view(context, {**result, "no_answer": {**unsure, "probability": 0.2}})
     none = answer_view(context, {**result, "no_answer": {"predicted": True, "score": 0.7}})
     assert "No answer in this context" in none and "qa-answer" not in none
     assert "Nobody" in none and 'class="be-mark qa-candidate"' in none  # the context stays, the candidate greyed
