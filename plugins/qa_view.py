@@ -52,7 +52,16 @@ def answer_view(context: str, result: dict) -> str:
     start, end, score = best["start"], best["end"], percent(best["score"])
     mark = (f'<mark class="be-mark qa-answer" {style.format(bg="#fde68a")}>{user_text(context[start:end])}'
             f'<sup class="qa-score" style="color:#1f2937"> {score}</sup></mark>')
-    return (f'<div class="qa-view"><p class="qa-headline">Answer: <b>{user_text(best["answer"])}</b> – {score}</p>'
+    guess = ""
+    if null.get("rule") == "verifier" and null.get("probability") is not None and null["probability"] >= 0.5:
+        # answered although "no answer" is likelier: the setting (eager) answers below its threshold; say so
+        setting = f"“{null['choice']}” answers" if null.get("choice") else "this setting answers"
+        guess = (f' <span class="qa-why">(a guess: the model is {percent(null["probability"])} sure the text does not '
+                 f'say it; {setting} below {percent(null["threshold"])})</span>'
+                 if null.get("threshold") is not None else
+                 f' <span class="qa-why">(a guess: the model is {percent(null["probability"])} sure the text does not '
+                 'say it)</span>')
+    return (f'<div class="qa-view"><p class="qa-headline">Answer: <b>{user_text(best["answer"])}</b> – {score}{guess}</p>'
             f'<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">'
             f'{_excerpt(context, start, end, mark)}</div></div>')
 
