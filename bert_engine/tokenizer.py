@@ -369,6 +369,19 @@ class Tokenizer:
             return 1
         return 1 + -(-(second - room) // (room - stride))
 
+    def span_around(self, text: str, start: int, end: int, tokens: int) -> tuple[int, int]:
+        """(lo, hi): a part of `text` that holds every run of at most `tokens` tokens including text[start:end],
+        cut at whitespace, from counted words (words_at_least), nothing tokenised: a task that reads one window
+        around a place (fill-mask's masks) tokenises that part, not all of a long text. (0, len(text)) where no
+        count is known (counts_words)."""
+        if not self.counts_words:
+            return 0, len(text)
+        starts = [m.start() for m in _WORDS.finditer(text)]  # each counted chunk's start (or the space before it)
+        first, last = bisect.bisect_right(starts, start) - 1, bisect.bisect_right(starts, max(start, end - 1)) - 1
+        lo = starts[first - tokens] if first - tokens > 0 else 0
+        hi = starts[last + tokens + 1] if last >= 0 and last + tokens + 1 < len(starts) else len(text)
+        return lo, hi
+
     def tokenize(self, text: str) -> list[str]:
         """Word pieces of `text`, without special tokens."""
         return self.pieces([text])[0].tokens

@@ -359,3 +359,24 @@ def test_no_bound_is_claimed_for_a_tokenizer_that_could_drop_words(minilm_dir, t
         assert tokenizer.windows_at_least("word " * 100_000, max_length=64) == 1
     ours = Tokenizer.from_pretrained(minilm_dir)
     assert ours.words_at_least("!" * 1_000_000 + " a") == 1 and ours.words_at_least("(a) b. ,,, 1") == 3
+
+
+@pytest.mark.parametrize("source", ["minilm", "roberta", "albert"])
+def test_the_span_around_a_place_holds_every_window_that_can_reach_it(source, minilm_dir):
+    """span_around (fill-mask tokenises that part of a long text, not all of it): every run of `tokens` tokens
+    that includes the place lies inside the span, on texts with unknown symbols, punctuation runs and CJK."""
+    tokenizer = Tokenizer.from_pretrained(minilm_dir if source == "minilm" else FAMILY_TOKENIZERS / source)
+    rng = random.Random(2)
+    words = " ".join(TEXTS).split() + ["©©", "...", "a-b-c", "東京都", "\u200b", "!!!", "x" * 300]
+    text = " ".join(rng.choice(words) for _ in range(6_000))
+    pieces = tokenizer.pieces([text])[0]
+    offsets = [o for o in pieces.offsets if o[1] > o[0]]
+    cut = 0
+    for _ in range(40):
+        first = rng.randrange(len(offsets))
+        last = min(len(offsets) - 1, first + rng.randrange(3))
+        tokens = rng.choice([16, 64, 128])
+        lo, hi = tokenizer.span_around(text, offsets[first][0], offsets[last][1], tokens)
+        assert lo <= offsets[max(0, last - tokens + 1)][0] and offsets[min(len(offsets) - 1, first + tokens - 1)][1] <= hi
+        cut += hi - lo < len(text) // 4
+    assert cut >= 30  # and it is a small part of the text
