@@ -328,7 +328,7 @@ def playground_class(gr):
 
             app_kwargs = dict(kwargs.get("app_kwargs") or {})
             app_kwargs["middleware"] = [*app_kwargs.get("middleware", ()), Middleware(McpCallerAddress),
-                                     Middleware(UnknownEndpoint)]
+                                     Middleware(McpCallWatch), Middleware(UnknownEndpoint)]
             kwargs["app_kwargs"] = app_kwargs
             kwargs.setdefault("theme", page_theme(gr))
             kwargs.setdefault("css", ui.CSS + PAGE_CSS)
@@ -359,6 +359,63 @@ class McpCallerAddress:
                 headers.append((b"x-forwarded-for", str(client[0]).encode("latin-1", "replace")))
             scope = {**scope, "headers": headers}
         await self.app(scope, receive, send)
+
+
+MCP_CALL_HEADER = b"x-bert-engine-mcp-call"
+_MCP_CALLS: dict[str, threading.Event] = {}  # an MCP request's id (MCP_CALL_HEADER) -> set once its caller is gone
+
+
+class McpCallWatch:
+    """ASGI middleware: whether an MCP request's caller is still there, for the tool call it started. Gradio runs a
+    queued tool call by relaying it to its own API through one loopback client, whose event stream stays open
+    whatever the agent does, so an agent that gave up (a time-out, a cancelled task: its connection closed) left
+    the request running to its end or its time limit (41 s of CPU in an outside check). Each MCP POST gets an id
+    in a header of its own (Gradio relays every header of the MCP request to the event it submits; one the caller
+    sent under that name is dropped) and a watch on its connection; mcp_caller_gone reads it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "POST" or "/mcp" not in scope.get("path", ""):
+            await self.app(scope, receive, send)
+            return
+        call, gone, body_read = uuid.uuid4().hex, threading.Event(), asyncio.Event()
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != MCP_CALL_HEADER]
+        scope = {**scope, "headers": [*headers, (MCP_CALL_HEADER, call.encode())]}
+
+        async def receiving() -> dict:
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                gone.set()
+            elif not message.get("more_body"):
+                body_read.set()
+            return message
+
+        async def watch() -> None:  # once the body is read, the next message is the disconnect
+            await body_read.wait()
+            while not gone.is_set():
+                if (await receive()).get("type") == "http.disconnect":
+                    gone.set()
+
+        _MCP_CALLS[call] = gone
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self.app(scope, receiving, send)
+        finally:
+            watcher.cancel()
+            _MCP_CALLS.pop(call, None)
+
+
+def mcp_caller_gone(request: Any) -> bool:
+    """Whether the request is an MCP tool call (it carries McpCallWatch's id) whose caller's connection has closed,
+    or whose MCP request has ended without it. False for any other request."""
+    headers = getattr(request, "headers", None)
+    call = headers.get(MCP_CALL_HEADER.decode()) if hasattr(headers, "get") else None
+    if not call:
+        return False
+    gone = _MCP_CALLS.get(str(call))
+    return gone is None or gone.is_set()
 
 
 class UnknownEndpoint:
@@ -553,7 +610,8 @@ def with_request(gr, function):
                                                               limiter=gradio_limiter(request)))
         try:
             while not (await asyncio.wait({work}, timeout=WATCH_SENDER_EVERY_S))[0]:
-                if not gone.is_set() and (sender_gone(request) or await connection_closed(request)):
+                if not gone.is_set() and (sender_gone(request) or mcp_caller_gone(request)
+                                          or await connection_closed(request)):
                     logger.info("a request's sender went away; stopping it")
                     gone.set()  # the thread's request stops; its answer (an error) reaches nobody
             return work.result()

@@ -1493,6 +1493,53 @@ def test_a_request_whose_visitor_cancels_or_leaves_stops_at_once(tmp_path, monke
         app.close()
 
 
+def test_an_mcp_tool_call_whose_agent_leaves_stops_at_once(tmp_path, monkeypatch):
+    """An agent that gives up on a tool call (its MCP request's connection closed: a time-out, a cancelled task)
+    stops the request within a second or two. Gradio relays the call through its own loopback client, whose
+    stream never closes, so the request ran on to its end or its time limit (41 s of CPU in an outside check)."""
+    import asyncio
+
+    import httpx
+    from conftest import reference_checkpoint
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    registry = load_registry(entry_points=False)
+    registry.load_plugin("spinning", "0.1", "test", SpinningPlugin)
+    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
+    app = build_app(registry, checkpoints={"spins": tiny}, timeout_s=60)
+    app.predictors["spins"].get()
+    app.queue(default_concurrency_limit=4)
+    port = _launch(app, mcp_server=True)
+    RELEASE.clear()
+
+    async def call_and_leave():
+        started = SPINS["count"]
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=60)) as http:
+            async with streamable_http_client(f"http://127.0.0.1:{port}/gradio_api/mcp/", http_client=http) as (
+                    read, write, _):
+                async with ClientSession(read, write) as session:
+                    await session.initialize()
+                    call = asyncio.create_task(session.call_tool("spins", {"text": "spin for an agent"}))
+                    deadline = time.monotonic() + 30
+                    while SPINS["count"] < started + 20 and not call.done():
+                        assert time.monotonic() < deadline, "the tool call never started"
+                        await asyncio.sleep(0.05)
+                    assert not call.done(), call.result()
+                    call.cancel()  # the agent gives up
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await call
+        # leaving the blocks closes the agent's connections
+
+    try:
+        stops = SPINS["stopped"]
+        asyncio.run(call_and_leave())
+        assert _stopped_spinning(stops), "the tool call ran on after its agent left"
+    finally:
+        RELEASE.set()
+        app.close()
+
+
 def test_a_call_to_an_endpoint_the_app_does_not_have_is_a_404_naming_it(served, caplog):
     """Gradio's routes raised on an unknown api_name or fn_index: HTTP 500 with no reason, and a traceback of
     about 40 lines in the log per request, which any visitor could repeat."""
