@@ -1435,23 +1435,29 @@ def _stopped_spinning(stops_before: int) -> bool:
     return SPINS["count"] == count
 
 
-def test_a_request_whose_visitor_cancels_or_leaves_stops_at_once(tmp_path, monkeypatch):
-    """A visitor's long request that they cancel (gradio_client's job.cancel(), the page's stop) or walk away
-    from (the event stream closed) stops within a second or two, freeing the CPU and their in-flight place;
-    it ran on to its end or its time limit (an outside check: 85 s of CPU after a cancel)."""
+def _spinning_app(tmp_path, **launch):
+    """A served app with the spinning task, its model loaded, RELEASE cleared: (app, port)."""
     from conftest import reference_checkpoint
 
-    monkeypatch.setenv("GRADIO_HEARTBEAT_INTERVAL", "0.5")  # how often Gradio looks whether a stream closed
-    monkeypatch.setenv("BERT_ENGINE_MAX_IN_FLIGHT", "1")
     registry = load_registry(entry_points=False)
     registry.load_plugin("spinning", "0.1", "test", SpinningPlugin)
     tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
     app = build_app(registry, checkpoints={"spins": tiny}, timeout_s=60)
     app.predictors["spins"].get()
     app.queue(default_concurrency_limit=4)
-    port = _launch(app)
-    url = f"http://127.0.0.1:{port}/"
+    port = _launch(app, **launch)
     RELEASE.clear()
+    return app, port
+
+
+def test_a_request_whose_visitor_cancels_or_leaves_stops_at_once(tmp_path, monkeypatch):
+    """A visitor's long request that they cancel (gradio_client's job.cancel(), the page's stop) or walk away
+    from (the event stream closed) stops within a second or two, freeing the CPU and their in-flight place;
+    it ran on to its end or its time limit (an outside check: 85 s of CPU after a cancel)."""
+    monkeypatch.setenv("GRADIO_HEARTBEAT_INTERVAL", "0.5")  # how often Gradio looks whether a stream closed
+    monkeypatch.setenv("BERT_ENGINE_MAX_IN_FLIGHT", "1")
+    app, port = _spinning_app(tmp_path)
+    url = f"http://127.0.0.1:{port}/"
     try:
         client = Client(url, verbose=False)
         stops = SPINS["stopped"]
@@ -1500,18 +1506,10 @@ def test_an_mcp_tool_call_whose_agent_leaves_stops_at_once(tmp_path, monkeypatch
     import asyncio
 
     import httpx
-    from conftest import reference_checkpoint
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
 
-    registry = load_registry(entry_points=False)
-    registry.load_plugin("spinning", "0.1", "test", SpinningPlugin)
-    tiny = str(reference_checkpoint(tmp_path / "tiny", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
-    app = build_app(registry, checkpoints={"spins": tiny}, timeout_s=60)
-    app.predictors["spins"].get()
-    app.queue(default_concurrency_limit=4)
-    port = _launch(app, mcp_server=True)
-    RELEASE.clear()
+    app, port = _spinning_app(tmp_path, mcp_server=True)
 
     async def call_and_leave():
         started = SPINS["count"]
