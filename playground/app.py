@@ -371,7 +371,9 @@ class McpCallWatch:
     whatever the agent does, so an agent that gave up (a time-out, a cancelled task: its connection closed) left
     the request running to its end or its time limit (41 s of CPU in an outside check). Each MCP POST gets an id
     in a header of its own (Gradio relays every header of the MCP request to the event it submits; one the caller
-    sent under that name is dropped) and a watch on its connection; mcp_caller_gone reads it."""
+    sent under that name is dropped) and a watch on its connection; mcp_caller_gone reads it. Gradio's MCP transport
+    is stateless with no event store: an answer whose connection has closed reaches nobody (no resuming), and an
+    agent's cancel notification arrives on a request of its own that cannot reach the call."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
