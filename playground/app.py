@@ -41,7 +41,7 @@ from bert_engine.runtime.cancel import (
 )
 from bert_engine.runtime.explain import DEFAULT_STEPS, MAX_STEPS, checked_method
 from bert_engine.runtime.explain import explain as explain_prediction
-from bert_engine.runtime.fairness import VISITOR, WAITED, InFlight, TooManyRequests, Waited, visitor_scope
+from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
 from bert_engine.runtime.inference import check_json_result, json_problem, threads_held
 from bert_engine.runtime.precision import NAMES as PRECISIONS
 from bert_engine.runtime.precision import PrecisionError, check_kernel_setting, device_for
@@ -135,6 +135,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     # models loaded to compare with the served ones (any visitor's pick), at most 2 at once
     shelf = ModelShelf(max_models=2, device=device, allowed_dirs=model_dirs, shown_name=shown_model_name)
     predictors = {name: ServedPredictor(task, checkpoints.get(name), serve=serve, shelf=shelf, device=device,
+                                        answer_wait_s=timeout_s or DEFAULT_TIMEOUT_S,
                                         precision=precision, allowed_dirs=model_dirs, shown_name=shown_model_name)
                   for name, task in registry.tasks.items()}
     precisions = runnable_precisions(device)
@@ -197,68 +198,82 @@ class ServedPredictor(BatchingPredictor):
     `on_gpu`). Each visitor's last answered request is kept for "why" and "compare" (remember_request)."""
 
     def __init__(self, task, checkpoint: str | None = None, *, serve, shelf: ModelShelf | None = None,
-                 **kwargs: Any) -> None:
+                 answer_wait_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> None:
         super().__init__(task, checkpoint, **kwargs)
         self.shelf = shelf
-        self._answering: dict[str, int] = {}  # visitor -> their requests being answered in this task now
+        self.answer_wait_s = answer_wait_s
+        self._answering: dict[str | None, int] = {}  # visitor -> their answers on their way in this task
+        self._waiting: dict[str | None, int] = {}  # visitor -> their "why" / "compare" waiting for those
         self._answered = threading.Condition()
         self._served = serve(self._answer, self, task.spec.name)
         self._explained = serve(self._explain, self, task.spec.name, cut_off_hint=EXPLAIN_CUT_OFF)
         self._compared = serve(self._compare, self, task.spec.name)
 
     def _answer(self, inputs, **options: Any) -> dict[str, Any]:
-        visitor = VISITOR.get()
+        output = super().predict(inputs, **options)
+        check_json_result(self.task.spec.name, output["result"])  # the API answers JSON: a task's NaN, set or
+        self.remember_request(inputs, options)                     # array is its failure, not a string
+        return output
+
+    def predict(self, inputs, **options: Any) -> dict[str, Any]:
+        visitor = current_visitor()  # from the moment it is sent: waiting for an in-flight place included
         with self._answered:
-            self._answering[visitor] = self._answering.get(visitor, 0) + 1
+            _count(self._answering, visitor, +1)
         try:
-            output = super().predict(inputs, **options)
-            check_json_result(self.task.spec.name, output["result"])  # the API answers JSON: a task's NaN, set or
-            self.remember_request(inputs, options)                     # array is its failure, not a string
-            return output
+            return self._served(inputs, **options)
         finally:
             with self._answered:
-                if self._answering.get(visitor, 0) <= 1:
-                    self._answering.pop(visitor, None)
-                else:
-                    self._answering[visitor] -= 1
+                _count(self._answering, visitor, -1)
                 self._answered.notify_all()
 
     ANSWER_WAIT_STEP_S = 0.5
+    MAX_WAITING = 2  # a visitor's "why" / "compare" that wait at once for their answers, per task
 
-    def last_answered(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The current visitor's last answered request in this task (last_request), after any of theirs still
-        being answered here: "why" or "compare" clicked while an answer is on its way (an example clicked, then
-        "why") explains that answer, not "no answer yet" or the one before it. The wait is the request's own:
-        within its time limit, and it stops when its sender leaves (wait_or_gone)."""
-        visitor = VISITOR.get()
+    def wait_for_answers(self) -> None:
+        """Wait until the current visitor has no answer on its way in this task (sent, running or waiting for an
+        in-flight place), so that "why" or "compare" clicked meanwhile (an example clicked, then "why") reads the
+        answer they asked for last, not "no answer yet" or the one before it. The wait holds no in-flight place
+        (the answer it waits for may need it), lasts at most answer_wait_s (an answer ends by its own time limit),
+        ends when the sender leaves, and only MAX_WAITING of a visitor's wait at once per task (more go ahead)."""
+        visitor = current_visitor()
+        deadline = time.monotonic() + self.answer_wait_s
         with self._answered:
-            while visitor is not None and self._answering.get(visitor):
-                wait_or_gone(self._answered, self.ANSWER_WAIT_STEP_S)  # a finite step: the time limit's cancellation lands
-        return self.last_request()
-
-    def predict(self, inputs, **options: Any) -> dict[str, Any]:
-        return self._served(inputs, **options)
+            if visitor is None or not self._answering.get(visitor) or self._waiting.get(visitor, 0) >= self.MAX_WAITING:
+                return
+            _count(self._waiting, visitor, +1)
+            try:
+                while self._answering.get(visitor) and (left := deadline - time.monotonic()) > 0:
+                    wait_or_gone(self._answered, min(left, self.ANSWER_WAIT_STEP_S))
+            except RequestCancelled:
+                return  # the request itself stops where it is served (guarded), saying so once
+            finally:
+                _count(self._waiting, visitor, -1)
 
     def explain(self, inputs=None, *, method: str = "integrated_gradients", steps: int = DEFAULT_STEPS,
                 **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """(explanation, the inputs explained): of `inputs` with `options`, or (None) of the current visitor's
-        last answered request in this task (bert_engine.runtime.explain)."""
+        last answered request in this task (bert_engine.runtime.explain), after any answer of theirs still on its
+        way here (wait_for_answers)."""
+        if inputs is None:
+            self.wait_for_answers()
         return self._explained(inputs, method=method, steps=steps, **options)
 
     def compare(self, inputs=None, *, other: tuple[str | None, str], this: tuple[str | None, str] | None = None,
                 **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """(comparison, the inputs compared): `inputs` (None: the visitor's last request) through the visitor's
         model of this tab, or `this` = (checkpoint, precision), and through `other`."""
+        if inputs is None:
+            self.wait_for_answers()
         return self._compared(inputs, other=other, this=this, **options)
 
     def _explain(self, inputs, *, method: str, steps: int, **options: Any):
         if inputs is None:
-            inputs, options = self.last_answered()
+            inputs, options = self.last_request()
         return explain_prediction(self, inputs, method=method, steps=steps, **options), inputs
 
     def _compare(self, inputs, *, other, this, **options: Any):
         if inputs is None:
-            inputs, options = self.last_answered()
+            inputs, options = self.last_request()
         if self.shelf is None:
             raise InputError(f"{self.task.spec.name}: comparing needs the app's model shelf")
         sides = []
@@ -274,6 +289,15 @@ class ServedPredictor(BatchingPredictor):
         disagree, scores = insight.differences(sides[0]["result"], sides[1]["result"])
         return {"task": self.task.spec.name, "a": sides[0], "b": sides[1], "agree": not disagree,
                 "disagreements": disagree, "score_differences": scores}, inputs
+
+
+def _count(counts: dict, key: Any, step: int) -> None:
+    """counts[key] += step, the key gone at 0."""
+    value = counts.get(key, 0) + step
+    if value > 0:
+        counts[key] = value
+    else:
+        counts.pop(key, None)
 
 
 def runnable_precisions(device: str | None) -> list[str]:

@@ -1119,7 +1119,8 @@ def test_every_html_answer_says_what_will_appear_before_the_first_run(registry):
 
 def test_why_clicked_while_the_answer_is_on_its_way_explains_that_answer(served, monkeypatch):
     """An example clicked, then "Why this answer?" at once (a browser test under load did it): the explanation
-    waits for the visitor's answer still being computed and explains it, not "no answer yet"."""
+    waits for the visitor's answer still being computed, or still waiting for an in-flight place behind another
+    of theirs, and explains it, not "no answer yet" or the answer before it (an outside check: 3 of 4)."""
     from bert_engine.serving.predictors import BatchingPredictor
 
     app, url = served
@@ -1127,13 +1128,17 @@ def test_why_clicked_while_the_answer_is_on_its_way_explains_that_answer(served,
     plain = BatchingPredictor.predict
 
     def slow(self, inputs, **options):
-        answering.set()
-        assert release.wait(30)
+        if "slow" in inputs.get("text", ""):
+            answering.set()
+            assert release.wait(30)
         return plain(self, inputs, **options)
 
     monkeypatch.setattr(BatchingPredictor, "predict", slow)
     visitor = Client(url, verbose=False)
     answer = visitor.submit("A luminous, tender film.", "", "truncate", api_name="/sentiment")
+    time.sleep(0.3)  # (it is under way: the slow one below waits here for nothing)
+    answering.clear()
+    answer = visitor.submit("A luminous, tender, slow film.", "", "truncate", api_name="/sentiment")
     assert answering.wait(30)
     why = visitor.submit("gradient_x_input", 8, api_name="/sentiment_why")
     time.sleep(1.5)  # the explanation has started and finds the answer still on its way
@@ -1141,7 +1146,25 @@ def test_why_clicked_while_the_answer_is_on_its_way_explains_that_answer(served,
     release.set()
     assert json.loads(answer.result(timeout=60))["result"]["label"] == "POSITIVE"
     explained = why.result(timeout=60)
-    assert "luminous" in explained and 'class="be-mark"' in explained
+    assert "slow" in explained and 'class="be-mark"' in explained
+
+    # one in-flight place (the cap at 1): the next answer waits in line behind a slow one, "why" after both
+    monkeypatch.setenv("BERT_ENGINE_MAX_IN_FLIGHT", "1")
+    answering.clear()
+    release.clear()
+    first = visitor.submit("A slow and solemn film.", "", "truncate", api_name="/sentiment")
+    assert answering.wait(30)
+    second = visitor.submit("A bright, joyful romp.", "", "truncate", api_name="/sentiment")
+    time.sleep(1.0)  # the second waits for the place the first holds
+    why = visitor.submit("gradient_x_input", 8, api_name="/sentiment_why")
+    time.sleep(1.5)
+    assert not why.done(), why.exception()
+    release.set()
+    first.result(timeout=60), second.result(timeout=60)
+    explained = why.result(timeout=60)
+    import html as html_module
+    words = re.sub(r"<[^>]+>", " ", html_module.unescape(explained))
+    assert "bright" in words and "solemn" not in words, words[:1500]
 
 
 def test_why_and_compare_explain_the_visitors_own_last_answer(served, registry):
