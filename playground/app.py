@@ -19,6 +19,7 @@ import re
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -386,7 +387,11 @@ class McpCallerAddress:
 
 
 MCP_CALL_HEADER = b"x-bert-engine-mcp-call"
-_MCP_CALLS: dict[str, threading.Event] = {}  # an MCP request's id (MCP_CALL_HEADER) -> set once its caller is gone
+# An MCP request's id (MCP_CALL_HEADER) -> set once its caller is gone or the request has ended; ended ones are kept
+# (the newest MCP_CALLS_KEPT) so that a tool call outliving its request reads "gone", and an id never issued, none
+_MCP_CALLS: OrderedDict[str, threading.Event] = OrderedDict()
+MCP_CALLS_KEPT = 4096
+_MCP_PATH = re.compile(r"/gradio_api/mcp(/http)?/?$")  # the streamable HTTP transport, where a call's POST lasts
 
 
 class McpCallWatch:
@@ -403,8 +408,8 @@ class McpCallWatch:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope.get("type") != "http" or scope.get("method") != "POST" or "/mcp" not in scope.get("path", ""):
-            await self.app(scope, receive, send)
+        if scope.get("type") != "http" or scope.get("method") != "POST" or not _MCP_PATH.search(scope.get("path", "")):
+            await self.app(scope, receive, send)  # (the SSE transport's POST to /messages/ is answered 202 at once)
             return
         call, gone, body_read = uuid.uuid4().hex, threading.Event(), asyncio.Event()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != MCP_CALL_HEADER]
@@ -430,18 +435,19 @@ class McpCallWatch:
             await self.app(scope, receiving, send)
         finally:
             watcher.cancel()
-            _MCP_CALLS.pop(call, None)
+            gone.set()  # answered or abandoned: what still runs for it reaches nobody
+            ended = [key for key, event in _MCP_CALLS.items() if event.is_set()]
+            for key in ended[:max(0, len(ended) - MCP_CALLS_KEPT)]:
+                _MCP_CALLS.pop(key, None)
 
 
 def mcp_caller_gone(request: Any) -> bool:
-    """Whether the request is an MCP tool call (it carries McpCallWatch's id) whose caller's connection has closed,
-    or whose MCP request has ended without it. False for any other request."""
+    """Whether the request is an MCP tool call (it carries an id McpCallWatch issued) whose caller's connection has
+    closed, or whose MCP request has ended without it. False for any other request, an id never issued included."""
     headers = getattr(request, "headers", None)
     call = headers.get(MCP_CALL_HEADER.decode()) if hasattr(headers, "get") else None
-    if not call:
-        return False
-    gone = _MCP_CALLS.get(str(call))
-    return gone is None or gone.is_set()
+    gone = _MCP_CALLS.get(str(call)) if call else None
+    return gone is not None and gone.is_set()
 
 
 class UnknownEndpoint:

@@ -1552,10 +1552,40 @@ def test_an_mcp_tool_call_whose_agent_leaves_stops_at_once(tmp_path, monkeypatch
                         await call
         # leaving the blocks closes the agent's connections
 
+    async def call_over_sse():  # the older SSE transport: the call's POST is answered 202 at once, the answer
+        from mcp.client.sse import sse_client  # comes on the stream; the call must run on (the outside check:
+                                                # every SSE call was cancelled by a first version of the watch)
+        started = SPINS["count"]
+        async with sse_client(f"http://127.0.0.1:{port}/gradio_api/mcp/sse") as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                call = asyncio.create_task(session.call_tool("spins", {"text": "spin over sse"}))
+                deadline = time.monotonic() + 30
+                while SPINS["count"] < started + 20 and not call.done():
+                    assert time.monotonic() < deadline, "the tool call never started"
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.5)
+                assert not call.done(), call.result()
+                RELEASE.set()
+                return await call
+
     try:
         stops = SPINS["stopped"]
         asyncio.run(call_and_leave())
         assert _stopped_spinning(stops), "the tool call ran on after its agent left"
+        result = asyncio.run(call_over_sse())
+        assert not result.isError and "spun" in " ".join(p.text for p in result.content if p.type == "text")
+        assert SPINS["stopped"] == stops + 1
+        # a header a caller makes up under the watch's name is nobody's call: the request runs as any other
+        RELEASE.clear()
+        forged = Client(f"http://127.0.0.1:{port}/", verbose=False, headers={"x-bert-engine-mcp-call": "0" * 32})
+        job = forged.submit("forged", api_name="/spins")
+        started = SPINS["count"]
+        assert _spinning_until(lambda: SPINS["count"] > started + 20)
+        time.sleep(1.5)
+        assert not job.done() and SPINS["stopped"] == stops + 1
+        RELEASE.set()
+        assert json.loads(job.result(timeout=30))["result"] == {"spun": True}
     finally:
         RELEASE.set()
         app.close()
