@@ -190,6 +190,7 @@ class Tokenizer:
         # Whether every whitespace-separated chunk holding a letter or digit is at least one token (windows_at_least)
         self.counts_words = self.kind in ("WordPiece", "BPE", "Unigram") and _keeps_words(
             spec.get("normalizer"), spec.get("pre_tokenizer"))
+        self._words = _WORDS_SPACE_ONLY if "Metaspace" in json.dumps(spec.get("pre_tokenizer")) else _WORDS
         self.backend.no_truncation()  # never changed after this: each truncation setting has its own copy
         self._lock = threading.Lock()  # guards _backends, not the calls: those run at once
         self._backends: OrderedDict[tuple, Backend] = OrderedDict()
@@ -350,10 +351,11 @@ class Tokenizer:
         return total
 
     def words_at_least(self, text: str) -> int:
-        """A lower bound of the tokens `text` makes, from one linear scan, nothing tokenised: its whitespace-
-        separated chunks that hold a letter or digit, each at least one token (an unknown one included) where
-        the normaliser removes no letter and the pre-tokeniser splits at whitespace (counts_words); else 0."""
-        return len(_WORDS.findall(text)) if self.counts_words else 0
+        """A lower bound of the tokens `text` makes, from one linear scan, nothing tokenised: its space-separated
+        chunks that hold a letter or digit every admitted normaliser keeps (_KEPT_LETTERS), each at least one token
+        (an unknown one included) where the normaliser removes no such letter and the pre-tokeniser splits at
+        spaces (counts_words); else 0."""
+        return len(self._words.findall(text)) if self.counts_words else 0
 
     def windows_at_least(self, text: str, text_pair: str | None = None, *, max_length: int | None = None,
                          stride: int = 0) -> int:
@@ -376,7 +378,7 @@ class Tokenizer:
         count is known (counts_words)."""
         if not self.counts_words:
             return 0, len(text)
-        starts = [m.start() for m in _WORDS.finditer(text)]  # each counted chunk's start (or the space before it)
+        starts = [m.start() for m in self._words.finditer(text)]  # each counted chunk's start (or the space before it)
         first, last = bisect.bisect_right(starts, start) - 1, bisect.bisect_right(starts, max(start, end - 1)) - 1
         lo = starts[first - tokens] if first - tokens > 0 else 0
         hi = starts[last + tokens + 1] if last >= 0 and last + tokens + 1 < len(starts) else len(text)
@@ -586,9 +588,18 @@ def _growth(spec: Any) -> float:
     return growth
 
 
-# A whitespace-separated chunk holding a letter or digit, found once per chunk in linear time (the lazy run stops
-# at the chunk's first letter or digit, or fails at its end)
-_WORDS = re.compile(r"(?:^|\s)\S*?[^\W_]")
+# Letters and digits that every normaliser _keeps_words admits leaves a letter or digit (ASCII, Latin-1 and Latin
+# Extended-A/B, basic Greek and Cyrillic, Hebrew, Arabic and Devanagari letters, kana, CJK ideographs, Hangul
+# syllables). Not every Unicode letter: NFKC and NFKD turn some into a space and a combining mark that stripping
+# accents removes (U+037A, U+FE70-FE7A: the outside check, session 55), so those count for nothing here.
+_KEPT_LETTERS = ("A-Za-z0-9\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f\u0391-\u03a9\u03b1-\u03c9\u0400-\u045f"
+                 "\u05d0-\u05ea\u0621-\u063a\u0641-\u064a\u0905-\u0939\u3041-\u3096\u30a1-\u30fa"
+                 "\u4e00-\u9fff\uac00-\ud7a3")
+# A chunk between spaces (or tabs and line breaks, which every pre-tokeniser but Metaspace splits at; control
+# characters such as U+001F, which Python counts as space, are deleted by BERT's normaliser) holding such a letter,
+# found once per chunk in linear time (the lazy run stops at the chunk's first such letter, or fails at its end)
+_WORDS = re.compile(f"(?:^|[ \t\n\r])[^ \t\n\r]*?[{_KEPT_LETTERS}]")
+_WORDS_SPACE_ONLY = re.compile(f"(?:^| )[^ ]*?[{_KEPT_LETTERS}]")  # Metaspace splits at spaces alone
 _REGEX_CLASSES = set(".[]\\^$()|{}")  # what could make a Replace rule's regex match a letter or digit
 _KEEPING_NORMALISERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "StripAccents", "Strip",
                         "Precompiled", "Prepend"}

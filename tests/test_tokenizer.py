@@ -314,9 +314,12 @@ def test_windows_counted_from_below_never_exceed_the_windows_made(source, minilm
     assert tokenizer.counts_words
     rng = random.Random(1)
     words = " ".join(TEXTS).split() + ["©©", "...", "a-b-c", "東京都", "\u200b", "——", "x" * 300, "12,345.6", "e.g.",
-                                       "!!!", "\u0301", "\t", "👩‍👩‍👧"]
+                                       "!!!", "\u0301", "\t", "👩‍👩‍👧", "a\x1fb\x1fc", "a\x85b", "\u037a", "\ufe70"]
     texts = [" ".join(rng.choice(words) for _ in range(n)) for n in (5, 400, 3_000, 9_000)]
     texts += ["\u200b " * 2_000 + "word", "!" * 5_000, "中" * 4_000, "x" * 3_000]
+    # what the outside check found counted as words: control characters Python reads as space (BERT's normaliser
+    # deletes them), letters NFKC / NFKD turn into a space and a mark that stripping accents removes (ALBERT)
+    texts += ["a\x1f" * 3_000, "Ada\x1f" * 2_000, "\u037a " * 3_000, "\ufe70 " * 3_000, "a\x85b\x1cc " * 1_000]
     seen = 0
     for text in texts:
         assert tokenizer.words_at_least(text) <= len(tokenizer.tokenize(text))
@@ -380,3 +383,21 @@ def test_the_span_around_a_place_holds_every_window_that_can_reach_it(source, mi
         assert lo <= offsets[max(0, last - tokens + 1)][0] and offsets[min(len(offsets) - 1, first + tokens - 1)][1] <= hi
         cut += hi - lo < len(text) // 4
     assert cut >= 30  # and it is a small part of the text
+
+
+def test_every_letter_counted_as_a_word_is_a_token_on_every_tokenizer_kind(minilm_dir):
+    """Each of the 33,062 letters and digits words_at_least counts (_KEPT_LETTERS) is at least one token alone and
+    between control characters and a combining mark, on WordPiece (MiniLM, DistilBERT), byte-level BPE and Unigram
+    with NFKD and stripped accents (ALBERT): a text is never refused for windows it does not need."""
+    import re
+
+    from bert_engine.tokenizer import _KEPT_LETTERS
+
+    kept = re.compile(f"[{_KEPT_LETTERS}]")
+    letters = [chr(c) for c in range(0x20, 0x10000) if kept.match(chr(c))]
+    assert len(letters) == 33_062
+    for source in ("minilm", "roberta", "albert", "distilbert"):
+        tokenizer = Tokenizer.from_pretrained(minilm_dir if source == "minilm" else FAMILY_TOKENIZERS / source)
+        for form in ("{}", "\x1f{}\u0301\x1f"):
+            encodings = tokenizer.backend.encode_batch([form.format(c) for c in letters], add_special_tokens=False)
+            assert not [c for c, e in zip(letters, encodings) if not e.ids], source
