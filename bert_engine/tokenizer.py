@@ -592,7 +592,7 @@ def _growth(spec: Any) -> float:
 # Extended-A/B, basic Greek and Cyrillic, Hebrew, Arabic and Devanagari letters, kana, CJK ideographs, Hangul
 # syllables). Not every Unicode letter: NFKC and NFKD turn some into a space and a combining mark that stripping
 # accents removes (U+037A, U+FE70-FE7A: the outside check, session 55), so those count for nothing here.
-_KEPT_LETTERS = ("A-Za-z0-9\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f\u0391-\u03a9\u03b1-\u03c9\u0400-\u045f"
+_KEPT_LETTERS = ("A-Za-z0-9\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f\u0391-\u03a1\u03a3-\u03a9\u03b1-\u03c9\u0400-\u045f"
                  "\u05d0-\u05ea\u0621-\u063a\u0641-\u064a\u0905-\u0939\u3041-\u3096\u30a1-\u30fa"
                  "\u4e00-\u9fff\uac00-\ud7a3")
 # A chunk between spaces (or tabs and line breaks, which every pre-tokeniser but Metaspace splits at; control
