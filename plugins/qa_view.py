@@ -56,11 +56,11 @@ def answer_view(context: str, result: dict) -> str:
     if null.get("rule") == "verifier" and null.get("probability") is not None and null["probability"] >= 0.5:
         # answered although "no answer" is likelier: the setting (eager) answers below its threshold; say so
         setting = f"“{null['choice']}” answers" if null.get("choice") else "this setting answers"
-        guess = (f' <span class="qa-why">(a guess: the model is {percent(null["probability"])} sure the text does not '
-                 f'say it; {setting} below {percent(null["threshold"])})</span>'
-                 if null.get("threshold") is not None else
-                 f' <span class="qa-why">(a guess: the model is {percent(null["probability"])} sure the text does not '
-                 'say it)</span>')
+        sure, below = percent(null["probability"]), percent(null["threshold"]) if null.get("threshold") is not None else None
+        if sure == below:  # (74.51 % under 74.52 % both read "75 %")
+            sure, below = f"{100 * null['probability']:.2f} %", f"{100 * null['threshold']:.2f} %"
+        guess = (f' <span class="qa-why">(a guess: the model is {sure} sure the text does not say it'
+                 + (f"; {setting} below {below}" if below is not None else "") + ")</span>")
     return (f'<div class="qa-view"><p class="qa-headline">Answer: <b>{user_text(best["answer"])}</b> – {score}{guess}</p>'
             f'<div class="qa-context" style="white-space:pre-wrap;line-height:1.6">'
             f'{_excerpt(context, start, end, mark)}</div></div>')

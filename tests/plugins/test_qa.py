@@ -313,6 +313,8 @@ def test_the_answer_view_marks_the_answer_inline_and_says_no_answer():
     assert ("– 88 % <span class=\"qa-why\">(a guess: the model is 71 % sure the text does not say it; “eager” answers "
             "below 74 %)</span></p>") in guess and "qa-answer" in guess
     assert "a guess" not in answer_view(context, {**result, "no_answer": {**unsure, "probability": 0.2}})
+    close = answer_view(context, {**result, "no_answer": {**unsure, "probability": 0.7451, "threshold": 0.7452}})
+    assert "74.51 % sure the text does not say it; “eager” answers below 74.52 %" in close  # not "75 %" under "75 %"
     none = answer_view(context, {**result, "no_answer": {"predicted": True, "score": 0.7}})
     assert "No answer in this context" in none and "qa-answer" not in none
     assert "Nobody" in none and 'class="be-mark qa-candidate"' in none  # the context stays, the candidate greyed
