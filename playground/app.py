@@ -231,23 +231,32 @@ class ServedPredictor(BatchingPredictor):
     MAX_WAITING = 2  # a visitor's "why" / "compare" that wait at once for their answers, per task
 
     def wait_for_answers(self) -> None:
-        """Wait until the current visitor has no answer on its way in this task (sent, running or waiting for an
-        in-flight place), so that "why" or "compare" clicked meanwhile (an example clicked, then "why") reads the
-        answer they asked for last, not "no answer yet" or the one before it. The wait holds no in-flight place
-        (the answer it waits for may need it), lasts at most answer_wait_s (an answer ends by its own time limit),
-        ends when the sender leaves, and only MAX_WAITING of a visitor's wait at once per task (more go ahead)."""
-        visitor = current_visitor()
+        """Wait until the current visitor has no answer on its way in this task, so that "why" or "compare" clicked
+        meanwhile (an example clicked, then "why") reads the answer they asked for last, not "no answer yet" or the
+        one before it: first for the requests their Gradio session sent before this one (earlier_requests_unfinished;
+        not for an MCP caller, whose session Gradio's relay shares with other callers), then for their answers in
+        this task however they came (running or waiting for an in-flight place).
+        The wait holds no in-flight place (the answer it waits for may need it), lasts at most answer_wait_s (an
+        answer ends by its own time limit), ends when the sender leaves, and only MAX_WAITING of a visitor's wait at
+        once per task (more go ahead)."""
+        visitor, request = current_visitor(), REQUEST.get()
         deadline = time.monotonic() + self.answer_wait_s
         with self._answered:
-            if visitor is None or not self._answering.get(visitor) or self._waiting.get(visitor, 0) >= self.MAX_WAITING:
+            if visitor is None or self._waiting.get(visitor, 0) >= self.MAX_WAITING:
                 return
             _count(self._waiting, visitor, +1)
-            try:
+        try:
+            pause = threading.Event()  # never set: wait_or_gone's steps, ended early only by the sender leaving
+            while (not visitor.startswith("mcp") and earlier_requests_unfinished(request)
+                   and deadline - time.monotonic() > 0):
+                wait_or_gone(pause, 0.05)
+            with self._answered:
                 while self._answering.get(visitor) and (left := deadline - time.monotonic()) > 0:
                     wait_or_gone(self._answered, min(left, self.ANSWER_WAIT_STEP_S))
-            except RequestCancelled:
-                return  # the request itself stops where it is served (guarded), saying so once
-            finally:
+        except RequestCancelled:
+            return  # the request itself stops where it is served (guarded), saying so once
+        finally:
+            with self._answered:
                 _count(self._waiting, visitor, -1)
 
     def explain(self, inputs=None, *, method: str = "integrated_gradients", steps: int = DEFAULT_STEPS,
@@ -668,6 +677,26 @@ def gradio_limiter(request: Any) -> Any:
         return request.request.app.get_blocks().limiter
     except Exception:  # noqa: BLE001 - Gradio's internals: a call outside the queue has none
         return None
+
+
+def earlier_requests_unfinished(request: Any) -> bool:
+    """Whether the session of a queued Gradio event has events it sent before this one that are still in Gradio's
+    queue or running (a request a visitor sent a moment earlier, an example's run: one not yet handed to its handler
+    is known to Gradio alone). False when this cannot be read (a call outside the queue, another Gradio)."""
+    try:
+        raw = request.request if request is not None else None
+        queue = raw.app.get_blocks()._queue if raw is not None else None
+        if queue is None:
+            return False
+        running = [event for job in queue.active_jobs if job for event in job]
+        own = next((event for event in running if getattr(event, "request", None) is raw), None)
+        if own is None:
+            return False
+        queued = [event for waiting in list(queue.event_queue_per_concurrency_id.values()) for event in list(waiting.queue)]
+        return any(event is not own and event.session_hash == own.session_hash and event.enqueue_time < own.enqueue_time
+                   for event in running + queued)
+    except Exception:  # noqa: BLE001 - Gradio's internals: reading them must never fail a request
+        return False
 
 
 def sender_gone(request: Any) -> bool:
