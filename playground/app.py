@@ -217,7 +217,7 @@ class ServedPredictor(BatchingPredictor):
         return output
 
     def predict(self, inputs, **options: Any) -> dict[str, Any]:
-        visitor = current_visitor()  # from the moment it is sent: waiting for an in-flight place included
+        visitor = current_visitor()  # from the moment its handler asks: waiting for an in-flight place included
         with self._answered:
             _count(self._answering, visitor, +1)
         try:
