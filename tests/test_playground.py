@@ -1553,6 +1553,16 @@ def test_an_mcp_tool_call_whose_agent_leaves_stops_at_once(tmp_path, monkeypatch
 
     app, port = _spinning_app(tmp_path, mcp_server=True)
 
+    async def spinning_call(session, text: str, started: int):
+        """The spins tool called in a task of its own, once it spins (its rounds counted past `started`)."""
+        call = asyncio.create_task(session.call_tool("spins", {"text": text}))
+        deadline = time.monotonic() + 30
+        while SPINS["count"] < started + 20 and not call.done():
+            assert time.monotonic() < deadline, "the tool call never started"
+            await asyncio.sleep(0.05)
+        assert not call.done(), call.result()
+        return call
+
     async def call_and_leave():
         started = SPINS["count"]
         async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=60)) as http:
@@ -1560,12 +1570,7 @@ def test_an_mcp_tool_call_whose_agent_leaves_stops_at_once(tmp_path, monkeypatch
                     read, write, _):
                 async with ClientSession(read, write) as session:
                     await session.initialize()
-                    call = asyncio.create_task(session.call_tool("spins", {"text": "spin for an agent"}))
-                    deadline = time.monotonic() + 30
-                    while SPINS["count"] < started + 20 and not call.done():
-                        assert time.monotonic() < deadline, "the tool call never started"
-                        await asyncio.sleep(0.05)
-                    assert not call.done(), call.result()
+                    call = await spinning_call(session, "spin for an agent", started)
                     call.cancel()  # the agent gives up
                     with contextlib.suppress(asyncio.CancelledError):
                         await call
@@ -1578,11 +1583,7 @@ def test_an_mcp_tool_call_whose_agent_leaves_stops_at_once(tmp_path, monkeypatch
         async with sse_client(f"http://127.0.0.1:{port}/gradio_api/mcp/sse") as (read, write):
             async with ClientSession(read, write) as session:
                 await session.initialize()
-                call = asyncio.create_task(session.call_tool("spins", {"text": "spin over sse"}))
-                deadline = time.monotonic() + 30
-                while SPINS["count"] < started + 20 and not call.done():
-                    assert time.monotonic() < deadline, "the tool call never started"
-                    await asyncio.sleep(0.05)
+                call = await spinning_call(session, "spin over sse", started)
                 await asyncio.sleep(1.5)
                 assert not call.done(), call.result()
                 RELEASE.set()
