@@ -8,9 +8,9 @@
 #   3. the end-to-end workloads on CUDA (benchmarks.workloads --device cuda), engine vs transformers; fp32 is
 #      always run, --precisions adds bf16; one task at a time within the call's remaining time.
 # The image must hold torch with CUDA, transformers, pytest and pytest-xdist (the lent 'cuda' image does:
-# ../.library/device/KINDS.md); pysbd travels in the carry folder.
+# ../.library/device/KINDS.md); pysbd, httpx2, httpcore2 and truststore travel in the carry folder (py/).
 # Before, here: the carry folder (default .devcarry/lease) holding minilm-compact/ (compact.safetensors.xz and
-# its side files), corpus.tar.xz (without squad-train.txt), qa-data.tar.xz and py/pysbd (the commands are in
+# its side files), corpus.tar.xz (without squad-train.txt), qa-data.tar.xz and py/ (pysbd, httpx2, httpcore2, truststore; the commands are in
 # scripts/gpu_lease.sh's header), and bench-data.tar.xz, the workloads' data under one folder bench-data/:
 #   S=$(mktemp -d); mkdir -p $S/bench-data/{sst2,conll2003,squad,wikitext2}; D=../shared/data
 #   cp $D/sst2/dev.tsv $S/bench-data/sst2/; cp $D/conll2003/eng.testb $S/bench-data/conll2003/

@@ -15,6 +15,10 @@
 #     mkdir -p STAGE/qa-data; cp ../shared/data/squad/train-v1.1.part0*of08.json ../shared/data/qed/qed-train.squad.part*of2.json \
 #       ../shared/data/squad/dev-v2.0.json STAGE/qa-data/; tar cf - -C STAGE qa-data | xz -9 > .devcarry/qa-data.tar.xz
 #     mkdir -p .devcarry/py; cp -r "$(python -c 'import pysbd, os; print(os.path.dirname(pysbd.__file__))')" .devcarry/py/
+#   every task: httpx2, httpcore2 and truststore (pure Python, each with its dist-info: httpx2 reads its version from
+#   it), which bert_engine.checkpoints.hub imports and the lent image lacks (session 56's first two calls ended there):
+#     SP=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+#     for p in httpx2 httpcore2 truststore; do cp -r $SP/$p $SP/$p-*.dist-info .devcarry/py/; done
 # There, in the repository, with those .devcarry/ paths carried along (session 27's two calls):
 #   pip install --no-deps --no-build-isolation -e . && TRAIN_MINUTES=3.5 OUT=... bash scripts/gpu_lease.sh
 #   pip install ... && PYTHONPATH=$PWD/.devcarry/py TASK=qa TRAIN_MINUTES=4 OUT=... bash scripts/gpu_lease.sh
