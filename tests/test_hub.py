@@ -282,3 +282,41 @@ def test_a_trickling_download_is_stopped_at_its_deadline(hub_repo, tmp_path, mon
     del hub_repo.faults["model.safetensors"]
     model, tokenizer = _load(hub_repo, tmp_path)
     assert torch.isfinite(_logits(model, tokenizer)).all()
+
+
+def test_an_older_huggingface_hub_imports_and_refuses_only_downloads(tmp_path, tiny_tokenizer):
+    # huggingface_hub before 1.0 (requests, no client factory) sits beside transformers 4.x, as in the peers'
+    # virtualenv of benchmarks.peers, whose summary glue imports the plugins: bert_engine must import there (it
+    # ended the summary benchmark, session 56), load folders, and refuse a download it cannot bound, saying why.
+    import subprocess
+    import sys
+
+    save_pretrained(BertWithHead(PRESETS["tiny"].with_labels(["neg", "pos"]), "sequence").eval(), tmp_path / "m",
+                    tiny_tokenizer)
+    script = f"""
+import sys, types
+import huggingface_hub
+from huggingface_hub.utils import _http
+
+class Before1(types.ModuleType):  # huggingface_hub as 0.x has it: no client factory to set
+    def __getattr__(self, name):
+        if name == "set_client_factory":
+            raise AttributeError(name)
+        return getattr(huggingface_hub, name)
+
+old = Before1("huggingface_hub")
+old.__path__, old.__version__ = huggingface_hub.__path__, "0.36.0"
+sys.modules["huggingface_hub"] = old
+del _http.default_client_factory
+from bert_engine import HubError, resolve
+from bert_engine.checkpoints import hub
+assert not hub.HOOKED
+assert resolve({str(tmp_path / "m")!r}).folder.name == "m"
+try:
+    resolve("owner/tiny", endpoint="http://127.0.0.1:9")
+except HubError as err:
+    print("refused:", err)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: 'owner/tiny': huggingface_hub" in done.stdout and "cannot bound a download's time" in done.stdout

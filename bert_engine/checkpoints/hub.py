@@ -100,7 +100,7 @@ def _bound_body(response) -> None:
         response.stream = _DeadlineStream(response.stream, deadline)
 
 
-def _client_factory(previous=hub_http.default_client_factory):
+def _client_factory(previous):
     def factory():
         client = previous()
         client.event_hooks = {**client.event_hooks, "response": [*client.event_hooks.get("response", []),
@@ -109,10 +109,15 @@ def _client_factory(previous=hub_http.default_client_factory):
     return factory
 
 
-# Installed once, at import (set_client_factory closes huggingface_hub's shared client: never mid-download),
-# around whatever factory was set before (a proxy's, a user's own).
-huggingface_hub.set_client_factory(_client_factory(getattr(hub_http, "_GLOBAL_CLIENT_FACTORY",
-                                                           hub_http.default_client_factory)))
+# huggingface_hub 1.0 and later (httpx) take a client factory, where the deadline's hook goes. An older one
+# (requests: beside transformers 4.x, e.g. in benchmarks.peers' virtualenv, which imports the plugins) has none:
+# bert_engine still imports there, and resolve() refuses to download, saying why (requirements.txt pins 2.4.0).
+HOOKED = hasattr(huggingface_hub, "set_client_factory") and hasattr(hub_http, "default_client_factory")
+if HOOKED:
+    # Installed once, at import (set_client_factory closes huggingface_hub's shared client: never mid-download),
+    # around whatever factory was set before (a proxy's, a user's own).
+    huggingface_hub.set_client_factory(_client_factory(getattr(hub_http, "_GLOBAL_CLIENT_FACTORY",
+                                                               hub_http.default_client_factory)))
 
 
 def max_weight_bytes(config: BertConfig) -> int:
@@ -162,6 +167,10 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
     if not REPO_ID.match(name) or name.startswith((".", "/", "~")):
         raise HubError(f"{name!r} is neither an existing folder nor a Hub id like 'owner/name'")
     offline = local_files_only or is_offline()
+    if not offline and not HOOKED:
+        raise HubError(f"{name!r}: huggingface_hub {huggingface_hub.__version__} cannot bound a download's time "
+                       "(1.0 or later can; requirements.txt pins 2.4.0): install that, or load a local folder, or "
+                       "set HF_HUB_OFFLINE=1 to use a cached copy")
     fetch = _Fetcher(name, revision, offline, cache_dir, endpoint, token, etag_timeout)
     with download_deadline(settings.get("BERT_ENGINE_DOWNLOAD_TIMEOUT")):
         if not offline and not fetch.hub_reachable():
