@@ -504,7 +504,7 @@ def candidate_bars(result: dict[str, Any]) -> str:
 # two masks for the joint mode: the tab opens on what the model can do, its limits in MODEL_CARD.md.
 EXAMPLES = (
     {"text": "The capital of France is [MASK]."},
-    {"text": "It was a dark and stormy [MASK]."},
+    {"text": "A week has seven [MASK]."},
     {"text": "She drank a cup of hot [MASK]."},
     {"text": "I [MASK] to the [MASK] to buy some bread."},
 )

@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     passages = [inputs["text"] for inputs, _ in fill_mask.read_data(str(args.data), "all")]
     scores = score_words(predictor, draw_words(passages, args.words, args.seed), progress=True)
     figures = {"model": args.model or "the starter", "data": args.data.name, "seed": args.seed,
-               **{kind: {"words": f["words"], "top1": round(100 * f["top1"], 1), "top5": round(100 * f["top5"], 1)}
+               **{kind: {"words": f["words"], "top1": round(100 * f["top1"], 1), "top5": round(100 * f["top5"], 1),
+                         # the counts, so that runs over other words (another --seed) add up exactly
+                         "top1_right": round(f["top1"] * f["words"]), "top5_right": round(f["top5"] * f["words"])}
                   for kind, f in scores.items()}}
     print("| words | count | top-1 % | top-5 % |\n|---|---|---|---|")
     for kind in ("all", "content", "function"):

@@ -141,7 +141,7 @@ def test_the_fill_mask_tabs_one_mask_examples_are_answered_right_by_the_starter(
     from plugins.fill_mask import EXAMPLES, STARTER_NOTE
 
     predictor = Predictor.load(registry.task("fill_mask"))
-    expected = {"The capital of France is [MASK].": "paris", "It was a dark and stormy [MASK].": "night",
+    expected = {"The capital of France is [MASK].": "paris", "A week has seven [MASK].": "days",
                 "She drank a cup of hot [MASK].": "tea"}
     for example in EXAMPLES:
         if example["text"].count("[MASK]") == 1:
