@@ -21,9 +21,12 @@
 # What comes back (7 files): call.log, suite.log, workloads_cuda.json, qa/{logs,last}.tar, fm/{logs,last}.tar.
 # STAGES (default "suite train workloads") leaves stages out; TESTS replaces the test files, WORKLOADS the tasks;
 # TRAIN (default "qa fill_mask") the tasks trained: with one alone, the suite runs after it, not beside.
-# FM_INIT / QA_INIT: the adapter each continues from (default its shipped starter; gpu_lease.sh's INIT). The next
-# loan, as session 52 left it (session 51's fill-mask run is now the starter): OUT=$OUT TRAIN=fill_mask
-#   STAGES="train qa_host workloads" WORKLOADS=qa FM_MINUTES=5 FM_SEED=52 DEADLINE_S=578 bash scripts/gpu_call.sh
+# FM_INIT / QA_INIT: the adapter each continues from (default its shipped starter; gpu_lease.sh's INIT). Session 56
+# ran session 52's plan (OUT=$OUT TRAIN=fill_mask STAGES="train qa_host workloads" WORKLOADS=qa FM_MINUTES=5
+# FM_SEED=52 DEADLINE_S=540: 8 min 15 s; its fill-mask run is now the starter). The next loan, as session 56 left it:
+#   OUT=$OUT STAGES="suite workloads" WORKLOADS="fill_mask summary sentiment ner" DEADLINE_S=540 bash scripts/gpu_call.sh
+# (the CUDA suite, last run in session 51, and the two tasks never timed on a GPU; five more minutes of fill-mask at
+# rank 40 moved its whole-word figures by about what the slice resolves, in sessions 35, 51 and 56 alike).
 #   (carry .devcarry/lease: 7 files back)
 # STAGES may add qa_host: `benchmarks.qa_host --device cuda` (fp32 and bf16) with predict_many's profile, before the workloads.
 # Session 35 ran it twice: then, the suite started first, beside QA's training, whose data took 3 minutes to build
