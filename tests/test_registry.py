@@ -283,9 +283,9 @@ def test_installed_example_plugin_gives_real_similarities(installed_example, mon
     far = predictor.predict({"text_a": "A man is playing a guitar.", "text_b": "The stock market fell sharply."})
     assert close["result"]["cosine"] > far["result"]["cosine"] + 0.2
     assert close["provenance"]["plugin_version"] == "0.1.0"
-    # the figures README.md's API example states for this pair
+    # the figures README.md states for this pair, called through the app's API
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    stated = re.search(r"# cosine (\d\.\d+), score (\d\.\d+)", readme)
+    stated = re.search(r'api_name="/similarity"\)` answers cosine (\d\.\d+), score (\d\.\d+)', readme)
     assert stated and (f"{close['result']['cosine']:.3f}", f"{close['result']['score']:.3f}") == stated.groups()
 
 
