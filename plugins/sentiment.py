@@ -325,10 +325,26 @@ def expected_calibration_error(logits: Tensor, targets: Tensor, bins: int = ECE_
 def pipeline_output(result: dict, options, single: bool):
     """transformers' text-classification shape: [{"label", "score"}] for one text (a list of all
     labels with top_k), one dict per text for a list of texts."""
+    if result["long_input"]["truncated"]:
+        _warn_cut(result["long_input"])
     if options.get("top_k") is not None:
         return result["labels"]
     top = {"label": result["label"], "score": result["score"]}
     return [top] if single else top
+
+
+_CUT_WARNED = False
+
+
+def _warn_cut(long_input: dict) -> None:
+    """The transformers shape has no room for the engine's `long_input` note: a text read only in part says so
+    in the log, at WARNING the first time in a process (a file of long reviews would repeat it per line), DEBUG
+    after."""
+    global _CUT_WARNED
+    level, _CUT_WARNED = (logging.DEBUG if _CUT_WARNED else logging.WARNING), True
+    logger.log(level, "sentiment: a text was longer than the model reads at once, and its label was read from its "
+               "first window only (long_input=%r); pass long_input=\"windows\" to read all of it, or raw=True to "
+               "see which results were cut", long_input["policy"])
 
 
 def _truncation(value) -> dict:

@@ -414,3 +414,20 @@ def test_transformers_dtype_batch_size_and_arguments_no_task_takes(sentiment_fol
         pipeline("ner")("Bob lives in Paris.", ignore_labels=[])
     ner = pipeline("ner")  # transformers' own default, given: what the engine does anyway
     assert ner("Bob lives in Paris.", ignore_labels=["O"]) == ner("Bob lives in Paris.")
+
+
+def test_a_text_cut_to_its_first_window_says_so_in_the_log(caplog, monkeypatch):
+    import plugins.sentiment as sentiment
+
+    monkeypatch.setattr(sentiment, "_CUT_WARNED", False)
+    classify = pipeline("sentiment")
+    with caplog.at_level("DEBUG", logger="plugins.sentiment"):
+        classify(REVIEWS[0])
+        assert not caplog.records  # a text the model reads whole: nothing to say
+        long = "The acting is wooden but the score is lovely. " * 200  # about 2,000 tokens; the model reads 512
+        assert classify(long)[0]["label"] in {"POSITIVE", "NEGATIVE"}  # the transformers shape, unchanged
+        assert classify(long, long_input="windows", raw=True)["result"]["long_input"]["truncated"] is False
+        classify([long, long])
+    levels = [r.levelname for r in caplog.records]
+    assert levels == ["WARNING", "DEBUG", "DEBUG"], levels  # once loudly per process, then quietly
+    assert "long_input=\"windows\"" in caplog.records[0].getMessage()
