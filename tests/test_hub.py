@@ -129,6 +129,12 @@ def _closed_port() -> str:
 def test_unreachable_hub_without_cache(tmp_path):
     with pytest.raises(HubError, match="could not reach the Hub .*'owner/tiny'.*no cached copy"):
         resolve("owner/tiny", endpoint=_closed_port(), cache_dir=tmp_path / "cache", etag_timeout=2)
+    # the reason is the connection's, not huggingface_hub's "outgoing traffic has been disabled" of the cache
+    # lookup that follows it (no offline mode was asked for)
+    with pytest.raises(HubError) as refused:
+        resolve("owner/tiny", endpoint=_closed_port(), cache_dir=tmp_path / "cache", etag_timeout=2)
+    assert "offline" not in str(refused.value).lower() and "disabled" not in str(refused.value), refused.value
+    assert "connect" in str(refused.value).lower() or "refused" in str(refused.value).lower(), refused.value
 
 
 def test_unreachable_hub_with_cache_uses_the_cache(hub_repo, tmp_path):

@@ -333,7 +333,8 @@ class _Fetcher:
             if isinstance(err.__cause__, hub_errors.HfHubHTTPError) and isinstance(status, int):
                 raise HubError(f"could not download {filename!r} of {self.where}: the Hub answered HTTP {status}; "
                                "try again later, or pass a local folder") from None
-            self.last_error = err
+            if not self.unreachable:  # (unreachable: the probe's connection error says why, not "offline mode")
+                self.last_error = err
             if required:
                 raise HubError(self._unavailable(filename, err)) from None
             return None
