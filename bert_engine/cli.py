@@ -250,6 +250,13 @@ def _tasks_own(err: BaseException) -> bool:
 _STDOUT: list = []  # the process's stdout while a command runs (main sends everything else to stderr)
 
 
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # closed, or not a real stream
+        return False
+
+
 def _answers_out():
     """Where a command's answers go: the real stdout, whatever a plugin's code printed meanwhile."""
     return _STDOUT[-1] if _STDOUT else sys.stdout
@@ -564,6 +571,9 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
     spec, answered = task.spec, []
     batches = [rows[i:i + 32] for i in range(0, len(rows), 32)][rank::world]
     stream = world == 1
+    # Answers and the bar on one terminal: each answer is written with the bar cleared and then redrawn below it,
+    # not glued to the bar's line (a file or a pipe gets plain lines)
+    beside_bar = stream and output is None and progress and _is_terminal(_answers_out()) and _is_terminal(sys.stderr)
     with (open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(_answers_out())) as out, \
             tqdm(total=len(rows), file=sys.stderr, unit="line", desc=spec.name, disable=not progress) as bar:
         for lines in batches:
@@ -592,10 +602,14 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
                 answer = {"line": number, **answers[k]}
                 answered.append(answer)
                 if stream:
+                    if beside_bar and k == 0:
+                        bar.clear()  # the bar's line emptied, the batch's answers written, the bar drawn below them
                     out.write(json.dumps(answer, ensure_ascii=False, allow_nan=False) + "\n")
             if stream:
                 out.flush()
             bar.update(len(chunk) * world)
+            if beside_bar:
+                bar.refresh()
     return answered
 
 

@@ -613,3 +613,41 @@ def test_train_names_a_folder_given_for_a_tasks_data_file(tmp_path, capsys):
     assert main(["train", "sentiment", "--model", str(reference_checkpoint(tmp_path / "m", "BertForSequenceClassification")),
                  "--train-file", str(tmp_path / "sst2"), "--max-steps", "1", "--output-dir", str(tmp_path / "run")]) == 2
     assert f"{tmp_path / 'sst2'}: is a folder; task 'sentiment' reads its data from a file" in capsys.readouterr().err
+
+
+def test_on_a_terminal_the_answers_are_whole_lines_not_glued_to_the_progress_bar(sentiment_checkpoint, tmp_path):
+    """stdout and stderr on one terminal: tqdm's bar (no newline of its own) and the JSON Lines shared lines."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    data = tmp_path / "many.txt"
+    data.write_text("".join(f"a fine film, take {i}\n" for i in range(100)))
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a width, or tqdm draws nothing
+    process = subprocess.Popen([sys.executable, "-m", "bert_engine", "predict", "sentiment", "--file", str(data),
+                                "--model", str(sentiment_checkpoint)], stdin=subprocess.DEVNULL, stdout=follower,
+                               stderr=follower, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    assert process.wait(timeout=300) == 0
+    text = seen.decode("utf-8", "replace")
+    assert re.search(r"\d+%\|", text), text[:500]  # the bar was drawn...
+    lines = [line.strip(" ") for line in re.split(r"[\r\n]+", text)]
+    answers = [line for line in lines if line.startswith('{"line"')]
+    assert len(answers) == 100 and all(json.loads(line)["result"]["label"] for line in answers)  # ...and no answer cut
+    assert not [line for line in lines if "%|" in line and "{" in line], "an answer shares a line with the bar"
