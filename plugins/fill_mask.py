@@ -125,16 +125,70 @@ def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, m
                          f"raise that with the option max_masks, up to {MAX_MASKS})")
     if targets is not None and count > 1:
         raise InputError(f"fill_mask: targets work with exactly one {mask}; the text has {count}")
-    # Windows of half overlap; pick the one holding every mask with the most context around them. A long text is
-    # cut first to the part any such window can reach (from counted words): 1,000,000 characters took 1.2 s to
-    # tokenise whole, for the one window read.
+    # A text longer than one window is read in the window centred on its masks (as much context either side). A long
+    # text is cut first to the part such a window can reach (from counted words): 1,000,000 characters took 1.2 s to
+    # tokenise whole, for the one window read. The window is the same whether the text was cut or not.
     lo, hi = 0, len(text)
     if len(text) > REGION_CHARS and hasattr(tokenizer, "span_around"):
         lo, hi = tokenizer.span_around(text, text.index(mask), text.rindex(mask) + len(mask), max_length)
-    batch = tokenizer(text[lo:hi], max_length=max_length, stride=max_length // 2 - 1, return_overflowing=True)
-    if lo:  # offsets into the whole text
-        batch.offsets = [[(a + lo, b + lo) if sid is not None else (a, b) for (a, b), sid in zip(row, ids)]
+    batch = _centred_window(text, lo, hi, tokenizer, max_length, count)
+    if batch is None:  # (a tokenizer without pieces(), or one whose pieces differ cut: windows of half overlap)
+        batch = _best_of_windows(text, lo, hi, tokenizer, max_length, count)
+    if mode == "joint" and count > 1:
+        _check_beam_work(count, max(beam_width, top_k), batch.input_ids.shape[1])
+    if targets is not None:
+        batch.meta["target_pieces"] = _target_pieces(list(targets), tokenizer, batch.input_ids.shape[1])
+        targets = list(batch.meta["target_pieces"])  # spellings of one word (Paris, paris: one uncased piece) once
+    batch.meta.update(text=text, targets=targets, windowed=batch.meta["windowed"] or (lo, hi) != (0, len(text)))
+    return batch
+
+
+def _shifted(batch, shift: int):
+    """`batch` with its text offsets moved by `shift` characters (a part of the text tokenised, read in the whole)."""
+    if shift:
+        batch.offsets = [[(a + shift, b + shift) if sid is not None else (a, b) for (a, b), sid in zip(row, ids)]
                          for row, ids in zip(batch.offsets, batch.sequence_ids)]
+    return batch
+
+
+def _too_far_apart(count: int, mask: str, max_length: int) -> InputError:
+    return InputError(f"fill_mask: the {count} {mask} tokens lie further apart than {max_length} tokens; "
+                      "shorten the text around them")
+
+
+def _centred_window(text: str, lo: int, hi: int, tokenizer, max_length: int, count: int):
+    """One row over text[lo:hi]: all of it where it fits, else the window of max_length tokens whose masks sit in
+    its middle (the spare tokens split evenly before the first mask and after the last, fewer on a side the text
+    ends on). None where the tokenizer cannot give the part's pieces, or the window read again does not hold
+    every mask (a tokenizer whose pieces change where a text is cut)."""
+    if not hasattr(tokenizer, "pieces") or not hasattr(tokenizer, "backend"):
+        return None
+    region = text[lo:hi]
+    room = max_length - tokenizer.backend.num_special_tokens_to_add(False)
+    encoding = tokenizer.pieces([region])[0]
+    mask_id, ids = tokenizer.mask_token_id, encoding.ids
+    if len(ids) > room:
+        positions = [i for i, piece in enumerate(ids) if piece == mask_id]
+        if len(positions) != count:
+            return None
+        if positions[-1] - positions[0] + 1 > room:
+            raise _too_far_apart(count, tokenizer.mask_token, max_length)
+        spare = room - (positions[-1] - positions[0] + 1)
+        first = min(max(0, positions[0] - spare // 2), len(ids) - room)
+        start, end = encoding.offsets[first][0], encoding.offsets[first + room - 1][1]
+        lo, region = lo + start, region[start:end]
+    windowed = len(ids) > room
+    batch = _shifted(tokenizer(region, max_length=max_length), lo)
+    if int((batch.input_ids[0] == mask_id).sum()) != count:
+        return None
+    batch.meta.update(window=0, windowed=windowed)
+    return batch
+
+
+def _best_of_windows(text: str, lo: int, hi: int, tokenizer, max_length: int, count: int):
+    """Windows of half overlap over text[lo:hi]; the one holding every mask with the most context around them."""
+    batch = _shifted(tokenizer(text[lo:hi], max_length=max_length, stride=max_length // 2 - 1, return_overflowing=True),
+                     lo)
     mask_id = tokenizer.mask_token_id
     best, best_margin = None, -1
     for row in range(len(batch)):
@@ -145,15 +199,10 @@ def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, m
             if margin > best_margin:
                 best, best_margin = row, margin
     if best is None:
-        raise InputError(f"fill_mask: the {count} {mask} tokens lie further apart than {max_length} tokens; "
-                         "shorten the text around them")
+        raise _too_far_apart(count, tokenizer.mask_token, max_length)
+    windowed = len(batch.sample_index) > 1
     batch = _select_row(batch, best)
-    if mode == "joint" and count > 1:
-        _check_beam_work(count, max(beam_width, top_k), batch.input_ids.shape[1])
-    if targets is not None:
-        batch.meta["target_pieces"] = _target_pieces(list(targets), tokenizer, batch.input_ids.shape[1])
-        targets = list(batch.meta["target_pieces"])  # spellings of one word (Paris, paris: one uncased piece) once
-    batch.meta.update(text=text, targets=targets, windowed=len(batch.sample_index) > 1 or (lo, hi) != (0, len(text)))
+    batch.meta["windowed"] = windowed
     return batch
 
 
