@@ -165,8 +165,12 @@ def _centred_window(text: str, lo: int, hi: int, tokenizer, max_length: int, cou
         return None
     region = text[lo:hi]
     room = max_length - tokenizer.backend.num_special_tokens_to_add(False)
-    encoding = tokenizer.pieces([region])[0]
-    mask_id, ids = tokenizer.mask_token_id, encoding.ids
+    mask_id = tokenizer.mask_token_id
+    # No more pieces than UTF-8 bytes, and one (SentencePiece's first "▁"): a text of fewer fits; else count them
+    ids = [] if len(region) + 1 <= room and len(region.encode("utf-8", "surrogatepass")) + 1 <= room else None
+    if ids is None:
+        encoding = tokenizer.pieces([region])[0]
+        ids = encoding.ids
     if len(ids) > room:
         positions = [i for i, piece in enumerate(ids) if piece == mask_id]
         if len(positions) != count:
