@@ -259,7 +259,10 @@ class Tokenizer:
                 backend = Backend.from_file(str(path))
             except Exception as err:  # the Rust library raises a bare Exception on parse errors
                 raise ValueError(f"{folder / 'tokenizer.json'}: cannot be parsed ({err})") from None
-            growth = _growth(json.loads(backend.to_str()).get("normalizer"))
+            spec = json.loads(backend.to_str())
+            if (problem := tokenizer_work_problem(spec)) is not None:
+                raise ValueError(f"{folder / 'tokenizer.json'}: {problem}")
+            growth = _growth(spec.get("normalizer"))
             if growth > MAX_NORMALISER_GROWTH:
                 raise ValueError(f"{folder / 'tokenizer.json'}: its normaliser can make a text {growth:,.0f} times "
                                  f"longer before tokenising (a Replace rule); the limit is {MAX_NORMALISER_GROWTH}")
@@ -551,6 +554,194 @@ def _without_leading_space(offsets, sequence_ids, texts: tuple[str, str]) -> lis
 MAX_NORMALISER_GROWTH = 8
 MAX_NORMALISED_CHARS = 2_000_000
 _NORMALISE_PIECE = 65_536  # characters normalised at a time while measuring
+
+
+# WordPiece reads a word of n characters in up to n^2 / 2 vocabulary lookups of up to n characters each, and gives a
+# longer word [UNK] at once: BERT's tokenizers set 100. A tokenizer.json that sets 10^9 made one 16,000-letter word
+# take 116 s (a hostile-visitor audit, session 57).
+MAX_WORD_CHARS = 200
+_QUANTIFIER = re.compile(r"[*+?]|\{(\d*)(,?)(\d*)\}")
+_BOUNDED_REPEAT = 16  # {n,m} with m at most this counts as bounded
+
+
+def tokenizer_work_problem(spec: Any) -> str | None:
+    """What in a tokenizer.json could make tokenising a text cost more than linear time, in words; None where nothing
+    does. Its model's longest word (WordPiece's `max_input_chars_per_word`) and every regular expression of its
+    normaliser and pre-tokeniser (`Replace`, `Split`), which the Rust library runs with a backtracking engine, in
+    the request's thread, where no time limit can stop it: `(a|a)+b` took about 1 ms a character."""
+    if not isinstance(spec, dict):
+        return None
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    longest = model.get("max_input_chars_per_word")
+    if model.get("type") == "WordPiece" and isinstance(longest, int) and longest > MAX_WORD_CHARS:
+        return (f"its WordPiece model reads words of up to {longest:,} characters (max_input_chars_per_word); "
+                f"at most {MAX_WORD_CHARS} are allowed (BERT's tokenizers read 100), as a word's cost grows with the "
+                "cube of its length")
+    for part in ("normalizer", "pre_tokenizer"):
+        for pattern in _regexes(spec.get(part)):
+            if (why := regex_problem(pattern)) is not None:
+                return (f"its {part.replace('_', '-')} has the regular expression {pattern[:80]!r}, which {why}; "
+                        "such a pattern can take time that grows faster than the text (catastrophic backtracking)")
+    return None
+
+
+def _regexes(spec: Any) -> Iterator[str]:
+    """Every {"Regex": pattern} string inside a tokenizer.json part."""
+    if isinstance(spec, dict):
+        for key, value in spec.items():
+            if key == "Regex" and isinstance(value, str):
+                yield value
+            else:
+                yield from _regexes(value)
+    elif isinstance(spec, list):
+        for value in spec:
+            yield from _regexes(value)
+
+
+def regex_problem(pattern: str) -> str | None:
+    """Why matching `pattern` might not take linear time, or None. Admitted: alternatives of single atoms (a
+    character, an escape such as \\s or \\p{L}, a [class]) each optionally quantified, with at most one
+    repetition without a small bound per alternative and nothing after it but zero-width checks (a lookahead of
+    one atom, $, \\b); groups only without quantifiers inside and not repeated (`(?i:'s|'t)`). That covers BERT's,
+    ALBERT's (" {2,}") and GPT-2's patterns; anything else is refused rather than guessed at."""
+    atoms: list[tuple[str, str]] = []  # (kind, quantifier) of the current alternative: kind "atom", "group", "check"
+    i, n = 0, len(pattern)
+
+    def alternative_problem() -> str | None:
+        unbounded = [k for k, (kind, q) in enumerate(atoms) if q == "unbounded"]
+        if len(unbounded) > 1:
+            return "repeats two parts of one alternative without bound"
+        if unbounded and any(kind != "check" for kind, _ in atoms[unbounded[0] + 1:]):
+            return "has more to match after a repetition without bound"
+        return None
+
+    while i < n:
+        c = pattern[i]
+        if c == "|":
+            if (why := alternative_problem()) is not None:
+                return why
+            atoms, i = [], i + 1
+            continue
+        if c == "(":
+            end, inner = _group_end(pattern, i)
+            if end is None:
+                return "has a group that does not close"
+            if _QUANTIFIER.search(_without_classes(inner)):
+                return "repeats something inside a group"
+            if "(" in _without_classes(inner):
+                return "has a group inside a group"
+            kind = "check" if pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i) else "group"
+            i = end
+        elif c == "[":
+            end = _class_end(pattern, i)
+            if end is None:
+                return "has a character class that does not close"
+            kind, i = "atom", end
+        elif c == "\\":
+            if i + 1 >= n:
+                return "ends in a backslash"
+            kind = "check" if pattern[i + 1] in "bBAzZG" else "atom"
+            i += 2
+            if pattern[i - 1] in "pP" and i < n and pattern[i] == "{":  # \p{L}
+                close = pattern.find("}", i)
+                if close < 0:
+                    return "has a \\p{...} that does not close"
+                i = close + 1
+        elif c in "^$":
+            kind, i = "check", i + 1
+        elif c in "*+?{":
+            if c != "{" or _QUANTIFIER.match(pattern, i):
+                return "quantifies nothing"
+            kind, i = "atom", i + 1  # a literal "{"
+        else:
+            kind, i = "atom", i + 1
+        quantifier = None
+        match = _QUANTIFIER.match(pattern, i)
+        if match is not None:
+            i = match.end()
+            possessive = i < n and pattern[i] == "+"
+            if i < n and pattern[i] in "?+":  # lazy or possessive
+                i += 1
+            if kind == "check":
+                return "repeats a zero-width check"
+            text = match.group(0)
+            if text == "?":
+                quantifier = "bounded"
+            elif text in "*+" or (match.group(2) and not match.group(3)):
+                quantifier = "bounded" if possessive else "unbounded"  # (a possessive one never gives back)
+            else:
+                most = int(match.group(3) or match.group(1) or 0)
+                quantifier = "bounded" if most <= _BOUNDED_REPEAT else "unbounded"
+            if kind == "group" and quantifier == "unbounded":
+                return "repeats a group"
+        atoms.append((kind, quantifier))
+    return alternative_problem()
+
+
+def _class_end(pattern: str, start: int) -> int | None:
+    """The index after the [class] opening at `start` (nested classes and escapes inside), None if it never closes."""
+    depth, i = 0, start
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+            if pattern.startswith("[^]", i) or pattern.startswith("[]", i):  # a "]" first is a literal
+                i += 2 if pattern[i + 1] == "]" else 3
+                continue
+        elif c == "]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def _group_end(pattern: str, start: int) -> tuple[int | None, str]:
+    """(the index after the group opening at `start`, its body), or (None, "") if it never closes."""
+    depth, i = 0, start
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            end = _class_end(pattern, i)
+            if end is None:
+                return None, ""
+            i = end
+            continue
+        if c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                body = pattern[start + 1:i]
+                if body.startswith("?"):  # (?:...), (?i:...), (?=...): the flags and marks are not the body
+                    body = re.sub(r"^\?(?:[a-zA-Z-]*:|=|!|<=|<!)", "", body)
+                return i + 1, body
+        i += 1
+    return None, ""
+
+
+def _without_classes(text: str) -> str:
+    """`text` with its escapes and [classes] taken out (what is left says whether it quantifies or nests)."""
+    out, i = [], 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            if text[i - 1:i] in ("p", "P") and text[i:i + 1] == "{":
+                i = (text.find("}", i) + 1) or len(text)
+            continue
+        if c == "[":
+            i = _class_end(text, i) or len(text)
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 @contextmanager

@@ -340,8 +340,66 @@ def test_a_tokenizer_that_panics_is_the_models_error_not_the_tasks(tiny):
     spec = json.loads(path.read_text())
     spec["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a|a)+$"}, "behavior": "Isolated", "invert": False}
     path.write_text(json.dumps(spec))
-    tokenizer = load_tokenizer(tiny)
+    with pytest.raises(ValueError, match="regular expression '\\(a\\|a\\)\\+\\$', which repeats a group"):
+        load_tokenizer(tiny)  # refused at load now (session 57); a tokenizer built in code still panics on it:
+    from bert_engine.tokenizer import Backend, Tokenizer
+
+    tokenizer = Tokenizer(Backend.from_str(json.dumps(spec)))
     with pytest.raises(InputError, match="this model's tokenizer crashed on the text \\(PanicException: "):
         tokenizer("a" * 40 + "b")
     with pytest.raises(InputError, match="PanicException"):
         tokenizer.pieces(["a" * 40 + "b"])
+
+
+def _tokenizer_spec(tiny) -> dict:
+    from bert_engine import load_tokenizer
+
+    path = tiny / "tokenizer.json"
+    if not path.is_file():
+        load_tokenizer(tiny).save(tiny)
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize(("part", "change", "message"), [
+    ("model", {"max_input_chars_per_word": 10**9}, "reads words of up to 1,000,000,000 characters"),
+    ("pre_tokenizer", {"type": "Split", "pattern": {"Regex": "(a|a)+b"}, "behavior": "Isolated", "invert": False},
+     "which repeats a group"),
+    ("pre_tokenizer", {"type": "Sequence", "pretokenizers": [{"type": "BertPreTokenizer"}, {
+        "type": "Split", "pattern": {"Regex": "\\s*x"}, "behavior": "Isolated", "invert": False}]},
+     "more to match after a repetition without bound"),
+    ("normalizer", {"type": "Replace", "pattern": {"Regex": "a*a*c"}, "content": ""},
+     "repeats two parts of one alternative"),
+    ("normalizer", {"type": "Replace", "pattern": {"Regex": "(?:x+)"}, "content": ""},
+     "repeats something inside a group"),
+])
+def test_a_tokenizer_whose_work_could_grow_faster_than_its_text_is_refused_at_load(tiny, part, change, message):
+    """A hostile-visitor audit (session 57): a picked model's tokenizer.json with WordPiece's longest word set to 10^9
+    made NER on one 16,000-letter word take 116 s, and a Split regex `(a|a)+b` about 1 ms a character, in the
+    request's thread where no time limit stops it; the stuck request then turned the task off for every visitor.
+    Such a file is refused when it loads, naming what in it and why."""
+    from bert_engine import load_tokenizer
+
+    spec = _tokenizer_spec(tiny)
+    spec[part] = {**spec[part], **change} if part == "model" else change
+    (tiny / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=message):
+        load_tokenizer(tiny)
+    with pytest.raises(ValueError, match=message):  # and the whole model with it
+        load(tiny)
+
+
+def test_the_patterns_of_real_tokenizers_load(tiny):
+    """What the refusal admits: BERT's, ALBERT's (" {2,}"), GPT-2's byte-level split and a few simple rules."""
+    from bert_engine import load_tokenizer
+    from bert_engine.tokenizer import regex_problem
+
+    gpt2 = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"
+    for pattern in (gpt2, " {2,}", "\\s+", "``", "[ \\t]+$", "\\p{N}{1,3}", "(?i:'s|'t|'re)"):
+        assert regex_problem(pattern) is None, pattern
+    spec = _tokenizer_spec(tiny)
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [spec["pre_tokenizer"], {
+        "type": "Split", "pattern": {"Regex": gpt2}, "behavior": "Isolated", "invert": False}]}
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [spec["normalizer"], {
+        "type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]}
+    (tiny / "tokenizer.json").write_text(json.dumps(spec))
+    assert load_tokenizer(tiny)("it's  a test").input_ids.shape[0] == 1
