@@ -125,7 +125,9 @@ def test_every_empty_or_invisible_input_is_an_input_error(predictors):
         with pytest.raises(InputError, match="context is empty"):
             predictors["qa"].predict({"question": "Who?", "context": blank})
     # nothing but control, zero-width or bidi characters: every model read it as nothing and answered anyway
-    for invisible in ("\u200b", "\x00\x01\x02", " \u200b\u200c\u2066 ", "\ufeff\u00ad", "\u0301\u0301", "\ufe0f"):
+    # ... or letters and symbols drawn as nothing (Hangul fillers, the blank Braille pattern: session 57's audit)
+    for invisible in ("\u200b", "\x00\x01\x02", " \u200b\u200c\u2066 ", "\ufeff\u00ad", "\u0301\u0301", "\ufe0f",
+                      "\u3164" * 10, "\u2800 \u2800", "\u115f\u1160\uffa0"):
         for task in ("sentiment", "ner", "summary", "fill_mask"):
             with pytest.raises(InputError, match=f"{task}: input 'text' has no readable text"):
                 predictors[task].predict({"text": invisible})

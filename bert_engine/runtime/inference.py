@@ -243,7 +243,10 @@ def check_unicode(task: str, field: str, value: str) -> None:
                          f"{found.start():,}; text must be valid Unicode")
 
 
-_WORD = re.compile(r"\w")
+# Letters and symbols drawn as nothing (Hangul fillers, the blank Braille pattern, Khmer's inherent vowels): no
+# more text than a zero-width space, and answered as one unknown token before (session 57's audit)
+_BLANK_LOOKING = "\u115f\u1160\u17b4\u17b5\u2800\u3164\uffa0"
+_WORD = re.compile(f"[^\\W{_BLANK_LOOKING}]")  # a word character that is not one of those
 _READABLE = frozenset("LNPS")  # letters, numbers, punctuation, symbols: what a tokenizer reads as text (marks
 # alone, combining accents and variation selectors, an uncased tokenizer strips: nothing is left)
 
@@ -254,7 +257,7 @@ def readable(value: str) -> bool:
     nothing and answered anyway (a zero-width space classified POSITIVE at 0.72)."""
     if _WORD.search(value):  # (most text: found at its first letter)
         return True
-    return any(unicodedata.category(c)[0] in _READABLE for c in value)
+    return any(unicodedata.category(c)[0] in _READABLE and c not in _BLANK_LOOKING for c in value)
 
 
 TASK_OPTIONS_FILE = "task_options.json"  # a training checkpoint's task options ({"options": ...}; jobs.TaskJob.save)
