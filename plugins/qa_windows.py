@@ -103,7 +103,7 @@ def _question_plan(question: str, pieces, max_seq_len: int, max_question_len: in
         raise InputError(f"qa: the question takes {min(len(offsets), max_question_len)} of the {max_seq_len} tokens "
                          "a window holds, leaving no room for the context; ask a shorter question")
     doc_stride = min(128, room // 2) if doc_stride is None else doc_stride
-    if not isinstance(doc_stride, int) or not 0 <= doc_stride < room:
+    if not isinstance(doc_stride, int) or isinstance(doc_stride, bool) or not 0 <= doc_stride < room:
         raise InputError(f"qa: doc_stride must be an integer in [0, {room}) for max_seq_len {max_seq_len} "
                          f"and this question, got {doc_stride!r}")
     return question, question_cut, doc_stride

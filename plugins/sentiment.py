@@ -72,7 +72,7 @@ def _check_options(top_k, function, long_input, max_length, stride, temperature,
     check_options({"top_k": top_k, "function": function, "long_input": long_input, "temperature": temperature})
     max_length = length_option("sentiment", "max_length", max_length, 512, 8, tokenizer)
     stride = min(64, max_length // 4) if stride is None else stride
-    if not isinstance(stride, int) or not 0 <= stride <= max_length // 2:
+    if not isinstance(stride, int) or isinstance(stride, bool) or not 0 <= stride <= max_length // 2:
         raise InputError(f"sentiment: stride {stride!r} must lie in [0, {max_length // 2}]")
     return max_length, stride
 
