@@ -13,6 +13,7 @@ import os
 import shlex
 import stat
 import sys
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -327,16 +328,20 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
                          f"{' '.join(f'-i {f}=TEXT' for f in needed)} for every line, or write the file as .jsonl "
                          "or .tsv (--format)")
     rows = _read_rows(args.file, task, kind) if args.file else None  # a bad file fails before the model loads
-    blank = 0
+    blank = count = 0
     if rows is not None:  # (a blank line is no input: skipped, said in the summary; it failed the run)
-        blank = sum(row is BLANK for _, row in rows)
-        rows = [(number, row) for number, row in rows if row is not BLANK]
-        if not rows:  # "0 of 0 lines answered" and exit 0 read as success to a script
+        given: set[str] = set()
+        for _, row in rows:  # one pass that keeps nothing: the rows are read again as they are answered
+            blank += row is BLANK
+            count += row is not BLANK
+            if inputs and isinstance(row, dict):
+                given.update(row)
+        if not count:  # "0 of 0 lines answered" and exit 0 read as success to a script
             raise ValueError(f"{_file_name(args.file)}: no inputs ("
                              + (f"{blank} blank line{'s' if blank != 1 else ''})" if blank
                                 else "nothing was given)" if args.file == "-" else "the file is empty)"))
-    if rows is not None and inputs:  # -i with --file: a field every line leaves out (QA's question for many contexts)
-        clash = sorted({f for _, row in rows if isinstance(row, dict) for f in row} & set(inputs))
+        # -i with --file: a field every line leaves out (QA's question for many contexts)
+        clash = sorted(given & set(inputs))
         if clash:
             raise ValueError(f"--input {clash[0]}= and the lines of {args.file} both give {clash[0]}; with --file, -i "
                              "gives a field the lines leave out (say QA's question for a file of contexts)")
@@ -345,14 +350,14 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
         output = predictor.predict(inputs, **options)
         check_json_result(task.spec.name, output["result"])  # what a script reads must be JSON
         return output
-    failed = _predict_rows(task, predictor, rows, inputs, predictor.check_options(options), args.output)
+    failed = _predict_rows(task, predictor, rows, count, inputs, predictor.check_options(options), args.output)
     if failed:
         args.exit_code = 1
     if os.environ.get("RANK", "0") != "0":  # under torchrun the first process reports
         return None
     info = predictor.provenance()
     skipped = f", {blank} blank line{'s' if blank != 1 else ''} skipped" if blank else ""
-    print(f"bert-engine predict: {len(rows) - failed} of {len(rows)} lines answered, {failed} failed{skipped}, by "
+    print(f"bert-engine predict: {count - failed} of {count} lines answered, {failed} failed{skipped}, by "
           f"{info['model']} ({info['device']}, {info['dtype']})" + (f"; results in {args.output}" if args.output else ""),
           file=sys.stderr)
     return None
@@ -389,20 +394,18 @@ def _file_bytes(file: str) -> bytes:
     return data
 
 
-def _read_rows(file: str, task, kind: str) -> list[tuple[int, dict | str]]:
+def _read_rows(file: str, task, kind: str) -> Iterable[tuple[int, dict | str]]:
     """(line number, inputs or an error message) per input of a file ("-": standard input) of format `kind`
     (FORMATS): JSON Lines (an object keyed by the task's fields, or a string for its first field), a JSON array
-    of those, TSV with a header naming the fields, or plain text with one input per line for the first field."""
+    of those, TSV with a header naming the fields, or plain text with one input per line for the first field.
+    A file of lines is read line by line each time the answer is iterated (its text held once, the rows built as
+    they are read: 20 MB of two-byte lines held 4 GB as a list of rows), a JSON document as one list; what is
+    wrong with the file as a whole (a bad header, not JSON) is raised here, before anything is iterated."""
     spec = task.spec
     fields, first = spec.input_fields + spec.optional_fields, spec.input_fields[0]
     path = _file_name(file)
     # A byte that is not UTF-8 fails its own line (below), not the file: the rest is answered.
     text = _file_bytes(file).decode("utf-8-sig", errors="surrogateescape")  # a byte-order mark (Excel's) is not text
-    # Lines end at "\n" (or "\r\n") only: str.splitlines also splits at U+2028, form feeds and the like, which
-    # JSON and text hold inside a line (a JSON Lines line with a raw U+2028 became two bad lines, numbers drifted)
-    lines = [line.removesuffix("\r") for line in text.split("\n")]
-    if lines and lines[-1] == "":
-        lines.pop()  # the newline that ends the last line
     try:
         whole = _json_document(text) if kind == "json" else None
     except ValueError as err:
@@ -413,28 +416,12 @@ def _read_rows(file: str, task, kind: str) -> list[tuple[int, dict | str]]:
         items = whole if isinstance(whole, list) else [whole]
         return [(number, _json_input(value, fields, first)) for number, value in enumerate(items, 1)]
     if kind in ("jsonl", "json"):
-        rows: list[tuple[int, dict | str]] = []
-        for number, line in enumerate(lines, 1):
-            if bad := not_utf8(line):
-                rows.append((number, bad))
-                continue
-            if not line.strip():
-                rows.append((number, BLANK))
-                continue
-            try:
-                value = json.loads(line)
-            except ValueError as err:
-                rows.append((number, f"not JSON ({err})"))
-                continue
-            except RecursionError:
-                rows.append((number, "JSON nested too deeply to be an input"))
-                continue
-            rows.append((number, _json_input(value, fields, first)))
-        return rows
+        return _LazyRows(text, lambda number, line: _jsonl_row(line, fields, first))
     if kind == "tsv":
         # Tab-separated, no quoting: a line's fields are its text between tabs (csv's reader refused fields past
         # 131,072 characters with a traceback, far below the 1,000,000 an input may have)
-        header = lines[0].split("\t") if lines else []
+        first_line = next(_lines(text), None)
+        header = first_line.split("\t") if first_line is not None else []
         # A column the task does not read was dropped unread (a misspelt optional field, "text_pari", answered
         # without it); JSON Lines refuses such a field per line, a header refuses it once, naming the field it
         # may have meant ("txt" for a missing "text" was reported as the missing field alone).
@@ -451,20 +438,58 @@ def _read_rows(file: str, task, kind: str) -> list[tuple[int, dict | str]]:
             raise ValueError(f"{path}:1: the header must name the task's fields ({', '.join(spec.input_fields)}"
                              + (f"; optional: {', '.join(spec.optional_fields)}" if spec.optional_fields else "")
                              + f") and no others: {'; '.join(said)}")
-        rows = []
-        for number, line in enumerate(lines[1:], 2):  # one row per line (no quoting): its number is its line's
-            if (bad := not_utf8(line)) or not line.strip():
-                rows.append((number, bad or BLANK))
-                continue
-            values = line.split("\t")
-            if len(values) > len(header):  # a tab inside a text: what follows it would be dropped, unread
-                rows.append((number, f"{len(values)} tab-separated fields where the header names {len(header)}; a tab "
-                                     "inside a text must be written as a space"))
-                continue
-            row = dict(zip(header, values))
-            rows.append((number, {f: row[f] for f in fields if row.get(f) is not None}))
-        return rows
-    return [(number, not_utf8(line) or ({first: line} if line.strip() else BLANK)) for number, line in enumerate(lines, 1)]
+        return _LazyRows(text, lambda number, line: _tsv_row(line, header, fields), skip=1)
+    return _LazyRows(text, lambda number, line: not_utf8(line) or ({first: line} if line.strip() else BLANK))
+
+
+def _lines(text: str) -> Iterator[str]:
+    """`text`'s lines, one at a time. Lines end at "\\n" (or "\\r\\n") only: str.splitlines also splits at U+2028,
+    form feeds and the like, which JSON and text hold inside a line (a JSON Lines line with a raw U+2028 became two
+    bad lines, numbers drifted); the newline that ends the last line starts no line of its own."""
+    start, end = 0, len(text)
+    while start < end:
+        stop = text.find("\n", start)
+        stop = end if stop < 0 else stop
+        yield text[start:stop].removesuffix("\r")
+        start = stop + 1
+
+
+class _LazyRows:
+    """A file's (line number, row) pairs, built from its text each time they are iterated."""
+
+    def __init__(self, text: str, row, skip: int = 0) -> None:
+        self.text, self.row, self.skip = text, row, skip
+
+    def __iter__(self) -> Iterator[tuple[int, dict | str]]:
+        for number, line in enumerate(_lines(self.text), 1):
+            if number > self.skip:
+                yield number, self.row(number, line)
+
+
+def _jsonl_row(line: str, fields, first: str) -> dict | str:
+    if bad := not_utf8(line):
+        return bad
+    if not line.strip():
+        return BLANK
+    try:
+        value = json.loads(line)
+    except ValueError as err:
+        return f"not JSON ({err})"
+    except RecursionError:
+        return "JSON nested too deeply to be an input"
+    return _json_input(value, fields, first)
+
+
+def _tsv_row(line: str, header: list[str], fields) -> dict | str:
+    """One row per line (no quoting): its number is its line's."""
+    if (bad := not_utf8(line)) or not line.strip():
+        return bad or BLANK
+    values = line.split("\t")
+    if len(values) > len(header):  # a tab inside a text: what follows it would be dropped, unread
+        return (f"{len(values)} tab-separated fields where the header names {len(header)}; a tab inside a text must "
+                "be written as a space")
+    row = dict(zip(header, values))
+    return {f: row[f] for f in fields if row.get(f) is not None}
 
 
 def _json_document(text: str) -> Any:
@@ -538,18 +563,18 @@ def check_data_file(path: Path, *, folder_ok: bool = False) -> None:
         raise ValueError(f"{path}: {size}, over the limit of {limit:,} MB (BERT_ENGINE_MAX_FILE_MB)")
 
 
-def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str | None) -> int:
-    """Answer every row, in order, as JSON Lines ({"line", "result"} or {"line", "error"}) on stdout or
-    into `output`, with a progress bar on stderr. Under torchrun each process answers every WORLD_SIZE-th
-    batch of 32 lines and the first writes them all, in order. Returns how many lines failed."""
+def _predict_rows(task, predictor, rows, count: int, fixed: dict, options: dict, output: str | None) -> int:
+    """Answer every row (`count` of them, blank lines left out), in order, as JSON Lines ({"line", "result"} or
+    {"line", "error"}) on stdout or into `output`, with a progress bar on stderr. Under torchrun each process answers
+    every WORLD_SIZE-th batch of 32 lines and the first writes them all, in order. Returns how many lines failed."""
     from .runtime.distributed import gather_objects, init_distributed, process_group
 
     dist_info = init_distributed("cpu" if predictor.device.type == "cpu" else None)
     with process_group(dist_info):
-        answers = _answer_rows(task, predictor, rows, fixed, options, dist_info.rank, dist_info.world,
-                               output if dist_info.world == 1 else None, progress=dist_info.is_main)
+        answers, failed = _answer_rows(task, predictor, rows, count, fixed, options, dist_info.rank, dist_info.world,
+                                       output if dist_info.world == 1 else None, progress=dist_info.is_main)
         if dist_info.world == 1:
-            return sum("error" in a for a in answers)
+            return failed
         every = sorted((a for part in gather_objects(answers, dist_info) for a in part), key=lambda a: a["line"])
         if dist_info.is_main:
             with open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(_answers_out()) as out:
@@ -557,25 +582,43 @@ def _predict_rows(task, predictor, rows, fixed: dict, options: dict, output: str
         return sum("error" in a for a in every)
 
 
-def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, world: int, output: str | None,
-                 *, progress: bool) -> list[dict]:
+def _batches(rows: Iterable[tuple[int, dict | str]], rank: int, world: int) -> Iterator[list[tuple[int, dict | str]]]:
+    """Every `world`-th batch of 32 rows from batch `rank`, blank lines left out, built as the rows are read."""
+    batch: list[tuple[int, dict | str]] = []
+    index = 0
+    for number, row in rows:
+        if row is BLANK:
+            continue
+        batch.append((number, row))
+        if len(batch) == 32:
+            if index % world == rank:
+                yield batch
+            batch, index = [], index + 1
+    if batch and index % world == rank:
+        yield batch
+
+
+def _answer_rows(task, predictor, rows, count: int, fixed: dict, options: dict, rank: int, world: int,
+                 output: str | None, *, progress: bool) -> tuple[list[dict], int]:
     """This process's share of the rows (every `world`-th batch of 32 lines from batch `rank`: the same
     batches as one process makes, so the answers are the same to the last digit): one-field tasks
     share batched passes (a batch with a bad line is answered line by line, so each line gets its own
-    answer). With `world` 1 the answers also stream to stdout or `output`."""
+    answer). With `world` 1 the answers stream to stdout or `output` and are not kept (a long file's answers
+    need not fit in memory); under torchrun they are returned for the first process to write. Returns them
+    and how many failed."""
     from tqdm.auto import tqdm
 
     from .hookspecs import InputError
     from .runtime.inference import ResultNotJSON, can_batch, check_json_result
 
-    spec, answered = task.spec, []
-    batches = [rows[i:i + 32] for i in range(0, len(rows), 32)][rank::world]
+    spec, answered, failed = task.spec, [], 0
+    batches = _batches(rows, rank, world)
     stream = world == 1
     # Answers and the bar on one terminal: each answer is written with the bar cleared and then redrawn below it,
     # not glued to the bar's line (a file or a pipe gets plain lines)
     beside_bar = stream and output is None and progress and _is_terminal(_answers_out()) and _is_terminal(sys.stderr)
     with (open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(_answers_out())) as out, \
-            tqdm(total=len(rows), file=sys.stderr, unit="line", desc=spec.name, disable=not progress) as bar:
+            tqdm(total=count, file=sys.stderr, unit="line", desc=spec.name, disable=not progress) as bar:
         for lines in batches:
             chunk = [(n, {**fixed, **row} if isinstance(row, dict) else row) for n, row in lines]
             answers: list = [None] * len(chunk)
@@ -600,17 +643,19 @@ def _answer_rows(task, predictor, rows, fixed: dict, options: dict, rank: int, w
                     except ResultNotJSON as err:  # the plugin's fault, on this line: said there, the rest go on
                         answers[k] = {"error": failed_task_message(task, err)}
                 answer = {"line": number, **answers[k]}
-                answered.append(answer)
-                if stream:
+                failed += "error" in answer
+                if not stream:
+                    answered.append(answer)
+                else:
                     if beside_bar and k == 0:
                         bar.clear()  # the bar's line emptied, the batch's answers written, the bar drawn below them
                     out.write(json.dumps(answer, ensure_ascii=False, allow_nan=False) + "\n")
             if stream:
                 out.flush()
-            bar.update(len(chunk) * world)
+            bar.update(min(len(chunk) * world, count - bar.n))
             if beside_bar:
                 bar.refresh()
-    return answered
+    return answered, failed
 
 
 # A batch whose predict_many names a bad line drops that line and runs again, at most this many times; then

@@ -651,3 +651,26 @@ def test_on_a_terminal_the_answers_are_whole_lines_not_glued_to_the_progress_bar
     answers = [line for line in lines if line.startswith('{"line"')]
     assert len(answers) == 100 and all(json.loads(line)["result"]["label"] for line in answers)  # ...and no answer cut
     assert not [line for line in lines if "%|" in line and "{" in line], "an answer shares a line with the bar"
+
+
+def test_a_file_of_many_short_lines_is_read_line_by_line_not_held_as_rows(tmp_path):
+    """20 MB of two-byte lines held 4 GB as a list of rows before one was answered (session 57's audit): the rows
+    are built as they are read, twice (a count, then the answers), and the answers of one process are not kept."""
+    import tracemalloc
+
+    from bert_engine.cli import BLANK, _batches, _read_rows
+    from bert_engine.tasks.registry import load_registry
+
+    task = load_registry(entry_points=False).task("sentiment")
+    lines = 100_000
+    for kind, line in (("text", "a"), ("jsonl", '{"text": "a"}'), ("tsv", "a")):
+        data = tmp_path / f"many.{kind}"
+        data.write_text(("text\n" if kind == "tsv" else "") + (line + "\n") * lines + "\n")
+        tracemalloc.start()
+        rows = _read_rows(str(data), task, kind)
+        counted = sum(1 for _, row in rows if row is not BLANK)
+        batches = sum(1 for _ in _batches(rows, 0, 1))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert counted == lines and batches == -(-lines // 32)
+        assert peak < 3 * data.stat().st_size + 4_000_000, (kind, peak)  # the text, not a row object per line
