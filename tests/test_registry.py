@@ -466,3 +466,18 @@ def test_cli_plugin_check_of_a_name_no_plugin_has_is_the_callers_error(capsys):
     assert cli_main(["plugin", "check", "sentimnet"]) == 2
     err = capsys.readouterr().err
     assert "no plugin named 'sentimnet' is installed; plugins: " in err and "sentiment" in err
+
+
+def test_a_folder_named_plugins_where_python_runs_is_named_as_what_hides_the_built_in_tasks(tmp_path):
+    """The built-in tasks live in a top-level package `plugins`; a user's own `plugins/` in the working directory
+    is imported first. Before, the error said "none are installed ... install the package", which it was."""
+    import subprocess
+    import sys
+
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "__init__.py").write_text("")
+    done = subprocess.run([sys.executable, "-c", "from bert_engine import pipeline; pipeline('sentiment')"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "a folder of your own named 'plugins' there hides bert_engine's built-in tasks" in done.stderr, done.stderr
+    assert str(tmp_path / "plugins") in done.stderr and "none are installed" not in done.stderr

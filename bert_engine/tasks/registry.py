@@ -38,15 +38,19 @@ ENTRY_POINT_GROUP = "bert_engine"
 BUILTIN_GROUP = "bert_engine.builtins"
 
 
-def builtin_plugins() -> tuple[str, ...]:
+def builtin_plugins(problems: list[str] | None = None) -> tuple[str, ...]:
     """The built-in task modules the installed distributions declare (BUILTIN_GROUP, entries sorted by
-    name); none when nothing is installed. A declaration that fails to load is logged and skipped."""
+    name); none when nothing is installed. A declaration that fails to load is logged and skipped, and what
+    went wrong is added to `problems`."""
     modules: list[str] = []
     for ep in sorted(importlib.metadata.entry_points(group=BUILTIN_GROUP), key=lambda ep: ep.name):
         try:
             declared = ep.load()
         except Exception as err:  # a broken distribution must not stop the others' tasks
-            logger.warning("built-in tasks %s (%s): could not be loaded: %s", ep.name, ep.value, err)
+            why = f"{ep.value} could not be loaded ({type(err).__name__}: {err}){_shadowed(ep.module)}"
+            logger.warning("built-in tasks %s: %s", ep.name, why)
+            if problems is not None:
+                problems.append(why)
             continue
         if not isinstance(declared, (tuple, list)) or not all(isinstance(m, str) for m in declared):
             logger.warning("built-in tasks %s (%s) must be a tuple of module names, got %r", ep.name, ep.value,
@@ -54,6 +58,27 @@ def builtin_plugins() -> tuple[str, ...]:
             continue
         modules += [m for m in declared if m not in modules]
     return tuple(modules)
+
+
+def _shadowed(module: str) -> str:
+    """Where the top-level package of `module` is imported from, said when it is not the installed distribution's:
+    a folder of the same name in the working directory or on sys.path (a user's own `plugins/`) hides it."""
+    import importlib.util  # noqa: PLC0415 - only on this rare path
+
+    top = module.split(".", 1)[0]
+    try:
+        found = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return ""
+    where = found and (found.origin or next(iter(found.submodule_search_locations or []), None))
+    if not where:
+        return ""
+    package = Path(where).resolve()
+    package = package.parent if package.name == "__init__.py" else package
+    if package.parent == Path(__file__).resolve().parents[2]:  # beside bert_engine, as installed (or the source tree)
+        return ""
+    return (f"; the package {top!r} is imported from {where}: a folder of your own named {top!r} there hides "
+            "bert_engine's built-in tasks; rename it or run from another folder")
 
 
 SLUG = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
@@ -338,11 +363,13 @@ def load_registry(*, builtins: tuple[str, ...] | None = None, entry_points: bool
     registry = Registry(strict=settings.get("BERT_ENGINE_STRICT_PLUGINS") if strict is None else strict,
                         import_timeout_s=timeout)
     if builtins is None:
-        builtins = builtin_plugins()
+        problems: list[str] = []
+        builtins = builtin_plugins(problems)
         if not builtins:  # said where a missing task is explained (Registry.missing), not only logged
             registry.record_failure(PluginFailure(
-                "built-in tasks", "", "import", f"none are installed (entry-point group {BUILTIN_GROUP}): install "
-                "the package (`pip install -e .` in a source tree) or hand load_registry(builtins=...)", "builtin"))
+                "built-in tasks", "", "import", "; ".join(problems) or f"none are installed (entry-point group "
+                f"{BUILTIN_GROUP}): install the package (`pip install -e .` in a source tree) or hand "
+                "load_registry(builtins=...)", "builtin"))
     for module in builtins:
         short = module.rsplit(".", 1)[-1]
         registry.load_plugin(short, __version__, "builtin", lambda module=module: importlib.import_module(module))
