@@ -318,6 +318,10 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
             raise ValueError("--output writes the answers of --file's lines; without --file the answer goes to stdout")
         if Path(args.output).is_dir():
             raise ValueError(f"--output {args.output!r} is a folder; give the path of a file to write")
+        if args.file != "-" and Path(args.output).exists() and Path(args.file).exists() and \
+                Path(args.output).resolve() == Path(args.file).resolve():
+            raise ValueError(f"--output {args.output!r} is the file --file reads; writing the answers there would "
+                             "replace the inputs: give another path")
     if args.format and not args.file:
         raise ValueError("--format says how --file is written; give --file")
     kind = (args.format or _format_of(args.file)) if args.file else None

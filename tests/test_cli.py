@@ -387,10 +387,13 @@ def test_predict_arguments_that_would_be_dropped_are_refused_naming_them(tmp_pat
     for argv, message in ((["-i", "text=a", "-i", "text=b"], "--input text= is given twice"),
                           (["--file", str(lines), "-i", "text=hi"], f"--input text= and the lines of {lines} both give text"),
                           (["--file", str(lines), "--output", str(tmp_path)], f"--output '{tmp_path}' is a folder"),
-                          (["-i", "text=a", "--output", str(tmp_path / "x.jsonl")], "without --file the answer goes to stdout")):
+                          (["-i", "text=a", "--output", str(tmp_path / "x.jsonl")], "without --file the answer goes to stdout"),
+                          (["--file", str(lines), "--output", str(tmp_path / "." / "lines.txt")],
+                           "is the file --file reads")):
         assert main(["predict", "sentiment", *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+    assert lines.read_text() == "good\nbad\n"  # (not replaced by its answers)
     context = "Moby-Dick was written by Herman Melville."
     contexts = tmp_path / "contexts.jsonl"
     contexts.write_text(json.dumps({"context": context}) + "\n")  # -i gives the field the lines leave out
