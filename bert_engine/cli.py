@@ -408,8 +408,14 @@ def _read_rows(file: str, task, kind: str) -> Iterable[tuple[int, dict | str]]:
     spec = task.spec
     fields, first = spec.input_fields + spec.optional_fields, spec.input_fields[0]
     path = _file_name(file)
-    # A byte that is not UTF-8 fails its own line (below), not the file: the rest is answered.
-    text = _file_bytes(file).decode("utf-8-sig", errors="surrogateescape")  # a byte-order mark (Excel's) is not text
+    # A byte that is not UTF-8 fails its own line (below), not the file: the rest is answered. A NUL byte is in no
+    # text file: a binary file (or UTF-16 text) is refused once, not as one bad "line" after another.
+    data = _file_bytes(file)
+    if (nul := data.find(b"\x00", 0, 65_536)) >= 0:
+        raise ValueError(f"{path}: not a text file (a NUL byte at byte {nul:,}): give UTF-8 text, one input per line, "
+                         "or a .jsonl, .json or .tsv file (UTF-16 text: save it as UTF-8)")
+    text = data.decode("utf-8-sig", errors="surrogateescape")  # a byte-order mark (Excel's) is not text
+    del data
     try:
         whole = _json_document(text) if kind == "json" else None
     except ValueError as err:
@@ -425,6 +431,8 @@ def _read_rows(file: str, task, kind: str) -> Iterable[tuple[int, dict | str]]:
         # Tab-separated, no quoting: a line's fields are its text between tabs (csv's reader refused fields past
         # 131,072 characters with a traceback, far below the 1,000,000 an input may have)
         first_line = next(_lines(text), None)
+        if first_line is not None and (bad := not_utf8(first_line)):
+            raise ValueError(f"{path}:1: the header naming the task's fields is {bad}; save the file as UTF-8")
         header = first_line.split("\t") if first_line is not None else []
         # A column the task does not read was dropped unread (a misspelt optional field, "text_pari", answered
         # without it); JSON Lines refuses such a field per line, a header refuses it once, naming the field it
@@ -499,6 +507,10 @@ def _tsv_row(line: str, header: list[str], fields) -> dict | str:
 def _json_document(text: str) -> Any:
     """A .json file's text as one JSON array or object (None: it is not one, e.g. JSON Lines, or undecodable)."""
     start = text.lstrip()[:1]
+    if start == "[" and (bad := next((i for i, c in enumerate(text) if "\udc80" <= c <= "\udcff"), None)) is not None:
+        # an array cannot be read line by line: one error for the file, not "not JSON" on the lines around the byte
+        raise ValueError(f"not UTF-8 text (byte 0x{ord(text[bad]) - 0xDC00:02x} on line {text.count(chr(10), 0, bad) + 1}"
+                         "); a JSON array must be UTF-8: save it as UTF-8")
     if start not in ("[", "{") or not_utf8(text[:1_000_000]):
         return None
     try:

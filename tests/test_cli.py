@@ -677,3 +677,18 @@ def test_a_file_of_many_short_lines_is_read_line_by_line_not_held_as_rows(tmp_pa
         tracemalloc.stop()
         assert counted == lines and batches == -(-lines // 32)
         assert peak < 3 * data.stat().st_size + 4_000_000, (kind, peak)  # the text, not a row object per line
+
+
+def test_a_binary_file_a_non_utf8_json_array_and_header_are_refused_once(tmp_path, capsys):
+    """Each was answered "line" by line before: 17 errors for 4 KB of random bytes, "not JSON" on an array's good
+    entries beside one bad byte, a TSV header echoed as escaped bytes (session 57's fresh-clone trial)."""
+    cases = ((b"x\x00y" + bytes(range(256)) * 8, "bin.txt", "not a text file (a NUL byte at byte 1)"),
+             ("hi\n".encode("utf-16"), "utf16.txt", "UTF-16 text: save it as UTF-8"),
+             (b'[{"text": "great"},\n {"text": "caf\xe9"},\n {"text": "awful"}]\n', "mixed.json",
+              "not UTF-8 text (byte 0xe9 on line 2); a JSON array must be UTF-8"),
+             (b"\xe9\xff\tz\nabc\n", "bad.tsv", "bad.tsv:1: the header naming the task's fields is not UTF-8 text"))
+    for data, name, message in cases:
+        (tmp_path / name).write_bytes(data)
+        assert main(["predict", "sentiment", "--file", str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
