@@ -137,10 +137,22 @@ def test_unreachable_hub_without_cache(tmp_path):
     assert "connect" in str(refused.value).lower() or "refused" in str(refused.value).lower(), refused.value
 
 
-def test_unreachable_hub_with_cache_uses_the_cache(hub_repo, tmp_path):
+def test_unreachable_hub_with_cache_uses_the_cache(hub_repo, tmp_path, caplog):
     _load(hub_repo, tmp_path)
-    model, tokenizer = _load(hub_repo, tmp_path, endpoint=_closed_port(), etag_timeout=2)
+    with caplog.at_level("WARNING"):
+        model, tokenizer = _load(hub_repo, tmp_path, endpoint=_closed_port(), etag_timeout=2)
     assert torch.isfinite(_logits(model, tokenizer)).all()
+    assert "the Hub is unreachable; using the cached copy of" in caplog.text  # said once the copy is found
+
+
+def test_unreachable_hub_without_cache_is_one_error_naming_the_missing_folder_too(tmp_path, caplog, monkeypatch):
+    """`--model runs/sst2` before any training run reads as a Hub id: the one error says the folder is not there
+    either, and no warning line ("using the cached copy if there is one") comes before it."""
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING"), pytest.raises(HubError) as refused:
+        resolve("runs/sst2", endpoint=_closed_port(), cache_dir=tmp_path / "cache", etag_timeout=2)
+    assert str(refused.value).endswith("There is no local folder 'runs/sst2' here either")
+    assert not caplog.records, caplog.text
 
 
 @pytest.mark.parametrize(

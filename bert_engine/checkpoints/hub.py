@@ -176,10 +176,11 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, loc
         if not offline and not fetch.hub_reachable():
             # One failed probe, then cache only: otherwise every uncached optional file would wait
             # through huggingface_hub's retry back-off (tens of seconds each) before falling back.
-            logger.warning("the Hub is %s; using the cached copy of %r if there is one",
-                           f"answering HTTP {fetch.status}" if fetch.status else "unreachable", name)
             fetch.go_offline(unreachable=True)
         config = fetch("config.json", required=True, limit=MAX_METADATA_BYTES)
+        if fetch.unreachable:  # said once a cached copy is found (without one, the error says it all, in one line)
+            logger.warning("the Hub is %s; using the cached copy of %r",
+                           f"answering HTTP {fetch.status}" if fetch.status else "unreachable", name)
         # read before any weights come: a config we cannot load, or of a model too large, costs one small file
         model_config = BertConfig.from_json_file(config)
         if model_config.parameter_count() > settings.get("BERT_ENGINE_MAX_PARAMETERS"):
@@ -374,7 +375,8 @@ class _Fetcher:
         first = self.repo_id.split("/", 1)[0]
         if Path(first).is_dir():
             return f". There is no folder {self.repo_id!r} here either (the folder {first!r} exists: a typo?)"
-        return ""
+        # (a local path not made yet, runs/sst2 before training, reads as a Hub id: said, not only "the network")
+        return f". There is no local folder {self.repo_id!r} here either"
 
     def first_of(self, filenames: tuple[str, ...], what: str, limit=None) -> Path:
         self.last_error = None
