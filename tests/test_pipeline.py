@@ -419,6 +419,14 @@ def test_transformers_dtype_batch_size_and_arguments_no_task_takes(sentiment_fol
         pipeline("ner")("Bob lives in Paris.", ignore_labels=[])
     ner = pipeline("ner")  # transformers' own default, given: what the engine does anyway
     assert ner("Bob lives in Paris.", ignore_labels=["O"]) == ner("Bob lives in Paris.")
+    # a port's harmless settings are taken (session 57's fresh-clone trial: trust_remote_code=False was refused)...
+    assert pipeline("sentiment", model=str(sentiment_folder), trust_remote_code=False, use_fast=True, framework="pt",
+                    tokenizer=None)(REVIEWS[0]) == classify(REVIEWS[0])
+    # ...and those it cannot honour say what runs instead (tokenizer= was "unknown option(s) tokenizer")
+    for name, value, instead in (("tokenizer", "bert-base-uncased", "holds its tokenizer"),
+                                 ("trust_remote_code", True, "no code is loaded from a checkpoint")):
+        with pytest.raises(InputError, match=f"{name}= is an argument of transformers' pipelines .*{instead}"):
+            pipeline("sentiment", model=str(sentiment_folder), **{name: value})
 
 
 def test_a_text_cut_to_its_first_window_says_so_in_the_log(caplog, monkeypatch):
@@ -436,3 +444,16 @@ def test_a_text_cut_to_its_first_window_says_so_in_the_log(caplog, monkeypatch):
     levels = [r.levelname for r in caplog.records]
     assert levels == ["WARNING", "DEBUG", "DEBUG"], levels  # once loudly per process, then quietly
     assert "long_input=\"windows\"" in caplog.records[0].getMessage()
+
+
+def test_a_packed_folder_names_its_task_when_pipeline_is_given_none(tmp_path):
+    """transformers' pipeline(model=...) reads the task from the model; here a packed folder's manifest.json says it
+    (it was a bare "missing 1 required positional argument: 'task'")."""
+    from plugins.starter import STARTER_ROOT
+
+    folder = STARTER_ROOT / "sentiment"
+    assert pipeline(model=str(folder))(REVIEWS[0]) == pipeline("sentiment", model=str(folder))(REVIEWS[0])
+    with pytest.raises(TypeError, match=f"the folder '{tmp_path}' does not say which"):
+        pipeline(model=str(tmp_path))
+    with pytest.raises(TypeError, match="pipeline\\(\\) needs a task"):
+        pipeline()

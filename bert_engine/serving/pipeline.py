@@ -20,6 +20,7 @@ import inspect
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 from ..hookspecs import InputError, check_int
@@ -222,12 +223,20 @@ NOT_TAKEN = {
     "framework": "the engine runs PyTorch",
     "device_map": "the model loads on one device: give device=",
     "model_kwargs": "pipeline() takes the model's settings as its own arguments (precision=, device=)",
+    "tokenizer": "the model's folder (model=) holds its tokenizer, which is the one that runs",
+    "feature_extractor": "the tasks read text only",
+    "image_processor": "the tasks read text only",
+    "token": "a Hub token is read from the environment (HF_TOKEN) or `hf auth login`",
 }
 
 
 # NOT_TAKEN arguments given a value that asks for what bert_engine does anyway: taken and dropped (transformers'
 # own default passed explicitly, `ignore_labels=["O"]`, must not break a port).
-AS_THE_ENGINE_DOES = {"ignore_labels": lambda value: isinstance(value, (list, tuple)) and set(value) == {"O"}}
+AS_THE_ENGINE_DOES = {"ignore_labels": lambda value: isinstance(value, (list, tuple)) and set(value) == {"O"},
+                      "trust_remote_code": lambda value: value is False,
+                      "use_fast": lambda value: value is True,
+                      "framework": lambda value: value == "pt",
+                      "tokenizer": lambda value: value is None}
 
 
 # Arguments that mean something else in the transformers pipeline of that name than in the task's own options:
@@ -320,11 +329,12 @@ def _from_fields(task: str, by_field: Mapping[str, Any]) -> Any:
                      f"beside them goes with each row; got {shapes})")
 
 
-def pipeline(task: str, model: str | None = None, *, revision: str | None = None, device: str | None = None,
+def pipeline(task: str | None = None, model: str | None = None, *, revision: str | None = None, device: str | None = None,
              precision: str = "auto", compile: bool = False, raw: bool = False, batch_size: int = 32,
              registry: Registry | None = None, **options: Any) -> Pipeline:
     """Load `task` (a registered task's name or alias; built-in or a plugin's) with `model` (a folder,
-    a Hub id or an adapter; default: the task's starter model) and return it as a callable.
+    a Hub id or an adapter; default: the task's starter model) and return it as a callable. Without `task`, a
+    local model folder's own record of its task (a packed manifest.json, a run's train_config.json) names it.
     `revision`: a Hub id's branch, tag or commit (default: main; a local folder has none, and a warning says
     it is not used). `precision` and `compile` as Predictor.load takes them (compile=True with int8: fused
     input quantisers on long inputs; without a C++ compiler it runs uncompiled and says so).
@@ -335,6 +345,15 @@ def pipeline(task: str, model: str | None = None, *, revision: str | None = None
         hub.HubError, CheckpointError: the model cannot be loaded.
     """
     _check_arguments(compile=compile, raw=raw, batch_size=batch_size)
+    if task is None:  # as transformers' pipeline(model=...): the task a local model folder says it was made for
+        from ..checkpoints.loader import recorded_task  # noqa: PLC0415
+
+        task = recorded_task(model) if model is not None and Path(str(model)).is_dir() else None
+        if task is None:
+            raise TypeError("pipeline() needs a task (e.g. pipeline('sentiment')): "
+                            + (f"the folder {model!r} does not say which (no manifest.json or train_config.json "
+                               "naming one)" if model is not None and Path(str(model)).is_dir() else
+                               "only a local model folder that records its task can stand without one"))
     precision = _precision_of(options, precision)
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):
         raise TypeError(f"revision must be a Hub branch, tag or commit (text), got {revision!r}")
