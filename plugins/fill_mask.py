@@ -121,8 +121,9 @@ def _one_text(text, tokenizer, *, top_k, mode, targets, beam_width, max_masks, m
     if count == 0:
         raise InputError(f"fill_mask: the text has no {mask} token; write {mask} where a word is missing")
     if count > max_masks:
-        raise InputError(f"fill_mask: the text has {count} {mask} tokens; at most {max_masks} are allowed (API callers may "
-                         f"raise that with the option max_masks, up to {MAX_MASKS})")
+        raise InputError(f"fill_mask: the text has {count} {mask} tokens; at most {max_masks} are allowed (the option max_masks "
+                         f"raises that, up to {MAX_MASKS}: max_masks= in Python and the API, -o max_masks=N on the command "
+                         "line)")
     if targets is not None and count > 1:
         raise InputError(f"fill_mask: targets work with exactly one {mask}; the text has {count}")
     # A text longer than one window is read in the window centred on its masks (as much context either side). A long

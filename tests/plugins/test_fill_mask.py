@@ -238,7 +238,8 @@ def test_a_very_long_text_is_tokenised_only_around_its_masks(predictor, monkeypa
         ("no mask here", {}, "has no \\[MASK\\] token"),
         ("", {}, "the text is empty; type a sentence with \\[MASK\\]"),
         (" \n\t", {}, "the text is empty"),
-        ("[MASK] " * 6, {}, "has 6 \\[MASK\\] tokens; at most 5 are allowed \\(API callers may raise that with the option max_masks, up to 50\\)"),
+        ("[MASK] " * 6, {}, "has 6 \\[MASK\\] tokens; at most 5 are allowed \\(the option max_masks raises that, up to 50: max_masks= in "
+         "Python and the API, -o max_masks=N on the command line\\)"),
         ("a [MASK] b [MASK]", {"targets": ["x"]}, "targets work with exactly one"),
         ("a [MASK]", {"top_k": 0}, "top_k must be an integer in \\[1, 100\\]"),
         ("a [MASK]", {"mode": "greedy"}, "mode 'greedy' is not one of"),
