@@ -318,6 +318,9 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
             raise ValueError("--output writes the answers of --file's lines; without --file the answer goes to stdout")
         if Path(args.output).is_dir():
             raise ValueError(f"--output {args.output!r} is a folder; give the path of a file to write")
+        if not Path(args.output).parent.is_dir():  # said before the model loads and the file is read
+            raise ValueError(f"--output {args.output!r}: there is no folder {str(Path(args.output).parent)!r} to "
+                             "write it in")
         if args.file != "-" and Path(args.output).exists() and Path(args.file).exists() and \
                 Path(args.output).resolve() == Path(args.file).resolve():
             raise ValueError(f"--output {args.output!r} is the file --file reads; writing the answers there would "
@@ -876,6 +879,9 @@ def _at_least_one(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bert-engine", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    from .version import __version__  # noqa: PLC0415 - a constant; --help stays free of torch
+
+    parser.add_argument("--version", action="version", version=f"bert-engine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the offline MiniLM)")
@@ -1028,6 +1034,14 @@ def _precision(args) -> str:
     return setting_precision()
 
 
+def _said(err: BaseException) -> str:
+    """An error as one line: the OS's ("[Errno 2] No such file or directory: 'nope.tsv'") as the file, then why in
+    the words the other errors use ("nope.tsv: no such file or directory")."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror and not isinstance(err, BrokenPipeError):
+        return f"{err.filename}: {err.strerror[:1].lower()}{err.strerror[1:]}"
+    return str(err)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # --help and usage errors end here, before torch loads
     args.typed = shlex.join(["bert-engine", *(sys.argv[1:] if argv is None else argv)])  # recorded by training
@@ -1050,13 +1064,13 @@ def main(argv: list[str] | None = None) -> int:
         with _stdout_for_answers():
             result = args.run(args)
     except (HubError, CheckpointError, ValueError, TypeError, FileNotFoundError) as err:  # the input's fault
-        print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
+        print(f"bert-engine {args.command}: error: {_said(err)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `bert-engine predict --file ... | head`: the reader left early; that is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor is the flush at exit
         return getattr(args, "exit_code", 0)
     except (TaskFailed, OSError) as err:  # a plugin's bug, or the machine's (a read-only folder, a full disk)
-        print(f"bert-engine {args.command}: error: {err}", file=sys.stderr)
+        print(f"bert-engine {args.command}: error: {_said(err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: what the command saved on the way out it has logged already
         print(f"bert-engine {args.command}: interrupted", file=sys.stderr)

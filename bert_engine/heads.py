@@ -190,7 +190,8 @@ class BertWithHead(nn.Module):
         super().__init__()
         if isinstance(head, str):
             if head not in HEADS:
-                raise ValueError(f"unknown head {head!r}; choose one of {sorted(HEADS)}")
+                raise ValueError(f"unknown head {head!r}; choose one of {', '.join(sorted(HEADS))}, or auto (what "
+                                 "the checkpoint's config names, when loading one)")
             self.head_name = head
             head = HEADS[head](config)
             head.apply(lambda module: init_weights(module, config.initializer_range))

@@ -87,6 +87,11 @@ def test_predict_qa_with_two_fields(capsys):
         (["predict", "sentiment", "-i", "txt=x"], "expected FIELD=TEXT with FIELD one of text, text_pair"),
         (["predict", "fill_mask", "-i", "text=no mask"], "has no [MASK] token"),
         (["info", "--model", "/does/not/exist"], "neither an existing folder nor a Hub id"),
+        # the OS's errors read as the others do, the file first (it was "[Errno 2] No such file or directory: ...")
+        (["train", "sentiment", "--train-file", "/does/not/exist.tsv"], "/does/not/exist.tsv: no such file or directory"),
+        (["predict", "sentiment", "--file", __file__, "--output", "/does/not/x.jsonl"],
+         "--output '/does/not/x.jsonl': there is no folder '/does/not' to write it in"),
+        (["info", "--head", "foo"], "choose one of mlm, nsp, pretraining, sequence, span, token, or auto"),
     ],
 )
 def test_errors_are_one_clear_line_and_exit_2(argv, message, capsys):
@@ -692,3 +697,15 @@ def test_a_binary_file_a_non_utf8_json_array_and_header_are_refused_once(tmp_pat
         assert main(["predict", "sentiment", "--file", str(tmp_path / name)]) == 2, name
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_version_is_printed_without_loading_torch():
+    import subprocess
+    import sys
+
+    from bert_engine.version import __version__
+
+    done = subprocess.run([sys.executable, "-c", "import sys\nfrom bert_engine.cli import main\ntry:\n    main(['--version'])"
+                           "\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == ["bert-engine", __version__, "False"], done.stdout + done.stderr
