@@ -183,8 +183,12 @@ def _plugins(args: argparse.Namespace) -> dict:
     registry = load_registry()
     if registry.failures:  # a plugin that failed to load is a failure of this command too
         args.exit_code = 1
+    # what `predict` takes per task: its -i fields and its -o options (learnt from error messages before)
+    usage = {name: {"title": task.spec.title, "fields": list(task.spec.input_fields),
+                    "optional_fields": list(task.spec.optional_fields), "options": sorted(task.spec.options)}
+             for name, task in registry.tasks.items()}
     if not args.smoke:
-        return registry.to_json()
+        return {**registry.to_json(), "tasks": usage}
     from .runtime.cancel import call_with_timeout, raised_by_call
     from .runtime.inference import Predictor
 
@@ -202,7 +206,7 @@ def _plugins(args: argparse.Namespace) -> dict:
                 raise
             smoke[name] = registry.record_exception(name, err).message
             args.exit_code = 1
-    return {**registry.to_json(), "smoke": smoke}
+    return {**registry.to_json(), "tasks": usage, "smoke": smoke}
 
 
 def _plugin_check(args: argparse.Namespace) -> dict:
@@ -899,7 +903,8 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("text", nargs="+")
     encode.set_defaults(run=_encode)
     predict = sub.add_parser("predict", help="run a task and print its result with provenance as JSON")
-    predict.add_argument("task", help="task name, e.g. sentiment")
+    predict.add_argument("task", help="task name, e.g. sentiment (`bert-engine plugins` lists each task's fields "
+                                      "and options)")
     predict.add_argument("--input", "-i", action="append", default=[], metavar="FIELD=TEXT",
                          help="an input field, e.g. -i text='great movie' (repeat for several fields); with --file, a "
                               "field the lines leave out, the same for every line")
@@ -992,7 +997,8 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--dry-run", metavar="FOLDER", default=None,
                       help="stage into FOLDER (card included, load-checked) and upload nothing")
     push.set_defaults(run=_push)
-    plugins = sub.add_parser("plugins", help="loaded task plugins (name, version, tasks) and failures, as JSON")
+    plugins = sub.add_parser("plugins", help="loaded task plugins (name, version, tasks), each task's input fields "
+                                             "and options, and failures, as JSON")
     plugins.add_argument("--smoke", action="store_true",
                          help="also load each task's default model and run its first example; failures and hangs "
                               "are listed (stage 'request') and the exit code is 1")

@@ -104,9 +104,13 @@ def test_builtins_are_listed(capsys):
     assert main(["plugins"]) == 0
     import plugins
 
-    names = [p["name"] for p in json.loads(capsys.readouterr().out)["plugins"]]
+    listed = json.loads(capsys.readouterr().out)
+    names = [p["name"] for p in listed["plugins"]]
     builtins = [module.rsplit(".", 1)[-1] for module in plugins.BUILTIN]  # the tab order plugins/ declares
     assert names[:len(builtins)] == builtins
+    # what predict's -i and -o take, per task
+    assert listed["tasks"]["qa"]["fields"] == ["question", "context"] and "no_answer" in listed["tasks"]["qa"]["options"]
+    assert listed["tasks"]["sentiment"]["optional_fields"] == ["text_pair"]
 
 
 def test_a_result_holding_nan_is_an_error_not_invalid_json(tmp_path, capsys):
