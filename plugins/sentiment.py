@@ -348,8 +348,13 @@ def _warn_cut(long_input: dict) -> None:
 
 
 def _truncation(value) -> dict:
-    if isinstance(value, bool) or value in ("longest_first", "only_first", "only_second", "do_not_truncate"):
-        return {}  # a text past max_length is cut either way (long_input="truncate"); "windows" reads it whole
+    """transformers' truncation as long_input: True (or a strategy) cuts a text past max_length to its first window;
+    False ("do_not_truncate") keeps all of it, which here means reading it in windows (transformers' model fails on
+    it instead). It was taken and dropped before: truncation=False still cut (session 57's fresh-clone trial)."""
+    if value is True or value in ("longest_first", "only_first", "only_second"):
+        return {"long_input": "truncate"}
+    if value is False or value == "do_not_truncate":
+        return {"long_input": "windows"}
     raise InputError(f"sentiment: truncation must be True, False or a truncation strategy, got {value!r:.80}")
 
 

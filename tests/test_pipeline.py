@@ -340,6 +340,14 @@ def test_transformers_arguments_are_read_under_the_tasks_own_names(sentiment_fol
                                          "'function'; give one of them"):  # (one of them silently won)
         ours(REVIEWS[0], function_to_apply="sigmoid", function="softmax")
     assert ours(REVIEWS[0], function_to_apply="softmax", function="softmax") == ours(REVIEWS[0])  # the same: fine
+    # truncation=False keeps all of a long text: read in windows (it was taken and dropped: the text still cut)
+    long = "The acting is wooden but the score is lovely. " * 200
+    assert ours(long, truncation=False, raw=True)["result"]["long_input"] == \
+        ours(long, long_input="windows", raw=True)["result"]["long_input"]
+    assert ours(long, truncation=False, raw=True)["result"]["long_input"]["windows"] > 1
+    assert ours(long, truncation=True, raw=True)["result"]["long_input"]["truncated"] is True
+    with pytest.raises(InputError, match="truncation=True and long_input='windows' ask for different 'long_input'"):
+        ours(long, truncation=True, long_input="windows")
     # top_k=None, given, is every label (transformers' replacement for return_all_scores); left out, the top one
     for kwargs in ({"top_k": None}, {"top_k": 2}, {"top_k": 1}, {}):
         got, want = ours(REVIEWS[0], **kwargs), theirs(REVIEWS[0], **kwargs)
