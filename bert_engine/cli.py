@@ -317,16 +317,20 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
             raise ValueError(f"--input {field}= is given twice; give each field once")
         inputs[field] = value
     options = _parse_options(args.option)
+    if args.output == "-":  # as --file -: standard output, where the answers go anyway
+        args.output = None
     if args.output is not None:
         if not args.file:
             raise ValueError("--output writes the answers of --file's lines; without --file the answer goes to stdout")
+        if not args.output.strip():
+            raise ValueError("--output is empty; give the path of a file to write (or leave it out for stdout)")
         if Path(args.output).is_dir():
             raise ValueError(f"--output {args.output!r} is a folder; give the path of a file to write")
         if not Path(args.output).parent.is_dir():  # said before the model loads and the file is read
             raise ValueError(f"--output {args.output!r}: there is no folder {str(Path(args.output).parent)!r} to "
                              "write it in")
         if args.file != "-" and Path(args.output).exists() and Path(args.file).exists() and \
-                Path(args.output).resolve() == Path(args.file).resolve():
+                os.path.samefile(args.output, args.file):  # (the same path, a link, or a hard link to it)
             raise ValueError(f"--output {args.output!r} is the file --file reads; writing the answers there would "
                              "replace the inputs: give another path")
     if args.format and not args.file:
@@ -419,8 +423,9 @@ def _read_rows(file: str, task, kind: str) -> Iterable[tuple[int, dict | str]]:
     # text file: a binary file (or UTF-16 text) is refused once, not as one bad "line" after another.
     data = _file_bytes(file)
     if (nul := data.find(b"\x00", 0, 65_536)) >= 0:
+        utf16 = data[:2] in (b"\xff\xfe", b"\xfe\xff")
         raise ValueError(f"{path}: not a text file (a NUL byte at byte {nul:,}): give UTF-8 text, one input per line, "
-                         "or a .jsonl, .json or .tsv file (UTF-16 text: save it as UTF-8)")
+                         "or a .jsonl, .json or .tsv file" + ("; this one is UTF-16 text: save it as UTF-8" if utf16 else ""))
     text = data.decode("utf-8-sig", errors="surrogateescape")  # a byte-order mark (Excel's) is not text
     del data
     try:
@@ -594,8 +599,13 @@ def _predict_rows(task, predictor, rows, count: int, fixed: dict, options: dict,
 
     dist_info = init_distributed("cpu" if predictor.device.type == "cpu" else None)
     with process_group(dist_info):
-        answers, failed = _answer_rows(task, predictor, rows, count, fixed, options, dist_info.rank, dist_info.world,
-                                       output if dist_info.world == 1 else None, progress=dist_info.is_main)
+        try:
+            answers, failed = _answer_rows(task, predictor, rows, count, fixed, options, dist_info.rank, dist_info.world,
+                                           output if dist_info.world == 1 else None, progress=dist_info.is_main)
+        except OSError as err:  # writing the answers (a full disk): the file is named, as a read error names its own
+            if output and err.filename is None and not isinstance(err, BrokenPipeError):
+                err.filename = output
+            raise
         if dist_info.world == 1:
             return failed
         every = sorted((a for part in gather_objects(answers, dist_info) for a in part), key=lambda a: a["line"])

@@ -580,7 +580,8 @@ def tokenizer_work_problem(spec: Any) -> str | None:
     for part in ("normalizer", "pre_tokenizer"):
         for pattern in _regexes(spec.get(part)):
             if (why := regex_problem(pattern)) is not None:
-                return (f"its {part.replace('_', '-')} has the regular expression {pattern[:80]!r}, which {why}; "
+                shown = repr(pattern) if len(pattern) <= 80 else repr(pattern[:80]) + "..."
+                return (f"its {part.replace('_', '-')} has the regular expression {shown}, which {why}; "
                         "such a pattern can take time that grows faster than the text (catastrophic backtracking)")
     return None
 

@@ -72,7 +72,9 @@ def _check_options(top_k, function, long_input, max_length, stride, temperature,
     check_options({"top_k": top_k, "function": function, "long_input": long_input, "temperature": temperature})
     max_length = length_option("sentiment", "max_length", max_length, 512, 8, tokenizer)
     stride = min(64, max_length // 4) if stride is None else stride
-    if not isinstance(stride, int) or isinstance(stride, bool) or not 0 <= stride <= max_length // 2:
+    if not isinstance(stride, int) or isinstance(stride, bool):
+        raise InputError(f"sentiment: stride must be a whole number of tokens, got {stride!r}")
+    if not 0 <= stride <= max_length // 2:
         raise InputError(f"sentiment: stride {stride!r} must lie in [0, {max_length // 2}]")
     return max_length, stride
 
@@ -343,8 +345,8 @@ def _warn_cut(long_input: dict) -> None:
     global _CUT_WARNED
     level, _CUT_WARNED = (logging.DEBUG if _CUT_WARNED else logging.WARNING), True
     logger.log(level, "sentiment: a text was longer than the model reads at once, and its label was read from its "
-               "first window only (long_input=%r); pass long_input=\"windows\" to read all of it, or raw=True to "
-               "see which results were cut", long_input["policy"])
+               "first window only (long_input=%r); pass long_input=\"windows\" (transformers' truncation=False) to read "
+               "all of it, or raw=True to see which results were cut", long_input["policy"])
 
 
 def _truncation(value) -> dict:

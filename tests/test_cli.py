@@ -1,6 +1,7 @@
 """`bert-engine` subcommands: JSON on stdout, clear errors with exit code 2."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -398,7 +399,11 @@ def test_predict_arguments_that_would_be_dropped_are_refused_naming_them(tmp_pat
                           (["--file", str(lines), "--output", str(tmp_path)], f"--output '{tmp_path}' is a folder"),
                           (["-i", "text=a", "--output", str(tmp_path / "x.jsonl")], "without --file the answer goes to stdout"),
                           (["--file", str(lines), "--output", str(tmp_path / "." / "lines.txt")],
-                           "is the file --file reads")):
+                           "is the file --file reads"),
+                          (["--file", str(lines), "--output", str(tmp_path / "hard-link.txt")], "is the file --file reads"),
+                          (["--file", str(lines), "--output", ""], "--output is empty")):
+        if "hard-link" in " ".join(argv):
+            os.link(lines, tmp_path / "hard-link.txt")
         assert main(["predict", "sentiment", *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
@@ -692,7 +697,7 @@ def test_a_binary_file_a_non_utf8_json_array_and_header_are_refused_once(tmp_pat
     """Each was answered "line" by line before: 17 errors for 4 KB of random bytes, "not JSON" on an array's good
     entries beside one bad byte, a TSV header echoed as escaped bytes (session 57's fresh-clone trial)."""
     cases = ((b"x\x00y" + bytes(range(256)) * 8, "bin.txt", "not a text file (a NUL byte at byte 1)"),
-             ("hi\n".encode("utf-16"), "utf16.txt", "UTF-16 text: save it as UTF-8"),
+             ("hi\n".encode("utf-16"), "utf16.txt", "this one is UTF-16 text: save it as UTF-8"),
              (b'[{"text": "great"},\n {"text": "caf\xe9"},\n {"text": "awful"}]\n', "mixed.json",
               "not UTF-8 text (byte 0xe9 on line 2); a JSON array must be UTF-8"),
              (b"\xe9\xff\tz\nabc\n", "bad.tsv", "bad.tsv:1: the header naming the task's fields is not UTF-8 text"))
@@ -713,3 +718,14 @@ def test_version_is_printed_without_loading_torch():
                            "\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"], capture_output=True, text=True,
                           timeout=120)
     assert done.stdout.split() == ["bert-engine", __version__, "False"], done.stdout + done.stderr
+
+
+def test_output_dash_is_stdout_and_a_failed_write_names_the_output_file(sentiment_checkpoint, tmp_path, capsys):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("good\nbad\n")
+    assert main(["predict", "sentiment", "--file", str(lines), "--output", "-", "--model", str(sentiment_checkpoint)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2 and not (Path.cwd() / "-").exists()
+    if Path("/dev/full").exists():  # writes fail there with "No space left on device", which named no file
+        assert main(["predict", "sentiment", "--file", str(lines), "--output", "/dev/full",
+                     "--model", str(sentiment_checkpoint)]) == 1
+        assert "error: /dev/full: no space left on device" in capsys.readouterr().err

@@ -117,7 +117,7 @@ def test_a_bad_option_value_fails_where_the_pipeline_is_made():
             pipeline(task, **options)
     assert pipeline("ner", nbest=2)("Ada Lovelace lived in London.")  # a good value still answers
     # a bool is not a count, as everywhere else (True was read as a stride of 1: session 57's audit)
-    with pytest.raises(InputError, match="stride True must lie"):
+    with pytest.raises(InputError, match="stride must be a whole number of tokens, got True"):
         pipeline("sentiment")("A fine film.", stride=True)
     with pytest.raises(InputError, match="doc_stride must be an integer .* got True"):
         qa(question="Where is Paris?", context="Paris is in France.", doc_stride=True)
