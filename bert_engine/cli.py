@@ -184,7 +184,7 @@ def _plugins(args: argparse.Namespace) -> dict:
     if registry.failures:  # a plugin that failed to load is a failure of this command too
         args.exit_code = 1
     # what `predict` takes per task: its -i fields and its -o options (learnt from error messages before)
-    usage = {name: {"title": task.spec.title, "fields": list(task.spec.input_fields),
+    usage = {name: {"title": task.spec.title, "aliases": list(task.spec.aliases), "fields": list(task.spec.input_fields),
                     "optional_fields": list(task.spec.optional_fields), "options": sorted(task.spec.options)}
              for name, task in registry.tasks.items()}
     if not args.smoke:
@@ -428,6 +428,13 @@ def _read_rows(file: str, task, kind: str) -> Iterable[tuple[int, dict | str]]:
                          "or a .jsonl, .json or .tsv file" + ("; this one is UTF-16 text: save it as UTF-8" if utf16 else ""))
     text = data.decode("utf-8-sig", errors="surrogateescape")  # a byte-order mark (Excel's) is not text
     del data
+    # A binary file without a NUL byte: most of its bytes are not UTF-8 (a Latin-1 text's accented letters are a few
+    # per cent); refused once, where its "lines" were each answered "not UTF-8" before
+    head = text[:4096]
+    if len(head) >= 64 and (bad := sum("\udc80" <= c <= "\udcff" for c in head)) > 0.25 * len(head):
+        raise ValueError(f"{path}: not UTF-8 text ({bad:,} of its first {len(head):,} characters are bytes UTF-8 does "
+                         "not read: a binary file, or text in another encoding): give UTF-8 text, one input per line, "
+                         "or a .jsonl, .json or .tsv file")
     try:
         whole = _json_document(text) if kind == "json" else None
     except ValueError as err:

@@ -112,6 +112,7 @@ def test_builtins_are_listed(capsys):
     # what predict's -i and -o take, per task
     assert listed["tasks"]["qa"]["fields"] == ["question", "context"] and "no_answer" in listed["tasks"]["qa"]["options"]
     assert listed["tasks"]["sentiment"]["optional_fields"] == ["text_pair"]
+    assert "text-classification" in listed["tasks"]["sentiment"]["aliases"]
 
 
 def test_a_result_holding_nan_is_an_error_not_invalid_json(tmp_path, capsys):
@@ -696,7 +697,15 @@ def test_a_file_of_many_short_lines_is_read_line_by_line_not_held_as_rows(tmp_pa
 def test_a_binary_file_a_non_utf8_json_array_and_header_are_refused_once(tmp_path, capsys):
     """Each was answered "line" by line before: 17 errors for 4 KB of random bytes, "not JSON" on an array's good
     entries beside one bad byte, a TSV header echoed as escaped bytes (session 57's fresh-clone trial)."""
+    import random
+
+    noise = bytes(random.Random(0).randrange(1, 256) for _ in range(4000))  # no NUL byte
+    latin1 = "Café crème, déjà vu, naïve façade.\n".encode("latin-1") * 20  # a few bad bytes a line: answered per line
+    (tmp_path / "latin1.txt").write_bytes(latin1)
+    assert main(["predict", "sentiment", "--file", str(tmp_path / "latin1.txt")]) == 1
+    assert "not UTF-8 text (byte 0xe9" in capsys.readouterr().out
     cases = ((b"x\x00y" + bytes(range(256)) * 8, "bin.txt", "not a text file (a NUL byte at byte 1)"),
+             (noise, "noise.bin", "noise.bin: not UTF-8 text ("),
              ("hi\n".encode("utf-16"), "utf16.txt", "this one is UTF-16 text: save it as UTF-8"),
              (b'[{"text": "great"},\n {"text": "caf\xe9"},\n {"text": "awful"}]\n', "mixed.json",
               "not UTF-8 text (byte 0xe9 on line 2); a JSON array must be UTF-8"),
