@@ -445,7 +445,7 @@ def _read_rows(file: str, task, kind: str) -> Iterable[tuple[int, dict | str]]:
         items = whole if isinstance(whole, list) else [whole]
         return [(number, _json_input(value, fields, first)) for number, value in enumerate(items, 1)]
     if kind in ("jsonl", "json"):
-        return _LazyRows(text, lambda number, line: _jsonl_row(line, fields, first))
+        return _LazyRows(text, lambda line: _jsonl_row(line, fields, first))
     if kind == "tsv":
         # Tab-separated, no quoting: a line's fields are its text between tabs (csv's reader refused fields past
         # 131,072 characters with a traceback, far below the 1,000,000 an input may have)
@@ -469,8 +469,8 @@ def _read_rows(file: str, task, kind: str) -> Iterable[tuple[int, dict | str]]:
             raise ValueError(f"{path}:1: the header must name the task's fields ({', '.join(spec.input_fields)}"
                              + (f"; optional: {', '.join(spec.optional_fields)}" if spec.optional_fields else "")
                              + f") and no others: {'; '.join(said)}")
-        return _LazyRows(text, lambda number, line: _tsv_row(line, header, fields), skip=1)
-    return _LazyRows(text, lambda number, line: not_utf8(line) or ({first: line} if line.strip() else BLANK))
+        return _LazyRows(text, lambda line: _tsv_row(line, header, fields), skip=1)
+    return _LazyRows(text, lambda line: not_utf8(line) or ({first: line} if line.strip() else BLANK))
 
 
 def _lines(text: str) -> Iterator[str]:
@@ -494,7 +494,7 @@ class _LazyRows:
     def __iter__(self) -> Iterator[tuple[int, dict | str]]:
         for number, line in enumerate(_lines(self.text), 1):
             if number > self.skip:
-                yield number, self.row(number, line)
+                yield number, self.row(line)
 
 
 def _jsonl_row(line: str, fields, first: str) -> dict | str:
