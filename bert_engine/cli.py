@@ -476,10 +476,12 @@ def _read_rows(file: str, task, kind: str) -> Iterable[tuple[int, dict | str]]:
 def _lines(text: str) -> Iterator[str]:
     """`text`'s lines, one at a time. Lines end at "\\n" (or "\\r\\n") only: str.splitlines also splits at U+2028,
     form feeds and the like, which JSON and text hold inside a line (a JSON Lines line with a raw U+2028 became two
-    bad lines, numbers drifted); the newline that ends the last line starts no line of its own."""
+    bad lines, numbers drifted); the newline that ends the last line starts no line of its own. A file with no "\n"
+    but a "\r" (an old Mac's line endings) has its lines end at "\r" (it was one long line)."""
     start, end = 0, len(text)
+    newline = "\n" if "\n" in text or "\r" not in text else "\r"
     while start < end:
-        stop = text.find("\n", start)
+        stop = text.find(newline, start)
         stop = end if stop < 0 else stop
         yield text[start:stop].removesuffix("\r")
         start = stop + 1

@@ -317,7 +317,8 @@ def test_lines_end_at_newlines_only_and_keep_their_numbers(sentiment_checkpoint,
     args = ["--model", str(sentiment_checkpoint)]
     cases = {"a.jsonl": ('{"text": "good film\u2028really"}\n"awful"\n', [1, 2], 0),
              "b.txt": ("good\x0cfilm\r\nbad film\n  \nawful\n", [1, 2, 4], 1),
-             "c.tsv": ("text\nfine film\n\nbad film\n", [2, 4], 1)}
+             "c.tsv": ("text\nfine film\n\nbad film\n", [2, 4], 1),
+             "d.txt": ("good film\rbad film\r\rawful\r", [1, 2, 4], 1)}  # bare CRs: an old Mac's line ends
     for name, (content, lines, blank) in cases.items():
         path = tmp_path / name
         path.write_text(content, encoding="utf-8", newline="")

@@ -435,6 +435,13 @@ def test_transformers_dtype_batch_size_and_arguments_no_task_takes(sentiment_fol
                                  ("trust_remote_code", True, "no code is loaded from a checkpoint")):
         with pytest.raises(InputError, match=f"{name}= is an argument of transformers' pipelines .*{instead}"):
             pipeline("sentiment", model=str(sentiment_folder), **{name: value})
+    # padding changes no answer (rows are masked): taken; a value it does not know is refused, naming the ones taken
+    assert classify(REVIEWS[0], padding=True) == classify(REVIEWS[0], padding="max_length") == classify(REVIEWS[0])
+    with pytest.raises(InputError, match="padding= .* give True, False, 'longest'"):
+        classify(REVIEWS[0], padding="yes")
+    # an unknown option lists the transformers arguments the task reads beside its own (truncation was left out)
+    with pytest.raises(InputError, match="unknown option\\(s\\) paddin; known: top_k, .*, truncation"):
+        classify(REVIEWS[0], paddin=True)
 
 
 def test_a_text_cut_to_its_first_window_says_so_in_the_log(caplog, monkeypatch):

@@ -227,6 +227,8 @@ NOT_TAKEN = {
     "feature_extractor": "the tasks read text only",
     "image_processor": "the tasks read text only",
     "token": "a Hub token is read from the environment (HF_TOKEN) or `hf auth login`",
+    "padding": "rows are padded as the engine batches them, and no padding changes an answer: give True, False, "
+               "'longest', 'max_length' or 'do_not_pad', or leave it out",
 }
 
 
@@ -236,7 +238,9 @@ AS_THE_ENGINE_DOES = {"ignore_labels": lambda value: isinstance(value, (list, tu
                       "trust_remote_code": lambda value: value is False,
                       "use_fast": lambda value: value is True,
                       "framework": lambda value: value == "pt",
-                      "tokenizer": lambda value: value is None}
+                      "tokenizer": lambda value: value is None,
+                      # rows are padded as the engine batches them and masked: no padding changes an answer
+                      "padding": lambda value: value in (True, False, "longest", "max_length", "do_not_pad")}
 
 
 # Arguments that mean something else in the transformers pipeline of that name than in the task's own options:
@@ -267,6 +271,10 @@ def translated(spec, options: Mapping[str, Any], called_as: str | None = None) -
         if name in NOT_TAKEN and name not in arguments and name not in spec.options:
             raise InputError(f"{spec.name}: {name}= is an argument of transformers' pipelines that bert_engine does "
                              f"not take: {NOT_TAKEN[name]}")
+    if unknown := [name for name in options if name not in arguments and name not in spec.options]:
+        # (the task's check would name its own options only: the transformers arguments it reads are known too)
+        known = [*spec.options, *(name for name in arguments if name not in spec.options)]
+        raise InputError(f"{spec.name}: unknown option(s) {', '.join(unknown)}; known: {', '.join(known) or 'none'}")
     chosen: dict[str, Any] = {}
     said_by: dict[str, str] = {}  # option -> the argument that set it first, in the caller's order
     for name, value in options.items():
