@@ -648,9 +648,8 @@ def _answer_rows(task, predictor, rows, count: int, fixed: dict, options: dict, 
     answer). With `world` 1 the answers stream to stdout or `output` and are not kept (a long file's answers
     need not fit in memory); under torchrun they are returned for the first process to write. Returns them
     and how many failed."""
-    from tqdm.auto import tqdm
-
     from .hookspecs import InputError
+    from .progress import progress_bar
     from .runtime.inference import ResultNotJSON, can_batch, check_json_result
 
     spec, answered, failed = task.spec, [], 0
@@ -660,7 +659,7 @@ def _answer_rows(task, predictor, rows, count: int, fixed: dict, options: dict, 
     # not glued to the bar's line (a file or a pipe gets plain lines)
     beside_bar = stream and output is None and progress and _is_terminal(_answers_out()) and _is_terminal(sys.stderr)
     with (open(output, "w", encoding="utf-8") if output else contextlib.nullcontext(_answers_out())) as out, \
-            tqdm(total=count, file=sys.stderr, unit="line", desc=spec.name, disable=not progress) as bar:
+            progress_bar(total=count, file=sys.stderr, unit="line", desc=spec.name, disable=not progress) as bar:
         for lines in batches:
             chunk = [(n, {**fixed, **row} if isinstance(row, dict) else row) for n, row in lines]
             answers: list = [None] * len(chunk)

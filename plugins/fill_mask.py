@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from bert_engine import ui
 from bert_engine.heads import IGNORE_INDEX, MaskedLMHead
 from bert_engine.hookspecs import ExplainTarget, InputError, TaskContext, TaskSpec, check_int, hookimpl, length_option
+from bert_engine.progress import progress_bar
 from bert_engine.runtime.inference import max_request_tokens, predict_texts
 from bert_engine.tokenizer import Batch
 from bert_engine.training.pretraining import continuation_ids, mask_tokens, masked_lm_counts, read_documents
@@ -626,7 +626,7 @@ def evaluate(predictor, examples, *, progress: bool = False, batch_size: int = 6
     totals = {"nll": 0.0, "top1": 0, "top5": 0, "masked": 0}
     device = next(model.parameters()).device
     with torch.inference_mode():
-        for start in tqdm(range(0, len(examples), batch_size), disable=not progress, desc="fill_mask", unit="batch"):
+        for start in progress_bar(range(0, len(examples), batch_size), disable=not progress, desc="fill_mask", unit="batch"):
             batch, labels = training_batch(examples[start:start + batch_size], tokenizer, generator=generator)
             output = model(**batch.to(device).model_inputs())
             labels = labels.to(device)

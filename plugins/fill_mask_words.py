@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import re
 
-from tqdm.auto import tqdm
+from bert_engine.progress import progress_bar
 
 # Closed-class English words (determiners, pronouns, prepositions, conjunctions, auxiliaries, particles).
 FUNCTION_WORDS = frozenset("""
@@ -52,7 +52,7 @@ def score_words(predictor, items: list[tuple[str, str]], *, progress: bool = Fal
     """Per kind (all, content, function): the words scored and the shares (0-1) whose hidden word is
     the predictor's first candidate (top1) or among its first five (top5), each request as the tab sends it."""
     tallies = {kind: {"words": 0, "top1": 0, "top5": 0} for kind in KINDS}
-    for text, word in tqdm(items, desc="whole words", unit="word", disable=not progress):
+    for text, word in progress_bar(items, desc="whole words", unit="word", disable=not progress):
         result = predictor.predict({"text": text}, top_k=5)["result"]
         guesses = [c["token"].lower() for c in result["predictions"][0]["candidates"]]
         for key in ("all", kind_of(word)):

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from bert_engine import ui
 from bert_engine.heads import SpanHead, SpanOutput
 from bert_engine.hookspecs import ExplainTarget, TaskSpec, hookimpl
+from bert_engine.progress import progress_bar
 from bert_engine.tokenizer import Batch
 from plugins.qa_answerability import features, no_answer_probability
 from plugins.qa_data import read_data
@@ -124,7 +124,7 @@ def predict_many(predictor, items: list[dict], *, max_rows: int = 32, progress: 
     groups = window_groups(batches, max_rows)
     results: list[Any] = [None] * len(items)
     pad = predictor.tokenizer.pad_token_id
-    for group in tqdm(groups, disable=not progress, desc="qa", unit="batch"):
+    for group in progress_bar(groups, disable=not progress, desc="qa", unit="batch"):
         rows = [batches[i] for i in group]
         output = predictor.forward_rows(Batch.stacked(rows, pad).model_inputs())
         starts, ends = output.start_logits.float().cpu(), output.end_logits.float().cpu()  # (rows, width)

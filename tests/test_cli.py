@@ -739,3 +739,24 @@ def test_output_dash_is_stdout_and_a_failed_write_names_the_output_file(sentimen
         assert main(["predict", "sentiment", "--file", str(lines), "--output", "/dev/full",
                      "--model", str(sentiment_checkpoint)]) == 1
         assert "error: /dev/full: no space left on device" in capsys.readouterr().err
+
+
+def test_a_progress_bar_in_a_log_file_is_a_line_now_and_then_and_redrawn_on_a_terminal(tmp_path):
+    """tqdm redraws its bar every 0.1 s: in a log file (`train ... 2> train.log`) each redraw stayed, "\\r"-joined,
+    megabytes of one line over a long run (session 57's list). There it writes at most every 30 s."""
+    import os
+    import time
+
+    from bert_engine.progress import FILE_INTERVAL_S, progress_bar
+
+    with open(tmp_path / "train.log", "w", encoding="utf-8") as log:
+        for _ in progress_bar(range(40), file=log, desc="train"):
+            time.sleep(0.03)  # 1.2 s of work: twelve redraws at tqdm's own 0.1 s
+    written = (tmp_path / "train.log").read_text(encoding="utf-8")
+    assert written.count("\r") <= 2 and "40/40" in written, written  # the start and the end
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "w") as terminal:
+        bar = progress_bar(range(3), file=terminal)
+        assert bar.mininterval < FILE_INTERVAL_S  # tqdm's own redraws on a terminal
+        bar.close()
+    os.close(leader)

@@ -141,7 +141,7 @@ def test_every_module_has_a_layer():
 
 
 # What plugins (built-in and the example) may import: docs/plugins.md, "Imports you can rely on".
-PUBLIC = ("bert_engine", "bert_engine.hookspecs", "bert_engine.ui", "bert_engine.config", "bert_engine.model",
+PUBLIC = ("bert_engine", "bert_engine.hookspecs", "bert_engine.ui", "bert_engine.progress", "bert_engine.config", "bert_engine.model",
           "bert_engine.heads", "bert_engine.crf", "bert_engine.tokenizer", "bert_engine.runtime.inference",
           "bert_engine.runtime.explain", "bert_engine.training.pretraining", "bert_engine.tasks.registry",
           "bert_engine.tasks.conformance")

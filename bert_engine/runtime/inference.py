@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from .. import settings
 from ..checkpoints.hub import default_backbone
@@ -35,6 +34,7 @@ from ..checkpoints.loader import load, run_checkpoint
 from ..checkpoints.loading import CheckpointError, Loaded, metadata_file
 from ..hookspecs import InputError, PluginError, TaskContext, TaskSpec
 from ..model import BETWEEN_LAYERS, encoder_of
+from ..progress import progress_bar
 from ..tokenizer import Batch, Tokenizer
 from . import fast
 from .cancel import ModelLock
@@ -710,7 +710,7 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
     results: list[Any] = [None] * len(items)
     # One input needs no lengths: skip tokenising it twice.
     groups = [[0]] if len(items) == 1 else length_groups(_token_lengths(predictor.tokenizer, items, fields), batch_size)
-    for chunk in tqdm(groups, disable=not progress, desc=spec.name, unit="batch"):
+    for chunk in progress_bar(groups, disable=not progress, desc=spec.name, unit="batch"):
         inputs = {f: [items[i].get(f) for i in chunk] for f in fields
                   if any(items[i].get(f) is not None for i in chunk)}
         try:

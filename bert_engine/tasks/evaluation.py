@@ -11,9 +11,8 @@ from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from ..hookspecs import TaskSpec
+from ..progress import progress_bar
 from ..runtime.distributed import Distributed, gather_objects
 from ..runtime.inference import can_batch
 
@@ -32,7 +31,7 @@ def evaluate_task(spec: TaskSpec, predictor, examples: list, *, rank: int = 0, w
         field = spec.input_fields[0]
         results = spec.predict_many(predictor, [x[field] for x in inputs], progress=progress, **options)
     else:
-        results = [predictor.predict(x, **options)["result"] for x in tqdm(inputs, disable=not progress,
+        results = [predictor.predict(x, **options)["result"] for x in progress_bar(inputs, disable=not progress,
                                                                             desc=spec.name, unit="example")]
     gathered = gather_objects(list(zip(mine, results)), Distributed(rank, world))
     ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])

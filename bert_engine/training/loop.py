@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
+from ..progress import progress_bar
 from ..runtime.distributed import Distributed
 from ..runtime.precision import autocast_dtype, cpu_capability, pick_device
 from .train_config import TrainConfig, parse_best_metric, settings_read
@@ -298,7 +298,7 @@ def train(job: Job, cfg: TrainConfig, *, dist_info: Distributed | None = None,
                        state["step"], "stop" if end < total else "end", end)
     state.setdefault("wall_seconds", 0.0)  # summed over the run's parts when resumed
     started, wall_before = time.monotonic(), state["wall_seconds"]
-    bar = tqdm(total=total, initial=state["step"], disable=not dist_info.is_main, desc="train", unit="step")
+    bar = progress_bar(total=total, initial=state["step"], disable=not dist_info.is_main, desc="train", unit="step")
     running: dict[str, float] = {}
     running_count = 0
     step = state["step"]
