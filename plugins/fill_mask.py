@@ -11,6 +11,7 @@ over as many masks, and says so.
 from __future__ import annotations
 
 import math
+import re
 import unicodedata
 import zlib
 from dataclasses import dataclass
@@ -325,6 +326,7 @@ def _one_result(output: FillMaskOutput, batch, *, context: TaskContext, top_k, m
 # request (a 500 KB text at top_k 100 answered 50 MB). Over this many characters it shows an excerpt instead:
 # the part of the window the model read that lies within EXCERPT_CHARS of the masks, "…" marking the cuts.
 EXCERPT_CHARS = 2000
+_SPACE = re.compile(r"\s+")
 
 
 def _excerpt(text: str, spans: list[tuple[int, int]], batch) -> tuple[str, list[tuple[int, int]], tuple[int, int] | None]:
@@ -334,6 +336,10 @@ def _excerpt(text: str, spans: list[tuple[int, int]], batch) -> tuple[str, list[
     read = [o for o, sid in zip(batch.offsets[0], batch.sequence_ids[0]) if sid is not None]
     start = max(min(o[0] for o in read), spans[0][0] - EXCERPT_CHARS // 2)
     end = min(max(o[1] for o in read), spans[-1][1] + EXCERPT_CHARS // 2)
+    if start > 0 and not text[start - 1].isspace() and (space := _SPACE.search(text, start, spans[0][0])):
+        start = space.end()  # a whole word first, not the end of one cut through ("…ital of France")
+    if end < len(text) and not text[end].isspace():
+        end = max((m.start() for m in _SPACE.finditer(text, spans[-1][1], end)), default=end)
     lead, tail = ("…" if start > 0 else ""), ("…" if end < len(text) else "")
     shift = len(lead) - start
     return lead + text[start:end] + tail, [(a + shift, b + shift) for a, b in spans], (start, end)

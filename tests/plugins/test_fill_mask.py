@@ -155,6 +155,7 @@ def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):
     start, end = result["sequence_excerpt"]
     best = mask["candidates"][0]
     assert 0 < start < mask["start"] < mask["end"] < end < len(text) and end - start <= 2 * 2000 + 6
+    assert text[start - 1].isspace() and text[end].isspace()  # whole words at both cuts, not a word's end
     assert best["sequence"] == "…" + text[start:mask["start"]] + best["token"] + text[mask["end"]:end] + "…"
     for options in ({"targets": ["paris"]}, {"mode": "joint"}):
         other = predictor.predict({"text": text}, **options)["result"]
@@ -165,6 +166,15 @@ def test_mask_far_into_a_long_text_uses_the_window_around_it(predictor):
     assert "The capital of France is " + best["token"] in shown and len(shown) < 2 * 240 + 10
     short = predictor.predict({"text": "The capital of France is [MASK]."})["result"]
     assert "sequence_excerpt" not in short and short["predictions"][0]["candidates"][0]["sequence"].startswith("The ")
+
+
+def test_a_long_texts_excerpt_starts_and_ends_with_whole_words(predictor):
+    """The excerpt was cut EXCERPT_CHARS // 2 characters either side of the masks, wherever that fell: it could open
+    with the end of a word ("…ller words here")."""
+    for lead in ("", "x", "xy ", "abc"):
+        text = lead + "filler words here . " * 400 + "The capital of France is [MASK]. " + "more filler . " * 300
+        start, end = predictor.predict({"text": text})["result"]["sequence_excerpt"]
+        assert text[start - 1].isspace() and text[end].isspace(), (lead, text[start - 5:start + 5], text[end - 5:end + 5])
 
 
 def test_a_long_texts_window_is_centred_on_its_masks_whether_the_text_was_cut_or_not(predictor):
