@@ -316,6 +316,15 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
         if field in inputs:
             raise ValueError(f"--input {field}= is given twice; give each field once")
         inputs[field] = value
+    for item in args.input_file:  # a field's text from a file: an article too long for the shell's arguments
+        field, sep, file = item.partition("=")
+        if not sep or field not in fields or not file:
+            raise ValueError(f"--input-file {item!r}: expected FIELD=PATH with FIELD one of {', '.join(fields)}")
+        if field in inputs:
+            raise ValueError(f"--input-file {field}= gives a field already given; give each field once")
+        if file == "-" and args.file == "-":
+            raise ValueError("--input-file and --file cannot both read standard input; give one of them a file")
+        inputs[field] = _file_text(file)
     options = _parse_options(args.option)
     if args.output == "-":  # as --file -: standard output, where the answers go anyway
         args.output = None
@@ -407,6 +416,19 @@ def _file_bytes(file: str) -> bytes:
     if len(data) > limit:
         raise ValueError(f"standard input: over the limit of {limit // 1_000_000:,} MB (BERT_ENGINE_MAX_FILE_MB)")
     return data
+
+
+def _file_text(file: str) -> str:
+    """A file's whole text (or standard input's, "-"), for --input-file: checked and read as --file is, and refused
+    if it is not UTF-8 text, naming the byte."""
+    data = _file_bytes(file)
+    if (nul := data.find(b"\x00")) >= 0:
+        raise ValueError(f"{_file_name(file)}: not a text file (a NUL byte at byte {nul:,}): give UTF-8 text")
+    try:
+        return data.decode("utf-8-sig")  # a byte-order mark (Excel's, Notepad's) is not text
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{_file_name(file)}: not UTF-8 text (byte 0x{data[err.start]:02x} at byte {err.start:,}); "
+                         "save it as UTF-8") from None
 
 
 def _read_rows(file: str, task, kind: str) -> Iterable[tuple[int, dict | str]]:
@@ -926,6 +948,9 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--input", "-i", action="append", default=[], metavar="FIELD=TEXT",
                          help="an input field, e.g. -i text='great movie' (repeat for several fields); with --file, a "
                               "field the lines leave out, the same for every line")
+    predict.add_argument("--input-file", action="append", default=[], metavar="FIELD=PATH",
+                         help="an input field's text read from a file (- for standard input), e.g. --input-file "
+                              "text=article.txt for a document too long for the command line; as -i otherwise")
     predict.add_argument("--file", help="many inputs: .jsonl (objects keyed by the task's fields), .json (an array "
                                         "of them, numbered 1, 2, ... in the answers), .tsv (a header naming them, and no "
                                         "other columns) or plain text (one input per line for the first field); "

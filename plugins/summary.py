@@ -347,6 +347,20 @@ def _choose(text, spans, scores, vectors, num_sentences, ratio, min_words, mmr_l
                  "reason": f"shorter than min_words={min_words} ({len(text[a:b].split())} words)"}
                 for k, (a, b) in enumerate(spans) if k >= start and len(text[a:b].split()) < min_words]
     dropped_index = {item["index"] for item in dropped}
+    # A sentence that repeats an earlier one word for word (a pasted paragraph twice, a refrain) is not picked again:
+    # the supervised and hybrid scores, which MMR does not temper, gave each copy the same high score
+    first_of: dict[str, int] = {}
+    for k in range(len(spans)):
+        if k in dropped_index:
+            continue
+        key = " ".join(sentences[k].casefold().split())
+        if key in first_of:
+            dropped.append({"index": k, "start": spans[k][0], "end": spans[k][1], "text": sentences[k],
+                            "reason": f"repeats sentence {first_of[key]} word for word"})
+        else:
+            first_of[key] = k
+    dropped.sort(key=lambda item: item["index"])
+    dropped_index = {item["index"] for item in dropped}
     candidates = [k for k in range(len(spans)) if k not in dropped_index]
     # The length follows the whole text, headline included (its share of the ratio goes to the body).
     count = min(len(candidates), target_count(len(candidates) + start, num_sentences, ratio))

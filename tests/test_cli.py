@@ -760,3 +760,29 @@ def test_a_progress_bar_in_a_log_file_is_a_line_now_and_then_and_redrawn_on_a_te
         assert bar.mininterval < FILE_INTERVAL_S  # tqdm's own redraws on a terminal
         bar.close()
     os.close(leader)
+
+
+def test_input_file_gives_a_field_the_text_of_a_file(tmp_path, capsys, monkeypatch):
+    """A document past the shell's argument limit (about 128 KB) had no way in but a JSON Lines file: --input-file
+    FIELD=PATH reads one field's text from a file (or standard input), checked and refused as --file's are."""
+    import io
+
+    article = tmp_path / "article.txt"
+    article.write_text("Moby-Dick was written by Herman Melville.\nIt was published in 1851.\n", encoding="utf-8")
+    assert main(["predict", "qa", "-i", "question=Who wrote it?", "--input-file", f"context={article}"]) == 0
+    assert json.loads(capsys.readouterr().out)["result"]["answer"] == "Herman Melville"
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Paris is the capital of France.")))
+    assert main(["predict", "qa", "-i", "question=What is the capital of France?", "--input-file", "context=-"]) == 0
+    assert json.loads(capsys.readouterr().out)["result"]["answer"] == "Paris"
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (tmp_path / "utf16.txt").write_bytes("hello".encode("utf-16"))
+    for given, message in ((f"text={tmp_path / 'latin1.txt'}", "not UTF-8 text (byte 0xe9 at byte 3)"),
+                           (f"text={tmp_path / 'utf16.txt'}", "not a text file (a NUL byte"),
+                           (f"text={tmp_path / 'nope.txt'}", "nope.txt: no such file"),
+                           (f"text={tmp_path}", "is a folder"),
+                           ("text=", "expected FIELD=PATH"), (f"txt={article}", "expected FIELD=PATH with FIELD one of text")):
+        assert main(["predict", "sentiment", "--input-file", given]) == 2, given
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (given, err)
+    assert main(["predict", "sentiment", "-i", "text=hi", "--input-file", f"text={article}"]) == 2
+    assert "gives a field already given" in capsys.readouterr().err

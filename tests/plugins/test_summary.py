@@ -267,3 +267,19 @@ def test_the_brief_answer_of_a_long_summary_is_its_first_sentences_and_their_cou
     short = {"summary": "Sentence 0. Sentence 2.", "sentences": sentences[:3]}
     assert brief(short) == "Sentence 0. Sentence 2."
     assert brief({"summary": "", "explanation": "no sentence was long enough"}).startswith("no sentence chosen")
+
+
+def test_a_sentence_repeated_word_for_word_is_picked_once():
+    """A paragraph pasted twice: the shipped (hybrid) model scored each copy alike and MMR does not temper its
+    scores, so the summary read one sentence seven times (session 58). A repeat is dropped, saying of which."""
+    from bert_engine import pipeline
+
+    paragraph = ("The council approved the new budget on Monday after a long debate. Officials said the plan would "
+                 "fund schools and roads across the region. Critics argued that local taxes would rise next year. ")
+    text = paragraph + paragraph.replace("Officials said", "officials  said").upper().lower().capitalize() + paragraph
+    result = pipeline("summary")(text, raw=True)["result"]
+    chosen = [result["sentences"][k]["text"].casefold() for k in result["selected"]]
+    assert result["selected"] and len(chosen) == len(set(chosen)), chosen
+    repeats = [d for d in result["dropped"] if "word for word" in d["reason"]]
+    assert [d["index"] for d in repeats] == [3, 4, 5, 6, 7, 8]
+    assert repeats[0]["reason"] == "repeats sentence 0 word for word"
