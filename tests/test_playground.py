@@ -701,6 +701,78 @@ def test_concurrent_requests_share_a_batch_and_bad_input_stays_alone():
         assert tokens == plain.tokenizer.convert_ids_to_tokens(plain.tokenizer([text]).input_ids[0].tolist())
 
 
+def _visitors_at_once(batcher, requests: dict[str, str]) -> dict:
+    """Each visitor's request sent at the same moment from a thread of its own: visitor -> output or error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bert_engine.runtime.fairness import visitor_scope
+
+    start = threading.Barrier(len(requests))
+
+    def send(visitor, text):
+        with visitor_scope(visitor):
+            start.wait()
+            try:
+                return batcher.predict({"text": text})
+            except BaseException as err:  # noqa: BLE001 - the test reads what each visitor got
+                return err
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = {visitor: pool.submit(send, visitor, text) for visitor, text in requests.items()}
+    return {visitor: future.result() for visitor, future in futures.items()}
+
+
+def test_a_long_request_shares_no_pass_and_a_cut_off_first_request_leaves_the_others_answered(monkeypatch):
+    """Requests of different visitors shared one pass whatever their length (session 58's audit): a visitor's
+    short text waited ~10 s for another's 2,000 sentences, and when the pass's first request was cancelled, the
+    others failed with "cut off by another request's time limit" and the task was marked failing."""
+    import tempfile
+
+    from conftest import reference_checkpoint
+
+    import bert_engine.serving.predictors as predictors
+    from bert_engine.runtime.cancel import Cancelled
+    from bert_engine.serving.predictors import BatchingPredictor
+
+    folder = reference_checkpoint(Path(tempfile.mkdtemp()), "BertForSequenceClassification",
+                                  id2label={0: "NEG", 1: "POS"})
+    task = load_registry(entry_points=False).task("sentiment")
+    batcher = BatchingPredictor(task, str(folder), max_batch=8, max_wait_ms=300)
+    long = "A long and winding review of a film that goes on. " * 40  # ~480 tokens: more than a shared pass takes
+    got = _visitors_at_once(batcher, {"long": long, "short": "a fine film", "also short": "an awful film"})
+    assert got["long"]["provenance"]["batch_size"] == 1
+    assert got["short"]["provenance"]["batch_size"] == got["also short"]["provenance"]["batch_size"] == 2
+    # the shared pass is cut off in the thread that runs it (its request cancelled): the others are answered alone
+    plain = predictors.predict_in_batches
+
+    def cut_off(*args, **kwargs):
+        raise Cancelled()
+
+    monkeypatch.setattr(predictors, "predict_in_batches", cut_off)
+    got = _visitors_at_once(batcher, {f"visitor {i}": f"film number {i} was fine" for i in range(3)})
+    cut = [v for v, out in got.items() if isinstance(out, BaseException)]
+    assert len(cut) == 1 and isinstance(got[cut[0]], Cancelled), got  # the one whose thread ran the pass
+    assert all(out["provenance"]["batch_size"] == 1 and out["result"]["label"] in ("NEG", "POS")
+               for v, out in got.items() if v not in cut)
+    monkeypatch.setattr(predictors, "predict_in_batches", plain)
+    # cut off while it waited for others to join: the group it led is not left pending for later requests to join
+    waits = {"n": 0}
+    plain_wait = batcher._cond.wait_for
+
+    def cancelled_while_waiting(*args, **kwargs):
+        waits["n"] += 1
+        if waits["n"] == 1:
+            raise Cancelled()
+        return plain_wait(*args, **kwargs)
+
+    monkeypatch.setattr(batcher._cond, "wait_for", cancelled_while_waiting)
+    got = _visitors_at_once(batcher, {f"visitor {i}": f"film number {i} was awful" for i in range(3)})
+    assert sum(isinstance(out, Cancelled) for out in got.values()) == 1
+    assert all(out["result"]["label"] for out in got.values() if not isinstance(out, BaseException))
+    later = batcher.predict({"text": "a later film"})  # nothing left pending under these options
+    assert later["result"]["label"] and not batcher._pending
+
+
 RELEASE = __import__("threading").Event()  # lets the hung test prediction finish at the end
 
 

@@ -216,12 +216,18 @@ class LazyPredictor:
 class BatchingPredictor(LazyPredictor):
     """A LazyPredictor that merges concurrent requests into one batched forward pass.
 
-    For one-field tasks with a batched path (`predict_many`): a request waits up to `max_wait_ms`
-    for others with the same options, then the first of them runs the whole group through
-    `predict_in_batches`. A bad input never fails its neighbours: inputs are checked one by one
-    first, and if the group still raises InputError each request is run alone for its own answer.
+    For one-field tasks with a batched path (`predict_many`): a short request (at most SHARED_MAX_TOKENS
+    tokens) waits up to `max_wait_ms` for others with the same options, then the first of them runs the
+    whole group through `predict_in_batches`. Requests of different visitors share a pass, so only short
+    ones do: a visitor's request waits for at most `max_batch` - 1 other short rows, never for another's
+    long text (a long one runs alone, its work taking turns at the fairness gate). A bad input never
+    fails its neighbours: inputs are checked one by one first, and if the group still raises InputError
+    each request is run alone for its own answer. When the first request is cut off or cancelled, the
+    others run alone, each in its own thread (under its own time limit), not failed with it.
     Results carry `provenance.batch_size` (how many requests shared the pass).
     """
+
+    SHARED_MAX_TOKENS = 128  # the longest request that shares a pass (tokens, special ones left out)
 
     def __init__(self, task: RegisteredTask, checkpoint: str | None = None, *, max_batch: int = 16,
                  max_wait_ms: float = 10.0, **load_kwargs: Any) -> None:
@@ -234,10 +240,8 @@ class BatchingPredictor(LazyPredictor):
         predictor = self.get()
         merged = predictor.check_inputs(inputs, options)
         field = self.task.spec.input_fields[0]
-        if not can_batch(self.task.spec, [inputs]) or not str(inputs.get(field, "")).strip():
-            output = predictor.predict_checked(inputs, merged, on_batch=self.remembering(predictor))  # nothing to share
-            output["provenance"]["batch_size"] = 1
-            return output
+        if not can_batch(self.task.spec, [inputs]) or not self._short(predictor, inputs.get(field)):
+            return self._alone(predictor, inputs, merged)  # nothing to share, or too long to make others wait for
         key = f"{id(predictor)}:" + json.dumps(merged, sort_keys=True, default=str)  # one model, one set of options
         request = {"inputs": dict(inputs), "visitor": VISITOR.get(), "group": GROUP.get(), "done": False,
                    "output": None, "error": None}
@@ -248,21 +252,44 @@ class BatchingPredictor(LazyPredictor):
             if len(group) >= self.max_batch:
                 self._cond.notify_all()
         if leader:
+            taken = None
             try:
                 with self._cond:
                     self._cond.wait_for(lambda: len(self._pending.get(key, ())) >= self.max_batch,
                                         timeout=self.max_wait)
-                    group = self._pending.pop(key)
-                self._run_group(predictor, group, options)
+                    taken = self._pending.pop(key)
+                self._run_group(predictor, taken, options)
             finally:
                 with self._cond:
+                    # Cut off or cancelled while it waited for others: the group it leads would be left pending,
+                    # its members (and every later request with these options, joining it) waiting for nobody
+                    if taken is None and (stale := self._pending.get(key)) and stale[0] is request:
+                        del self._pending[key]
+                        for other in stale[1:]:
+                            other["error"], other["done"] = _LEADER_STOPPED, True
                     self._cond.notify_all()
         with self._cond:
             while not request["done"]:  # short waits: this request's own cancellation reaches it
                 self._cond.wait(0.1)
+        if request["error"] is _LEADER_STOPPED:  # the pass was cut off with its first request: run this one alone
+            return self._alone(predictor, inputs, merged)
         if request["error"] is not None:
             raise request["error"]
         return request["output"]
+
+    def _short(self, predictor: Predictor, text: Any) -> bool:
+        """Whether `text` is a non-empty text of at most SHARED_MAX_TOKENS tokens (a long one is not tokenised)."""
+        if not isinstance(text, str) or not text.strip() or len(text) > 16 * self.SHARED_MAX_TOKENS:
+            return False
+        try:
+            return len(predictor.tokenizer.tokenize(text)) <= self.SHARED_MAX_TOKENS
+        except Exception:  # the tokenizer refuses it: predict_checked says why, alone
+            return False
+
+    def _alone(self, predictor: Predictor, inputs: Mapping[str, Any], checked: dict[str, Any]) -> dict[str, Any]:
+        output = predictor.predict_checked(inputs, checked, on_batch=self.remembering(predictor))
+        output["provenance"]["batch_size"] = 1
+        return output
 
     def _run_group(self, predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
         start = time.perf_counter()
@@ -285,10 +312,10 @@ class BatchingPredictor(LazyPredictor):
             for request in group:
                 request["error"] = err
         finally:
-            for request in group:
+            for k, request in enumerate(group):
                 if request["output"] is None and request["error"] is None:  # the pass was cut off (Cancelled)
-                    request["error"] = PredictionTimeout("the batched forward pass this request shared was cut "
-                                                         "off by another request's time limit; try again")
+                    # (the first request's own cut-off reaches its caller as it is; the others run alone)
+                    request["error"] = _LEADER_STOPPED if k else PredictionTimeout("the shared pass was cut off")
                 request["done"] = True
 
     def _run_alone(self, predictor: Predictor, group: list[dict[str, Any]], options: dict[str, Any]) -> None:
@@ -301,6 +328,10 @@ class BatchingPredictor(LazyPredictor):
                 request["output"] = output
             except Exception as err:  # handed to that request's own caller
                 request["error"] = err
+
+
+# A shared pass's requests but the first, when the first was cut off or cancelled during it: each runs alone.
+_LEADER_STOPPED = PredictionTimeout("the shared pass was cut off with the request that ran it")
 
 
 class ModelShelf:
