@@ -186,7 +186,7 @@ def _build_tabs(gr, app, registry, predictors, statuses, endpoints, wiring, mode
     # failures since start-up show on opening; not an API endpoint (/plugins is)
     plugins_tab.select(lambda: plugin_rows(registry), None, table, api_visibility="private")
     with gr.Tab("Attention", id="attention"):
-        ranges, range_inputs, range_outputs = _build_attention_tab(gr, registry, predictors)
+        ranges, range_inputs, range_outputs = _build_attention_tab(gr, registry, predictors, loading)
     # each visitor's own model line, once the page opens (the warm-up may have loaded the defaults)
     app.load(with_request(gr, lambda: model_lines(predictors, statuses)), None, list(statuses.values()),
              api_visibility="private")
@@ -247,7 +247,7 @@ class ServedPredictor(BatchingPredictor):
             _count(self._waiting, visitor, +1)
         try:
             pause = threading.Event()  # never set: wait_or_gone's steps, ended early only by the sender leaving
-            while (not visitor.startswith("mcp") and earlier_requests_unfinished(request)
+            while (not visitor.startswith(("mcp", "call:")) and earlier_requests_unfinished(request)
                    and deadline - time.monotonic() > 0):
                 wait_or_gone(pause, 0.05)
             with self._answered:
@@ -848,8 +848,21 @@ def current_visitor() -> str | None:
         # An MCP tool call Gradio relays statelessly through its one loopback client: no identity of the
         # caller survives (the relay's session may be shared by several callers), so each call is its
         # own visitor and the caller's address (current_group) is the account that caps and orders them.
-        return f"mcp-call:{uuid.uuid4().hex}"
-    return getattr(request, "session_hash", None)
+        return _per_call(request, "mcp-call")
+    # A call with no Gradio session (a direct POST /gradio_api/run/<name>) is a visitor of its own, its address the
+    # account: as "no visitor" (a script's), it changed every visitor's model, read other such callers' last inputs
+    # and took no in-flight place (session 58's audit)
+    return getattr(request, "session_hash", None) or _per_call(request, "call")
+
+
+def _per_call(request, kind: str) -> str:
+    """An id of `kind` for this one request, the same each time it is asked for during the request."""
+    found = getattr(request, "_bert_engine_visitor", None)
+    if not isinstance(found, str):
+        found = f"{kind}:{uuid.uuid4().hex}"
+        with contextlib.suppress(AttributeError, TypeError):  # (a request object that takes no attributes)
+            request._bert_engine_visitor = found
+    return found
 
 
 def current_group() -> str | None:
@@ -1251,6 +1264,9 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
     def switch(model: str | None) -> str:
         value = (model or "").strip()
         try:
+            if (current_visitor() or "").startswith(("call:", "mcp-call:")):  # its choice would last this call alone
+                raise InputError("choosing a model needs a session (a browser tab, or gradio_client's Client), which "
+                                 "keeps the choice for its later requests; this call has none")
             checkpoint = check_model_choice(value, model_dirs, find_checkpoints(model_dirs, name))
             with visitor_scope(current_visitor()), loading():  # this visitor's model; the others keep theirs
                 predictor.switch(checkpoint)
@@ -1633,9 +1649,10 @@ def attention_ranges(predictor: LazyPredictor) -> tuple[int, int]:
     return int(config.num_hidden_layers), int(config.num_attention_heads)
 
 
-def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredictor]):
+def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredictor], loading=contextlib.nullcontext):
     """The last input of a task tab (the visitor's own): one head as a heatmap, the layer's heads as a
     grid, and each token's strongest links as text. The sliders span the model's real layers and heads.
+    Each drawing runs inside `loading()` (build_app's: the visitor's in-flight place, as a task's request).
     Returns (load event function, its outputs) for the page's load event."""
     gr.Markdown("The attention of **your** last input in a task tab. Pick the tab, a layer and a head; "
                 "rows are the tokens attending, columns the tokens they attend to.")
@@ -1687,6 +1704,13 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
         """
         if not task_name or task_name not in predictors:
             raise shown_error(gr, f"pick a task tab first; known tabs: {', '.join(predictors)}")
+        try:  # a forward pass and two pictures: within the visitor's in-flight places (60 at once ran, 2 allowed)
+            with loading():
+                return draw(task_name, layer_index, head_index, mean, from_token)
+        except (TooManyRequests, RequestCancelled) as err:
+            raise shown_error(gr, public_message(str(err))) from None
+
+    def draw(task_name: str, layer_index: Any, head_index: Any, mean: bool, from_token: Any):
         try:
             with visitor_scope(current_visitor()):  # this visitor's own last input, never another's
                 tokens, weights = predictors[task_name].attention()

@@ -1683,6 +1683,87 @@ def test_an_mcp_tool_call_whose_agent_leaves_stops_at_once(tmp_path, monkeypatch
         app.close()
 
 
+def _run(url: str, name: str, data: list) -> tuple[int, object]:
+    """POST /gradio_api/run/<name> (a direct call, no Gradio session): (HTTP status, its JSON body)."""
+    request = urllib.request.Request(f"{url}gradio_api/run/{name}", json.dumps({"data": data}).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def test_a_call_without_a_session_is_a_visitor_of_its_own(served):
+    """A direct POST /gradio_api/run/<name> carries no Gradio session: it ran as "no visitor", a script's
+    identity, so one such call changed the model of every visitor, and another read its last input through
+    /attention and "why" (session 58's audit; also no in-flight place was counted). Each is now a visitor of its
+    own, its address the account."""
+    from playground.app import REQUEST, current_visitor
+
+    app, url = served
+    visitor = Client(url, verbose=False)
+
+    def model_of_visitor():
+        return json.loads(visitor.predict("fine", "", "truncate", api_name="/sentiment"))["provenance"]["model"]
+
+    model = model_of_visitor()
+    status, body = _run(url, "sentiment_model", ["plugins/starter/ner"])
+    assert status >= 400 and "choosing a model needs a session" in json.dumps(body), (status, body)
+    status, body = _run(url, "sentiment", ["my secret zebra text", "", "truncate"])
+    assert status == 200, body
+    status, body = _run(url, "attention", ["sentiment", 0, 0, False, 0])  # another caller: nothing of the first's
+    assert "zebra" not in json.dumps(body) and status >= 400, (status, body)
+    assert model_of_visitor() == model
+
+    class Bare:  # a request as Gradio makes it for a direct call: no session
+        session_hash, headers = None, {}
+
+    request = Bare()
+    token = REQUEST.set(request)
+    try:
+        first = current_visitor()
+        assert first.startswith("call:") and current_visitor() == first  # the same all through its request
+    finally:
+        REQUEST.reset(token)
+    token = REQUEST.set(Bare())
+    try:
+        assert current_visitor() != first  # the next call is another visitor
+    finally:
+        REQUEST.reset(token)
+
+
+def test_drawing_attention_takes_an_in_flight_place(registry, monkeypatch):
+    """/attention ran a forward pass and drew two pictures outside every cap: one session ran 58 of 60 calls at once
+    where its requests are capped at 2 (session 58's audit). A drawing is admitted as a task's request is."""
+    import playground.app as playground_app
+    from bert_engine.runtime.fairness import InFlight, TooManyRequests
+
+    admitted = []
+    plain = InFlight.admit
+
+    def counted(self, visitor, group=None, wait_s=0.0):
+        admitted.append(visitor)
+        return plain(self, visitor, group, wait_s)
+
+    monkeypatch.setattr(playground_app.InFlight, "admit", counted)
+    app = build_app(registry)
+    app.queue(default_concurrency_limit=2)
+    port = _launch(app)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        client.predict("fine", "", "truncate", api_name="/sentiment")
+        before = len(admitted)
+        caption = client.predict("sentiment", 0, 0, False, 0, api_name="/attention")[0]
+        assert "your last input" in caption and len(admitted) == before + 1 and admitted[-1]
+        monkeypatch.setattr(playground_app.InFlight, "admit", lambda self, *a, **k: (_ for _ in ()).throw(
+            TooManyRequests("you already have 2 requests running")))
+        with pytest.raises(Exception, match="you already have 2 requests running"):
+            client.predict("sentiment", 0, 0, False, 0, api_name="/attention")
+    finally:
+        app.close()
+
+
 def test_a_call_to_an_endpoint_the_app_does_not_have_is_a_404_naming_it(served, caplog):
     """Gradio's routes raised on an unknown api_name or fn_index: HTTP 500 with no reason, and a traceback of
     about 40 lines in the log per request, which any visitor could repeat."""

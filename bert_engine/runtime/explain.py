@@ -73,7 +73,7 @@ def checked_method(task: str, method: Any, steps: Any) -> int:
     if isinstance(steps, float) and steps.is_integer():
         steps = int(steps)  # a slider's value
     if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
-        raise InputError(f"{task}: steps must be an integer in [1, {MAX_STEPS}], got {steps!r}")
+        raise InputError(f"{task}: steps must be an integer in [1, {MAX_STEPS}], got {steps!r:.40}")  # (1e308 as an integer: 309 digits)
     return steps if method == "integrated_gradients" else 1
 
 
