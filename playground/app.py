@@ -288,7 +288,7 @@ class ServedPredictor(BatchingPredictor):
             raise InputError(f"{self.task.spec.name}: comparing needs the app's model shelf")
         sides = []
         for label, choice in (("A", this), ("B", other)):
-            predictor = self.get() if choice is None else self.shelf.get(self.task, *choice)
+            predictor = self.get() if choice is None or self._serves(choice) else self.shelf.get(self.task, *choice)
             start = time.perf_counter()
             output = predictor.predict_checked(inputs, predictor.check_inputs(inputs, options))
             provenance = output["provenance"]
@@ -299,6 +299,18 @@ class ServedPredictor(BatchingPredictor):
         disagree, scores = insight.differences(sides[0]["result"], sides[1]["result"])
         return {"task": self.task.spec.name, "a": sides[0], "b": sides[1], "agree": not disagree,
                 "disagreements": disagree, "score_differences": scores}, inputs
+
+    SERVED_PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+    def _serves(self, choice: tuple[str | None, str]) -> bool:
+        """Whether (checkpoint, precision) is the model this visitor is served, loaded: compared as it is, not as
+        a second copy on the shelf (an API compare names both sides; each call loaded the default again)."""
+        checkpoint, precision = choice
+        if (checkpoint or None) != (self.checkpoint or None) or not self.loaded:
+            return False
+        served = self.get()
+        dtype = str(next(served.model.parameters()).dtype).removeprefix("torch.")
+        return (served.precision or self.SERVED_PRECISIONS.get(dtype)) == precision
 
 
 def _count(counts: dict, key: Any, step: int) -> None:

@@ -84,6 +84,15 @@ def _quiet_kernel_timings(request, monkeypatch) -> None:
         monkeypatch.setattr(cpu_load.FREE_CPUS, "threads", lambda wanted: wanted)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_load_budget(monkeypatch) -> None:
+    """Each test starts with no model loads counted against its loopback address (BERT_ENGINE_MODEL_LOADS_PER_MINUTE
+    counts per process, and a worker runs many tests in a minute)."""
+    from bert_engine.serving import predictors
+
+    monkeypatch.setattr(predictors.LOADS, "_loads", {})
+
+
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
     "BERT reads text in both directions at once!",

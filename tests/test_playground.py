@@ -330,8 +330,10 @@ def _raw_call(url: str, endpoint: str, data: list) -> tuple[str, dict]:
     request = urllib.request.Request(f"{url}gradio_api/call{endpoint}", body, {"Content-Type": "application/json"})
     event_id = json.load(urllib.request.urlopen(request, timeout=30))["event_id"]
     stream = urllib.request.urlopen(f"{url}gradio_api/call{endpoint}/{event_id}", timeout=60).read().decode()
-    event = re.search(r"event: (\w+)", stream).group(1)
-    return event, json.loads(stream.split("data:", 1)[1])
+    # (a slow answer comes after one or more heartbeats: "event: heartbeat" / "data: null")
+    events = re.findall(r"event: (\w+)\ndata:(.*)", stream)
+    event, data = next((e, d) for e, d in events if e != "heartbeat")
+    return event, json.loads(data)
 
 
 def test_lone_surrogates_over_raw_http_get_a_message_naming_them(served, registry):
@@ -1790,3 +1792,43 @@ def test_a_call_to_an_endpoint_the_app_does_not_have_is_a_404_naming_it(served, 
     request = urllib.request.Request(f"{url}gradio_api/run/sentiment", json.dumps({"data": ["fine", "", "truncate"]}).encode(),
                                      {"Content-Type": "application/json"})
     assert json.loads(json.load(urllib.request.urlopen(request, timeout=60))["data"][0])["result"]["label"]
+
+
+def test_model_loads_per_address_are_limited_per_minute(monkeypatch):
+    """A model picked or compared that is not in memory costs seconds of CPU no FLOP count or gate turn holds:
+    compare calls that rotated tasks reloaded two models each (~3 s of CPU for 0.1 s of counted work) and slowed
+    every other visitor (session 58's audit). An address may cause BERT_ENGINE_MODEL_LOADS_PER_MINUTE loads."""
+    import tempfile
+
+    from conftest import reference_checkpoint
+
+    from bert_engine.runtime.fairness import TooManyRequests, visitor_scope
+    from bert_engine.serving import predictors
+    from bert_engine.serving.predictors import LoadBudget, ModelShelf
+
+    root = Path(tempfile.mkdtemp())
+    folders = [str(reference_checkpoint(root / f"m{i}", "BertForSequenceClassification", id2label={0: "NEG", 1: "POS"}))
+               for i in range(3)]
+    task = load_registry(entry_points=False).task("sentiment")
+    monkeypatch.setenv("BERT_ENGINE_MODEL_LOADS_PER_MINUTE", "2")
+    monkeypatch.setattr(predictors.LOADS, "_loads", {})
+    shelf = ModelShelf(max_models=1)
+    with visitor_scope("visitor a", "ip:10.0.0.1"):
+        shelf.get(task, folders[0], "fp32")
+        shelf.get(task, folders[1], "fp32")  # (the first leaves the shelf: one model at a time)
+        assert shelf.get(task, folders[1], "fp32")  # in memory: costs nothing
+        with pytest.raises(TooManyRequests, match="2 models not in memory were loaded for your address in the last "
+                                                  "minute.*can be asked again in \\d+ s"):
+            shelf.get(task, folders[2], "fp32")
+    with visitor_scope("visitor b", "ip:10.0.0.2"):  # another address has its own minute
+        shelf.get(task, folders[2], "fp32")
+    shelf.get(task, folders[0], "fp32")  # outside a visitor (start-up, a script): not counted
+    budget = LoadBudget()
+    monkeypatch.setattr(budget, "WINDOW_S", 0.2)
+    with visitor_scope("visitor c", "ip:10.0.0.3"):
+        budget.charge("x")
+        budget.charge("x")
+        with pytest.raises(TooManyRequests):
+            budget.charge("x")
+        time.sleep(0.25)
+        budget.charge("x")  # the window has passed

@@ -10,21 +10,61 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from .. import settings
 from ..checkpoints.hub import HubError
 from ..checkpoints.loading import CheckpointError
 from ..hookspecs import InputError
 from ..runtime.cancel import PredictionTimeout
-from ..runtime.fairness import GATE, GROUP, VISITOR, visitor_scope
+from ..runtime.fairness import GATE, GROUP, VISITOR, TooManyRequests, visitor_scope
 from ..runtime.inference import LastInput, Predictor, can_batch, predict_in_batches
 from ..tasks.registry import RegisteredTask
 
 logger = logging.getLogger(__name__)
+
+
+class LoadBudget:
+    """The model loads each address (fairness.GROUP) may cause in a minute: BERT_ENGINE_MODEL_LOADS_PER_MINUTE. A
+    load (a visitor's pick, a model to compare with) costs seconds of CPU that no FLOP count and no gate turn holds:
+    compare calls rotating tasks reloaded two models each time, ~3 s of CPU per call for 0.1 s of counted work, and
+    other visitors' requests ran 3x slower beside them (session 58's audit). Loads outside a visitor (start-up, a
+    script) are not counted; a model already in memory costs nothing."""
+
+    WINDOW_S = 60.0
+    MAX_ADDRESSES = 4096  # addresses remembered; the ones idle past the window go first
+
+    def __init__(self) -> None:
+        self._loads: dict[str, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def charge(self, what: str) -> None:
+        """Count one load of `what` for the current address, or raise TooManyRequests (nothing counted)."""
+        group, limit = GROUP.get(), settings.get("BERT_ENGINE_MODEL_LOADS_PER_MINUTE")
+        if group is None or limit <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            times = self._loads.setdefault(group, deque())
+            while times and now - times[0] >= self.WINDOW_S:
+                times.popleft()
+            if len(times) >= limit:
+                wait = self.WINDOW_S - (now - times[0])
+                raise TooManyRequests(
+                    f"{len(times)} models not in memory were loaded for your address in the last minute, the most it "
+                    f"may ask for (BERT_ENGINE_MODEL_LOADS_PER_MINUTE); loading {what} can be asked again in "
+                    f"{max(1, round(wait))} s, or use a model already loaded")
+            times.append(now)
+            if len(self._loads) > self.MAX_ADDRESSES:
+                for key in [k for k, v in self._loads.items() if not v or now - v[-1] >= self.WINDOW_S]:
+                    del self._loads[key]
+
+
+LOADS = LoadBudget()  # one per process, as the compute gate
 
 
 class LazyPredictor:
@@ -97,6 +137,8 @@ class LazyPredictor:
         return predictor
 
     def _load(self, checkpoint: str | None) -> Predictor:
+        if checkpoint != self.default:  # (the default, once loaded, stays: no visitor can make it load again)
+            LOADS.charge(self.shown_name(checkpoint) if checkpoint else "the default model")
         logger.info("loading the model of task %s%s", self.task.spec.name,
                     f" ({self.shown_name(checkpoint)})" if checkpoint else "")
         predictor = Predictor.load(self.task, checkpoint, **self.load_kwargs)
@@ -361,6 +403,7 @@ class ModelShelf:
                 if key in self._models:
                     return self._models[key]
             shown = self.shown_name(checkpoint) if checkpoint else "the default model"
+            LOADS.charge(f"{shown} ({precision})")
             try:
                 logger.info("loading %s (%s) of task %s to compare", shown, precision, task.spec.name)
                 predictor = Predictor.load(task, checkpoint, precision=precision, **self.load_kwargs)
