@@ -832,7 +832,15 @@ def _eval(args: argparse.Namespace) -> dict:
             raise ValueError(f"{args.data}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x})") from None
         raise
     if not examples:
-        raise ValueError(f"{args.data}: no {args.split!r} examples for task {spec.name!r}")
+        hint = ""
+        if args.split != "all":  # a file of one split only (a fixture, a held-out file): say how to read it whole
+            try:
+                whole = sum(1 for _ in spec.read_data(args.data, "all"))
+            except Exception:  # noqa: BLE001 - a reader without "all": no hint
+                whole = 0
+            hint = (f" (it holds {whole:,} example{'s' if whole != 1 else ''} of other splits: --split all reads "
+                    "every one)") if whole else ""
+        raise ValueError(f"{args.data}: no {args.split!r} examples for task {spec.name!r}{hint}")
     model = args.model or spec.default_checkpoint
     predictor = Predictor.load(task, resolve_model_name(model) if model in (None, "default") else model,
                                revision=args.revision, precision=_precision(args))

@@ -17,7 +17,8 @@ class InputError(ValueError):
 
     @classmethod
     def at(cls, task: str, position: int, detail: str) -> InputError:
-        """The error "TASK: input POSITION: DETAIL", remembering the position and the detail."""
-        err = cls(f"{task}: input {position}: {detail}")
+        """The error "TASK: inputs[POSITION]: DETAIL" (a place in the caller's list, counted from 0 as Python's are:
+        "input 2" read as the second), remembering the position and the detail."""
+        err = cls(f"{task}: inputs[{position}]: {detail}")
         err.position, err.detail = position, detail
         return err

@@ -116,6 +116,8 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
     registry = registry or load_registry(builtins=plugins.BUILTIN)  # the built-in tasks, handed to the engine
     checkpoints = checkpoints or {}
     model_dirs = allowed_model_dirs()  # a list the picker reads at each use (tests may extend it)
+    for problem in model_dir_problems():  # most likely a typo: the app runs, without the models meant
+        logger.warning("%s", problem)
     in_flight = InFlight()  # per visitor, across the tabs (bert_engine.runtime.fairness)
     stuck = StuckTasks(registry)  # tasks whose cut-off request would not stop: off until it does
 
@@ -1097,6 +1099,17 @@ def allowed_model_dirs() -> list[Path]:
     plus those in BERT_ENGINE_MODEL_DIRS (separated by the OS path separator)."""
     extra = [Path(p) for p in settings.get("BERT_ENGINE_MODEL_DIRS")]
     return [STARTER_ROOT, Path.cwd() / "models", Path.cwd() / "runs", *extra]
+
+
+def model_dir_problems() -> list[str]:
+    """What is wrong with each folder BERT_ENGINE_MODEL_DIRS names (one that is missing or not a folder)."""
+    problems = []
+    for given in settings.get("BERT_ENGINE_MODEL_DIRS"):
+        path = Path(given)
+        if not path.is_dir():
+            why = "is not a folder" if path.exists() else "does not exist"
+            problems.append(f"BERT_ENGINE_MODEL_DIRS names {given!r}, which {why}: no model there is listed or loaded")
+    return problems
 
 
 def find_checkpoints(allowed: list[Path], task: str | None = None, depth: int = 3) -> dict[str, str]:

@@ -786,3 +786,11 @@ def test_input_file_gives_a_field_the_text_of_a_file(tmp_path, capsys, monkeypat
         assert message in err and len(err.strip().splitlines()) == 1, (given, err)
     assert main(["predict", "sentiment", "-i", "text=hi", "--input-file", f"text={article}"]) == 2
     assert "gives a field already given" in capsys.readouterr().err
+
+
+def test_eval_on_a_file_without_the_split_says_split_all_reads_it(capsys):
+    """`eval summary --data tests/fixtures/bbc_tiny.jsonl` said only "no 'test' examples" (the fixture's articles
+    hash to other splits); the way to read it was not said (session 58's fresh-clone trial)."""
+    fixture = Path(__file__).parent / "fixtures" / "bbc_tiny.jsonl"
+    assert main(["eval", "summary", "--data", str(fixture)]) == 2
+    assert "holds 3 examples of other splits: --split all reads every one" in capsys.readouterr().err

@@ -38,8 +38,11 @@ def test_batched_prediction_equals_one_at_a_time_and_names_bad_positions(sentime
         assert [r["label"] for r in result["labels"]] == [r["label"] for r in single["labels"]]
         for a, b in zip(result["labels"], single["labels"]):
             assert a["score"] == pytest.approx(b["score"], abs=1e-5)
-    with pytest.raises(InputError, match=r"inputs at positions \[1, 3\] are empty or not text"):
-        predict_in_batches(sentiment, [{"text": "fine"}, {"text": " "}, {"text": "ok"}, {"text": None}])
+    with pytest.raises(InputError, match=r"^sentiment: inputs\[1\]: the text is empty; inputs\[3\]: no text; "
+                                         r"inputs\[4\]: the text is not text \(got int\); inputs\[5\]: not a text or "
+                                         r"a mapping of text \(got list\)$"):
+        predict_in_batches(sentiment, [{"text": "fine"}, {"text": " "}, {"text": "ok"}, {"text": None}, {"text": 5},
+                                       ["a"]])
 
 
 def test_one_long_input_does_not_pad_a_short_list_around_it(sentiment, monkeypatch):

@@ -70,7 +70,7 @@ def test_question_answering_has_the_v4_pipeline_shape():
     assert len(batch) == 2 and all(set(a) == {"score", "start", "end", "answer"} for a in batch)
     stream = qa(iter([{"question": "Who wrote it?", "context": context}, {"question": " ", "context": context}]))
     assert next(stream)["answer"]  # a task answered one input at a time names a bad one's place too
-    with pytest.raises(InputError, match="qa: input 1: the question is empty") as caught:
+    with pytest.raises(InputError, match="qa: inputs\\[1\\]: the question is empty") as caught:
         next(stream)
     assert caught.value.position == 1
 
@@ -166,7 +166,7 @@ def test_lists_generators_options_and_errors():
     stream = small(iter([*REVIEWS, "fine", "", "never reached"]))
     got = [next(stream) for _ in range(4)]
     assert got == small([*REVIEWS, "fine"])
-    with pytest.raises(InputError, match="input 4: empty or not text"):
+    with pytest.raises(InputError, match="^sentiment: inputs\\[4\\]: the text is empty$"):  # (was "input 4: empty or not text")
         next(stream)
     with pytest.raises(TypeError, match="expected text, got bytes; decode it first"):
         classify(b"hello")
@@ -177,7 +177,7 @@ def test_lists_generators_options_and_errors():
                         ({"txt": "a"}, "unknown field\\(s\\) txt; the task's: text, text_pair")):
         stream = small(iter([*REVIEWS, "fine", "good", "bad", bad, "never reached"]))
         assert len([next(stream) for _ in range(6)]) == 6
-        with pytest.raises(InputError, match=f"input 6: .*{detail}") as caught:
+        with pytest.raises(InputError, match=f"inputs\\[6\\]: .*{detail}") as caught:
             next(stream)
         assert caught.value.position == 6
 

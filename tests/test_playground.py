@@ -1832,3 +1832,17 @@ def test_model_loads_per_address_are_limited_per_minute(monkeypatch):
             budget.charge("x")
         time.sleep(0.25)
         budget.charge("x")  # the window has passed
+
+
+def test_a_model_folder_setting_that_names_no_folder_is_said_at_start(tmp_path, monkeypatch):
+    """BERT_ENGINE_MODEL_DIRS=/nonexistent started the app without a word (session 58's fresh-clone trial)."""
+    import os
+
+    from playground.app import model_dir_problems
+
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    monkeypatch.setenv("BERT_ENGINE_MODEL_DIRS", os.pathsep.join([str(tmp_path), str(tmp_path / "nope"), str(afile)]))
+    assert model_dir_problems() == [
+        f"BERT_ENGINE_MODEL_DIRS names {str(tmp_path / 'nope')!r}, which does not exist: no model there is listed or "
+        "loaded", f"BERT_ENGINE_MODEL_DIRS names {str(afile)!r}, which is not a folder: no model there is listed or loaded"]

@@ -73,10 +73,11 @@ def _gflop(flops: float) -> str:
 
 
 def check_request_cost(task: str, batch: Batch, limit: int | None = None, model: nn.Module | None = None,
-                       max_flops: float | None = None) -> float:
+                       max_flops: float | None = None, remedy: str = "Shorten the text") -> float:
     """InputError when one input of `batch` needs more than `limit` tokens over all its window rows, or, given
     the `model` (its encoder), more than `max_flops` of work (default max_request_flops()) through it: each
-    row's forward pass at its real tokens (row_flops). Returns the batch's work in FLOPs (0 without a model)."""
+    row's forward pass at its real tokens (row_flops); the error ends with `remedy` (what the task lets a caller
+    do). Returns the batch's work in FLOPs (0 without a model)."""
     limit = max_request_tokens() if limit is None else limit
     real = batch.attention_mask.sum(dim=1).tolist()
     per_input: dict[int, list[int]] = {}
@@ -86,23 +87,19 @@ def check_request_cost(task: str, batch: Batch, limit: int | None = None, model:
     total = 0.0
     for index, rows in per_input.items():
         tokens = sum(rows)
-        which = "the input" if len(per_input) == 1 else f"input {index}"
-        overlap = ("; the windows overlap (each repeats the end of the one before, and a question or first text "
-                   "where the task has one), so a long text reaches the limit sooner than its length alone says"
-                   ) if len(rows) > 1 else ""
+        which = "the input" if len(per_input) == 1 else f"inputs[{index}]"
+        overlap = " (windows overlap, so a long text reaches it sooner than its length says)" if len(rows) > 1 else ""
         detail = None
         if tokens > limit:
             detail = (f"needs {len(rows):,} window(s) with {tokens:,} tokens in all; the limit per request is "
-                      f"{limit:,} tokens over all windows (about {limit * 4:,} characters of English read once{overlap}). "
-                      "Shorten the text, or truncate it if the task offers that")
+                      f"{limit:,} tokens over all windows{overlap}. {remedy}")
         elif model is not None:
             work = sum(row_flops(model, n) for n in rows)
             total += work
             if work > max_flops:
                 detail = (f"needs {len(rows):,} window(s) with {tokens:,} tokens in all, {_gflop(work)} of work through "
-                          f"this model ({_gflop(work / max(tokens, 1))} a token); the limit per request is "
-                          f"{_gflop(max_flops)} (BERT_ENGINE_MAX_GFLOP){overlap}. Shorten the text, truncate it if the "
-                          "task offers that, or pick a smaller model")
+                          f"this model ({_gflop(work / max(tokens, 1))} a token); the limit per request is {_gflop(max_flops)} (BERT_ENGINE_MAX_GFLOP){overlap}. "
+                          f"{remedy}, or pick a smaller model")
         if detail is not None:
             err = InputError(f"{task}: {which} {detail}")
             err.input_index, err.input_detail = index, detail  # (predict_in_batches names its place in the list)
@@ -441,7 +438,16 @@ class Predictor:
         """InputError when an input of `batch` needs more tokens (BERT_ENGINE_MAX_TOKENS) or more work through
         this model (BERT_ENGINE_MAX_GFLOP) than one request may: for a task that runs its inputs' rows its own
         way (qa.predict_many). Returns the batch's work in FLOPs."""
-        return check_request_cost(self.task.spec.name, batch, model=encoder_of(self.model))
+        return check_request_cost(self.task.spec.name, batch, model=encoder_of(self.model), remedy=self.cost_remedy())
+
+    def cost_remedy(self) -> str:
+        """What a caller of this task can do about an input over the request limits, from its options."""
+        options = self.task.spec.options
+        if "long_input" in options:  # (past the limits, the text was read in windows: its start alone is cheaper)
+            return "Shorten the text, or read its start alone (long_input='truncate')"
+        if len(self.task.spec.input_fields) > 1:  # (QA: a question and its context)
+            return f"Shorten the {self.task.spec.input_fields[-1]} to the part that matters"
+        return "Shorten the text"
 
     def context(self) -> TaskContext:
         """What a postprocess (or explain) that asks for `context` gets: the tokenizer, the encoder, the
@@ -696,12 +702,13 @@ def predict_in_batches(predictor, items: list[Mapping[str, Any]], *, batch_size:
     predictor = predictor.get()  # a LazyPredictor loads here
     spec = predictor.task.spec
     fields = spec.input_fields + spec.optional_fields
-    bad = [i for i, item in enumerate(items)
-           if not isinstance(item, Mapping) or any(not isinstance(item.get(f), str) or not item[f].strip()
-                                                   for f in spec.input_fields)]
+    bad = {i: problem for i, item in enumerate(items) if (problem := _not_an_input(item, spec.input_fields))}
     if bad:
-        err = InputError(f"{spec.name}: inputs at positions {bad[:10]} are empty or not text")
-        err.position, err.detail = bad[0], "empty or not text"  # the first, for a caller that drops it and goes on
+        first = next(iter(bad))
+        said = "; ".join(f"inputs[{i}]: {problem}" for i, problem in list(bad.items())[:5])
+        more = f"; and {len(bad) - 5:,} more" if len(bad) > 5 else ""
+        err = InputError(f"{spec.name}: {said}{more}")
+        err.position, err.detail = first, bad[first]  # the first, for a caller that drops it and goes on
         raise err
     if not checked:
         for item in items:
@@ -767,6 +774,22 @@ def _token_lengths(tokenizer: Tokenizer, items: list[Mapping[str, Any]], fields:
         for i, encoding in zip(present, tokenizer.pieces([items[i][field] for i in present])):
             total[i] += len(encoding.ids)
     return total
+
+
+def _not_an_input(item: Any, fields: list[str]) -> str:
+    """What makes `item` no input of a task with these fields ("": nothing): not a mapping, a field missing, not
+    text, or empty."""
+    if not isinstance(item, Mapping):
+        return f"not a text or a mapping of {', '.join(fields)} (got {type(item).__name__})"
+    for field in fields:
+        value = item.get(field)
+        if value is None:
+            return f"no {field}"
+        if not isinstance(value, str):
+            return f"the {field} is not text (got {type(value).__name__})"
+        if not value.strip():
+            return f"the {field} is empty"
+    return ""
 
 
 def can_batch(spec, items: list[Mapping[str, Any]]) -> bool:

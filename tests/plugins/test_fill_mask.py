@@ -320,7 +320,7 @@ def test_a_list_is_answered_in_one_batch_as_each_text_alone(predictor, options):
         _same_answer(one, many)
     if not options:  # independent: one pass of the head per batch (the long text runs in a batch of its own)
         assert sum(calls) == sum(t.count("[MASK]") for t in texts) and len(calls) == 2, calls
-    with pytest.raises(InputError, match="fill_mask: input 1: the text has no \\[MASK\\] token"):
+    with pytest.raises(InputError, match="fill_mask: inputs\\[1\\]: the text has no \\[MASK\\] token"):
         predict_texts(predictor, [TEXTS[0], "no mask here"], batch_size=2, **options)
 
 
@@ -332,10 +332,10 @@ def test_a_bad_text_in_a_long_list_or_a_stream_is_named_by_its_place_in_the_call
 
     texts = [f"{'Some words here. ' * (i % 7)}The capital of France is [MASK]." for i in range(40)]
     texts[37] = "no mask here"
-    with pytest.raises(InputError, match="^fill_mask: input 37: the text has no \\[MASK\\] token"):
+    with pytest.raises(InputError, match="^fill_mask: inputs\\[37\\]: the text has no \\[MASK\\] token"):
         predict_texts(predictor, texts, batch_size=8)
     stream = Pipeline(predictor, batch_size=4)
-    with pytest.raises(InputError, match="^fill_mask: input 37: the text has no \\[MASK\\] token"):
+    with pytest.raises(InputError, match="^fill_mask: inputs\\[37\\]: the text has no \\[MASK\\] token"):
         list(stream(iter(texts)))
     assert len(list(stream(iter(texts[:37])))) == 37
 

@@ -196,7 +196,7 @@ def test_preprocessing_many_gives_each_inputs_own_windows(predictor, kind):
             (alone.offsets, alone.sequence_ids, alone.word_ids, alone.sample_index, alone.truncated, alone.meta)
     assert len(together[1]) > 1 and together[2].meta["question_truncated"] and len(together[2]) > 1
     assert len({batch.input_ids.shape[1] for batch in together}) == 3  # the short ones narrower than the windows
-    with pytest.raises(InputError, match=r"^qa: input 2: the context needs at least [\d,]+ windows"):
+    with pytest.raises(InputError, match=r"^qa: inputs\[2\]: the context needs at least [\d,]+ windows"):
         preprocess_many([*items[:2], {"question": "Why?", "context": LONG_CONTEXT * 40}], tokenizer,
                         **{**options, "max_seq_len": 64})
 
@@ -222,7 +222,7 @@ def test_a_context_far_over_the_window_limit_is_refused_before_it_is_tokenised(p
 
 
 def test_batched_prediction_names_the_bad_input(predictor):
-    with pytest.raises(InputError, match="^qa: input 1: the question is empty") as caught:  # the task named once
+    with pytest.raises(InputError, match="^qa: inputs\\[1\\]: the question is empty") as caught:  # the task named once
         predict_many(predictor, [{"question": "Who?", "context": "Ada."}, {"question": " ", "context": "x"}])
     assert caught.value.position == 1  # for a caller that renumbers it to its own list (pipeline streams)
 
