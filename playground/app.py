@@ -485,6 +485,10 @@ class UnknownEndpoint:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
+        if scope.get("method") == "POST" and scope.get("path", "").rstrip("/").endswith("/queue/join"):
+            receive = await self._refuse_empty_session(scope, receive, send)
+            if receive is None:
+                return
         started = False
 
         async def sending(message: dict) -> None:
@@ -509,6 +513,39 @@ class UnknownEndpoint:
             await send({"type": "http.response.start", "status": 404,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
+
+    _EMPTY_SESSION = re.compile(rb'"session_hash"\s*:\s*""')
+
+    async def _refuse_empty_session(self, scope: dict, receive: Any, send: Any):
+        """A queue join whose session_hash is "": Gradio took it, then failed in its queue (a KeyError of the event's
+        id, answered "no API endpoint number <event id>" and logged as a traceback per request). Refused 400 as
+        Gradio refuses a missing one; otherwise the receive that replays the body read here (None: refused)."""
+        messages, chunks = [], []
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message.get("type") != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        empty = False
+        if self._EMPTY_SESSION.search(body):  # (bare quotes: a key, never inside a JSON string)
+            with contextlib.suppress(ValueError, RecursionError):
+                empty = json.loads(body).get("session_hash") == ""
+        if empty:
+            logger.info("a queue join with an empty session_hash: refused")
+            answer = json.dumps({"detail": "session_hash is empty: give the id of your session (any non-empty text "
+                                           "you keep for your calls)"}).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
+            await send({"type": "http.response.body", "body": answer})
+            return None
+
+        async def replay() -> dict:
+            return messages.pop(0) if messages else await receive()
+        return replay
 
 
 def unknown_endpoint(path: str, err: Exception) -> str | None:

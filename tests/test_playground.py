@@ -1784,6 +1784,14 @@ def test_a_call_to_an_endpoint_the_app_does_not_have_is_a_404_naming_it(served, 
         # the result stream of an event the app does not have: Gradio's error event, then the stream ends
         stream = urllib.request.urlopen(f"{url}gradio_api/call/sentiment/no-such-event", timeout=30).read().decode()
         assert stream.startswith("event: error") and "Not Found" in stream, stream
+        # a queue join with an empty session_hash: refused as Gradio refuses a missing one (it was answered "no API
+        # endpoint number <an event id>" for an endpoint the app has, and logged a traceback; session 58's audit)
+        fn_index = json.load(urllib.request.urlopen(f"{url}config", timeout=30))["dependencies"][0]["id"]
+        request = urllib.request.Request(f"{url}gradio_api/queue/join", json.dumps(
+            {"data": [], "fn_index": fn_index, "session_hash": ""}).encode(), {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 400 and "session_hash is empty" in json.load(refused.value)["detail"]
     assert not [r for r in caplog.records if r.levelno >= 40 or r.exc_info], [r.getMessage() for r in caplog.records]
     assert sum("an endpoint the app does not have" in r.getMessage() for r in caplog.records) == 4
     assert sum("an event the app does not have" in r.getMessage() for r in caplog.records) == 1
