@@ -187,12 +187,43 @@ def _build_tabs(gr, app, registry, predictors, statuses, endpoints, wiring, mode
         table = _build_plugins_tab(gr, registry, endpoints)
     # failures since start-up show on opening; not an API endpoint (/plugins is)
     plugins_tab.select(lambda: plugin_rows(registry), None, table, api_visibility="private")
-    with gr.Tab("Attention", id="attention"):
+    with gr.Tab("Attention", id="attention") as attention_tab:
         ranges, range_inputs, range_outputs = _build_attention_tab(gr, registry, predictors, loading)
+
+    def last_task():  # the tab opens on the task the visitor last ran (it stayed on the first: "no input yet")
+        name = LAST_TASKS.get(current_visitor())
+        return gr.update(value=name) if name in predictors else gr.skip()
+
+    attention_tab.select(with_request(gr, last_task), None, range_inputs[0], api_visibility="private")
     # each visitor's own model line, once the page opens (the warm-up may have loaded the defaults)
     app.load(with_request(gr, lambda: model_lines(predictors, statuses)), None, list(statuses.values()),
              api_visibility="private")
     app.load(ranges, range_inputs, range_outputs, api_visibility="private")  # the sliders' real ranges
+
+
+class LastTasks:
+    """Each visitor's last task answered (the Attention tab opens on it), the latest `keep` visitors."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.keep = keep
+        self._tasks: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def note(self, visitor: str | None, task: str) -> None:
+        if visitor is None:
+            return
+        with self._lock:
+            self._tasks[visitor] = task
+            self._tasks.move_to_end(visitor)
+            while len(self._tasks) > self.keep:
+                self._tasks.popitem(last=False)
+
+    def get(self, visitor: str | None) -> str | None:
+        with self._lock:
+            return self._tasks.get(visitor) if visitor is not None else None
+
+
+LAST_TASKS = LastTasks()
 
 
 class ServedPredictor(BatchingPredictor):
@@ -216,6 +247,7 @@ class ServedPredictor(BatchingPredictor):
         output = super().predict(inputs, **options)
         check_json_result(self.task.spec.name, output["result"])  # the API answers JSON: a task's NaN, set or
         self.remember_request(inputs, options)                     # array is its failure, not a string
+        LAST_TASKS.note(current_visitor(), self.task.spec.name)
         return output
 
     def predict(self, inputs, **options: Any) -> dict[str, Any]:

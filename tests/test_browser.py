@@ -265,6 +265,18 @@ def test_attention_tab_shows_the_last_input(browser_page):
     assert panel.get_by_text("Sentiment, your last input").count() == 0
 
 
+def test_the_attention_tab_opens_on_the_task_last_run(browser_page):
+    """It stayed on its first task (Sentiment) after a run in another tab, and "Show attention" said "no input yet in
+    the Sentiment tab" (session 58's fresh-clone trial): it now opens on the visitor's last task, drawn."""
+    panel = _open(browser_page, "Named entities")
+    panel.locator("textarea").first.fill("Angela Merkel visited Paris.")
+    panel.get_by_role("button", name="Find entities").click()
+    panel.locator(".ner-text").wait_for(timeout=60_000)
+    panel = _open(browser_page, "Attention")
+    panel.get_by_text("Named entities, your last input").first.wait_for(timeout=30_000)
+    assert panel.locator(".attention-image img").count() >= 1
+
+
 def test_a_failed_run_keeps_the_last_result_visible(browser_page):
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
