@@ -110,7 +110,11 @@ def build_tab(predictor) -> None:
         """
         output = predictor.predict({"text_a": text_a, "text_b": text_b})
         result = output["result"]
-        return {"similar": result["score"], "different": 1.0 - result["score"]}, output
+        scores = {"similar": result["score"], "different": 1.0 - result["score"]}
+        # a text read only in part says so where the answer is, not only in the closed details' JSON
+        cut = " and ".join({"text_a": "Text A", "text_b": "Text B"}[name] for name in result["truncated"])
+        label = f"Similarity of the start of {cut} only (a long text is cut to the model's window)" if cut else "Similarity"
+        return gr.Label(value=scores, label=label), output
 
     ui.wire(gr, button, run, [text_a, text_b], [score, details], api_name="similarity",
             examples=[[e["text_a"], e["text_b"]] for e in EXAMPLES])
