@@ -100,8 +100,9 @@ def _check_values(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weig
     check_int("summary", "min_words", min_words, 0, 100)
     if mode not in MODES:
         raise InputError(f"summary: mode {mode!r} is not one of {MODES}")
-    if not isinstance(mmr_lambda, (int, float)) or isinstance(mmr_lambda, bool) or not 0 <= mmr_lambda <= 1:
-        raise InputError(f"summary: mmr_lambda must lie in [0, 1], got {mmr_lambda!r}")
+    if mmr_lambda is not None and (not isinstance(mmr_lambda, (int, float)) or isinstance(mmr_lambda, bool)
+                                   or not 0 <= mmr_lambda <= 1):
+        raise InputError(f"summary: mmr_lambda must lie in [0, 1] (or None: the mode's own), got {mmr_lambda!r}")
     if not isinstance(hybrid_weight, (int, float)) or isinstance(hybrid_weight, bool) or not 0 <= hybrid_weight <= 1:
         raise InputError(f"summary: hybrid_weight must lie in [0, 1], got {hybrid_weight!r}")
     if not isinstance(layer, int) or isinstance(layer, bool):
@@ -113,7 +114,10 @@ def _check_values(num_sentences, ratio, min_words, mode, mmr_lambda, hybrid_weig
 # hybrid_weight: in hybrid mode, each sentence's score is hybrid_weight x the trained scorer's
 # probability + (1 - hybrid_weight) x its centroid similarity; a packed model's manifest carries the
 # weight tuned on its dev split (the starter's: 0.2, see MODEL_CARD.md).
-OPTIONS = {"num_sentences": None, "ratio": 0.3, "min_words": 4, "mode": "auto", "mmr_lambda": 0.7,
+# mmr_lambda: None is each mode's own (CENTROID_MMR_LAMBDA in centroid mode; off, 1.0, for the trained scorer's modes,
+# as they were trained and scored); a value given applies in every mode (it was taken and ignored outside centroid).
+CENTROID_MMR_LAMBDA = 0.7
+OPTIONS = {"num_sentences": None, "ratio": 0.3, "min_words": 4, "mode": "auto", "mmr_lambda": None,
            "hybrid_weight": 0.5, "layer": -1, "max_length": None}
 
 
@@ -264,6 +268,7 @@ def postprocess(output: SummaryOutput, batch, *, context: TaskContext, num_sente
         return _rerun_centroid(head, context, texts, documents, options)
     per_doc_scores: list[Tensor] = []
     per_doc_embeddings: list[Tensor | None] = []
+    lam = mmr_lambda if mmr_lambda is not None else CENTROID_MMR_LAMBDA if used == "centroid" else 1.0
     if used in ("supervised", "hybrid"):
         per_doc_scores = [torch.zeros(len(spans)) for spans in documents]
         per_doc_embeddings = [None] * len(documents)
@@ -271,14 +276,19 @@ def postprocess(output: SummaryOutput, batch, *, context: TaskContext, num_sente
         for row, row_logits in zip(batch.meta["cls"], logits):
             for (_, _, d, k), logit in zip(row, row_logits):
                 per_doc_scores[d][k] = torch.sigmoid(logit)
-        if used == "hybrid":
-            similarities = _centroid_similarities(context, texts, documents, options)
-            per_doc_scores = [hybrid_weight * p + (1 - hybrid_weight) * c for p, c in zip(per_doc_scores, similarities)]
+        if used == "hybrid" or lam < 1.0:  # the sentences alone: hybrid's similarities, and MMR's redundancy
+            embedded = _sentence_embeddings(context, texts, documents, options)
+            if used == "hybrid":
+                similarities = [centroid_scores(vectors).clamp(min=0.0) for vectors in embedded]
+                per_doc_scores = [hybrid_weight * p + (1 - hybrid_weight) * c
+                                  for p, c in zip(per_doc_scores, similarities)]
+            if lam < 1.0:
+                per_doc_embeddings = embedded
     else:
         embeddings = _mean_pool(output.encoder, batch, layer)  # one row per sentence, documents in order
         per_doc_embeddings = _by_document(embeddings, documents)
         per_doc_scores = [centroid_scores(vectors).clamp(min=0.0) for vectors in per_doc_embeddings]
-    results = [_choose(text, spans, scores, vectors, num_sentences, ratio, min_words, mmr_lambda, used)
+    results = [_choose(text, spans, scores, vectors, num_sentences, ratio, min_words, lam, used)
                for text, spans, scores, vectors in zip(texts, documents, per_doc_scores, per_doc_embeddings)]
     return results[0] if len(results) == 1 else results
 
@@ -292,12 +302,12 @@ def _by_document(rows: Tensor, documents: list[list[tuple[int, int]]]) -> list[T
     return out
 
 
-def _centroid_similarities(context: TaskContext, texts: list[str], documents: list[list[tuple[int, int]]],
-                           options: dict) -> list[Tensor]:
-    """Each document's centroid similarities (clamped at 0), from a pass over each sentence alone."""
+def _sentence_embeddings(context: TaskContext, texts: list[str], documents: list[list[tuple[int, int]]],
+                         options: dict) -> list[Tensor]:
+    """Each document's sentence embeddings (S, H), from a pass over each sentence alone."""
     sub = _sentences_alone(context, texts, documents, options)
     embeddings = _mean_pool(context.encode(sub.model_inputs()), sub, options["layer"])
-    return [centroid_scores(vectors).clamp(min=0.0) for vectors in _by_document(embeddings, sub.meta["spans"])]
+    return _by_document(embeddings, sub.meta["spans"])
 
 
 def _mean_pool(encoded, batch, layer: int) -> Tensor:
@@ -364,8 +374,7 @@ def _choose(text, spans, scores, vectors, num_sentences, ratio, min_words, mmr_l
     candidates = [k for k in range(len(spans)) if k not in dropped_index]
     # The length follows the whole text, headline included (its share of the ratio goes to the body).
     count = min(len(candidates), target_count(len(candidates) + start, num_sentences, ratio))
-    chosen = sorted(mmr_select(scores, vectors, candidates, count,
-                               mmr_lambda if mode == "centroid" else 1.0)) if candidates else []
+    chosen = sorted(mmr_select(scores, vectors, candidates, count, mmr_lambda)) if candidates else []
     result = {
         "summary": " ".join(sentences[k] for k in chosen),
         "selected": chosen,
@@ -374,6 +383,7 @@ def _choose(text, spans, scores, vectors, num_sentences, ratio, min_words, mmr_l
         "dropped": dropped,
         "lead": start,
         "mode": mode,
+        "mmr_lambda": mmr_lambda,  # the one used (1.0: no redundancy penalty)
     }
     if not chosen:
         result["explanation"] = (f"no sentence was long enough: all {len(spans)} are shorter than "
