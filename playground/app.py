@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,7 @@ def build_app(registry: Registry | None = None, *, checkpoints: dict[str, str] |
 
     def serve(predict, predictor: LazyPredictor, name: str, cut_off_hint: str | None = None):
         return guarded(on_gpu(predict, predictor, timeout_s), name, registry, timeout_s, in_flight, stuck,
-                       cut_off_hint=cut_off_hint)
+                       cut_off_hint=cut_off_hint, model_of=lambda: predictor.checkpoint)
 
     @contextlib.contextmanager
     def loading():
@@ -994,23 +995,30 @@ class TorchSettings:
 class StuckTasks:
     """Tasks with a request that still runs after it was cut off and cancelled for STUCK_AFTER_S (a loop
     that catches BaseException, a native call that never returns: Python cannot kill a thread). Such a
-    task answers no more requests until that thread ends, so visitors cannot pile up spinning threads
-    that slow everyone; the failure is recorded for the Plugins tab."""
+    task answers no more requests with that model (a visitor's pick: its files may be the cause) until that
+    thread ends, and none at all while MAX_PER_TASK are stuck, so visitors cannot pile up spinning threads
+    that slow everyone; the failure is recorded for the Plugins tab. (Keyed by the task alone, one visitor's
+    pick turned the task off for every visitor.)"""
+
+    MAX_PER_TASK = 2
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-        self._threads: dict[str, int] = {}
+        self._threads: dict[tuple[str, str | None], int] = {}
         self._lock = threading.Lock()
 
-    def holds(self, task: str) -> bool:
+    def holds(self, task: str, model: str | None = None) -> bool:
         with self._lock:
-            return self._threads.get(task, 0) > 0
+            return self._threads.get((task, model), 0) > 0 or \
+                sum(n for (name, _), n in self._threads.items() if name == task) >= self.MAX_PER_TASK
 
-    def callbacks(self, task: str) -> dict[str, Any]:
-        """call_with_timeout's on_stuck and on_stopped for one request of `task`."""
+    def callbacks(self, task: str, model: str | None = None) -> dict[str, Any]:
+        """call_with_timeout's on_stuck and on_stopped for one request of `task` with `model` (None: its default)."""
+        key = (task, model)
+
         def on_stuck() -> None:
             with self._lock:
-                self._threads[task] = self._threads.get(task, 0) + 1
+                self._threads[key] = self._threads.get(key, 0) + 1
             self.registry.record_request_failure(
                 task, f"a request still ran {STUCK_AFTER_S:g} s after it was cut off (a loop that catches "
                 "BaseException, or a call that never returns); the task takes no requests until it ends",
@@ -1018,7 +1026,10 @@ class StuckTasks:
 
         def on_stopped() -> None:
             with self._lock:
-                self._threads[task] = max(0, self._threads.get(task, 0) - 1)
+                if self._threads.get(key, 0) > 1:
+                    self._threads[key] -= 1
+                else:
+                    self._threads.pop(key, None)
 
         return {"on_stuck": on_stuck, "on_stopped": on_stopped}
 
@@ -1029,7 +1040,8 @@ EXPLAIN_CUT_OFF = ("an explanation runs a forward and a backward pass per step: 
 
 
 def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_flight: InFlight | None = None,
-            stuck: StuckTasks | None = None, cut_off_hint: str | None = None):
+            stuck: StuckTasks | None = None, cut_off_hint: str | None = None,
+            model_of: Callable[[], str | None] | None = None):
     """`predict` with a time limit (cut off and cancelled, see bert_engine.runtime.cancel), and a task's own
     failures turned into a clear message in the UI (recorded for the Plugins tab) instead of a stack
     trace; bad input stays the task's InputError. Contains every BaseException a task can raise
@@ -1049,13 +1061,22 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
             torch_settings.restore(task, registry)
 
     def call(*args, **kwargs):
-        if stuck.holds(task):
+        visitor, group = current_visitor(), current_group()
+        model = None
+        if model_of is not None:
+            with visitor_scope(visitor, group), contextlib.suppress(Exception):  # the visitor's pick in this task
+                model = model_of()
+        if stuck.holds(task, model):
             registered = registry.tasks.get(task)
+            plugin = registered.plugin if registered else task
+            if model is not None and not stuck.holds(task, None):  # that model alone: another may be picked
+                raise shown_error(gr, public_message(
+                    f"{task} with the model you picked is off for now: one of its requests still runs after it was "
+                    f"cut off (a bug in plugin {plugin}, or in that model's files); pick another model, or try again "
+                    "later. Other models and tasks are not affected."))
             raise shown_error(gr, public_message(
                 f"{task} is off for now: one of its requests still runs after it was cut off; this is a bug in "
-                f"plugin {registered.plugin if registered else task}, not in your input. Other tasks are not "
-                "affected."))
-        visitor, group = current_visitor(), current_group()
+                f"plugin {plugin}, not in your input. Other tasks are not affected."))
         waited = Waited()
         token = WAITED.set(waited)  # the request's thread adds its time at the compute gate
         try:
@@ -1064,7 +1085,7 @@ def guarded(predict, task: str, registry: Registry, timeout_s: float | None, in_
                     visitor_scope(visitor, group), \
                     download_deadline(timeout_s):  # its share of the gate (fairness.py); a model it loads, in time
                 return call_with_timeout(predict_and_put_back, timeout_s, *args, what=f"task {task!r}",
-                                         **stuck.callbacks(task),
+                                         **stuck.callbacks(task, model),
                                          **kwargs)
         except (InputError, gr.Error):
             raise

@@ -334,6 +334,61 @@ def test_a_request_that_will_not_stop_takes_its_task_off_until_it_ends(monkeypat
         pytest.fail("the task stayed off after its stuck request ended")
 
 
+def test_a_request_stuck_with_a_picked_model_turns_off_that_model_not_the_task(monkeypatch):
+    """Keyed by the task alone, one visitor's request stuck with the model they picked (its files the likely cause)
+    turned the task off for every visitor until it ended (session 57's list): now that model alone is off, and the
+    whole task only once StuckTasks.MAX_PER_TASK requests are stuck (picking model after model piles up no more)."""
+    from bert_engine.runtime import cancel
+    from playground.app import StuckTasks
+
+    monkeypatch.setattr(cancel, "STUCK_AFTER_S", 0.5)
+    monkeypatch.setattr(cancel, "WATCH_STUCK_EVERY_S", 0.1)
+    RELEASE.clear()
+    spin = _postprocess("spin-catch-all")
+
+    class Plugin:
+        @hookimpl
+        def register_tasks(self, register):
+            register(TaskSpec(name="hostile", title="Hostile", build_head=lambda c: torch.nn.Identity(),
+                              preprocess=lambda i, t, **o: t(i["text"]),
+                              postprocess=lambda o, b, **k: spin(o, b, **k) if picked["model"] else {"ok": True}))
+
+    picked = {"model": None}
+    registry = Registry()
+    assert registry.load_plugin("hostile-plugin", "0.1", "test", lambda: Plugin())
+    predictor = tiny_predictor(registry.task("hostile"))
+    stuck = StuckTasks(registry)
+    call = guarded(predictor.predict, "hostile", registry, 0.3, stuck=stuck, model_of=lambda: picked["model"])
+
+    def stuck_threads(count):
+        deadline = time.monotonic() + 10
+        while sum("still ran" in f.message for f in registry.failures) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    try:
+        picked["model"] = "owner/odd-model"
+        with pytest.raises(gr.Error, match="cut off"):
+            call({"text": "hello"})
+        stuck_threads(1)
+        with pytest.raises(gr.Error, match="hostile with the model you picked is off for now: .* pick another model"):
+            call({"text": "hello"})
+        picked["model"] = None
+        assert call({"text": "hello"})["result"] == {"ok": True}  # everyone else's model still answers
+        picked["model"] = "owner/another-odd-model"
+        with pytest.raises(gr.Error, match="cut off"):
+            call({"text": "hello"})
+        stuck_threads(2)
+        picked["model"] = None  # two stuck: the task is off for every model
+        with pytest.raises(gr.Error, match="hostile is off for now: one of its requests still runs"):
+            call({"text": "hello"})
+    finally:
+        RELEASE.set()
+    deadline = time.monotonic() + 5
+    while stuck.holds("hostile", None) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not stuck.holds("hostile", None) and not stuck.holds("hostile", "owner/odd-model")
+
+
 def test_memory_of_a_failed_request_is_released():
     FREED.clear()
     _, _, call = _serve("memory", timeout_s=60.0)  # not a time-limit test: 200 MB may take over 1 s on a busy machine
