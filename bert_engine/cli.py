@@ -322,8 +322,9 @@ def _predict_task(args: argparse.Namespace, task) -> dict:
             raise ValueError(f"--input-file {item!r}: expected FIELD=PATH with FIELD one of {', '.join(fields)}")
         if field in inputs:
             raise ValueError(f"--input-file {field}= gives a field already given; give each field once")
-        if file == "-" and args.file == "-":
-            raise ValueError("--input-file and --file cannot both read standard input; give one of them a file")
+        if file == "-" and (args.file == "-" or sum(i.partition("=")[2] == "-" for i in args.input_file) > 1):
+            raise ValueError("standard input can be read once: give one --input-file (or --file) as -, the others "
+                             "as files")
         inputs[field] = _file_text(file)
     options = _parse_options(args.option)
     if args.output == "-":  # as --file -: standard output, where the answers go anyway

@@ -92,7 +92,8 @@ SETTINGS = {s.name: s for s in (
             "over all its sessions (0: no cap); its sessions also share one share of the compute gate"),
     Setting("BERT_ENGINE_MODEL_LOADS_PER_MINUTE", "int", 12, "use", "models one address may have the app load in "
             "a minute (a model picked or compared that is not in memory: seconds of CPU each, beside the compute "
-            "gate); more are refused until the minute has passed (0: no limit)"),
+            "gate); more are refused until the minute has passed (a reload of a model it picked before, pushed out by others' "
+            "picks, is counted but never refused; 0: no limit)"),
     Setting("BERT_ENGINE_MAX_DOWNLOAD_MB", "int", 2048, "use", "the most one Hub checkpoint may download, all its "
             "files together, checked from the sizes the Hub declares before each file is fetched (the weights only "
             "after config.json describes a model they fit)", least=1),

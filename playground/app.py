@@ -43,7 +43,7 @@ from bert_engine.runtime.cancel import (
 )
 from bert_engine.runtime.explain import DEFAULT_STEPS, MAX_STEPS, checked_method
 from bert_engine.runtime.explain import explain as explain_prediction
-from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, visitor_scope
+from bert_engine.runtime.fairness import WAITED, InFlight, TooManyRequests, Waited, one_call, visitor_scope
 from bert_engine.runtime.inference import check_json_result, json_problem, threads_held
 from bert_engine.runtime.precision import NAMES as PRECISIONS
 from bert_engine.runtime.precision import PrecisionError, check_kernel_setting, device_for
@@ -189,13 +189,7 @@ def _build_tabs(gr, app, registry, predictors, statuses, endpoints, wiring, mode
     # failures since start-up show on opening; not an API endpoint (/plugins is)
     plugins_tab.select(lambda: plugin_rows(registry), None, table, api_visibility="private")
     with gr.Tab("Attention", id="attention") as attention_tab:
-        ranges, range_inputs, range_outputs = _build_attention_tab(gr, registry, predictors, loading)
-
-    def last_task():  # the tab opens on the task the visitor last ran (it stayed on the first: "no input yet")
-        name = LAST_TASKS.get(current_visitor())
-        return gr.update(value=name) if name in predictors else gr.skip()
-
-    attention_tab.select(with_request(gr, last_task), None, range_inputs[0], api_visibility="private")
+        ranges, range_inputs, range_outputs = _build_attention_tab(gr, registry, predictors, loading, attention_tab)
     # each visitor's own model line, once the page opens (the warm-up may have loaded the defaults)
     app.load(with_request(gr, lambda: model_lines(predictors, statuses)), None, list(statuses.values()),
              api_visibility="private")
@@ -211,7 +205,7 @@ class LastTasks:
         self._lock = threading.Lock()
 
     def note(self, visitor: str | None, task: str) -> None:
-        if visitor is None:
+        if visitor is None or one_call(visitor):
             return
         with self._lock:
             self._tasks[visitor] = task
@@ -282,7 +276,7 @@ class ServedPredictor(BatchingPredictor):
             _count(self._waiting, visitor, +1)
         try:
             pause = threading.Event()  # never set: wait_or_gone's steps, ended early only by the sender leaving
-            while (not visitor.startswith(("mcp", "call:")) and earlier_requests_unfinished(request)
+            while (not visitor.startswith("mcp") and not one_call(visitor) and earlier_requests_unfinished(request)
                    and deadline - time.monotonic() > 0):
                 wait_or_gone(pause, 0.05)
             with self._answered:
@@ -548,6 +542,7 @@ class UnknownEndpoint:
             await send({"type": "http.response.body", "body": body})
 
     _EMPTY_SESSION = re.compile(rb'"session_hash"\s*:\s*""')
+    PARSED_BODY_BYTES = 1_000_000
 
     async def _refuse_empty_session(self, scope: dict, receive: Any, send: Any):
         """A queue join whose session_hash is "": Gradio took it, then failed in its queue (a KeyError of the event's
@@ -564,9 +559,12 @@ class UnknownEndpoint:
                 break
         body = b"".join(chunks)
         empty = False
-        if self._EMPTY_SESSION.search(body):  # (bare quotes: a key, never inside a JSON string)
+        # parsed whole when small (a key spelt with escapes, "session_h\u0061sh", reads the same), else where the
+        # key is written plainly (bare quotes: a key, never inside a JSON string)
+        if len(body) <= self.PARSED_BODY_BYTES or self._EMPTY_SESSION.search(body):
             with contextlib.suppress(ValueError, RecursionError):
-                empty = json.loads(body).get("session_hash") == ""
+                parsed = json.loads(body)
+                empty = isinstance(parsed, dict) and parsed.get("session_hash") == ""
         if empty:
             logger.info("a queue join with an empty session_hash: refused")
             answer = json.dumps({"detail": "session_hash is empty: give the id of your session (any non-empty text "
@@ -1379,7 +1377,7 @@ def _build_model_picker(gr, name: str, predictor: LazyPredictor, model_dirs: lis
     def switch(model: str | None) -> str:
         value = (model or "").strip()
         try:
-            if (current_visitor() or "").startswith(("call:", "mcp-call:")):  # its choice would last this call alone
+            if one_call(current_visitor()):  # its choice would last this call alone
                 raise InputError("choosing a model needs a session (a browser tab, or gradio_client's Client), which "
                                  "keeps the choice for its later requests; this call has none")
             checkpoint = check_model_choice(value, model_dirs, find_checkpoints(model_dirs, name))
@@ -1764,7 +1762,8 @@ def attention_ranges(predictor: LazyPredictor) -> tuple[int, int]:
     return int(config.num_hidden_layers), int(config.num_attention_heads)
 
 
-def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredictor], loading=contextlib.nullcontext):
+def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredictor], loading=contextlib.nullcontext,
+                         tab: Any = None):
     """The last input of a task tab (the visitor's own): one head as a heatmap, the layer's heads as a
     grid, and each token's strongest links as text. The sliders span the model's real layers and heads.
     Each drawing runs inside `loading()` (build_app's: the visitor's in-flight place, as a task's request).
@@ -1862,6 +1861,17 @@ def _build_attention_tab(gr, registry: Registry, predictors: dict[str, LazyPredi
     task.change(lambda: ("", None, None, ""), None, [caption, heatmap, grid, links], api_visibility="private").then(
         served_ranges, [task, layer, head], [layer, head], api_visibility="private").then(
         served_redraw, [task, layer, head, average, start], [caption, heatmap, grid, links], api_visibility="private")
+    if tab is not None:
+        def opened(layer_index: Any = 0, head_index: Any = 0, mean: bool = False, from_token: Any = 0):
+            """Opening the tab draws the visitor's last input of the task they last ran (it stayed on its first task,
+            "no input yet"; and a new input of the task shown was not drawn until a click)."""
+            name = LAST_TASKS.get(current_visitor())
+            if name not in predictors:
+                return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return gr.update(value=name), *redraw(name, layer_index, head_index, mean, from_token)
+
+        tab.select(with_request(gr, opened), [layer, head, average, start], [task, caption, heatmap, grid, links],
+                   api_visibility="private")
     # "your last input" means a browser session's: not documented, and not an MCP tool (MCP calls share a session)
     show.click(with_request(gr, render), [task, layer, head, average, start], [caption, heatmap, grid, links],
                api_name="attention", api_visibility="undocumented")

@@ -279,6 +279,15 @@ def test_the_attention_tab_opens_on_the_task_last_run(browser_page):
     panel = _open(browser_page, "Attention")
     panel.get_by_text("Named entities, your last input").first.wait_for(timeout=30_000)
     assert panel.locator(".attention-image img").count() >= 1
+    import re
+
+    # the task shown already, run again with another input: drawn anew on opening (it kept the old picture)
+    panel = _open(browser_page, "Named entities")
+    panel.locator("textarea").first.fill("Angela Merkel visited the city of Paris in France last spring.")
+    panel.get_by_role("button", name="Find entities").click()
+    panel.get_by_text("last spring").first.wait_for(timeout=60_000)
+    panel = _open(browser_page, "Attention")
+    panel.get_by_text(re.compile(r"Named entities, your last input: .* 1[3-9] tokens")).first.wait_for(timeout=30_000)
 
 
 def test_a_failed_run_keeps_the_last_result_visible(browser_page):

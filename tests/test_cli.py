@@ -750,10 +750,16 @@ def test_a_progress_bar_in_a_log_file_is_a_line_now_and_then_and_redrawn_on_a_te
     from bert_engine.progress import FILE_INTERVAL_S, progress_bar
 
     with open(tmp_path / "train.log", "w", encoding="utf-8") as log:
-        for _ in progress_bar(range(40), file=log, desc="train"):
+        bar = progress_bar(total=40, file=log, desc="train")
+        for step in range(40):
             time.sleep(0.03)  # 1.2 s of work: twelve redraws at tqdm's own 0.1 s
+            bar.update(1)
+            if step % 2 == 0:
+                bar.set_postfix(loss=1.0 / (step + 1))  # (the training loop's: each was a redraw of its own)
+        bar.close()
     written = (tmp_path / "train.log").read_text(encoding="utf-8")
-    assert written.count("\r") <= 2 and "40/40" in written, written  # the start and the end
+    lines = written.splitlines()
+    assert "\r" not in written and len(lines) <= 3 and "40/40" in lines[-1], written  # the start and the end, lines
     leader, follower = os.openpty()
     with os.fdopen(follower, "w") as terminal:
         bar = progress_bar(range(3), file=terminal)
@@ -786,6 +792,8 @@ def test_input_file_gives_a_field_the_text_of_a_file(tmp_path, capsys, monkeypat
         assert message in err and len(err.strip().splitlines()) == 1, (given, err)
     assert main(["predict", "sentiment", "-i", "text=hi", "--input-file", f"text={article}"]) == 2
     assert "gives a field already given" in capsys.readouterr().err
+    assert main(["predict", "qa", "--input-file", "question=-", "--input-file", "context=-"]) == 2  # (it said "the
+    assert "standard input can be read once" in capsys.readouterr().err                            # context is empty")
 
 
 def test_eval_on_a_file_without_the_split_says_split_all_reads_it(capsys):

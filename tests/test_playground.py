@@ -1716,6 +1716,11 @@ def test_a_call_without_a_session_is_a_visitor_of_its_own(served):
     assert status == 200, body
     status, body = _run(url, "attention", ["sentiment", 0, 0, False, 0])  # another caller: nothing of the first's
     assert "zebra" not in json.dumps(body) and status >= 400, (status, body)
+    assert "a call without a session has no last input" in json.dumps(body)  # (not "run a prediction there first")
+    # nothing is kept for a call of its own: 270 of them pushed a session's last input out (session 58's re-audit)
+    assert app.predictors["sentiment"]._last and not any(str(who).startswith("call:")
+                                                          for who in [*app.predictors["sentiment"]._last,
+                                                                      *app.predictors["sentiment"]._asked])
     assert model_of_visitor() == model
 
     class Bare:  # a request as Gradio makes it for a direct call: no session
@@ -1792,6 +1797,15 @@ def test_a_call_to_an_endpoint_the_app_does_not_have_is_a_404_naming_it(served, 
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=30)
         assert refused.value.code == 400 and "session_hash is empty" in json.load(refused.value)["detail"]
+        # the key spelt with an escape reads the same; a body that is no object is Gradio's to refuse (it was a 500
+        # with a traceback from this check: session 58's re-audit)
+        for body, code in (('{"data": [], "fn_index": ' + str(fn_index) + ', "session_h\\u0061sh": ""}', 400),
+                           ('[{"session_hash": ""}]', 422)):
+            request = urllib.request.Request(f"{url}gradio_api/queue/join", body.encode(),
+                                             {"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == code, (body, refused.value.code)
     assert not [r for r in caplog.records if r.levelno >= 40 or r.exc_info], [r.getMessage() for r in caplog.records]
     assert sum("an endpoint the app does not have" in r.getMessage() for r in caplog.records) == 4
     assert sum("an event the app does not have" in r.getMessage() for r in caplog.records) == 1
@@ -1838,6 +1852,8 @@ def test_model_loads_per_address_are_limited_per_minute(monkeypatch):
         budget.charge("x")
         with pytest.raises(TooManyRequests):
             budget.charge("x")
+        budget.charge("x", refuse=False)  # a reload of a model chosen before: counted, never refused
+        assert len(budget._loads["ip:10.0.0.3"]) == 3
         time.sleep(0.25)
         budget.charge("x")  # the window has passed
 

@@ -67,6 +67,15 @@ VISITOR: ContextVar[str | None] = ContextVar("bert_engine_visitor", default=None
 # Where the visitor connects from (the client's address): sessions opened from one address share one
 # share of the gate and one in-flight cap, so opening a new session per request multiplies nothing.
 GROUP: ContextVar[str | None] = ContextVar("bert_engine_visitor_group", default=None)
+# A visitor for one call only (a request with no session: a direct HTTP call, a relayed MCP call): nothing is kept
+# for it after the call (a last input, a model choice), since no later request of its can read it, and keeping it
+# would push out the sessions' own (session 58's re-audit: 270 such calls evicted a visitor's last input).
+ONE_CALL_PREFIXES = ("call:", "mcp-call:")
+
+
+def one_call(visitor: str | None) -> bool:
+    """Whether `visitor` stands for one call only (ONE_CALL_PREFIXES)."""
+    return isinstance(visitor, str) and visitor.startswith(ONE_CALL_PREFIXES)
 
 
 class Waited:

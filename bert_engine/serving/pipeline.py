@@ -227,8 +227,7 @@ NOT_TAKEN = {
     "feature_extractor": "the tasks read text only",
     "image_processor": "the tasks read text only",
     "token": "a Hub token is read from the environment (HF_TOKEN) or `hf auth login`",
-    "padding": "rows are padded as the engine batches them, and no padding changes an answer: give True, False, "
-               "'longest', 'max_length' or 'do_not_pad', or leave it out",
+    "padding": "rows are padded as the engine batches them, and no padding changes an answer: leave it out",
 }
 
 
@@ -268,6 +267,9 @@ def translated(spec, options: Mapping[str, Any], called_as: str | None = None) -
                if not (name in AS_THE_ENGINE_DOES and name not in arguments and name not in spec.options
                        and AS_THE_ENGINE_DOES[name](value))}
     for name in options:
+        if name == "padding" and name not in arguments and name not in spec.options:  # (taken, with those values)
+            raise InputError(f"{spec.name}: padding= takes True, False, 'longest', 'max_length' or 'do_not_pad', got "
+                             f"{options[name]!r:.80}; {NOT_TAKEN[name].split(':')[0]}")
         if name in NOT_TAKEN and name not in arguments and name not in spec.options:
             raise InputError(f"{spec.name}: {name}= is an argument of transformers' pipelines that bert_engine does "
                              f"not take: {NOT_TAKEN[name]}")

@@ -21,7 +21,7 @@ from ..checkpoints.hub import HubError
 from ..checkpoints.loading import CheckpointError
 from ..hookspecs import InputError
 from ..runtime.cancel import PredictionTimeout
-from ..runtime.fairness import GATE, GROUP, VISITOR, TooManyRequests, visitor_scope
+from ..runtime.fairness import GATE, GROUP, VISITOR, TooManyRequests, one_call, visitor_scope
 from ..runtime.inference import LastInput, Predictor, can_batch, predict_in_batches
 from ..tasks.registry import RegisteredTask
 
@@ -42,8 +42,10 @@ class LoadBudget:
         self._loads: dict[str, deque[float]] = {}
         self._lock = threading.Lock()
 
-    def charge(self, what: str) -> None:
-        """Count one load of `what` for the current address, or raise TooManyRequests (nothing counted)."""
+    def charge(self, what: str, *, refuse: bool = True) -> None:
+        """Count one load of `what` for the current address, or raise TooManyRequests (nothing counted) where it is
+        over the limit and `refuse` (a reload of a model a visitor chose before, pushed out of memory by others'
+        picks, is counted but never refused: the visitor asked for nothing new)."""
         group, limit = GROUP.get(), settings.get("BERT_ENGINE_MODEL_LOADS_PER_MINUTE")
         if group is None or limit <= 0:
             return
@@ -52,7 +54,7 @@ class LoadBudget:
             times = self._loads.setdefault(group, deque())
             while times and now - times[0] >= self.WINDOW_S:
                 times.popleft()
-            if len(times) >= limit:
+            if len(times) >= limit and refuse:
                 wait = self.WINDOW_S - (now - times[0])
                 raise TooManyRequests(
                     f"{len(times)} models not in memory were loaded for your address in the last minute, the most it "
@@ -125,7 +127,7 @@ class LazyPredictor:
                 self.default, self._predictor = checkpoint, predictor
                 self._models.pop(checkpoint, None)
             return predictor
-        predictor = self._model(checkpoint)  # loads first: a failure leaves the choice as it was
+        predictor = self._model(checkpoint, choosing=True)  # loads first: a failure leaves the choice as it was
         with self._lock:
             if checkpoint == self.default:
                 self._choices.pop(visitor, None)
@@ -136,9 +138,9 @@ class LazyPredictor:
                     self._choices.popitem(last=False)
         return predictor
 
-    def _load(self, checkpoint: str | None) -> Predictor:
+    def _load(self, checkpoint: str | None, choosing: bool = False) -> Predictor:
         if checkpoint != self.default:  # (the default, once loaded, stays: no visitor can make it load again)
-            LOADS.charge(self.shown_name(checkpoint) if checkpoint else "the default model")
+            LOADS.charge(self.shown_name(checkpoint) if checkpoint else "the default model", refuse=choosing)
         logger.info("loading the model of task %s%s", self.task.spec.name,
                     f" ({self.shown_name(checkpoint)})" if checkpoint else "")
         predictor = Predictor.load(self.task, checkpoint, **self.load_kwargs)
@@ -154,7 +156,7 @@ class LazyPredictor:
             self._models.move_to_end(checkpoint)
         return self._models.get(checkpoint)
 
-    def _model(self, checkpoint: str | None) -> Predictor:
+    def _model(self, checkpoint: str | None, choosing: bool = False) -> Predictor:
         """The model of `checkpoint`, loading it once however many ask at the same time; a load holds
         only that checkpoint's lock, so visitors of other models are not kept waiting."""
         with self._lock:
@@ -168,7 +170,7 @@ class LazyPredictor:
                 if found is not None:
                     return found
             try:
-                predictor = self._load(checkpoint)
+                predictor = self._load(checkpoint, choosing)
             finally:
                 with self._lock:
                     self._loading.pop(checkpoint, None)  # also after a failure: names tried stay bounded
@@ -199,6 +201,8 @@ class LazyPredictor:
         current VISITOR, read when the batch is answered)."""
         def remember(batch, row: int, *_item: int) -> None:
             who = VISITOR.get() if visitor is ... else visitor
+            if one_call(who):  # nobody can read it later, and it would push out a session's
+                return
             with self._lock:
                 self._last[who] = (predictor, LastInput.of(batch, row, predictor.tokenizer))
                 self._last.move_to_end(who)
@@ -212,6 +216,9 @@ class LazyPredictor:
         with self._lock:
             found = self._last.get(VISITOR.get())
         if found is None:
+            if one_call(VISITOR.get()):
+                raise InputError("a call without a session has no last input: a browser tab or gradio_client's "
+                                 "Client keeps one per session")
             raise InputError(f"no input yet in the {self.task.spec.title} tab: run a prediction there first")
         predictor, last = found
         return predictor.attention(last)
@@ -223,6 +230,8 @@ class LazyPredictor:
         for the views that re-run it ("why this answer", "compare"); one per visitor, the latest 256."""
         size = sum(len(v) for v in inputs.values() if isinstance(v, str))
         kept = (dict(inputs), dict(options)) if size <= self.MAX_REMEMBERED_CHARS else None
+        if one_call(VISITOR.get()):  # (as remembering)
+            return
         with self._lock:
             who = VISITOR.get()
             self._asked[who] = kept
