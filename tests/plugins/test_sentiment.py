@@ -94,7 +94,7 @@ def test_classify_many_keeps_order_and_equals_single_predictions(task, checkpoin
     singles = [predictor.predict({"text": t})["result"] for t in texts]
     for a, b in zip(many, singles):
         assert a["label"] == b["label"] and a["score"] == pytest.approx(b["score"], abs=1e-5)
-    with pytest.raises(InputError, match=r"positions \[1\]"):
+    with pytest.raises(InputError, match=r"inputs\[1\]: the text is empty"):
         classify_many(predictor, ["fine", "  "])
 
 
