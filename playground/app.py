@@ -11,6 +11,7 @@ import contextlib
 import functools
 import html
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -219,6 +220,10 @@ class LastTasks:
 
 
 LAST_TASKS = LastTasks()
+# The order a task's requests came in, across the app: "why" and "compare" explain a visitor's request sent last,
+# whichever answer finished last (ServedPredictor.remember_request)
+_SENT_ORDER = itertools.count()
+SENT: ContextVar[int | None] = ContextVar("playground_sent", default=None)
 
 
 class ServedPredictor(BatchingPredictor):
@@ -239,9 +244,10 @@ class ServedPredictor(BatchingPredictor):
         self._compared = serve(self._compare, self, task.spec.name)
 
     def _answer(self, inputs, **options: Any) -> dict[str, Any]:
+        sent = SENT.get()
         output = super().predict(inputs, **options)
         check_json_result(self.task.spec.name, output["result"])  # the API answers JSON: a task's NaN, set or
-        self.remember_request(inputs, options)                     # array is its failure, not a string
+        self.remember_request(inputs, options, sent)               # array is its failure, not a string
         LAST_TASKS.note(current_visitor(), self.task.spec.name)
         return output
 
@@ -249,9 +255,11 @@ class ServedPredictor(BatchingPredictor):
         visitor = current_visitor()  # from the moment its handler asks: waiting for an in-flight place included
         with self._answered:
             _count(self._answering, visitor, +1)
+        token = SENT.set(next(_SENT_ORDER))  # (itertools.count: atomic under the GIL)
         try:
             return self._served(inputs, **options)
         finally:
+            SENT.reset(token)
             with self._answered:
                 _count(self._answering, visitor, -1)
                 self._answered.notify_all()

@@ -1870,3 +1870,21 @@ def test_a_model_folder_setting_that_names_no_folder_is_said_at_start(tmp_path, 
     assert model_dir_problems() == [
         f"BERT_ENGINE_MODEL_DIRS names {str(tmp_path / 'nope')!r}, which does not exist: no model there is listed or "
         "loaded", f"BERT_ENGINE_MODEL_DIRS names {str(afile)!r}, which is not a folder: no model there is listed or loaded"]
+
+
+def test_why_reads_the_request_sent_last_not_the_one_that_finished_last():
+    """Two requests of one visitor in flight, the earlier one finishing later (a CI run under load: "why" explained
+    the earlier text): the views keep the request sent last."""
+    from bert_engine.runtime.fairness import visitor_scope
+    from bert_engine.serving.predictors import LazyPredictor
+
+    task = load_registry(entry_points=False).task("sentiment")
+    lazy = LazyPredictor(task, "plugins/starter/sentiment")
+    with visitor_scope("visitor a"):
+        lazy.remember_request({"text": "sent second"}, {}, sent=8)
+        lazy.remember_request({"text": "sent first, finished last"}, {}, sent=7)
+        assert lazy.last_request()[0] == {"text": "sent second"}
+        lazy.remember_request({"text": "sent third"}, {}, sent=9)
+        assert lazy.last_request()[0] == {"text": "sent third"}
+        lazy.remember_request({"text": "no order known"}, {})  # (outside the app: the last kept, as before)
+        assert lazy.last_request()[0] == {"text": "no order known"}

@@ -102,6 +102,7 @@ class LazyPredictor:
         self._loading: dict[str | None, threading.Lock] = {}  # a lock per checkpoint being loaded
         self._last: OrderedDict[str | None, tuple[Predictor, LastInput]] = OrderedDict()  # visitor -> last input
         self._asked: OrderedDict[str | None, tuple[dict[str, Any], dict[str, Any]] | None] = OrderedDict()
+        self._asked_sent: dict[str | None, int] = {}  # visitor -> when their kept request was sent (remember_request)
         self._lock = threading.Lock()  # guards the dictionaries above; never held while loading
 
     @property
@@ -225,15 +226,23 @@ class LazyPredictor:
 
     MAX_REMEMBERED_CHARS = 100_000  # a longer request is not kept for "why" and "compare" (they say so)
 
-    def remember_request(self, inputs: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+    def remember_request(self, inputs: Mapping[str, Any], options: Mapping[str, Any], sent: int | None = None) -> None:
         """Keep the current visitor's last answered request (inputs and the options they gave) in this task,
-        for the views that re-run it ("why this answer", "compare"); one per visitor, the latest 256."""
+        for the views that re-run it ("why this answer", "compare"); one per visitor, the latest 256. With
+        `sent` (the order requests were sent in), an answer that comes after a later-sent one's is not kept over it:
+        the views explain the request sent last, not the one that happened to finish last."""
         size = sum(len(v) for v in inputs.values() if isinstance(v, str))
         kept = (dict(inputs), dict(options)) if size <= self.MAX_REMEMBERED_CHARS else None
         if one_call(VISITOR.get()):  # (as remembering)
             return
         with self._lock:
             who = VISITOR.get()
+            if sent is not None:
+                if sent < self._asked_sent.get(who, -1):
+                    return
+                self._asked_sent[who] = sent
+                while len(self._asked_sent) > self.MAX_REMEMBERED:
+                    self._asked_sent.pop(next(iter(self._asked_sent)))
             self._asked[who] = kept
             self._asked.move_to_end(who)
             while len(self._asked) > self.MAX_REMEMBERED:
