@@ -50,6 +50,7 @@ from bert_engine.runtime.precision import NAMES as PRECISIONS
 from bert_engine.runtime.precision import PrecisionError, check_kernel_setting, device_for
 from bert_engine.runtime.precision import resolve as resolve_precision
 from bert_engine.serving import memory
+from bert_engine.serving.pipeline import DTYPES
 from bert_engine.serving.predictors import BatchingPredictor, LazyPredictor, ModelShelf
 from bert_engine.tasks.registry import (
     HOST_ENDPOINTS,
@@ -337,8 +338,6 @@ class ServedPredictor(BatchingPredictor):
         return {"task": self.task.spec.name, "a": sides[0], "b": sides[1], "agree": not disagree,
                 "disagreements": disagree, "score_differences": scores}, inputs
 
-    SERVED_PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
     def _serves(self, choice: tuple[str | None, str]) -> bool:
         """Whether (checkpoint, precision) is the model this visitor is served, loaded: compared as it is, not as
         a second copy on the shelf (an API compare names both sides; each call loaded the default again)."""
@@ -347,7 +346,7 @@ class ServedPredictor(BatchingPredictor):
             return False
         served = self.get()
         dtype = str(next(served.model.parameters()).dtype).removeprefix("torch.")
-        return (served.precision or self.SERVED_PRECISIONS.get(dtype)) == precision
+        return (served.precision or DTYPES.get(dtype)) == precision  # (pipeline's names for torch's dtypes)
 
 
 def _count(counts: dict, key: Any, step: int) -> None:

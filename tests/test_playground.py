@@ -1742,32 +1742,38 @@ def test_a_call_without_a_session_is_a_visitor_of_its_own(served):
 
 def test_drawing_attention_takes_an_in_flight_place(registry, monkeypatch):
     """/attention ran a forward pass and drew two pictures outside every cap: one session ran 58 of 60 calls at once
-    where its requests are capped at 2 (session 58's audit). A drawing is admitted as a task's request is."""
-    import playground.app as playground_app
-    from bert_engine.runtime.fairness import InFlight, TooManyRequests
+    where its requests are capped at 2 (session 58's audit). A drawing is admitted as a task's request is: with the
+    session's one place held by its own request still running, the drawing is refused by the real cap."""
+    from bert_engine.serving.predictors import BatchingPredictor
 
-    admitted = []
-    plain = InFlight.admit
+    monkeypatch.setenv("BERT_ENGINE_MAX_IN_FLIGHT", "1")
+    monkeypatch.setenv("BERT_ENGINE_MAX_WAITING", "0")
+    running, release = threading.Event(), threading.Event()
+    plain = BatchingPredictor.predict
 
-    def counted(self, visitor, group=None, wait_s=0.0):
-        admitted.append(visitor)
-        return plain(self, visitor, group, wait_s)
+    def held(self, inputs, **options):  # the workload, not the cap: a request of the session that takes its time
+        if "hold" in inputs.get("text", ""):
+            running.set()
+            assert release.wait(60)
+        return plain(self, inputs, **options)
 
-    monkeypatch.setattr(playground_app.InFlight, "admit", counted)
+    monkeypatch.setattr(BatchingPredictor, "predict", held)
     app = build_app(registry)
-    app.queue(default_concurrency_limit=2)
+    app.queue(default_concurrency_limit=4)
     port = _launch(app)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         client.predict("fine", "", "truncate", api_name="/sentiment")
-        before = len(admitted)
         caption = client.predict("sentiment", 0, 0, False, 0, api_name="/attention")[0]
-        assert "your last input" in caption and len(admitted) == before + 1 and admitted[-1]
-        monkeypatch.setattr(playground_app.InFlight, "admit", lambda self, *a, **k: (_ for _ in ()).throw(
-            TooManyRequests("you already have 2 requests running")))
-        with pytest.raises(Exception, match="you already have 2 requests running"):
+        assert "your last input" in caption  # a place free: drawn
+        job = client.submit("hold this one", "", "truncate", api_name="/sentiment")
+        assert running.wait(60)
+        with pytest.raises(Exception, match="you already have 1 request"):
             client.predict("sentiment", 0, 0, False, 0, api_name="/attention")
+        release.set()
+        assert json.loads(job.result(timeout=60))["result"]["label"]
     finally:
+        release.set()
         app.close()
 
 
